@@ -1,0 +1,78 @@
+"""Turning user buffers into numpy arrays that share their memory, with clear errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from aiocollect.errors import UsageError
+from aiocollect.types import dtype_code
+
+Array = np.ndarray[Any, np.dtype[Any]]
+
+
+def as_array(buf: Any, name: str, *, writable: bool) -> Array:
+    """View ``buf`` as a C-contiguous numpy array sharing its memory.
+
+    Accepts numpy arrays, objects with the buffer protocol (bytearray, memoryview,
+    array.array) and CPU torch tensors.
+
+    Raises:
+        UsageError: ``buf`` is not a buffer, is not C-contiguous, is read-only while the
+            collective writes to it, or has an unsupported dtype.
+    """
+    arr: Array
+    if isinstance(buf, np.ndarray):
+        arr = buf
+    elif type(buf).__module__.startswith("torch"):
+        arr = _torch_array(buf, name)
+    else:
+        try:
+            view = memoryview(buf)
+        except TypeError:
+            raise UsageError(
+                f"{name} must be a numpy array or support the buffer protocol, "
+                f"got {type(buf).__name__}"
+            ) from None
+        if not view.c_contiguous:
+            raise UsageError(f"{name} must be C-contiguous")
+        try:
+            arr = np.asarray(view)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"{name}: unsupported buffer format {view.format!r}") from exc
+    if not arr.flags.c_contiguous:
+        raise UsageError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
+    if writable and not arr.flags.writeable:
+        raise UsageError(f"{name} is read-only but the collective writes into it")
+    dtype_code(arr.dtype)
+    return arr
+
+
+def _torch_array(tensor: Any, name: str) -> Array:
+    if tensor.device.type != "cpu":
+        raise UsageError(f"{name} must be a CPU tensor, got device {tensor.device}")
+    if not tensor.is_contiguous():
+        raise UsageError(f"{name} must be a contiguous tensor")
+    if str(tensor.dtype) == "torch.bfloat16":
+        import ml_dtypes
+
+        arr: Array = tensor.detach().view(dtype=_torch_int16(tensor)).numpy()
+        return arr.view(ml_dtypes.bfloat16)
+    out: Array = tensor.detach().numpy()
+    return out
+
+
+def _torch_int16(tensor: Any) -> Any:
+    import torch
+
+    del tensor
+    return torch.int16
+
+
+def byte_view(arr: Array) -> memoryview:
+    """A flat, writable-if-possible byte view of a C-contiguous array."""
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+EMPTY = memoryview(bytearray(0))

@@ -1,0 +1,207 @@
+"""``open_group``: wiring of store, rendezvous, transport and group."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import ssl as ssl_module
+from collections.abc import Generator
+from types import TracebackType
+from typing import Any
+
+from aiocollect import _auth
+from aiocollect._deadline import Deadline
+from aiocollect.engine.fabric import Fabric
+from aiocollect.errors import UsageError
+from aiocollect.group import Group
+from aiocollect.group_core import DEFAULT_CHUNK_BYTES
+from aiocollect.rendezvous.rendezvous import RendezvousConfig, rendezvous
+from aiocollect.store import Store, open_store
+
+TRANSPORTS = ("auto", "tcp", "tls", "memory")
+
+_ENV_RANK = ("AIOCOLLECT_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+_ENV_SIZE = ("AIOCOLLECT_WORLD_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
+             "SLURM_NTASKS")
+
+
+def _env_int(names: tuple[str, ...], what: str) -> int | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                raise UsageError(f"environment variable {name}={value!r} is not an int") from None
+    del what
+    return None
+
+
+def resolve_store(store: Store | str | None) -> Store | str:
+    """The store argument, else AIOCOLLECT_STORE, else torchrun's MASTER_ADDR/PORT."""
+    if store is not None:
+        return store
+    env = os.environ.get("AIOCOLLECT_STORE")
+    if env:
+        return env
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr and port:
+        # torchrun's own TCPStore may already listen on MASTER_PORT; use the next port.
+        return f"tcp://{addr}:{int(port) + 1}"
+    raise UsageError("no store: pass store=, or set AIOCOLLECT_STORE (or MASTER_ADDR and "
+                     "MASTER_PORT)")
+
+
+def _interface_address(ifname: str) -> str:
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                                 struct.pack("256s", ifname.encode()[:15]))
+        except OSError as exc:
+            raise UsageError(f"AIOCOLLECT_IFNAME={ifname}: no IPv4 address ({exc})") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _route_address(target: str) -> str:
+    """The local address the kernel would use to reach ``target`` (no packet is sent)."""
+    family = socket.AF_INET6 if ":" in target else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def listen_host(host: str | None, store: Store | str) -> str:
+    """Where this rank listens: ``host``, else AIOCOLLECT_IFNAME's address, else the
+    address that routes to the store's host, else loopback."""
+    if host:
+        return host
+    ifname = os.environ.get("AIOCOLLECT_IFNAME")
+    if ifname:
+        return _interface_address(ifname)
+    if isinstance(store, str) and store.startswith(("tcp://", "redis://")):
+        netloc = store.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]
+        target = netloc.rsplit(":", 1)[0].strip("[]")
+        if target in ("localhost", "127.0.0.1", "::1", ""):
+            return "127.0.0.1" if target != "::1" else "::1"
+        try:
+            target = socket.gethostbyname(target)
+        except OSError:
+            return "127.0.0.1"
+        return _route_address(target)
+    return "127.0.0.1"
+
+
+async def _open(rank: int | None, world_size: int | None, *, store: Store | str | None,
+                transport: str | None, timeout: float | None, secret: bytes | str | None,
+                host: str | None, ssl: ssl_module.SSLContext | None, name: str,
+                chunk_bytes: int | None) -> Group:
+    if rank is None:
+        rank = _env_int(_ENV_RANK, "rank")
+    if world_size is None:
+        world_size = _env_int(_ENV_SIZE, "world size")
+    if rank is None or world_size is None:
+        raise UsageError("rank and world_size are required (arguments or AIOCOLLECT_RANK / "
+                         "AIOCOLLECT_WORLD_SIZE, RANK / WORLD_SIZE, ...)")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise UsageError(f"world_size must be an int >= 1, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise UsageError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+    transport = transport or os.environ.get("AIOCOLLECT_TRANSPORT") or "auto"
+    if transport not in TRANSPORTS:
+        raise UsageError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if transport == "tls" and ssl is None:
+        raise UsageError("transport='tls' needs ssl= (an ssl.SSLContext)")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise UsageError(f"timeout must be a positive number, got {timeout!r}")
+    chunk = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    if not isinstance(chunk, int) or chunk < 1:
+        raise UsageError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+    if secret is None:
+        secret = os.environ.get("AIOCOLLECT_SECRET") or None
+    key = _auth.as_secret(secret)
+    spec = resolve_store(store)
+    if transport == "auto":
+        transport = "memory" if isinstance(spec, str) and spec.startswith("memory://") else "tcp"
+    deadline = Deadline.after(timeout)
+    store_obj, owned = await open_store(spec, rank=rank, secret=key,
+                                        timeout=300.0 if timeout is None else timeout)
+    fabric = Fabric(rank, world_size, max_frame=chunk)
+    try:
+        cfg = RendezvousConfig(name=name, rank=rank, world_size=world_size, transport=transport,
+                               host=listen_host(host, spec), secret=key, ssl=ssl,
+                               chunk_bytes=chunk, deadline=deadline)
+        endpoint, links = await rendezvous(store_obj, cfg, fabric, max_frame=chunk)
+    except BaseException:
+        if owned:
+            await store_obj.close()
+        raise
+    fabric.links.update(links)
+    group = Group(fabric, 0, list(range(world_size)), timeout=timeout, chunk_bytes=chunk,
+                  name=name)
+    group.store = store_obj
+    group._sync_closers.append(endpoint.close)
+    if owned:
+        group._closers.append(store_obj.close)
+    return group
+
+
+class GroupOpener:
+    """Returned by :func:`open_group`: ``await`` it for a Group, or use it with
+    ``async with`` (closing gracefully on normal exit, aborting on an exception)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._kwargs = kwargs
+        self._group: Group | None = None
+
+    def __await__(self) -> Generator[Any, None, Group]:
+        return _open(**self._kwargs).__await__()
+
+    async def __aenter__(self) -> Group:
+        self._group = await _open(**self._kwargs)
+        return self._group
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        group, self._group = self._group, None
+        if group is None:
+            return
+        if exc is None:
+            await group.aclose()
+        else:
+            group.abort()
+            await asyncio.sleep(0)
+
+
+def open_group(rank: int | None = None, world_size: int | None = None, *,
+               store: Store | str | None = None, transport: str | None = None,
+               timeout: float | None = 300.0, secret: bytes | str | None = None,
+               host: str | None = None, ssl: ssl_module.SSLContext | None = None,
+               name: str = "default", chunk_bytes: int | None = None) -> GroupOpener:
+    """Form a group of ``world_size`` ranks and return it (awaitable / async with).
+
+    Args:
+        rank, world_size: this rank and the group size (else from the environment).
+        store: a Store or URL (``tcp://H:P``, ``file:///path``, ``redis://H:P/DB``,
+            ``memory://NAME``); else AIOCOLLECT_STORE, else MASTER_ADDR/MASTER_PORT.
+        transport: ``auto`` (default), ``tcp``, ``tls`` (needs ``ssl``), ``memory``.
+        timeout: default deadline in seconds for rendezvous and every collective.
+        secret: shared secret; every store connection and peer link must prove it.
+        host: address to listen on and publish (else AIOCOLLECT_IFNAME, else the address
+            that routes to the store).
+        name: group name; distinct groups on one store need distinct names.
+        chunk_bytes: pipelining chunk size (every rank must use the same).
+
+    Raises:
+        UsageError: bad arguments. RendezvousTimeout: ranks missing at the deadline (named).
+        RendezvousError, AuthenticationError, StoreError: as their names say.
+    """
+    return GroupOpener(rank=rank, world_size=world_size, store=store, transport=transport,
+                       timeout=timeout, secret=secret, host=host, ssl=ssl, name=name,
+                       chunk_bytes=chunk_bytes)

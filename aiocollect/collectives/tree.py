@@ -1,0 +1,81 @@
+"""Binomial-tree broadcast, pipelined in chunks.
+
+Schedule: with v = (rank - root) mod n, a rank receives from v - lowbit(v) and forwards to
+v + m for every power of two m < lowbit(v) (all m for the root) with v + m < n. Each chunk is
+forwarded as soon as it arrives. Cost: ceil(log2 n) steps of latency; the root sends the
+whole message ceil(log2 n) times (a bandwidth-bound large broadcast prefers the ring).
+"""
+
+from __future__ import annotations
+
+from aiocollect._buffers import Array
+from aiocollect.engine.op import Op
+
+SLOT = 0
+
+
+def tree_links(vrank: int, size: int) -> tuple[int | None, list[int]]:
+    """(parent, children) of virtual rank ``vrank`` in a binomial tree rooted at 0."""
+    parent = None
+    mask = 1
+    while mask < size:
+        if vrank & mask:
+            parent = vrank - mask
+            break
+        mask <<= 1
+    children = []
+    mask >>= 1
+    while mask > 0:
+        if vrank + mask < size:
+            children.append(vrank + mask)
+        mask >>= 1
+    return parent, children
+
+
+async def broadcast(op: Op, buf: Array, root: int, slot: int = SLOT) -> None:
+    n = op.size
+    if n == 1:
+        return
+    v = (op.rank - root) % n
+    parent, children = tree_links(v, n)
+    real = [(c + root) % n for c in children]
+    parts = op.chunks(buf)
+    if parent is None:
+        for c, part in enumerate(parts):
+            for child in real:
+                await op.send(child, slot, c, part)
+        return
+    src = (parent + root) % n
+    futs = [op.recv(src, slot, c, part) for c, part in enumerate(parts)]
+    for c, part in enumerate(parts):
+        await futs[c]
+        for child in real:
+            await op.send(child, slot, c, part)
+
+
+async def reduce(op: Op, work: Array, root: int, ufunc: object, slot: int = SLOT) -> None:
+    """Binomial-tree reduce of ``work`` (this rank's contribution, overwritten with partial
+    results) towards ``root``: each rank reduces its children's partials chunk by chunk and
+    forwards them to its parent. Cost: ceil(log2 n) steps; every rank sends size once."""
+    import numpy as np
+
+    from aiocollect.engine.reduce import reduce_into
+
+    assert isinstance(ufunc, np.ufunc)
+    n = op.size
+    if n == 1:
+        return
+    v = (op.rank - root) % n
+    parent, children = tree_links(v, n)
+    real = [(c + root) % n for c in children]
+    parts = op.chunks(work)
+    tmps = {child: np.empty_like(work) for child in real}
+    futs = {child: [op.recv(child, slot, c, part) for c, part in enumerate(op.chunks(tmp))]
+            for child, tmp in tmps.items()}
+    tparts = {child: op.chunks(tmp) for child, tmp in tmps.items()}
+    for c, part in enumerate(parts):
+        for child in reversed(real):
+            await futs[child][c]
+            await reduce_into(ufunc, part, tparts[child][c])
+        if parent is not None:
+            await op.send((parent + root) % n, slot, c, part)

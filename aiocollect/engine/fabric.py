@@ -1,0 +1,223 @@
+"""Fabric: the set of links of one world group, shared by all its sub-groups.
+
+It receives every link event, checks each incoming operation frame's fingerprint against
+the operation this rank registered at the same (group id, sequence number), and turns any
+failure into one broken state: every pending receive fails, every peer gets an ABORT frame
+naming the cause, and later calls raise GroupBrokenError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from aiocollect import errors
+from aiocollect.errors import (
+    GroupBrokenError,
+    MismatchError,
+    PeerDisconnected,
+    ProtocolError,
+)
+from aiocollect.transport.base import Fingerprint, Link
+from aiocollect.transport.wire import ABORT, GOODBYE, P2P, Header, control_header
+from aiocollect.types import Collective, dtype_label, op_label
+
+log = logging.getLogger("aiocollect")
+
+
+def describe_fingerprint(fp: Fingerprint) -> str:
+    coll, dtype, count, op, root = fp
+    try:
+        name = Collective(coll).name.lower()
+    except ValueError:
+        name = f"collective#{coll}"
+    parts = [f"count={count}", f"dtype={dtype_label(dtype)}"]
+    if op:
+        parts.append(f"op={op_label(op)}")
+    if root >= 0:
+        parts.append(f"root={root}")
+    return f"{name}({', '.join(parts)})"
+
+
+class Fabric:
+    """Links of one world group (indexed by world rank) and the failure state."""
+
+    def __init__(self, rank: int, world_size: int, max_frame: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.max_frame = max_frame
+        self.links: dict[int, Link] = {}
+        self.failure: BaseException | None = None
+        self.closing = False
+        self._active: dict[tuple[int, int], Fingerprint] = {}
+        self._started: dict[int, int] = {}
+        self._early: dict[tuple[int, int], list[tuple[int, Fingerprint]]] = {}
+        self._p2p_waiters: list[asyncio.Future[None]] = []
+        self.on_break: list[Callable[[BaseException], None]] = []
+
+    # -- operation registry ----------------------------------------------------------------
+
+    def register(self, gid: int, seq: int, fp: Fingerprint, ranks: list[int]) -> None:
+        """Record this rank's operation at (gid, seq) and check frames that came early."""
+        self._active[(gid, seq)] = fp
+        self._started[gid] = max(seq, self._started.get(gid, -1))
+        for peer, theirs in self._early.pop((gid, seq), ()):
+            if theirs != fp:
+                self.fail(self._mismatch(gid, seq, fp, peer, theirs, ranks))
+                return
+
+    def unregister(self, gid: int, seq: int) -> None:
+        self._active.pop((gid, seq), None)
+
+    def _mismatch(self, gid: int, seq: int, mine: Fingerprint, peer: int, theirs: Fingerprint,
+                  ranks: list[int] | None = None) -> MismatchError:
+        grank = ranks.index(peer) if ranks and peer in ranks else peer
+        where = "" if gid == 0 else f" of sub-group {gid:#x}"
+        return MismatchError(
+            f"operation #{seq}{where}: rank {self.rank} called {describe_fingerprint(mine)} "
+            f"but rank {grank} called {describe_fingerprint(theirs)}")
+
+    # -- LinkEvents ------------------------------------------------------------------------
+
+    def on_header(self, link: Link, h: Header) -> None:
+        if h.kind == P2P:
+            if self._p2p_waiters:
+                asyncio.get_running_loop().call_soon(self._wake_p2p)
+            return
+        key = (h.gid, h.seq)
+        mine = self._active.get(key)
+        if mine is None:
+            if h.seq <= self._started.get(h.gid, -1):
+                raise ProtocolError(
+                    f"rank {link.peer} sent a frame for finished operation #{h.seq}")
+            self._early.setdefault(key, []).append((link.peer, h.fingerprint))
+            return
+        if mine != h.fingerprint:
+            raise self._mismatch(h.gid, h.seq, mine, link.peer, h.fingerprint)
+
+    def on_control(self, link: Link, kind: int, payload: bytes) -> None:
+        if kind == GOODBYE:
+            link.goodbye_received = True
+            return
+        assert kind == ABORT
+        self.fail(_decode_abort(link.peer, payload), notify=False)
+
+    def on_error(self, link: Link, exc: BaseException) -> None:
+        self.fail(exc)
+
+    def on_lost(self, link: Link, exc: BaseException | None) -> None:
+        if self.failure is not None or self.closing:
+            return
+        if link.goodbye_received:
+            # A clean close fails only what still needs that peer; such an op then breaks
+            # the group through the usual path.
+            link.fail(GroupBrokenError(f"rank {link.peer} closed the group"))
+            return
+        detail = f": {exc}" if exc else ""
+        self.fail(PeerDisconnected(
+            f"rank {link.peer} disconnected ({link.describe()}){detail}", link.peer))
+
+    # -- any-source receives ---------------------------------------------------------------
+
+    async def p2p_arrival(self) -> None:
+        """Wait until some P2P frame arrives on any link."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._p2p_waiters.append(fut)
+        try:
+            await fut
+        finally:
+            if fut in self._p2p_waiters:
+                self._p2p_waiters.remove(fut)
+
+    def _wake_p2p(self) -> None:
+        waiters, self._p2p_waiters = self._p2p_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    # -- failure ---------------------------------------------------------------------------
+
+    def fail(self, exc: BaseException, notify: bool = True) -> None:
+        """Break the fabric with ``exc`` (first failure wins): fail every pending receive,
+        send ABORT to every peer that can still hear it, then close the links."""
+        if self.failure is not None:
+            return
+        self.failure = exc
+        level = logging.INFO if isinstance(exc, GroupBrokenError) else logging.WARNING
+        log.log(level, "group broken on rank %d: %s: %s", self.rank, type(exc).__name__, exc)
+        payload = _encode_abort(self.rank, exc) if notify else b""
+        for link in list(self.links.values()):
+            if notify and not link.closed:
+                try:
+                    link.send(control_header(ABORT, len(payload)), payload)
+                except errors.AiocollectError:
+                    pass
+            link.fail(exc)
+            link.close()  # flushes the ABORT before closing
+        for waiter in self._p2p_waiters:
+            if not waiter.done():
+                waiter.set_exception(exc)
+        self._p2p_waiters.clear()
+        for callback in list(self.on_break):
+            callback(exc)
+
+    def check(self) -> None:
+        """Raise GroupBrokenError (caused by the first failure) if the fabric is broken."""
+        if self.failure is not None:
+            raise GroupBrokenError(
+                f"the group is broken: {type(self.failure).__name__}: {self.failure}"
+            ) from self.failure
+
+    def goodbye(self) -> None:
+        """Tell every peer this rank closes cleanly, then close the links."""
+        self.closing = True
+        for link in list(self.links.values()):
+            if not link.closed:
+                try:
+                    link.send(control_header(GOODBYE, 0), b"")
+                except errors.AiocollectError:
+                    pass
+            link.close()
+
+    def abort_links(self) -> None:
+        self.closing = True
+        for link in list(self.links.values()):
+            link.abort()
+
+
+_ABORT_CLASSES: dict[str, type[errors.AiocollectError]] = {
+    "MismatchError": errors.MismatchError,
+    "PeerTimeout": errors.PeerTimeout,
+    "PeerDisconnected": errors.PeerDisconnected,
+    "ProtocolError": errors.GroupBrokenError,
+}
+
+
+def _encode_abort(rank: int, exc: BaseException) -> bytes:
+    info: dict[str, Any] = {"rank": rank, "type": type(exc).__name__, "message": str(exc)}
+    if isinstance(exc, errors.PeerTimeout):
+        info["ranks"] = list(exc.ranks)
+    elif isinstance(exc, errors.PeerError) and exc.rank is not None:
+        info["ranks"] = [exc.rank]
+    return bytes(msgpack.packb(info, use_bin_type=True))
+
+
+def _decode_abort(peer: int, payload: bytes) -> BaseException:
+    """Rebuild the failure a peer reported in its ABORT frame."""
+    try:
+        info = msgpack.unpackb(payload, raw=False)
+        kind, message = str(info["type"]), str(info["message"])
+        ranks = [int(r) for r in info.get("ranks", [])]
+    except Exception:
+        return ProtocolError(f"rank {peer} sent a malformed ABORT frame")
+    text = f"rank {peer} aborted the group: {message}"
+    cls = _ABORT_CLASSES.get(kind, GroupBrokenError)
+    if cls is errors.PeerTimeout:
+        return errors.PeerTimeout(text, ranks)
+    if cls is errors.PeerDisconnected:
+        return errors.PeerDisconnected(text, ranks[0] if ranks else peer)
+    return cls(text)

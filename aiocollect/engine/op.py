@@ -1,0 +1,128 @@
+"""One in-flight operation: its frame headers, its posted receives and its sends.
+
+Algorithms address peers by *group* rank and frames by ``(slot, chunk)``; the Op maps them
+to links and keys. An operation is complete only when every receive has landed and every
+send has left user space (``finish``), so callers may reuse their buffers afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import numpy as np
+
+from aiocollect._buffers import Array
+from aiocollect.engine.fabric import Fabric
+from aiocollect.transport.base import Fingerprint, Link
+from aiocollect.transport.wire import DATA, HEADER, MAGIC, Key
+
+#: Bytes queued in user space per link before a sender waits for the socket to drain.
+SEND_WINDOW = 8 * 1024 * 1024
+
+
+class Op:
+    """Context of one collective at sequence number ``seq`` of group ``gid``."""
+
+    __slots__ = ("_sent", "chunk_bytes", "fabric", "fp", "gid", "kind", "pending", "rank",
+                 "ranks", "seq", "size")
+
+    def __init__(self, fabric: Fabric, gid: int, seq: int, fp: Fingerprint,
+                 ranks: list[int], rank: int, chunk_bytes: int, kind: int = DATA) -> None:
+        self.fabric = fabric
+        self.gid = gid
+        self.seq = seq
+        self.fp = fp
+        self.ranks = ranks
+        self.rank = rank
+        self.size = len(ranks)
+        self.chunk_bytes = chunk_bytes
+        self.kind = kind
+        self.pending: list[tuple[int, Key, asyncio.Future[None]]] = []
+        self._sent: set[Link] = set()
+
+    def link(self, peer: int) -> Link:
+        return self.fabric.links[self.ranks[peer]]
+
+    def header(self, slot: int, chunk: int, length: int, seq: int | None = None) -> bytes:
+        coll, dtype, count, op, root = self.fp
+        return HEADER.pack(MAGIC, self.kind, coll, op, dtype, self.gid, chunk,
+                           self.seq if seq is None else seq, slot, root, count, length)
+
+    # -- chunking --------------------------------------------------------------------------
+
+    def chunks(self, arr: Array) -> list[Array]:
+        """Split a flat array into chunks of at most ``chunk_bytes`` (whole elements).
+        An empty array gives no chunks."""
+        n = arr.size
+        if n == 0:
+            return []
+        step = max(1, self.chunk_bytes // max(1, arr.itemsize))
+        return [arr[i:i + step] for i in range(0, n, step)]
+
+    # -- primitives ------------------------------------------------------------------------
+
+    def recv(self, peer: int, slot: int, chunk: int, dest: Array,
+             expect: Fingerprint | None = None, seq: int | None = None) -> asyncio.Future[None]:
+        """Post a receive of frame (slot, chunk) from group rank ``peer`` into ``dest``."""
+        key = (self.kind, self.gid, self.seq if seq is None else seq, slot, chunk)
+        fut = self.link(peer).post_recv(key, _bytes(dest), expect)
+        self.pending.append((peer, key, fut))
+        return fut
+
+    def recv_chunks(self, peer: int, slot: int, dest: Array) -> list[asyncio.Future[None]]:
+        return [self.recv(peer, slot, c, part) for c, part in enumerate(self.chunks(dest))]
+
+    async def send(self, peer: int, slot: int, chunk: int, src: Array,
+                   seq: int | None = None) -> None:
+        """Queue frame (slot, chunk) to group rank ``peer``; waits only when the link's
+        user-space queue is above the send window."""
+        link = self.link(peer)
+        if link.write_buffer_size() > SEND_WINDOW:
+            await link.drained()
+        data = _bytes(src)
+        link.send(self.header(slot, chunk, len(data), seq), data)
+        self._sent.add(link)
+
+    async def send_chunks(self, peer: int, slot: int, src: Array) -> None:
+        for c, part in enumerate(self.chunks(src)):
+            await self.send(peer, slot, c, part)
+
+    async def finish(self) -> None:
+        """Wait for every posted receive and for every link this op sent on to drain."""
+        for _, _, fut in self.pending:
+            await fut
+        for link in self._sent:
+            if link.write_buffer_size():
+                await link.drained()
+
+    def silent_peers(self) -> list[int]:
+        """Group ranks this op still waits for (for timeout messages)."""
+        waiting = {peer for peer, _, fut in self.pending if not fut.done()}
+        waiting.update(self.ranks.index(link.peer) for link in self._sent
+                       if link.write_buffer_size() and link.peer in self.ranks)
+        return sorted(waiting)
+
+    def abandon(self) -> None:
+        """Withdraw receives that have not landed (after cancellation or failure)."""
+        for peer, key, fut in self.pending:
+            if not fut.done():
+                self.link(peer).unpost(key)
+                fut.cancel()
+
+
+def _bytes(arr: Array) -> memoryview:
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+def flat_blocks(arr: Array, parts: int) -> list[Array]:
+    """Split a flat array into ``parts`` contiguous blocks, sizes differing by at most one."""
+    n = arr.size
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return [arr[bounds[i]:bounds[i + 1]] for i in range(parts)]
+
+
+def split_even(arr: Array, parts: int) -> Sequence[Array]:
+    """Split a flat array into ``parts`` equal blocks (caller checked divisibility)."""
+    step = arr.size // parts
+    return [arr[i * step:(i + 1) * step] for i in range(parts)]

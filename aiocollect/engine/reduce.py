@@ -1,0 +1,21 @@
+"""Reduction kernels: numpy ufuncs with ``out=``; large ones run in a worker thread so the
+event loop stays responsive (numpy releases the GIL inside its loops)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from aiocollect._buffers import Array
+
+#: Reductions larger than this many bytes are offloaded to a thread.
+THREAD_THRESHOLD = 4 * 1024 * 1024
+
+
+async def reduce_into(ufunc: np.ufunc, dst: Array, src: Array) -> None:
+    """``dst = ufunc(dst, src)`` elementwise, in place."""
+    if dst.nbytes >= THREAD_THRESHOLD:
+        await asyncio.to_thread(ufunc, dst, src, out=dst)
+    else:
+        ufunc(dst, src, out=dst)

@@ -1,0 +1,317 @@
+"""Group: the public collective methods.
+
+Each method validates its arguments (UsageError, before anything is sent), takes the next
+sequence number at call time and returns an ``asyncio.Task`` (an awaitable handle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from aiocollect import objects
+from aiocollect._buffers import Array, as_array
+from aiocollect.collectives import barrier as _barrier
+from aiocollect.collectives import direct, ring, tree
+from aiocollect.collectives.checks import (
+    check_rank,
+    check_tag,
+    divisible,
+    fingerprint,
+    output,
+    reduction,
+)
+from aiocollect.engine.op import Op, flat_blocks, split_even
+from aiocollect.errors import MismatchError, UsageError
+from aiocollect.group_core import GroupCore
+from aiocollect.types import Collective, ReduceOp
+
+_I64 = np.dtype(np.int64)
+
+
+def _flat(arr: Array) -> Array:
+    return arr.reshape(-1)
+
+
+class Group(GroupCore):
+    """A set of ranks that run collectives together. Obtain one with ``open_group``."""
+
+    # -- point to point --------------------------------------------------------------------
+
+    def send(self, buf: Any, dst: int, *, tag: int = 0,
+             timeout: float | None = None) -> asyncio.Task[None]:
+        """Send ``buf`` to rank ``dst``; messages are matched by (source, tag) in order."""
+        arr = as_array(buf, "buf", writable=False)
+        dst = check_rank(dst, self.world_size, "dst")
+        if dst == self.rank:
+            raise UsageError("send to self: dst must differ from this rank")
+        tag = check_tag(tag)
+        fp = fingerprint(Collective.SEND, arr)
+        counter = self._next_send(dst, tag)
+
+        async def body(op: Op) -> None:
+            for c, part in enumerate(op.chunks(_flat(arr)) or [_flat(arr)]):
+                await op.send(dst, tag, c, part)
+
+        return self._start("send", fp, body, timeout, p2p=(counter, tag))
+
+    def recv(self, buf: Any, src: int | None = None, *, tag: int = 0,
+             timeout: float | None = None) -> asyncio.Task[int]:
+        """Receive into ``buf`` from ``src`` (None: any rank); the handle gives the source."""
+        arr = as_array(buf, "buf", writable=True)
+        if src is not None:
+            src = check_rank(src, self.world_size, "src")
+            if src == self.rank:
+                raise UsageError("recv from self: src must differ from this rank")
+        if self.world_size == 1:
+            raise UsageError("recv in a group of one rank can never complete")
+        tag = check_tag(tag)
+        fp = fingerprint(Collective.SEND, arr)
+        counter = -1 if src is None else self._next_recv(src, tag)
+
+        async def body(op: Op) -> int:
+            source, seq = (src, counter) if src is not None else await self._match_any(tag)
+            for c, part in enumerate(op.chunks(_flat(arr)) or [_flat(arr)]):
+                op.recv(source, tag, c, part, expect=fp, seq=seq)
+            return source
+
+        return self._start("recv", fp, body, timeout, p2p=(max(counter, 0), tag))
+
+    async def _match_any(self, tag: int) -> tuple[int, int]:
+        """Claim the first pending message with ``tag`` from any rank."""
+        fabric = self._fabric
+        while True:
+            for peer in range(self.world_size):
+                if peer == self.rank:
+                    continue
+                seq = self._recv_counters[(peer, tag)]
+                link = fabric.links[self._ranks[peer]]
+                if link.has_frame((2, self._gid, seq, tag, 0)):
+                    return peer, self._next_recv(peer, tag)
+            await fabric.p2p_arrival()
+
+    # -- synchronisation and data movement -------------------------------------------------
+
+    def barrier(self, *, timeout: float | None = None) -> asyncio.Task[None]:
+        """Complete once every rank has entered the barrier."""
+        return self._start("barrier", fingerprint(Collective.BARRIER, None), _barrier.barrier,
+                           timeout)
+
+    def broadcast(self, buf: Any, *, root: int = 0,
+                  timeout: float | None = None) -> asyncio.Task[Any]:
+        """Copy ``root``'s ``buf`` into every rank's ``buf``."""
+        arr = as_array(buf, "buf", writable=True)
+        root = check_rank(root, self.world_size, "root")
+        fp = fingerprint(Collective.BROADCAST, arr, root=root)
+
+        async def body(op: Op) -> Any:
+            await tree.broadcast(op, _flat(arr), root)
+            return buf
+
+        return self._start("broadcast", fp, body, timeout)
+
+    def allreduce(self, buf: Any, *, op: Any = ReduceOp.SUM,
+                  timeout: float | None = None) -> asyncio.Task[Any]:
+        """Reduce ``buf`` across ranks, in place on every rank (ring, pipelined)."""
+        arr = as_array(buf, "buf", writable=True)
+        rop, ufunc = reduction(op, arr)
+        fp = fingerprint(Collective.ALLREDUCE, arr, op=rop)
+        n = self.world_size
+
+        async def body(o: Op) -> Any:
+            blocks = flat_blocks(_flat(arr), n)
+            await ring.reduce_scatter(o, blocks, ufunc)
+            if rop is ReduceOp.AVG:
+                blocks[o.rank] /= n
+            await ring.allgather(o, blocks)
+            return buf
+
+        return self._start("allreduce", fp, body, timeout)
+
+    def reduce(self, buf: Any, *, root: int = 0, op: Any = ReduceOp.SUM,
+               timeout: float | None = None) -> asyncio.Task[Any]:
+        """Reduce ``buf`` across ranks into ``root``'s ``buf``; others' stay unchanged."""
+        arr = as_array(buf, "buf", writable=True)
+        root = check_rank(root, self.world_size, "root")
+        rop, ufunc = reduction(op, arr)
+        fp = fingerprint(Collective.REDUCE, arr, op=rop, root=root)
+
+        async def body(o: Op) -> Any:
+            work = _flat(arr) if o.rank == root else _flat(arr).copy()
+            await tree.reduce(o, work, root, ufunc)
+            await o.finish()
+            if o.rank == root and rop is ReduceOp.AVG:
+                work /= self.world_size
+            return buf
+
+        return self._start("reduce", fp, body, timeout)
+
+    def allgather(self, send: Any, out: Any = None, *,
+                  timeout: float | None = None) -> asyncio.Task[Any]:
+        """Gather every rank's ``send`` into ``out`` of shape ``(world_size, *send.shape)``."""
+        arr = as_array(send, "send", writable=False)
+        n = self.world_size
+        res = output(out, (n, *arr.shape), arr.dtype)
+        fp = fingerprint(Collective.ALLGATHER, arr)
+
+        async def body(o: Op) -> Any:
+            blocks = split_even(_flat(res), n)
+            blocks[o.rank][...] = _flat(arr)
+            await ring.allgather(o, list(blocks))
+            return res if out is None else out
+
+        return self._start("allgather", fp, body, timeout)
+
+    def gather(self, send: Any, out: Any = None, *, root: int = 0,
+               timeout: float | None = None) -> asyncio.Task[Any]:
+        """Like allgather, but only ``root`` gets the result (None elsewhere)."""
+        arr = as_array(send, "send", writable=False)
+        n = self.world_size
+        root = check_rank(root, n, "root")
+        res = output(out, (n, *arr.shape), arr.dtype) if self.rank == root else None
+        fp = fingerprint(Collective.GATHER, arr, root=root)
+
+        async def body(o: Op) -> Any:
+            blocks = None if res is None else split_even(_flat(res), n)
+            await direct.gather(o, _flat(arr), blocks, root)
+            if res is None:
+                return None
+            return res if out is None else out
+
+        return self._start("gather", fp, body, timeout)
+
+    def scatter(self, send: Any, out: Any, *, root: int = 0,
+                timeout: float | None = None) -> asyncio.Task[Any]:
+        """Rank i receives block i of ``root``'s ``send`` (shape ``(world_size, *out.shape)``)."""
+        n = self.world_size
+        root = check_rank(root, n, "root")
+        res = as_array(out, "out", writable=True)
+        src: Array | None = None
+        if self.rank == root:
+            if send is None:
+                raise UsageError("scatter: the root must pass send")
+            src = as_array(send, "send", writable=False)
+            if src.dtype != res.dtype or src.size != n * res.size:
+                raise UsageError(
+                    f"scatter: send has shape {src.shape} and dtype {src.dtype}; expected "
+                    f"{(n, *res.shape)} of {res.dtype}")
+        fp = fingerprint(Collective.SCATTER, res, root=root)
+
+        async def body(o: Op) -> Any:
+            blocks = None if src is None else split_even(_flat(src), n)
+            await direct.scatter(o, blocks, _flat(res), root)
+            return out
+
+        return self._start("scatter", fp, body, timeout)
+
+    def reduce_scatter(self, send: Any, out: Any = None, *, op: Any = ReduceOp.SUM,
+                       timeout: float | None = None) -> asyncio.Task[Any]:
+        """Reduce ``send`` across ranks; rank r gets the r-th of ``world_size`` blocks."""
+        arr = as_array(send, "send", writable=False)
+        n = self.world_size
+        divisible(arr, n, "send")
+        rop, ufunc = reduction(op, arr)
+        res = output(out, (arr.shape[0] // n, *arr.shape[1:]), arr.dtype)
+        fp = fingerprint(Collective.REDUCE_SCATTER, arr, op=rop)
+
+        async def body(o: Op) -> Any:
+            work = _flat(arr).copy()
+            blocks = list(split_even(work, n))
+            await ring.reduce_scatter(o, blocks, ufunc)
+            mine = blocks[o.rank]
+            if rop is ReduceOp.AVG:
+                mine /= n
+            _flat(res)[...] = mine
+            return res if out is None else out
+
+        return self._start("reduce_scatter", fp, body, timeout)
+
+    def alltoall(self, send: Any, out: Any = None, *,
+                 timeout: float | None = None) -> asyncio.Task[Any]:
+        """Block i of ``send`` (split along axis 0) goes to rank i; ``out`` gets block j from
+        rank j."""
+        arr = as_array(send, "send", writable=False)
+        n = self.world_size
+        divisible(arr, n, "send")
+        res = output(out, arr.shape, arr.dtype)
+        fp = fingerprint(Collective.ALLTOALL, arr)
+
+        async def body(o: Op) -> Any:
+            await direct.alltoall(o, split_even(_flat(arr), n), split_even(_flat(res), n))
+            return res if out is None else out
+
+        return self._start("alltoall", fp, body, timeout)
+
+    def allgatherv(self, send: Any, *, timeout: float | None = None) -> asyncio.Task[list[Any]]:
+        """Gather arrays whose first axis may differ per rank; returns them in rank order."""
+        arr = as_array(send, "send", writable=False)
+        if arr.ndim == 0:
+            arr = arr.reshape(1)
+        n = self.world_size
+        fp = fingerprint(Collective.ALLGATHERV, arr, count=0)
+        row = int(np.prod(arr.shape[1:]))
+
+        async def body(o: Op) -> list[Any]:
+            sizes = np.zeros((n, 2), dtype=_I64)
+            sizes[o.rank] = (arr.shape[0], row)
+            await ring.allgather(o, list(sizes), slot0=0)
+            await o.finish()
+            for r, (_, rrow) in enumerate(sizes):
+                if rrow != row:
+                    raise MismatchError(
+                        f"allgatherv: rank {r} sent rows of {rrow} elements, rank {o.rank} "
+                        f"rows of {row} (shape {arr.shape})")
+            total = np.empty(int(sizes[:, 0].sum()) * row, dtype=arr.dtype)
+            bounds = np.concatenate([[0], np.cumsum(sizes[:, 0] * row)])
+            blocks = [total[bounds[i]:bounds[i + 1]] for i in range(n)]
+            blocks[o.rank][...] = _flat(arr)
+            await ring.allgather(o, blocks, slot0=ring.AG_SLOT)
+            return [b.reshape(int(sizes[i, 0]), *arr.shape[1:]) for i, b in enumerate(blocks)]
+
+        return self._start("allgatherv", fp, body, timeout)
+
+    # -- objects ---------------------------------------------------------------------------
+
+    def broadcast_object(self, obj: Any = None, *, root: int = 0, allow_pickle: bool = False,
+                         timeout: float | None = None) -> asyncio.Task[Any]:
+        """Send a msgpack-serialisable value (numpy arrays allowed) from ``root`` to all."""
+        root = check_rank(root, self.world_size, "root")
+        payload = objects.dumps(obj, allow_pickle) if self.rank == root else b""
+        fp = fingerprint(Collective.OBJECT, None, count=0, root=root)
+
+        async def body(o: Op) -> Any:
+            size = np.array([len(payload)], dtype=_I64)
+            await tree.broadcast(o, size, root, slot=0)
+            await o.finish()
+            data = np.frombuffer(bytearray(payload), np.uint8) if o.rank == root else \
+                np.empty(int(size[0]), np.uint8)
+            await tree.broadcast(o, data, root, slot=1)
+            await o.finish()
+            return obj if o.rank == root else objects.loads(data.tobytes(), allow_pickle)
+
+        return self._start("broadcast_object", fp, body, timeout)
+
+    def allgather_object(self, obj: Any, *, allow_pickle: bool = False,
+                         timeout: float | None = None) -> asyncio.Task[list[Any]]:
+        """Every rank's value, in rank order, on every rank."""
+        payload = np.frombuffer(objects.dumps(obj, allow_pickle), np.uint8)
+        task = self.allgatherv(payload, timeout=timeout)
+
+        async def decode() -> list[Any]:
+            return [objects.loads(b.tobytes(), allow_pickle) for b in await task]
+
+        return asyncio.get_running_loop().create_task(decode())
+
+    def gather_object(self, obj: Any, *, root: int = 0, allow_pickle: bool = False,
+                      timeout: float | None = None) -> asyncio.Task[list[Any] | None]:
+        """Every rank's value, in rank order, on ``root`` (None elsewhere)."""
+        root = check_rank(root, self.world_size, "root")
+        task = self.allgather_object(obj, allow_pickle=allow_pickle, timeout=timeout)
+
+        async def pick() -> list[Any] | None:
+            values = await task
+            return values if self.rank == root else None
+
+        return asyncio.get_running_loop().create_task(pick())

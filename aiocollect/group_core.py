@@ -1,0 +1,214 @@
+"""GroupCore: sequence numbers, handles, close and abort (the methods live in group.py).
+
+Every collective method checks its arguments (raising UsageError before anything is sent),
+takes the next sequence number at call time, registers its fingerprint and returns an
+``asyncio.Task`` running the algorithm. Several may run at once; ranks must call a group's
+collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from aiocollect.engine.fabric import Fabric
+from aiocollect.engine.op import Op
+from aiocollect.errors import (
+    AiocollectError,
+    GroupBrokenError,
+    PeerTimeout,
+    UsageError,
+)
+from aiocollect.transport.wire import DATA, P2P
+
+log = logging.getLogger("aiocollect")
+
+T = TypeVar("T")
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+class GroupCore:
+    """State and plumbing shared by the collective methods (see :class:`Group`)."""
+
+    def __init__(self, fabric: Fabric, gid: int, ranks: list[int], *, timeout: float | None,
+                 chunk_bytes: int, name: str, parent: GroupCore | None = None) -> None:
+        self._fabric = fabric
+        self._gid = gid
+        self._ranks = ranks
+        self.rank = ranks.index(fabric.rank)
+        self.world_size = len(ranks)
+        self.name = name
+        self.timeout = timeout
+        self.chunk_bytes = chunk_bytes
+        self._seq = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._children: list[GroupCore] = []
+        self._parent = parent
+        self._closed = False
+        self.store: Any = None
+        self._send_counters: Counter[tuple[int, int]] = Counter()
+        self._recv_counters: Counter[tuple[int, int]] = Counter()
+        self._stats: Counter[str] = Counter()
+        self._busy_seconds = 0.0
+        self._closers: list[Callable[[], Awaitable[None]]] = []
+        self._sync_closers: list[Callable[[], None]] = []
+
+    # -- state -----------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """True after ``aclose()``/``abort()`` (or the parent group's close)."""
+        return self._closed or (self._parent is not None and self._parent.closed)
+
+    @property
+    def broken(self) -> bool:
+        return self._fabric.failure is not None
+
+    def _check_usable(self) -> None:
+        if self.closed:
+            raise UsageError(f"group {self.name!r} is closed")
+        self._fabric.check()
+
+    def statistics(self) -> dict[str, Any]:
+        """Counters: operations started and completed per kind, bytes and frames moved per
+        link, seconds spent with at least one operation in flight."""
+        links = {
+            peer: {"bytes_sent": link.bytes_sent, "bytes_received": link.bytes_received,
+                   "frames_sent": link.frames_sent, "frames_received": link.frames_received}
+            for peer, link in sorted(self._fabric.links.items())
+        }
+        return {"rank": self.rank, "world_size": self.world_size, "ops": dict(self._stats),
+                "in_flight": len(self._tasks), "links": links,
+                "broken": self.broken, "closed": self.closed}
+
+    # -- running operations ----------------------------------------------------------------
+
+    def _timeout_arg(self, timeout: float | None) -> float | None:
+        if timeout is None:
+            return self.timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise UsageError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        return float(timeout)
+
+    def _start(self, kind: str, fp: tuple[int, int, int, int, int],
+               body: Callable[[Op], Awaitable[T]], timeout: float | None, *,
+               p2p: tuple[int, int] | None = None) -> asyncio.Task[T]:
+        """Take a sequence number and start ``body`` as a task (the handle)."""
+        self._check_usable()
+        timeout = self._timeout_arg(timeout)
+        loop = asyncio.get_running_loop()
+        if p2p is None:
+            seq = self._seq
+            self._seq += 1
+            self._fabric.register(self._gid, seq, fp, self._ranks)
+            op = Op(self._fabric, self._gid, seq, fp, self._ranks, self.rank,
+                    self.chunk_bytes, DATA)
+        else:
+            op = Op(self._fabric, self._gid, p2p[0], fp, self._ranks, self.rank,
+                    self.chunk_bytes, P2P)
+        self._stats[f"{kind}_started"] += 1
+        task = loop.create_task(self._run(kind, op, body, timeout, p2p is None))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _run(self, kind: str, op: Op, body: Callable[[Op], Awaitable[T]],
+                   timeout: float | None, registered: bool) -> T:
+        fabric = self._fabric
+        start = time.monotonic()
+        try:
+            fabric.check()
+            try:
+                async with asyncio.timeout(timeout) as cm:
+                    result = await body(op)
+                    await op.finish()
+            except TimeoutError:
+                if not cm.expired() or fabric.failure is not None:
+                    raise
+                silent = op.silent_peers()
+                err = PeerTimeout(
+                    f"{kind} (op #{op.seq} of group {self.name!r}) on rank {self.rank}: no "
+                    f"progress from ranks {silent} within {timeout:g} s", silent)
+                fabric.fail(err)
+                raise err from None
+            self._stats[f"{kind}_completed"] += 1
+            return result
+        except asyncio.CancelledError:
+            if op.pending or op._sent:  # noqa: SLF001 - data was in flight
+                fabric.fail(GroupBrokenError(
+                    f"{kind} (op #{op.seq}) was cancelled on rank {self.rank} with data "
+                    "in flight"))
+            raise
+        except AiocollectError as exc:
+            if fabric.failure is None:
+                fabric.fail(exc)
+            raise
+        finally:
+            self._busy_seconds += time.monotonic() - start
+            op.abandon()
+            if registered:
+                fabric.unregister(self._gid, op.seq)
+
+    def _next_send(self, dst: int, tag: int) -> int:
+        n = self._send_counters[(dst, tag)]
+        self._send_counters[(dst, tag)] = n + 1
+        return n
+
+    def _next_recv(self, src: int, tag: int) -> int:
+        n = self._recv_counters[(src, tag)]
+        self._recv_counters[(src, tag)] = n + 1
+        return n
+
+    # -- closing ---------------------------------------------------------------------------
+
+    async def aclose(self, timeout: float | None = 30.0) -> None:
+        """Wait for in-flight operations (up to ``timeout``), say goodbye to every peer and
+        release links, listener and owned store. Idempotent; never raises for a clean close.
+        Closing the world group closes its sub-groups."""
+        if self._closed:
+            return
+        if self._tasks and self._fabric.failure is None:
+            done, pending = await asyncio.wait(list(self._tasks), timeout=timeout)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
+        self._closed = True
+        for child in self._children:
+            child._closed = True
+        if self._parent is not None:
+            return
+        if self._fabric.failure is None:
+            self._fabric.goodbye()
+        for fn in self._sync_closers:
+            fn()
+        for closer in self._closers:
+            try:
+                await closer()
+            except Exception as exc:  # noqa: BLE001 - closing must not fail
+                log.debug("error while closing group %r: %s", self.name, exc)
+
+    def abort(self) -> None:
+        """Break the group now on every rank (peers get GroupBrokenError promptly) and
+        release its links. Never blocks; pending handles fail with GroupBrokenError."""
+        root = self
+        while root._parent is not None:
+            root = root._parent
+        if root._closed and self._closed:
+            return
+        self._fabric.fail(GroupBrokenError(f"group {self.name!r} aborted on rank {self.rank}"))
+        root._closed = True
+        for child in root._children:
+            child._closed = True
+        for fn in root._sync_closers:
+            fn()
+        loop = asyncio.get_running_loop()
+        for closer in root._closers:
+            task = loop.create_task(closer())
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        root._closers.clear()

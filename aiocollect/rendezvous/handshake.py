@@ -1,0 +1,131 @@
+"""The peer-link handshake (sans-IO).
+
+::
+
+    acceptor -> connector   {t: "challenge", v, nonce_a}
+    connector -> acceptor   {t: "hello", v, group, rank, peer, world, nonce_c, mac_c}
+    acceptor -> connector   {t: "welcome", rank, mac_a}   or   {t: "reject", kind, error}
+
+``mac_c = HMAC(secret, "connector" | nonce_c | nonce_a | context)`` and
+``mac_a = HMAC(secret, "acceptor" | nonce_a | nonce_c | context)`` with the context binding
+the group name, both ranks and the world size. Without a secret the MACs are empty and not
+checked; with one, nothing but the handshake is read before both proofs pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from aiocollect import _auth
+from aiocollect.errors import AuthenticationError, ProtocolError, RendezvousError
+from aiocollect.transport.base import Rejection
+
+PROTOCOL_VERSION = 1
+
+
+def _context(group: str, connector: int, acceptor: int, world: int) -> bytes:
+    return f"{group}|{connector}->{acceptor}|{world}|v{PROTOCOL_VERSION}".encode()
+
+
+def _field(msg: dict[str, Any], name: str, kind: type) -> Any:
+    value = msg.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool) != (kind is bool):
+        raise ProtocolError(f"handshake field {name!r} missing or not {kind.__name__}")
+    return value
+
+
+class AcceptorHandshake:
+    """The listening side. ``admit(rank)`` returns an error string to refuse a rank
+    (e.g. a duplicate connection), or None."""
+
+    def __init__(self, group: str, rank: int, world_size: int, secret: bytes | None,
+                 admit: Callable[[int], str | None]) -> None:
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.secret = secret
+        self.admit = admit
+        self.nonce = _auth.new_nonce()
+
+    def start(self) -> list[dict[str, Any]]:
+        return [{"t": "challenge", "v": PROTOCOL_VERSION, "nonce": self.nonce}]
+
+    def _reject(self, kind: str, error: Exception) -> Rejection:
+        return Rejection({"t": "reject", "kind": kind, "error": str(error)}, error)
+
+    def on_message(self, msg: dict[str, Any]) -> tuple[list[dict[str, Any]], int | None]:
+        if msg.get("t") != "hello":
+            raise ProtocolError(f"expected a hello message, got {msg.get('t')!r}")
+        nonce = _field(msg, "nonce", bytes)
+        mac = _field(msg, "mac", bytes)
+        peer = _field(msg, "rank", int)
+        ctx = _context(str(msg.get("group")), peer, self.rank, int(msg.get("world", -1)))
+        if self.secret is not None and not _auth.check(
+                self.secret, mac, b"connector", nonce, self.nonce, ctx):
+            raise self._reject("auth", AuthenticationError(
+                "peer failed to prove the shared secret"))
+        if msg.get("v") != PROTOCOL_VERSION:
+            raise self._reject("version", RendezvousError(
+                f"protocol version {msg.get('v')!r} != {PROTOCOL_VERSION}"))
+        if msg.get("group") != self.group:
+            raise self._reject("group", RendezvousError(
+                f"group {msg.get('group')!r} does not match this group {self.group!r}"))
+        if msg.get("world") != self.world_size:
+            raise self._reject("group", RendezvousError(
+                f"world size {msg.get('world')!r} != {self.world_size}"))
+        if msg.get("peer") != self.rank:
+            raise self._reject("group", RendezvousError(
+                f"connection meant for rank {msg.get('peer')!r} reached rank {self.rank}"))
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise self._reject("group", RendezvousError(f"invalid peer rank {peer}"))
+        refusal = self.admit(peer)
+        if refusal is not None:
+            raise self._reject("group", RendezvousError(refusal))
+        reply = {"t": "welcome", "rank": self.rank, "mac": b""}
+        if self.secret is not None:
+            reply["mac"] = _auth.proof(self.secret, b"acceptor", self.nonce, nonce, ctx)
+        return [reply], peer
+
+
+class ConnectorHandshake:
+    """The connecting side: rank ``rank`` connecting to rank ``peer``."""
+
+    def __init__(self, group: str, rank: int, peer: int, world_size: int,
+                 secret: bytes | None) -> None:
+        self.group, self.rank, self.peer, self.world_size = group, rank, peer, world_size
+        self.secret = secret
+        self.nonce = _auth.new_nonce()
+        self.peer_nonce: bytes | None = None
+        self.ctx = _context(group, rank, peer, world_size)
+
+    def start(self) -> list[dict[str, Any]]:
+        return []
+
+    def on_message(self, msg: dict[str, Any]) -> tuple[list[dict[str, Any]], int | None]:
+        kind = msg.get("t")
+        if kind == "challenge" and self.peer_nonce is None:
+            if msg.get("v") != PROTOCOL_VERSION:
+                raise RendezvousError(
+                    f"rank {self.peer} speaks protocol {msg.get('v')!r}, we speak "
+                    f"{PROTOCOL_VERSION}")
+            self.peer_nonce = _field(msg, "nonce", bytes)
+            mac = b""
+            if self.secret is not None:
+                mac = _auth.proof(self.secret, b"connector", self.nonce, self.peer_nonce,
+                                  self.ctx)
+            return [{"t": "hello", "v": PROTOCOL_VERSION, "group": self.group,
+                     "rank": self.rank, "peer": self.peer, "world": self.world_size,
+                     "nonce": self.nonce, "mac": mac}], None
+        if kind == "reject":
+            text = f"rank {self.peer} refused the link: {msg.get('error')}"
+            if msg.get("kind") == "auth":
+                raise AuthenticationError(text)
+            raise RendezvousError(text)
+        if kind == "welcome" and self.peer_nonce is not None:
+            if msg.get("rank") != self.peer:
+                raise RendezvousError(f"expected rank {self.peer}, reached {msg.get('rank')!r}")
+            if self.secret is not None and not _auth.check(
+                    self.secret, _field(msg, "mac", bytes), b"acceptor", self.peer_nonce,
+                    self.nonce, self.ctx):
+                raise AuthenticationError(f"rank {self.peer} failed to prove the shared secret")
+            return [], self.peer
+        raise ProtocolError(f"unexpected handshake message {kind!r}")

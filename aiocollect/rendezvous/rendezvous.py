@@ -1,0 +1,208 @@
+"""Forming a group: address exchange through the store, then one link per peer pair.
+
+Every rank starts a listener, publishes a record (address, host identity, settings) under
+``aiocollect/<name>/rank/<r>``, waits for every other record, connects to every lower rank
+and accepts every higher one. Handshakes check version, group name, ranks and the secret.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import ssl as ssl_module
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from aiocollect import errors
+from aiocollect._deadline import Deadline
+from aiocollect.errors import RendezvousError, RendezvousTimeout
+from aiocollect.rendezvous.handshake import PROTOCOL_VERSION, AcceptorHandshake, ConnectorHandshake
+from aiocollect.store.base import Store
+from aiocollect.transport import memory, tcp
+from aiocollect.transport.base import Link, LinkEvents
+
+
+@dataclass
+class RendezvousConfig:
+    name: str
+    rank: int
+    world_size: int
+    transport: str
+    host: str | None
+    secret: bytes | None
+    ssl: ssl_module.SSLContext | None
+    chunk_bytes: int
+    deadline: Deadline
+
+
+@dataclass
+class Endpoint:
+    """What a rank listens on; ``close`` stops accepting."""
+
+    transport: str
+    address: str
+    port: int
+    server: asyncio.Server | None = None
+    links: dict[int, Link] = field(default_factory=dict)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.transport == "memory":
+            memory.unlisten(self.address)
+
+
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _prefix(cfg: RendezvousConfig) -> str:
+    return f"aiocollect/{cfg.name}"
+
+
+async def rendezvous(store: Store, cfg: RendezvousConfig, events: LinkEvents,
+                     max_frame: int) -> tuple[Endpoint, dict[int, Link]]:
+    """Connect this rank to every other rank of the group.
+
+    Returns:
+        The listening endpoint (close it with the group) and the links by world rank.
+
+    Raises:
+        RendezvousTimeout: some ranks did not publish or connect in time (named).
+        RendezvousError: inconsistent settings, refused handshakes.
+        AuthenticationError: a peer could not prove the secret to us or we to it.
+    """
+    links: dict[int, Link] = {}
+    arrived: asyncio.Event = asyncio.Event()
+    expected = cfg.world_size - 1
+
+    def admit(peer: int) -> str | None:
+        if peer <= cfg.rank:
+            return f"rank {peer} must accept, not connect to, rank {cfg.rank}"
+        if peer in links:
+            return f"rank {peer} is already connected"
+        return None
+
+    def on_link(link: Link) -> None:
+        links[link.peer] = link
+        if len(links) == expected:
+            arrived.set()
+
+    def acceptor() -> AcceptorHandshake:
+        return AcceptorHandshake(cfg.name, cfg.rank, cfg.world_size, cfg.secret, admit)
+
+    endpoint = await _listen(cfg, events, max_frame, acceptor, on_link)
+    try:
+        record = {"v": PROTOCOL_VERSION, "rank": cfg.rank, "world_size": cfg.world_size,
+                  "transport": endpoint.transport, "address": endpoint.address,
+                  "port": endpoint.port, "hostname": socket.gethostname(),
+                  "boot_id": boot_id(), "pid": os.getpid(), "chunk_bytes": cfg.chunk_bytes}
+        prefix = _prefix(cfg)
+        await store.set(f"{prefix}/rank/{cfg.rank}", msgpack.packb(record))
+        peers = await _read_records(store, cfg, prefix)
+        if expected == 0:
+            arrived.set()
+        lower = [r for r in range(cfg.rank)]
+        connects = [asyncio.ensure_future(_connect(cfg, peers[r], events, max_frame))
+                    for r in lower]
+        try:
+            remaining = cfg.deadline.remaining()
+            async with asyncio.timeout(remaining):
+                for r, fut in zip(lower, connects, strict=True):
+                    on_link(await fut)
+                    del r
+                await arrived.wait()
+        except TimeoutError:
+            missing = [r for r in range(cfg.world_size) if r != cfg.rank and r not in links]
+            raise RendezvousTimeout(
+                f"rank {cfg.rank}: no link from ranks {missing} of group {cfg.name!r} "
+                f"before the deadline", missing) from None
+        finally:
+            for fut in connects:
+                fut.cancel()
+    except BaseException:
+        endpoint.close()
+        for link in links.values():
+            link.abort()
+        raise
+    return endpoint, links
+
+
+async def _read_records(store: Store, cfg: RendezvousConfig,
+                        prefix: str) -> dict[int, dict[str, Any]]:
+    keys = [f"{prefix}/rank/{r}" for r in range(cfg.world_size)]
+    try:
+        await store.wait(keys, timeout=cfg.deadline.remaining())
+    except errors.StoreTimeout:
+        present = await store.check(keys)
+        missing = [r for r, ok in enumerate(present) if not ok]
+        raise RendezvousTimeout(
+            f"rank {cfg.rank}: ranks {missing} of group {cfg.name!r} never arrived "
+            f"(world size {cfg.world_size})", missing) from None
+    peers: dict[int, dict[str, Any]] = {}
+    for r in range(cfg.world_size):
+        try:
+            rec = msgpack.unpackb(await store.get(keys[r], timeout=0), raw=False)
+            peers[r] = rec
+            bad = [k for k in ("world_size", "chunk_bytes", "v")
+                   if rec[k] != {"world_size": cfg.world_size, "chunk_bytes": cfg.chunk_bytes,
+                                 "v": PROTOCOL_VERSION}[k]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RendezvousError(f"malformed rendezvous record for rank {r}: {exc}") from None
+        if bad:
+            raise RendezvousError(
+                f"rank {r} joined group {cfg.name!r} with "
+                + ", ".join(f"{k}={rec[k]!r}" for k in bad)
+                + f" but rank {cfg.rank} has world_size={cfg.world_size}, "
+                f"chunk_bytes={cfg.chunk_bytes}, protocol {PROTOCOL_VERSION}")
+        if rec["transport"] != cfg_transport_family(cfg.transport):
+            raise RendezvousError(
+                f"rank {r} uses transport {rec['transport']!r}, rank {cfg.rank} uses "
+                f"{cfg_transport_family(cfg.transport)!r}")
+    return peers
+
+
+def cfg_transport_family(transport: str) -> str:
+    return "memory" if transport == "memory" else transport
+
+
+async def _listen(cfg: RendezvousConfig, events: LinkEvents, max_frame: int,
+                  acceptor: Any, on_link: Any) -> Endpoint:
+    if cfg.transport == "memory":
+        address = memory.listen(
+            lambda: memory.MemoryLink(events, max_frame, acceptor()), on_link)
+        return Endpoint("memory", address, 0)
+    host = cfg.host or "127.0.0.1"
+    server = await tcp.listen(
+        host, 0,
+        lambda: tcp.TcpLink(events, max_frame, acceptor()), on_link,
+        ssl=_server_ssl(cfg))
+    port = server.sockets[0].getsockname()[1]
+    return Endpoint(cfg.transport, host, port, server)
+
+
+def _server_ssl(cfg: RendezvousConfig) -> ssl_module.SSLContext | None:
+    return cfg.ssl if cfg.transport == "tls" else None
+
+
+async def _connect(cfg: RendezvousConfig, rec: dict[str, Any], events: LinkEvents,
+                   max_frame: int) -> Link:
+    peer = int(rec["rank"])
+    hs = ConnectorHandshake(cfg.name, cfg.rank, peer, cfg.world_size, cfg.secret)
+    if cfg.transport == "memory":
+        return memory.connect(str(rec["address"]), memory.MemoryLink(events, max_frame, hs))
+    link = tcp.TcpLink(events, max_frame, hs)
+    try:
+        return await tcp.connect(str(rec["address"]), int(rec["port"]), link,
+                                 ssl=_server_ssl(cfg))
+    except OSError as exc:
+        raise RendezvousError(
+            f"rank {cfg.rank} could not connect to rank {peer} at "
+            f"{rec['address']}:{rec['port']}: {exc}") from None

@@ -1,0 +1,70 @@
+"""The Store contract shared by every backend.
+
+A store is a small key/value service used for rendezvous: ranks publish their addresses and
+wait for each other's. Keys are ``str``, values ``bytes``. All methods are coroutines.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+DEFAULT_TIMEOUT = 300.0
+
+
+class Store(abc.ABC):
+    """Abstract key/value store.
+
+    Contract (checked by ``tests/store/test_conformance.py`` for every backend):
+
+    - ``set`` overwrites; a value is published atomically (a reader sees all or nothing).
+    - ``get`` waits until the key exists (up to ``timeout``) and returns its value.
+    - ``add`` atomically adds to an integer counter (missing key counts as 0) and returns
+      the new value; the counter's value is readable with ``get`` as ASCII decimal.
+    - ``wait`` returns once every key exists.
+    - ``delete`` removes a key and says whether it existed.
+    - Timeouts raise :class:`~aiocollect.errors.StoreTimeout` naming the missing keys;
+      backend failures raise :class:`~aiocollect.errors.StoreError`.
+    - ``timeout=None`` means the store's default timeout.
+    """
+
+    timeout: float = DEFAULT_TIMEOUT
+
+    @abc.abstractmethod
+    async def set(self, key: str, value: bytes) -> None:
+        """Publish ``value`` under ``key``."""
+
+    @abc.abstractmethod
+    async def get(self, key: str, *, timeout: float | None = None) -> bytes:
+        """Return the value of ``key``, waiting for it to appear.
+
+        Raises:
+            StoreTimeout: the key did not appear in time.
+            StoreError: the backend failed.
+        """
+
+    @abc.abstractmethod
+    async def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the counter ``key``; return the new value."""
+
+    @abc.abstractmethod
+    async def wait(self, keys: Sequence[str], *, timeout: float | None = None) -> None:
+        """Wait until every key in ``keys`` exists.
+
+        Raises:
+            StoreTimeout: some keys did not appear in time (``.keys`` lists them).
+        """
+
+    @abc.abstractmethod
+    async def check(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key exists now, without waiting."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> bool:
+        """Remove ``key``; return whether it existed."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections or servers owned by this store object."""
+
+    def _timeout(self, timeout: float | None) -> float:
+        return self.timeout if timeout is None else timeout

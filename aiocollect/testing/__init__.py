@@ -1,0 +1,68 @@
+"""Helpers for testing distributed code: every rank on one loop, or one process per rank.
+
+- ``await run_ranks(n, fn, *args)`` runs ``fn(group, *args)`` for each rank on the current
+  event loop (memory transport by default) and returns the results in rank order.
+- ``await spawn_ranks(n, target, *args)`` does the same with one process per rank over TCP;
+  the returned :class:`SpawnedRanks` can also kill or stop a rank for fault tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiocollect.api import open_group
+from aiocollect.errors import AiocollectError
+from aiocollect.group import Group
+from aiocollect.testing.spawn import RankFailed, SpawnedRanks, spawn_ranks
+
+_names = itertools.count()
+
+
+async def run_ranks(world_size: int, fn: Callable[..., Awaitable[Any]], *args: Any,
+                    transport: str = "memory", timeout: float | None = 60.0,
+                    chunk_bytes: int | None = None, store: Any = None) -> list[Any]:
+    """Run ``fn(group, *args)`` for every rank of a new group on the current event loop.
+
+    Returns:
+        The results in rank order.
+
+    Raises:
+        ExceptionGroup: one or more ranks failed; each exception is annotated with its rank
+            (``RankFailed`` wrapping the original as ``__cause__``).
+    """
+    name = f"run-ranks-{os.getpid()}-{next(_names)}"
+    spec = store if store is not None else f"memory://{name}"
+
+    async def one(rank: int) -> Any:
+        group = await open_group(rank, world_size, store=spec, transport=transport,
+                                 timeout=timeout, name=name, chunk_bytes=chunk_bytes)
+        try:
+            result = await fn(group, *args)
+        except BaseException:
+            group.abort()
+            raise
+        await group.aclose()
+        return result
+
+    tasks = [asyncio.ensure_future(one(r)) for r in range(world_size)]
+    await asyncio.wait(tasks)
+    failures = []
+    for rank, task in enumerate(tasks):
+        exc = task.exception()
+        if exc is not None:
+            err = RankFailed(rank, f"rank {rank} failed: {type(exc).__name__}: {exc}")
+            err.__cause__ = exc
+            failures.append(err)
+    if failures:
+        raise ExceptionGroup(
+            f"{len(failures)} of {world_size} ranks failed "
+            f"(ranks {[f.rank for f in failures]})", failures)
+    return [t.result() for t in tasks]
+
+
+__all__ = ["AiocollectError", "Group", "RankFailed", "SpawnedRanks", "run_ranks",
+           "spawn_ranks"]

@@ -1,0 +1,178 @@
+"""``spawn_ranks``: one real process per rank, joined over TCP through a TCP store.
+
+Children are started with the ``spawn`` method (no fork of a running event loop), so the
+target must be importable (a module-level function). Each child opens the group, runs
+``target(group, *args)``, closes the group and sends back its result or its formatted
+traceback through a pipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+import socket
+import traceback
+from collections.abc import Awaitable, Callable, Generator
+from multiprocessing.connection import Connection
+from typing import Any
+
+from aiocollect.errors import AiocollectError
+
+
+class RankFailed(AiocollectError):
+    """A rank of ``run_ranks``/``spawn_ranks`` failed; ``rank`` says which, ``traceback``
+    holds the child's formatted traceback (spawned ranks), ``exc_type`` its class name."""
+
+    def __init__(self, rank: int, message: str, tb: str = "", exc_type: str = "") -> None:
+        super().__init__(message + (f"\n{tb}" if tb else ""))
+        self.rank = rank
+        self.traceback = tb
+        self.exc_type = exc_type
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (for the store URL of spawned ranks)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _child(rank: int, world_size: int, store: str, conn: Connection,
+           target: Callable[..., Awaitable[Any]], args: tuple[Any, ...],
+           options: dict[str, Any]) -> None:
+    async def main() -> Any:
+        from aiocollect.api import open_group
+
+        group = await open_group(rank, world_size, store=store, **options)
+        try:
+            result = await target(group, *args)
+        except BaseException:
+            group.abort()
+            raise
+        await group.aclose()
+        return result
+
+    try:
+        if options.pop("uvloop", False):
+            import uvloop
+
+            result = uvloop.run(main())
+        else:
+            result = asyncio.run(main())
+        conn.send(("ok", result))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+class SpawnedRanks:
+    """Running rank processes. ``await`` it for the results in rank order."""
+
+    def __init__(self, world_size: int, target: Callable[..., Awaitable[Any]],
+                 args: tuple[Any, ...], timeout: float, options: dict[str, Any]) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.timeout = timeout
+        self.store = f"tcp://127.0.0.1:{free_port()}"
+        self.processes: list[Any] = []
+        self._conns: list[Connection] = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child, name=f"aiocollect-rank-{rank}", daemon=True,
+                               args=(rank, world_size, self.store, child, target, args,
+                                     dict(options)))
+            proc.start()
+            child.close()
+            self.processes.append(proc)
+            self._conns.append(parent)
+
+    def pid(self, rank: int) -> int:
+        return int(self.processes[rank].pid)
+
+    def kill(self, rank: int) -> None:
+        """SIGKILL a rank (fault injection)."""
+        os.kill(self.pid(rank), signal.SIGKILL)
+
+    def stop(self, rank: int) -> None:
+        """SIGSTOP a rank (it freezes; ``resume`` or the final cleanup continues it)."""
+        os.kill(self.pid(rank), signal.SIGSTOP)
+
+    def resume(self, rank: int) -> None:
+        os.kill(self.pid(rank), signal.SIGCONT)
+
+    async def _outcome(self, rank: int) -> tuple[Any, ...]:
+        conn = self._conns[rank]
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        loop.add_reader(conn.fileno(), lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            loop.remove_reader(conn.fileno())
+        try:
+            msg: tuple[Any, ...] = conn.recv()
+            return msg
+        except (EOFError, OSError):
+            proc = self.processes[rank]
+            await asyncio.to_thread(proc.join, 5)
+            code = proc.exitcode
+            how = (f"signal {signal.Signals(-code).name}" if code is not None and code < 0
+                   else f"exit code {code}")
+            return ("died", how)
+
+    async def results(self) -> list[Any]:
+        """Wait for every rank (up to ``timeout``) and return results in rank order.
+
+        Raises:
+            ExceptionGroup of RankFailed: ranks that raised, died or timed out.
+        """
+        try:
+            async with asyncio.timeout(self.timeout):
+                outcomes = await asyncio.gather(*(self._outcome(r)
+                                                  for r in range(self.world_size)))
+        except TimeoutError:
+            self.terminate()
+            raise ExceptionGroup(f"spawned ranks did not finish within {self.timeout} s", [
+                RankFailed(r, f"rank {r} timed out") for r, p in enumerate(self.processes)
+            ]) from None
+        finally:
+            self.terminate()
+        failures = []
+        for rank, out in enumerate(outcomes):
+            if out[0] == "error":
+                failures.append(RankFailed(rank, f"rank {rank} raised {out[1]}: {out[2]}",
+                                           out[3], out[1]))
+            elif out[0] == "died":
+                failures.append(RankFailed(rank, f"rank {rank} died ({out[1]})", "", "died"))
+        if failures:
+            raise ExceptionGroup(f"{len(failures)} of {self.world_size} ranks failed "
+                                 f"(ranks {[f.rank for f in failures]})", failures)
+        return [out[1] for out in outcomes]
+
+    def terminate(self) -> None:
+        """Kill every rank still running and reap them (idempotent)."""
+        for proc in self.processes:
+            if proc.is_alive():
+                try:
+                    os.kill(proc.pid, signal.SIGCONT)
+                    proc.kill()
+                except OSError:
+                    pass
+        for proc in self.processes:
+            proc.join(5)
+        for conn in self._conns:
+            conn.close()
+
+    def __await__(self) -> Generator[Any, None, list[Any]]:
+        return self.results().__await__()
+
+
+def spawn_ranks(world_size: int, target: Callable[..., Awaitable[Any]], *args: Any,
+                timeout: float = 60.0, **options: Any) -> SpawnedRanks:
+    """Start one process per rank running ``target(group, *args)``; ``await`` the result
+    for their return values in rank order. ``options`` go to ``open_group`` (plus
+    ``uvloop=True`` to run the children on uvloop)."""
+    return SpawnedRanks(world_size, target, args, timeout, options)

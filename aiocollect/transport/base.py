@@ -1,0 +1,239 @@
+"""Link: one connection to one peer, with a tag mailbox matching frames to posted receives.
+
+Concrete transports (tcp, memory, ...) feed incoming bytes through :meth:`Link._begin_frame`
+and :meth:`Link._end_frame` and implement the sending half. Everything above the transport
+talks to a link through ``post_recv``, ``send``, ``drained`` and ``close``.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from typing import Any, Protocol
+
+from aiocollect.errors import MismatchError
+from aiocollect.types import dtype_label
+from aiocollect.transport.wire import ABORT, GOODBYE, Header, Key
+
+log = logging.getLogger("aiocollect.transport")
+
+
+class LinkEvents(Protocol):
+    """What a link reports upward (implemented by the engine's Fabric)."""
+
+    def on_header(self, link: Link, header: Header) -> None:
+        """A DATA/P2P header arrived; may raise MismatchError or ProtocolError."""
+
+    def on_control(self, link: Link, kind: int, payload: bytes) -> None:
+        """An ABORT or GOODBYE frame arrived."""
+
+    def on_error(self, link: Link, exc: BaseException) -> None:
+        """The link hit a protocol or matching error; it is being closed."""
+
+    def on_lost(self, link: Link, exc: BaseException | None) -> None:
+        """The connection closed (``exc`` is None for a clean EOF)."""
+
+
+class Handshaker(Protocol):
+    """Sans-IO handshake run over length-prefixed msgpack maps before the first frame."""
+
+    def start(self) -> list[dict[str, Any]]:
+        """Messages to send as soon as the connection is up."""
+
+    def on_message(self, msg: dict[str, Any]) -> tuple[list[dict[str, Any]], int | None]:
+        """Consume one message; return replies and, once complete, the peer's rank.
+
+        Raises:
+            AuthenticationError, RendezvousError, ProtocolError: the peer is rejected.
+        """
+
+
+class Rejection(Exception):
+    """Raised by a handshaker to send ``reply`` to the peer, then fail with ``error``."""
+
+    def __init__(self, reply: dict[str, Any], error: BaseException) -> None:
+        super().__init__(str(error))
+        self.reply = reply
+        self.error = error
+
+
+Fingerprint = tuple[int, int, int, int, int]
+
+
+class _Recv:
+    __slots__ = ("expect", "fut", "view")
+
+    def __init__(self, view: memoryview, fut: asyncio.Future[None],
+                 expect: Fingerprint | None) -> None:
+        self.view = view
+        self.fut = fut
+        self.expect = expect
+
+
+class Link(abc.ABC):
+    """One peer connection. ``peer`` is the peer's world rank (-1 until the handshake ends)."""
+
+    def __init__(self, events: LinkEvents, max_frame: int) -> None:
+        self.peer = -1
+        self.events = events
+        self.max_frame = max_frame
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.frames_sent = 0
+        self.frames_received = 0
+        self.goodbye_received = False
+        self.closed = False
+        self._failure: BaseException | None = None
+        self._posted: dict[Key, _Recv] = {}
+        self._early: dict[Key, tuple[Header, bytearray]] = {}
+        self._early_bytes = 0
+        self._frame: Header | None = None
+        self._frame_recv: _Recv | None = None
+        self._frame_staging: bytearray | None = None
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def post_recv(self, key: Key, view: memoryview,
+                  expect: Fingerprint | None = None) -> asyncio.Future[None]:
+        """Receive the frame with ``key`` into ``view`` (exact length). With ``expect``,
+        the frame's fingerprint must equal it. The future fails with the link's failure if
+        the link breaks first."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._failure is not None:
+            fut.set_exception(self._failure)
+            fut.exception()
+            return fut
+        early = self._early.pop(key, None)
+        if early is not None:
+            h, data = early
+            self._early_bytes -= len(data)
+            if self._check(h, len(view), expect):
+                view[:] = data
+                fut.set_result(None)
+            return fut
+        self._posted[key] = _Recv(view, fut, expect)
+        return fut
+
+    def has_frame(self, key: Key) -> bool:
+        """Whether a frame with ``key`` arrived (or is arriving) with no receive posted."""
+        return key in self._early or (
+            self._frame is not None and self._frame_staging is not None
+            and self._frame.key == key)
+
+    def unpost(self, key: Key) -> None:
+        """Withdraw a posted receive (used when an operation is abandoned)."""
+        self._posted.pop(key, None)
+
+    def _check(self, h: Header, want: int, expect: Fingerprint | None) -> bool:
+        if expect is not None and h.fingerprint != expect:
+            self._raise_error(MismatchError(
+                f"rank {self.peer} sent a message of {h.count} x {dtype_label(h.dtype)} "
+                f"(tag {h.slot}) but this rank receives {expect[2]} x "
+                f"{dtype_label(expect[1])}"))
+            return False
+        if h.length == want:
+            return True
+        self._raise_error(MismatchError(
+            f"frame {h.key} from rank {self.peer} carries {h.length} bytes but this rank "
+            f"expects {want}: the ranks passed buffers of different sizes"))
+        return False
+
+    def _raise_error(self, exc: BaseException) -> None:
+        self.events.on_error(self, exc)
+
+    def _begin_frame(self, h: Header) -> memoryview | None:
+        """Called by the transport once a header is parsed; returns where the payload goes,
+        or None if the link must stop reading (the error has been reported)."""
+        self._frame = h
+        self.frames_received += 1
+        if h.kind in (ABORT, GOODBYE):
+            self._frame_staging = bytearray(h.length)
+            return memoryview(self._frame_staging)
+        try:
+            self.events.on_header(self, h)
+        except Exception as exc:  # MismatchError, ProtocolError
+            self._raise_error(exc)
+            return None
+        recv = self._posted.pop(h.key, None)
+        if recv is not None:
+            if not self._check(h, len(recv.view), recv.expect):
+                return None
+            self._frame_recv = recv
+            return recv.view
+        self._frame_staging = bytearray(h.length)
+        return memoryview(self._frame_staging)
+
+    def _end_frame(self) -> None:
+        """Called by the transport when the current frame's payload is complete."""
+        h = self._frame
+        assert h is not None
+        self.bytes_received += h.length
+        recv, staging = self._frame_recv, self._frame_staging
+        self._frame = self._frame_recv = self._frame_staging = None
+        if h.kind in (ABORT, GOODBYE):
+            self.events.on_control(self, h.kind, bytes(staging or b""))
+            return
+        if recv is not None:
+            if not recv.fut.done():
+                recv.fut.set_result(None)
+            return
+        assert staging is not None
+        late = self._posted.pop(h.key, None)  # posted while the payload was arriving
+        if late is not None:
+            if self._check(h, len(late.view), late.expect):
+                late.view[:] = staging
+                if not late.fut.done():
+                    late.fut.set_result(None)
+            return
+        self._early[h.key] = (h, staging)
+        self._early_bytes += len(staging)
+
+    def fail(self, exc: BaseException) -> None:
+        """Fail every posted receive (and any posted later) with ``exc``."""
+        if self._failure is None:
+            self._failure = exc
+        posted, self._posted = self._posted, {}
+        for recv in posted.values():
+            if not recv.fut.done():
+                recv.fut.set_exception(exc)
+                recv.fut.exception()  # an op may fail on another future first
+        self._early.clear()
+        self._early_bytes = 0
+
+    @property
+    def pending_receives(self) -> int:
+        return len(self._posted)
+
+    @property
+    def early_bytes(self) -> int:
+        return self._early_bytes
+
+    # -- sending ---------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def send(self, header: bytes, payload: memoryview | bytes) -> None:
+        """Queue one frame. The payload memory must stay unchanged until ``drained()``."""
+
+    @abc.abstractmethod
+    def write_buffer_size(self) -> int:
+        """Bytes queued in user space and not yet handed to the kernel."""
+
+    @abc.abstractmethod
+    async def drained(self) -> None:
+        """Return once everything queued so far has left user space.
+
+        Raises:
+            the link's failure if it breaks first.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Flush what is queued, then close."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Close now, dropping what is queued."""
+
+    def describe(self) -> str:
+        return f"rank {self.peer}"

@@ -1,0 +1,278 @@
+"""TCP links on ``asyncio.BufferedProtocol``: payloads land straight in the receiver's array.
+
+Reading is a small state machine: handshake messages (u32 length + msgpack) until the
+handshaker says the peer is known, then frames (fixed header + payload). ``get_buffer``
+always hands the event loop exactly the memory the next bytes belong in, so nothing is read
+ahead and no payload is copied when its receive was posted in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl as ssl_module
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from aiocollect.errors import PeerDisconnected, ProtocolError
+from aiocollect.transport.base import Handshaker, Link, LinkEvents, Rejection
+from aiocollect.transport.wire import (
+    HEADER_SIZE,
+    LENGTH_PREFIX,
+    MAX_HANDSHAKE,
+    parse_header,
+)
+
+log = logging.getLogger("aiocollect.transport.tcp")
+
+SOCKET_BUFFER = 4 * 1024 * 1024
+
+
+class TcpLink(Link, asyncio.BufferedProtocol):
+    """A peer link over one TCP (or TLS) connection."""
+
+    def __init__(self, events: LinkEvents, max_frame: int, handshaker: Handshaker) -> None:
+        Link.__init__(self, events, max_frame)
+        self.handshaker: Handshaker | None = handshaker
+        self.ready: asyncio.Future[TcpLink] = asyncio.get_running_loop().create_future()
+        self.transport: asyncio.Transport | None = None
+        self.address = "?"
+        self._hdr = bytearray(HEADER_SIZE)
+        self._hdr_view = memoryview(self._hdr)
+        self._got = 0
+        self._payload: memoryview | None = None
+        self._hs_len: int | None = None
+        self._hs_buf = bytearray(LENGTH_PREFIX.size)
+        self._drain: asyncio.Future[None] | None = None
+        self._lost = False
+
+    # -- connection lifecycle --------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        transport.set_write_buffer_limits(high=0, low=0)
+        sock = transport.get_extra_info("socket")
+        peername = transport.get_extra_info("peername")
+        if peername:
+            self.address = f"{peername[0]}:{peername[1]}"
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+                except OSError:
+                    pass
+        assert self.handshaker is not None
+        try:
+            for msg in self.handshaker.start():
+                self._send_handshake(msg)
+        except Exception as exc:
+            self._handshake_failed(exc)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        self.closed = True
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_exception(PeerDisconnected(
+                f"link to {self.describe()} closed with data queued", self.peer))
+            self._drain.exception()  # mark retrieved: waiters may have gone
+        if not self.ready.done():
+            self.ready.set_exception(PeerDisconnected(
+                f"connection to {self.address} closed during the handshake"
+                + (f": {exc}" if exc else ""), None))
+            return
+        self.events.on_lost(self, exc)
+
+    def pause_writing(self) -> None:
+        if self._drain is None or self._drain.done():
+            self._drain = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._payload is not None:
+            return self._payload[self._got:]
+        if self.handshaker is not None:
+            return memoryview(self._hs_buf)[self._got:]
+        return self._hdr_view[self._got:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._got += nbytes
+        if self._payload is not None:
+            if self._got == len(self._payload):
+                self._payload = None
+                self._got = 0
+                self._end_frame()
+            return
+        if self.handshaker is not None:
+            self._handshake_bytes()
+            return
+        if self._got < HEADER_SIZE:
+            return
+        self._got = 0
+        try:
+            h = parse_header(self._hdr, self.max_frame)
+        except ProtocolError as exc:
+            self._raise_error(exc)
+            return
+        dest = self._begin_frame(h)
+        if dest is None:
+            self.abort()
+        elif h.length == 0:
+            self._end_frame()
+        else:
+            self._payload = dest
+
+    def eof_received(self) -> bool | None:
+        return None
+
+    def _raise_error(self, exc: BaseException) -> None:
+        log.warning("link to %s (%s): %s; closing it", self.describe(), self.address, exc)
+        super()._raise_error(exc)
+        self.abort()
+
+    # -- handshake -------------------------------------------------------------------------
+
+    def _handshake_bytes(self) -> None:
+        if self._got < len(self._hs_buf):
+            return
+        self._got = 0
+        if self._hs_len is None:
+            (n,) = LENGTH_PREFIX.unpack(self._hs_buf)
+            if n > MAX_HANDSHAKE:
+                self._handshake_failed(ProtocolError(f"handshake message of {n} bytes"))
+                return
+            self._hs_len = n
+            self._hs_buf = bytearray(n)
+            if n:
+                return
+        raw = bytes(self._hs_buf)
+        self._hs_len = None
+        self._hs_buf = bytearray(LENGTH_PREFIX.size)
+        try:
+            msg = msgpack.unpackb(raw, raw=False)
+            if not isinstance(msg, dict):
+                raise ProtocolError("handshake message is not a map")
+            assert self.handshaker is not None
+            replies, peer = self.handshaker.on_message(msg)
+            for reply in replies:
+                self._send_handshake(reply)
+        except Rejection as rej:
+            self._send_handshake(rej.reply)
+            self._handshake_failed(rej.error)
+            return
+        except Exception as exc:
+            self._handshake_failed(exc)
+            return
+        if peer is not None:
+            self.peer = peer
+            self.handshaker = None
+            self.ready.set_result(self)
+
+    def _send_handshake(self, msg: dict[str, Any]) -> None:
+        data = msgpack.packb(msg, use_bin_type=True)
+        assert self.transport is not None
+        self.transport.write(LENGTH_PREFIX.pack(len(data)) + data)
+
+    def _handshake_failed(self, exc: BaseException) -> None:
+        if isinstance(exc, (ValueError, msgpack.exceptions.ExtraData)) and not isinstance(
+                exc, ProtocolError):
+            exc = ProtocolError(f"malformed handshake from {self.address}: {exc}")
+        if not self.ready.done():
+            self.ready.set_exception(exc)
+        self.handshaker = None
+        if self.transport is not None:
+            # Let a final error reply leave before closing.
+            self.transport.close()
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def send(self, header: bytes, payload: memoryview | bytes) -> None:
+        if self.transport is None or self._lost:
+            raise PeerDisconnected(f"link to {self.describe()} is closed", self.peer)
+        if len(payload):
+            self.transport.writelines((header, payload))
+        else:
+            self.transport.write(header)
+        self.bytes_sent += len(payload)
+        self.frames_sent += 1
+
+    def write_buffer_size(self) -> int:
+        return 0 if self.transport is None else self.transport.get_write_buffer_size()
+
+    async def drained(self) -> None:
+        while self.write_buffer_size() > 0:
+            if self._lost:
+                raise PeerDisconnected(f"link to {self.describe()} closed", self.peer)
+            if self._drain is None or self._drain.done():
+                self._drain = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._drain)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def describe(self) -> str:
+        return f"rank {self.peer} ({self.address})" if self.peer >= 0 else self.address
+
+
+async def listen(
+    host: str,
+    port: int,
+    make_link: Callable[[], TcpLink],
+    on_link: Callable[[TcpLink], None],
+    ssl: ssl_module.SSLContext | None = None,
+) -> asyncio.Server:
+    """Accept peer connections; ``on_link`` gets each link whose handshake succeeded.
+    Failed handshakes are logged and closed; they never disturb the listener."""
+
+    def factory() -> TcpLink:
+        link = make_link()
+        link.ready.add_done_callback(_accepted)
+        return link
+
+    def _accepted(fut: asyncio.Future[TcpLink]) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            log.warning("rejected an incoming connection: %s", exc)
+            return
+        on_link(fut.result())
+
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(factory, host, port, ssl=ssl, reuse_address=True)
+
+
+async def connect(
+    host: str,
+    port: int,
+    link: TcpLink,
+    ssl: ssl_module.SSLContext | None = None,
+    server_hostname: str | None = None,
+) -> TcpLink:
+    """Connect ``link`` to ``host:port`` and run its handshake.
+
+    Raises:
+        OSError: the connection was refused. Handshake errors as raised by the handshaker.
+    """
+    loop = asyncio.get_running_loop()
+    kwargs: dict[str, Any] = {}
+    if ssl is not None:
+        kwargs = {"ssl": ssl, "server_hostname": server_hostname or host}
+    await loop.create_connection(lambda: link, host, port, **kwargs)
+    return await link.ready

@@ -1,0 +1,92 @@
+"""The frame format (sans-IO).
+
+Every frame is a fixed 50-byte little-endian header, then ``length`` payload bytes::
+
+    magic   u16  0xAC01
+    kind    u8   DATA | P2P | ABORT | GOODBYE
+    coll    u8   Collective of the operation (fingerprint)
+    op      u8   reduction op code (fingerprint; 0 when none)
+    dtype   u8   dtype code (fingerprint)
+    gid     u32  group id (0 = the world group; sub-groups from split get their own)
+    chunk   u32  chunk index within the slot
+    seq     u64  operation sequence number (P2P: per (sender, tag) message counter)
+    slot    u64  algorithm-defined step/block slot (P2P: the user tag)
+    root    i32  root rank of the operation, -1 when none (fingerprint)
+    count   u64  element count of the operation (fingerprint)
+    length  u64  payload bytes
+
+A frame is addressed by its *key* ``(kind, gid, seq, slot, chunk)``; receives are posted by
+key and matched in any order. Handshakes before the first frame are length-prefixed msgpack
+maps (u32 length, at most ``MAX_HANDSHAKE`` bytes).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+from aiocollect.errors import ProtocolError
+
+MAGIC = 0xAC01
+HEADER = struct.Struct("<HBBBBIIQQiQQ")
+HEADER_SIZE = HEADER.size
+LENGTH_PREFIX = struct.Struct("<I")
+MAX_HANDSHAKE = 64 * 1024
+MAX_CONTROL = 1 << 20
+
+DATA = 1
+P2P = 2
+ABORT = 3
+GOODBYE = 4
+KINDS = (DATA, P2P, ABORT, GOODBYE)
+
+Key = tuple[int, int, int, int, int]
+
+
+class Header(NamedTuple):
+    kind: int
+    coll: int
+    op: int
+    dtype: int
+    gid: int
+    chunk: int
+    seq: int
+    slot: int
+    root: int
+    count: int
+    length: int
+
+    @property
+    def key(self) -> Key:
+        return (self.kind, self.gid, self.seq, self.slot, self.chunk)
+
+    @property
+    def fingerprint(self) -> tuple[int, int, int, int, int]:
+        return (self.coll, self.dtype, self.count, self.op, self.root)
+
+
+def pack_header(h: Header) -> bytes:
+    return HEADER.pack(MAGIC, *h)
+
+
+def control_header(kind: int, length: int) -> bytes:
+    """Header of an ABORT or GOODBYE frame."""
+    return HEADER.pack(MAGIC, kind, 0, 0, 0, 0, 0, 0, 0, -1, 0, length)
+
+
+def parse_header(buf: bytes | bytearray | memoryview, max_length: int) -> Header:
+    """Decode and bounds-check a header.
+
+    Raises:
+        ProtocolError: bad magic, unknown kind, or a payload longer than allowed.
+    """
+    magic, *fields = HEADER.unpack(buf)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad frame magic 0x{magic:04x}")
+    h = Header(*fields)
+    if h.kind not in KINDS:
+        raise ProtocolError(f"unknown frame kind {h.kind}")
+    limit = MAX_CONTROL if h.kind in (ABORT, GOODBYE) else max_length
+    if h.length > limit:
+        raise ProtocolError(f"frame of {h.length} bytes exceeds the limit of {limit}")
+    return h
