@@ -1,0 +1,1 @@
+"""The ``aiocollect`` command line: ``run``, ``store``, ``info`` and ``bench``."""

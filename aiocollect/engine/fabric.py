@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,8 @@ from aiocollect.transport.wire import ABORT, GOODBYE, P2P, Header, control_heade
 from aiocollect.types import Collective, dtype_label, op_label
 
 log = logging.getLogger("aiocollect")
+
+DONE_MEMORY = 4096
 
 
 def describe_fingerprint(fp: Fingerprint) -> str:
@@ -56,6 +59,7 @@ class Fabric:
         self._active: dict[tuple[int, int], Fingerprint] = {}
         self._started: dict[int, int] = {}
         self._early: dict[tuple[int, int], list[tuple[int, Fingerprint]]] = {}
+        self._done: OrderedDict[tuple[int, int], Fingerprint] = OrderedDict()
         self._p2p_waiters: list[asyncio.Future[None]] = []
         self.on_break: list[Callable[[BaseException], None]] = []
 
@@ -71,7 +75,13 @@ class Fabric:
                 return
 
     def unregister(self, gid: int, seq: int) -> None:
-        self._active.pop((gid, seq), None)
+        fp = self._active.pop((gid, seq), None)
+        if fp is not None:
+            # Remember recent fingerprints: a peer that disagrees may only send after this
+            # rank finished (e.g. this rank's op had nothing to receive).
+            self._done[(gid, seq)] = fp
+            if len(self._done) > DONE_MEMORY:
+                self._done.popitem(last=False)
 
     def _mismatch(self, gid: int, seq: int, mine: Fingerprint, peer: int, theirs: Fingerprint,
                   ranks: list[int] | None = None) -> MismatchError:
@@ -91,6 +101,9 @@ class Fabric:
         key = (h.gid, h.seq)
         mine = self._active.get(key)
         if mine is None:
+            done = self._done.get(key)
+            if done is not None and done != h.fingerprint:
+                raise self._mismatch(h.gid, h.seq, done, link.peer, h.fingerprint)
             if h.seq <= self._started.get(h.gid, -1):
                 raise ProtocolError(
                     f"rank {link.peer} sent a frame for finished operation #{h.seq}")
@@ -104,7 +117,8 @@ class Fabric:
             link.goodbye_received = True
             return
         assert kind == ABORT
-        self.fail(_decode_abort(link.peer, payload), notify=False)
+        # Relay it: a peer that hears our close before the origin's ABORT must not blame us.
+        self.fail(_decode_abort(link.peer, payload), notify=True)
 
     def on_error(self, link: Link, exc: BaseException) -> None:
         self.fail(exc)
@@ -115,7 +129,7 @@ class Fabric:
         if link.goodbye_received:
             # A clean close fails only what still needs that peer; such an op then breaks
             # the group through the usual path.
-            link.fail(GroupBrokenError(f"rank {link.peer} closed the group"))
+            link.fail(GroupBrokenError(f"rank {link.peer} closed the group"), drop_early=False)
             return
         detail = f": {exc}" if exc else ""
         self.fail(PeerDisconnected(
@@ -198,6 +212,9 @@ _ABORT_CLASSES: dict[str, type[errors.AiocollectError]] = {
 
 
 def _encode_abort(rank: int, exc: BaseException) -> bytes:
+    relayed = getattr(exc, "abort_info", None)
+    if isinstance(relayed, dict):
+        return bytes(msgpack.packb(relayed, use_bin_type=True))
     info: dict[str, Any] = {"rank": rank, "type": type(exc).__name__, "message": str(exc)}
     if isinstance(exc, errors.PeerTimeout):
         info["ranks"] = list(exc.ranks)
@@ -211,13 +228,18 @@ def _decode_abort(peer: int, payload: bytes) -> BaseException:
     try:
         info = msgpack.unpackb(payload, raw=False)
         kind, message = str(info["type"]), str(info["message"])
+        origin = int(info["rank"])
         ranks = [int(r) for r in info.get("ranks", [])]
     except Exception:
         return ProtocolError(f"rank {peer} sent a malformed ABORT frame")
-    text = f"rank {peer} aborted the group: {message}"
+    text = f"rank {origin} aborted the group: {message}"
     cls = _ABORT_CLASSES.get(kind, GroupBrokenError)
+    exc: errors.AiocollectError
     if cls is errors.PeerTimeout:
-        return errors.PeerTimeout(text, ranks)
-    if cls is errors.PeerDisconnected:
-        return errors.PeerDisconnected(text, ranks[0] if ranks else peer)
-    return cls(text)
+        exc = errors.PeerTimeout(text, ranks)
+    elif cls is errors.PeerDisconnected:
+        exc = errors.PeerDisconnected(text, ranks[0] if ranks else origin)
+    else:
+        exc = cls(text)
+    exc.abort_info = info  # type: ignore[attr-defined]
+    return exc

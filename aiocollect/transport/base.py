@@ -100,17 +100,20 @@ class Link(abc.ABC):
         the frame's fingerprint must equal it. The future fails with the link's failure if
         the link breaks first."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if self._failure is not None:
-            fut.set_exception(self._failure)
-            fut.exception()
-            return fut
         early = self._early.pop(key, None)
-        if early is not None:
+        if early is not None:  # arrived before the peer closed: still good
             h, data = early
             self._early_bytes -= len(data)
             if self._check(h, len(view), expect):
                 view[:] = data
                 fut.set_result(None)
+            else:
+                fut.set_exception(self._failure or MismatchError(f"frame {key} rejected"))
+                fut.exception()
+            return fut
+        if self._failure is not None:
+            fut.set_exception(self._failure)
+            fut.exception()
             return fut
         self._posted[key] = _Recv(view, fut, expect)
         return fut
@@ -155,10 +158,11 @@ class Link(abc.ABC):
         except Exception as exc:  # MismatchError, ProtocolError
             self._raise_error(exc)
             return None
-        recv = self._posted.pop(h.key, None)
+        recv = self._posted.get(h.key)
         if recv is not None:
             if not self._check(h, len(recv.view), recv.expect):
-                return None
+                return None  # the receive stays posted and fails with the link
+            del self._posted[h.key]
             self._frame_recv = recv
             return recv.view
         self._frame_staging = bytearray(h.length)
@@ -179,9 +183,10 @@ class Link(abc.ABC):
                 recv.fut.set_result(None)
             return
         assert staging is not None
-        late = self._posted.pop(h.key, None)  # posted while the payload was arriving
+        late = self._posted.get(h.key)  # posted while the payload was arriving
         if late is not None:
             if self._check(h, len(late.view), late.expect):
+                del self._posted[h.key]
                 late.view[:] = staging
                 if not late.fut.done():
                     late.fut.set_result(None)
@@ -189,8 +194,9 @@ class Link(abc.ABC):
         self._early[h.key] = (h, staging)
         self._early_bytes += len(staging)
 
-    def fail(self, exc: BaseException) -> None:
-        """Fail every posted receive (and any posted later) with ``exc``."""
+    def fail(self, exc: BaseException, drop_early: bool = True) -> None:
+        """Fail every posted receive (and any posted later) with ``exc``. Frames that
+        already arrived stay receivable unless ``drop_early``."""
         if self._failure is None:
             self._failure = exc
         posted, self._posted = self._posted, {}
@@ -198,8 +204,9 @@ class Link(abc.ABC):
             if not recv.fut.done():
                 recv.fut.set_exception(exc)
                 recv.fut.exception()  # an op may fail on another future first
-        self._early.clear()
-        self._early_bytes = 0
+        if drop_early:
+            self._early.clear()
+            self._early_bytes = 0
 
     @property
     def pending_receives(self) -> int:

@@ -34,7 +34,8 @@ class MemoryLink(Link):
     def send(self, header: bytes, payload: memoryview | bytes) -> None:
         other = self.other
         if self.closed or other is None:
-            raise PeerDisconnected(f"link to rank {self.peer} is closed", self.peer)
+            raise self._failure or PeerDisconnected(
+                f"link to rank {self.peer} is closed", self.peer)
         self._loop.call_soon(other._deliver, header, bytes(payload))
         self.bytes_sent += len(payload)
         self.frames_sent += 1

@@ -13,7 +13,7 @@ import logging
 import socket
 import ssl as ssl_module
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
@@ -29,6 +29,9 @@ from aiocollect.transport.wire import (
 log = logging.getLogger("aiocollect.transport.tcp")
 
 SOCKET_BUFFER = 4 * 1024 * 1024
+#: Seconds a closing link waits for the peer's FIN before resetting the connection.
+LINGER = 5.0
+_SCRATCH = memoryview(bytearray(64 * 1024))
 
 
 class TcpLink(Link, asyncio.BufferedProtocol):
@@ -48,13 +51,14 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         self._hs_buf = bytearray(LENGTH_PREFIX.size)
         self._drain: asyncio.Future[None] | None = None
         self._lost = False
+        self._discard = False
+        self._linger: asyncio.TimerHandle | None = None
 
     # -- connection lifecycle --------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        transport.set_write_buffer_limits(high=0, low=0)
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        self.transport.set_write_buffer_limits(high=0, low=0)
         sock = transport.get_extra_info("socket")
         peername = transport.get_extra_info("peername")
         if peername:
@@ -76,6 +80,8 @@ class TcpLink(Link, asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
         self.closed = True
+        if self._linger is not None:
+            self._linger.cancel()
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(PeerDisconnected(
                 f"link to {self.describe()} closed with data queued", self.peer))
@@ -98,6 +104,8 @@ class TcpLink(Link, asyncio.BufferedProtocol):
     # -- reading ---------------------------------------------------------------------------
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._discard:
+            return _SCRATCH
         if self._payload is not None:
             return self._payload[self._got:]
         if self.handshaker is not None:
@@ -105,6 +113,8 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         return self._hdr_view[self._got:]
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._discard:
+            return
         self._got += nbytes
         if self._payload is not None:
             if self._got == len(self._payload):
@@ -125,19 +135,19 @@ class TcpLink(Link, asyncio.BufferedProtocol):
             return
         dest = self._begin_frame(h)
         if dest is None:
-            self.abort()
+            self._discard = True
         elif h.length == 0:
             self._end_frame()
         else:
             self._payload = dest
 
     def eof_received(self) -> bool | None:
-        return None
+        return False  # close our side too; connection_lost reports it
 
     def _raise_error(self, exc: BaseException) -> None:
         log.warning("link to %s (%s): %s; closing it", self.describe(), self.address, exc)
+        self._discard = True  # read nothing more from it; the fabric closes it gracefully
         super()._raise_error(exc)
-        self.abort()
 
     # -- handshake -------------------------------------------------------------------------
 
@@ -196,8 +206,9 @@ class TcpLink(Link, asyncio.BufferedProtocol):
     # -- sending ---------------------------------------------------------------------------
 
     def send(self, header: bytes, payload: memoryview | bytes) -> None:
-        if self.transport is None or self._lost:
-            raise PeerDisconnected(f"link to {self.describe()} is closed", self.peer)
+        if self.transport is None or self._lost or self.closed:
+            raise self._failure or PeerDisconnected(
+                f"link to {self.describe()} is closed", self.peer)
         if len(payload):
             self.transport.writelines((header, payload))
         else:
@@ -217,9 +228,21 @@ class TcpLink(Link, asyncio.BufferedProtocol):
             await asyncio.shield(self._drain)
 
     def close(self) -> None:
+        """Flush what is queued (an ABORT or GOODBYE above all), half-close, and keep
+        reading (discarding) until the peer closes too: closing with unread input would
+        send a reset that can destroy the frame we just queued."""
+        if self.closed:
+            return
         self.closed = True
-        if self.transport is not None:
-            self.transport.close()
+        self._discard = True
+        transport = self.transport
+        if transport is None or self._lost:
+            return
+        if transport.can_write_eof():
+            transport.write_eof()
+            self._linger = asyncio.get_running_loop().call_later(LINGER, transport.abort)
+        else:
+            transport.close()
 
     def abort(self) -> None:
         self.closed = True

@@ -1,0 +1,270 @@
+"""``aiocollect run``: a torchrun-style launcher for the ranks of one node.
+
+Usage::
+
+    aiocollect run -n N [--nnodes K --node-rank I --master-addr A --master-port P]
+                   [--transport T] [--timeout S] [--grace S] script.py ARGS...
+    aiocollect run -n N ... -m package.module ARGS...
+
+Each rank runs ``sys.executable script.py ARGS`` with, in its environment:
+
+- ``AIOCOLLECT_RANK``, ``AIOCOLLECT_WORLD_SIZE``, ``AIOCOLLECT_LOCAL_RANK``,
+  ``AIOCOLLECT_LOCAL_WORLD_SIZE``, ``AIOCOLLECT_STORE=tcp://A:P`` (and
+  ``AIOCOLLECT_TRANSPORT`` with ``--transport``), so ``await aiocollect.open_group()``
+  needs no arguments; rank 0 hosts the TCP store on A:P;
+- torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+  ``GROUP_RANK`` (the node rank), ``MASTER_ADDR=A`` and ``MASTER_PORT=P``;
+- ``PYTHONUNBUFFERED=1``.
+
+Global rank = node_rank * nproc_per_node + local_rank; world size = nnodes * nproc_per_node.
+Every output line of a rank is prefixed with ``[rank R] `` (stdout to stdout, stderr to
+stderr). Local rank 0 inherits the launcher's stdin; the other ranks read from /dev/null.
+See :mod:`aiocollect.cli.supervise` for what happens when a rank fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from aiocollect.cli.supervise import FORWARDED_SIGNALS, Job, supervise
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MULTINODE_PORT = 29500
+DEFAULT_GRACE = 5.0
+TRANSPORT_CHOICES = ("auto", "tcp", "tls", "shm", "rdma")
+PROG = "aiocollect run"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What ``aiocollect run`` starts, after validation (see the module docstring)."""
+
+    nproc: int
+    script: str
+    args: list[str] = field(default_factory=list)
+    module: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = 0
+    transport: str | None = None
+    timeout: float | None = None
+    grace: float = DEFAULT_GRACE
+
+    @property
+    def world_size(self) -> int:
+        """nnodes * nproc."""
+        return self.nnodes * self.nproc
+
+    def global_rank(self, local_rank: int) -> int:
+        """The rank of this node's ``local_rank`` in the whole job."""
+        return self.node_rank * self.nproc + local_rank
+
+    def store_url(self) -> str:
+        """``tcp://ADDR:PORT`` (IPv6 addresses in brackets)."""
+        host = self.master_addr
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"tcp://{host}:{self.master_port}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        usage=f"{PROG} [-n N] [options] (script.py | -m module) [args ...]",
+        description="Start N local ranks of an aiocollect job, prefix their output with the "
+                    "rank, and stop them all with a report when one fails.",
+    )
+    add = parser.add_argument
+    add("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=1,
+        metavar="N", help="ranks to start on this node (default: 1)")
+    add("--nnodes", type=int, default=1, metavar="K", help="number of nodes (default: 1)")
+    add("--node-rank", "--node_rank", dest="node_rank", type=int, default=0, metavar="I",
+        help="rank of this node, 0..K-1 (default: 0)")
+    add("--master-addr", "--master_addr", dest="master_addr", default=None, metavar="A",
+        help=f"address of node 0, where rank 0 hosts the store (default: {DEFAULT_MASTER_ADDR};"
+             " required with --nnodes > 1)")
+    add("--master-port", "--master_port", dest="master_port", type=int, default=None,
+        metavar="P", help="store port (default: a free port on one node, "
+                          f"{DEFAULT_MULTINODE_PORT} with several nodes)")
+    add("--transport", choices=TRANSPORT_CHOICES, default=None,
+        help="sets AIOCOLLECT_TRANSPORT for the ranks")
+    add("--timeout", type=float, default=None, metavar="S",
+        help="stop the job after S seconds (exit status 124)")
+    add("--grace", type=float, default=DEFAULT_GRACE, metavar="S",
+        help="seconds between SIGTERM and SIGKILL when stopping ranks "
+             f"(default: {DEFAULT_GRACE:g})")
+    add("-m", "--module", action="store_true",
+        help="run the target as a module (python -m), like torchrun")
+    add("script", metavar="script.py | module", help="the program every rank runs")
+    add("args", nargs="*", metavar="args", help="arguments passed to every rank unchanged")
+    return parser
+
+
+def _split_target(parser: argparse.ArgumentParser,
+                  argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split ``argv`` at the script name: launcher options before, the script's after.
+
+    argparse alone would swallow a ``--`` or a ``-n`` meant for the script.
+    """
+    takes_value = {flag for action in parser._actions if action.option_strings
+                   and action.nargs != 0 for flag in action.option_strings}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return list(argv[:i]), list(argv[i + 1:])
+        if not token.startswith("-") or token == "-":
+            return list(argv[:i]), list(argv[i:])
+        i += 2 if token in takes_value else 1
+    return list(argv), []
+
+
+def parse_run_args(argv: Sequence[str]) -> LaunchConfig:
+    """Parse and validate ``aiocollect run`` arguments.
+
+    Raises:
+        SystemExit: status 2 with a usage message on bad arguments (0 for ``--help``).
+    """
+    parser = _parser()
+    options, target = _split_target(parser, argv)
+    if not target:
+        if "-h" in options or "--help" in options:
+            parser.parse_args(["--help"])
+        parser.error("missing the script to run (script.py or -m module)")
+    ns = parser.parse_args([*options, "--", *target[:1]])
+    ns.args = target[1:]
+    if ns.nproc < 1:
+        parser.error(f"-n/--nproc-per-node must be >= 1, got {ns.nproc}")
+    if ns.nnodes < 1:
+        parser.error(f"--nnodes must be >= 1, got {ns.nnodes}")
+    if not 0 <= ns.node_rank < ns.nnodes:
+        parser.error(f"--node-rank must be in [0, {ns.nnodes}), got {ns.node_rank}")
+    if ns.nnodes > 1 and not ns.master_addr:
+        parser.error("--master-addr (the address of node 0) is required with --nnodes > 1")
+    if ns.master_port is not None and not 0 < ns.master_port < 65536:
+        parser.error(f"--master-port must be in [1, 65535], got {ns.master_port}")
+    if ns.timeout is not None and ns.timeout <= 0:
+        parser.error(f"--timeout must be > 0, got {ns.timeout:g}")
+    if ns.grace < 0:
+        parser.error(f"--grace must be >= 0, got {ns.grace:g}")
+    if not ns.module and not os.path.isfile(ns.script):
+        parser.error(f"script not found: {ns.script}")
+    addr = ns.master_addr or DEFAULT_MASTER_ADDR
+    port = ns.master_port
+    if port is None:
+        port = DEFAULT_MULTINODE_PORT if ns.nnodes > 1 else free_port(addr)
+    return LaunchConfig(nproc=ns.nproc, script=ns.script, args=ns.args, module=ns.module,
+                        nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=addr,
+                        master_port=port, transport=ns.transport, timeout=ns.timeout,
+                        grace=ns.grace)
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` a moment ago (any interface if ``host`` is not local)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host.strip("[]"), 0))
+        except OSError:
+            s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_env(cfg: LaunchConfig, local_rank: int,
+             base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of local rank ``local_rank``: ``base`` (default: ours) plus the
+    variables listed in the module docstring."""
+    env = dict(os.environ if base is None else base)
+    rank, world = str(cfg.global_rank(local_rank)), str(cfg.world_size)
+    env.update({
+        "AIOCOLLECT_RANK": rank,
+        "AIOCOLLECT_WORLD_SIZE": world,
+        "AIOCOLLECT_LOCAL_RANK": str(local_rank),
+        "AIOCOLLECT_LOCAL_WORLD_SIZE": str(cfg.nproc),
+        "AIOCOLLECT_STORE": cfg.store_url(),
+        "RANK": rank,
+        "WORLD_SIZE": world,
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(cfg.nproc),
+        "GROUP_RANK": str(cfg.node_rank),
+        "MASTER_ADDR": cfg.master_addr,
+        "MASTER_PORT": str(cfg.master_port),
+        "PYTHONUNBUFFERED": "1",
+    })
+    if cfg.transport is not None:
+        env["AIOCOLLECT_TRANSPORT"] = cfg.transport
+    return env
+
+
+def rank_command(cfg: LaunchConfig) -> list[str]:
+    """The command line every rank runs."""
+    target = ["-m", cfg.script] if cfg.module else [cfg.script]
+    return [sys.executable, *target, *cfg.args]
+
+
+def _report(message: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+
+async def launch(cfg: LaunchConfig) -> int:
+    """Start the ranks of this node and supervise them until all have exited.
+
+    Returns the launcher's exit status (see :meth:`aiocollect.cli.supervise.Job.run`);
+    1 if a rank could not be started. SIGINT, SIGTERM and SIGHUP received meanwhile are
+    forwarded to the ranks (those the launcher ignores stay ignored, by the ranks too).
+    No rank outlives this coroutine, cancellation included (a SIGKILL of the launcher
+    itself, which nothing can catch, excepted).
+    """
+    job = Job(grace=cfg.grace, timeout=cfg.timeout, report=_report)
+    loop = asyncio.get_running_loop()
+    handled: list[signal.Signals] = []
+    for signum in FORWARDED_SIGNALS:
+        if signal.getsignal(signum) == signal.SIG_IGN:
+            continue  # e.g. SIGHUP under nohup: the ranks inherit the ignoring too
+        try:
+            loop.add_signal_handler(signum, job.on_signal, signum)
+            handled.append(signum)
+        except (ValueError, RuntimeError, NotImplementedError):
+            pass  # not the main thread: the caller keeps its own handling
+    try:
+        command = rank_command(cfg)
+        for local_rank in range(cfg.nproc):
+            if job.stopping:
+                break
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *command, env=rank_env(cfg, local_rank),
+                    stdin=None if local_rank == 0 else asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                    start_new_session=True)
+            except OSError as exc:
+                _report(f"could not start rank {cfg.global_rank(local_rank)}: {exc}")
+                job.stop(signal.SIGKILL)
+                await job.run()
+                return 1
+            job.add(cfg.global_rank(local_rank), proc)
+        return await supervise(job, report=_report)
+    finally:
+        job.kill_remaining()
+        for signum in handled:
+            loop.remove_signal_handler(signum)
+
+
+def run_main(argv: Sequence[str]) -> int:
+    """``aiocollect run ARGS``: parse, launch, return the exit status.
+
+    Raises:
+        SystemExit: status 2 on bad arguments.
+    """
+    cfg = parse_run_args(argv)
+    return asyncio.run(launch(cfg))

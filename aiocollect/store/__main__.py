@@ -1,0 +1,10 @@
+"""``python -m aiocollect.store``: the standalone TCP store server (``aiocollect store``)."""
+
+from __future__ import annotations
+
+import sys
+
+from aiocollect.store.tcp_server import store_main
+
+if __name__ == "__main__":
+    sys.exit(store_main(sys.argv[1:]))

@@ -1,0 +1,33 @@
+"""Fixtures for the command-line tests: run the real ``aiocollect`` CLI in a subprocess."""
+
+from __future__ import annotations
+
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+from cli_helpers import RunCli, WriteScript, cli_command
+
+
+@pytest.fixture
+def run_cli(tmp_path: Path) -> RunCli:
+    """Run ``aiocollect ARGS`` in ``tmp_path`` to completion (bounded by ``timeout``)."""
+
+    def run(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cli_command(*args), cwd=tmp_path, capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL, check=False)
+
+    return run
+
+
+@pytest.fixture
+def write_script(tmp_path: Path) -> WriteScript:
+    """Write a dedented script into ``tmp_path`` and return its path."""
+
+    def write(name: str, source: str) -> Path:
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(source))
+        return path
+
+    return write

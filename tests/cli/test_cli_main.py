@@ -1,0 +1,120 @@
+"""The ``aiocollect`` entry point, ``info``, ``bench`` dispatch and argument errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from cli_helpers import RunCli, WriteScript, cli_command
+
+import aiocollect
+from aiocollect.cli.main import main
+
+
+@pytest.mark.timeout(60)
+def test_info_text(run_cli: RunCli) -> None:
+    done = run_cli("info")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"aiocollect   {aiocollect.__version__}\n")
+    for word in ("python", "event loop", "numpy", "msgpack", "tcp:", "tls:", "memory:", "shm:",
+                 "rdma:", "torch:", "pyverbs:", "rdma devices"):
+        assert word in done.stdout
+
+
+@pytest.mark.timeout(60)
+def test_info_json(run_cli: RunCli) -> None:
+    done = run_cli("info", "--json")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert info["aiocollect"] == aiocollect.__version__
+    assert info["transports"]["tcp"] == "available"
+    assert info["transports"]["memory"] == "available"
+    assert set(info["transports"]) == {"tcp", "tls", "memory", "shm", "rdma"}
+    assert set(info["extras"]) == {"torch", "redis", "ml_dtypes", "matplotlib", "pyverbs"}
+    assert isinstance(info["rdma_devices"], list)
+    assert info["numpy"] == metadata.version("numpy")
+
+
+@pytest.mark.timeout(60)
+def test_console_script_and_version(tmp_path: Path) -> None:
+    done = subprocess.run(cli_command("--version"), capture_output=True, text=True,
+                          timeout=50, check=False)
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"aiocollect {aiocollect.__version__}"
+
+
+@pytest.mark.timeout(30)
+def test_main_in_process(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["aiocollect"] == aiocollect.__version__
+    assert main(["--help"]) == 0
+    assert "run" in capsys.readouterr().out
+    assert main(["run", "-n", "0", "x.py"]) == 2
+    assert "must be >= 1" in capsys.readouterr().err
+
+
+BAD_RUN_ARGS = [
+    (["-n", "0", "SCRIPT"], "must be >= 1"),
+    (["-n", "-2", "SCRIPT"], "must be >= 1"),
+    (["-n", "2"], "missing the script"),
+    (["-n", "2", "no_such_script.py"], "script not found"),
+    (["-n", "two", "SCRIPT"], "invalid int value"),
+    (["--nnodes", "2", "SCRIPT"], "--master-addr"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", "SCRIPT"],
+     "--node-rank"),
+    (["--master-port", "70000", "SCRIPT"], "--master-port"),
+    (["--timeout", "0", "SCRIPT"], "--timeout"),
+    (["--transport", "carrier-pigeon", "SCRIPT"], "invalid choice"),
+    (["--no-such-option", "SCRIPT"], "unrecognized arguments"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("args", "message"), BAD_RUN_ARGS)
+def test_run_bad_arguments_exit_2(args: list[str], message: str, run_cli: RunCli,
+                                  write_script: WriteScript) -> None:
+    script = write_script("ok_script.py", "print('should not run')\n")
+    done = run_cli("run", *[str(script) if a == "SCRIPT" else a for a in args])
+    assert done.returncode == 2, done.stderr
+    assert "usage: aiocollect run" in done.stderr
+    assert message in done.stderr
+    assert "should not run" not in done.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [[], ["frobnicate"], ["info", "--bogus"]])
+def test_bad_command_exits_2(args: list[str], run_cli: RunCli) -> None:
+    done = run_cli(*args)
+    assert done.returncode == 2, done.stderr
+    assert "usage: aiocollect" in done.stderr
+
+
+@pytest.mark.timeout(60)
+def test_bench_dispatch(run_cli: RunCli) -> None:
+    if importlib.util.find_spec("aiocollect.cli.bench") is not None:
+        pytest.skip("aiocollect.cli.bench exists: its own tests cover it")
+    done = run_cli("bench", "-n", "2")
+    assert done.returncode == 2
+    assert "bench is not available yet" in done.stderr
+
+
+@pytest.mark.timeout(60)
+def test_store_serves_until_sigterm() -> None:
+    server = subprocess.Popen(cli_command("store", "--host", "127.0.0.1", "--port", "0"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              stdin=subprocess.DEVNULL, text=True)
+    try:
+        assert server.stdout is not None
+        assert "aiocollect store listening on 127.0.0.1:" in server.stdout.readline()
+        server.send_signal(signal.SIGTERM)
+        _, err = server.communicate(timeout=30)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(30)
+    assert server.returncode == 0, err

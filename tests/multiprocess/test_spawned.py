@@ -1,0 +1,30 @@
+"""The collective sweep in real processes over TCP (one process per rank)."""
+
+from __future__ import annotations
+
+import pytest
+
+from aiocollect.testing import spawn_ranks
+from tests.helpers import CHUNK
+from tests.multiprocess import targets
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n", [2, 3, 4])
+async def test_sweep_in_processes(n: int) -> None:
+    counts = await spawn_ranks(n, targets.sweep, timeout=200, chunk_bytes=CHUNK)
+    assert len(counts) == n and counts[0] > 50 and len(set(counts)) == 1
+
+
+@pytest.mark.timeout(120)
+async def test_concurrent_allreduces_uvloop() -> None:
+    n = 3
+    res = await spawn_ranks(n, targets.concurrent, 50_000, timeout=100, uvloop=True)
+    want = [float(sum(r + i for r in range(n))) for i in range(6)]
+    assert res == [want] * n
+
+
+@pytest.mark.timeout(60)
+async def test_child_traceback_comes_back() -> None:
+    job = spawn_ranks(2, targets.echo_rank, timeout=50)
+    assert await job == [(0, 2), (1, 2)]

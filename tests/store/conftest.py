@@ -1,0 +1,134 @@
+"""Fixtures for the store tests: every backend behind one factory, and a real redis-server."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+from store_helpers import SECRET, Backend, free_port
+
+from aiocollect.store import (
+    FileStore,
+    MemoryStore,
+    PrefixStore,
+    RedisStore,
+    Store,
+    TCPStore,
+    TCPStoreServer,
+)
+
+REDIS_PASSWORD = "conformance-pw"
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A private redis-server on a free port; skips visibly when the binary is missing."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server not installed (apt-get install redis-server): redis skipped")
+    workdir = tmp_path_factory.mktemp("redis")
+    for _ in range(3):
+        port = free_port()
+        proc = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(workdir), "--protected-mode", "no",
+             "--logfile", "", "--requirepass", REDIS_PASSWORD],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:  # bounded by pytest-timeout if it never becomes ready
+            lines.append(line)
+            if "Ready to accept connections" in line:
+                break
+        else:
+            proc.wait()
+            if any("Address already in use" in x for x in lines):
+                continue
+            pytest.fail("redis-server did not start:\n" + "".join(lines))
+        try:
+            yield f"redis://:{REDIS_PASSWORD}@127.0.0.1:{port}/0"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+            proc.stdout.close()
+        return
+    pytest.fail("redis-server could not find a free port")
+
+
+BACKENDS = ["memory", "file", "tcp", "tcp-secret", "prefix", "redis"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend_kind(request: pytest.FixtureRequest) -> tuple[str, str | None]:
+    url = request.getfixturevalue("redis_url") if request.param == "redis" else None
+    return request.param, url
+
+
+@pytest.fixture
+async def backend(
+    backend_kind: tuple[str, str | None], tmp_path: Path
+) -> AsyncIterator[Backend]:
+    kind, redis = backend_kind
+    server: TCPStoreServer | None = None
+    tag = uuid.uuid4().hex
+    factory: Callable[[], Awaitable[Store]]
+
+    if kind == "memory":
+        async def factory() -> Store:
+            return MemoryStore(f"conformance-{tag}")
+    elif kind == "file":
+        async def factory() -> Store:
+            return FileStore(tmp_path / "store")
+    elif kind in ("tcp", "tcp-secret"):
+        secret = SECRET if kind == "tcp-secret" else None
+        server = TCPStoreServer("127.0.0.1", 0, secret=secret)
+        await server.start()
+        port = server.port
+
+        async def factory() -> Store:
+            store = TCPStore("127.0.0.1", port, secret=secret, timeout=30)
+            await store.connect()
+            return store
+    elif kind == "prefix":
+        async def factory() -> Store:
+            return PrefixStore("job/7", MemoryStore(f"conformance-{tag}"))
+    else:
+        assert redis is not None
+        import redis as redis_sync
+
+        client = redis_sync.Redis.from_url(redis)
+        client.flushall()
+        client.close()
+
+        async def factory() -> Store:
+            return RedisStore(redis)
+
+    b = Backend(kind, factory)
+    try:
+        yield b
+    finally:
+        for store in b.made:
+            await store.close()
+        if server is not None:
+            await server.close()
+
+
+@pytest.fixture
+async def tcp_server() -> AsyncIterator[TCPStoreServer]:
+    server = TCPStoreServer("127.0.0.1", 0)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable

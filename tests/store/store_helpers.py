@@ -1,0 +1,51 @@
+"""Helpers shared by the store tests."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiocollect.store import Store
+
+REPO = Path(__file__).resolve().parents[2]
+SECRET = b"conformance-secret"
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (for tests that need a fixed address)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def child_env() -> dict[str, str]:
+    """Environment for subprocesses that import aiocollect from this checkout."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+async def settle(store: Store) -> None:
+    """Let tasks started just before run up to their first wait, then complete a round trip
+    on ``store`` (for TCP, requests on one connection are handled in order)."""
+    await asyncio.sleep(0)
+    await store.check(["__settle__"])
+
+
+@dataclass
+class Backend:
+    """Makes any number of store objects that share one backing store."""
+
+    name: str
+    factory: Callable[[], Awaitable[Store]]
+    made: list[Store] = field(default_factory=list)
+
+    async def make(self) -> Store:
+        store = await self.factory()
+        self.made.append(store)
+        return store
