@@ -72,7 +72,8 @@ def _torch_int16(tensor: Any) -> Any:
 
 def byte_view(arr: Array) -> memoryview:
     """A flat, writable-if-possible byte view of a C-contiguous array."""
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    view: memoryview = arr.reshape(-1).view(np.uint8).data
+    return view
 
 
 EMPTY = memoryview(bytearray(0))

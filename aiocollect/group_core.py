@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from aiocollect.engine.fabric import Fabric
@@ -55,7 +55,7 @@ class GroupCore:
         self._recv_counters: Counter[tuple[int, int]] = Counter()
         self._stats: Counter[str] = Counter()
         self._busy_seconds = 0.0
-        self._closers: list[Callable[[], Awaitable[None]]] = []
+        self._closers: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self._sync_closers: list[Callable[[], None]] = []
 
     # -- state -----------------------------------------------------------------------------
@@ -139,7 +139,7 @@ class GroupCore:
             self._stats[f"{kind}_completed"] += 1
             return result
         except asyncio.CancelledError:
-            if op.pending or op._sent:  # noqa: SLF001 - data was in flight
+            if op.pending or op._sent:
                 fabric.fail(GroupBrokenError(
                     f"{kind} (op #{op.seq}) was cancelled on rank {self.rank} with data "
                     "in flight"))
@@ -173,7 +173,7 @@ class GroupCore:
         if self._closed:
             return
         if self._tasks and self._fabric.failure is None:
-            done, pending = await asyncio.wait(list(self._tasks), timeout=timeout)
+            _done, pending = await asyncio.wait(list(self._tasks), timeout=timeout)
             for task in pending:
                 task.cancel()
             if pending:
@@ -190,7 +190,7 @@ class GroupCore:
         for closer in self._closers:
             try:
                 await closer()
-            except Exception as exc:  # noqa: BLE001 - closing must not fail
+            except Exception as exc:
                 log.debug("error while closing group %r: %s", self.name, exc)
 
     def abort(self) -> None:

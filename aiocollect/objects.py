@@ -62,7 +62,7 @@ def loads(data: bytes, allow_pickle: bool) -> Any:
     if data.startswith(_PICKLE_MARK):
         if not allow_pickle:
             raise ProtocolError("received a pickled value but allow_pickle is False")
-        return pickle.loads(data[len(_PICKLE_MARK):])  # noqa: S301 - opted in
+        return pickle.loads(data[len(_PICKLE_MARK):])
     try:
         return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
     except (ValueError, msgpack.exceptions.ExtraData) as exc:

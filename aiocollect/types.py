@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import zlib
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -24,7 +24,7 @@ class ReduceOp(enum.IntEnum):
     BXOR = 8
 
 
-OpLike = Union[ReduceOp, np.ufunc]
+OpLike = ReduceOp | np.ufunc
 
 _UFUNCS: dict[ReduceOp, np.ufunc] = {
     ReduceOp.SUM: np.add,

@@ -16,10 +16,10 @@ MAX_TAG = (1 << 63) - 1
 def check_rank(value: Any, world_size: int, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise UsageError(f"{what} must be an int, got {type(value).__name__}")
-    value = int(value)
-    if not 0 <= value < world_size:
-        raise UsageError(f"{what}={value} is out of range for world size {world_size}")
-    return value
+    out = int(value)
+    if not 0 <= out < world_size:
+        raise UsageError(f"{what}={out} is out of range for world size {world_size}")
+    return out
 
 
 def check_tag(tag: Any) -> int:

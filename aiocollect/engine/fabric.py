@@ -9,6 +9,7 @@ naming the cause, and later calls raise GroupBrokenError.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -166,10 +167,8 @@ class Fabric:
         payload = _encode_abort(self.rank, exc) if notify else b""
         for link in list(self.links.values()):
             if notify and not link.closed:
-                try:
+                with contextlib.suppress(errors.AiocollectError):
                     link.send(control_header(ABORT, len(payload)), payload)
-                except errors.AiocollectError:
-                    pass
             link.fail(exc)
             link.close()  # flushes the ABORT before closing
         for waiter in self._p2p_waiters:
@@ -191,10 +190,8 @@ class Fabric:
         self.closing = True
         for link in list(self.links.values()):
             if not link.closed:
-                try:
+                with contextlib.suppress(errors.AiocollectError):
                     link.send(control_header(GOODBYE, 0), b"")
-                except errors.AiocollectError:
-                    pass
             link.close()
 
     def abort_links(self) -> None:

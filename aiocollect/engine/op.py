@@ -112,7 +112,8 @@ class Op:
 
 
 def _bytes(arr: Array) -> memoryview:
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    view: memoryview = arr.reshape(-1).view(np.uint8).data
+    return view
 
 
 def flat_blocks(arr: Array, parts: int) -> list[Array]:

@@ -62,7 +62,7 @@ def _child(rank: int, world_size: int, store: str, conn: Connection,
         else:
             result = asyncio.run(main())
         conn.send(("ok", result))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+    except BaseException as exc:
         conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
     finally:
         conn.close()
@@ -106,8 +106,13 @@ class SpawnedRanks:
     async def _outcome(self, rank: int) -> tuple[Any, ...]:
         conn = self._conns[rank]
         loop = asyncio.get_running_loop()
-        ready = loop.create_future()
-        loop.add_reader(conn.fileno(), lambda: ready.done() or ready.set_result(None))
+        ready: asyncio.Future[None] = loop.create_future()
+
+        def readable() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        loop.add_reader(conn.fileno(), readable)
         try:
             await ready
         finally:

@@ -13,8 +13,8 @@ import logging
 from typing import Any, Protocol
 
 from aiocollect.errors import MismatchError
-from aiocollect.types import dtype_label
 from aiocollect.transport.wire import ABORT, GOODBYE, Header, Key
+from aiocollect.types import dtype_label
 
 log = logging.getLogger("aiocollect.transport")
 
@@ -131,7 +131,7 @@ class Link(abc.ABC):
     def _check(self, h: Header, want: int, expect: Fingerprint | None) -> bool:
         if expect is not None and h.fingerprint != expect:
             self._raise_error(MismatchError(
-                f"rank {self.peer} sent a message of {h.count} x {dtype_label(h.dtype)} "
+                f"rank {self.peer} sent a message of {h.elems} x {dtype_label(h.dtype)} "
                 f"(tag {h.slot}) but this rank receives {expect[2]} x "
                 f"{dtype_label(expect[1])}"))
             return False

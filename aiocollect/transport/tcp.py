@@ -9,6 +9,7 @@ ahead and no payload is copied when its receive was posted in time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import ssl as ssl_module
@@ -66,10 +67,8 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                try:
+                with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-                except OSError:
-                    pass
         assert self.handshaker is not None
         try:
             for msg in self.handshaker.start():

@@ -12,7 +12,7 @@ Every frame is a fixed 50-byte little-endian header, then ``length`` payload byt
     seq     u64  operation sequence number (P2P: per (sender, tag) message counter)
     slot    u64  algorithm-defined step/block slot (P2P: the user tag)
     root    i32  root rank of the operation, -1 when none (fingerprint)
-    count   u64  element count of the operation (fingerprint)
+    elems   u64  element count of the operation (fingerprint)
     length  u64  payload bytes
 
 A frame is addressed by its *key* ``(kind, gid, seq, slot, chunk)``; receives are posted by
@@ -53,7 +53,7 @@ class Header(NamedTuple):
     seq: int
     slot: int
     root: int
-    count: int
+    elems: int
     length: int
 
     @property
@@ -62,7 +62,7 @@ class Header(NamedTuple):
 
     @property
     def fingerprint(self) -> tuple[int, int, int, int, int]:
-        return (self.coll, self.dtype, self.count, self.op, self.root)
+        return (self.coll, self.dtype, self.elems, self.op, self.root)
 
 
 def pack_header(h: Header) -> bytes:

@@ -10,8 +10,16 @@ import pytest
 
 import aiocollect as ac
 from aiocollect.testing import run_ranks
-from tests.helpers import CHUNK, CORE_DTYPES, DTYPES, assert_close, counts_for, data, \
-    reference, valid_ops
+from tests.helpers import (
+    CHUNK,
+    CORE_DTYPES,
+    DTYPES,
+    assert_close,
+    counts_for,
+    data,
+    reference,
+    valid_ops,
+)
 
 SIZES = [1, 2, 3, 4, 7]
 TRANSPORTS = ["memory", "tcp"]

@@ -52,11 +52,11 @@ def _bad_calls(g: ac.Group) -> list[tuple[str, Any]]:
 async def _check(g: ac.Group) -> list[str]:
     seen = []
     for what, call in _bad_calls(g):
-        seq = g._seq  # noqa: SLF001 - the contract: no sequence number is taken
+        seq = g._seq
         with pytest.raises(ac.UsageError) as info:
             call()
         assert isinstance(info.value, ValueError)
-        assert g._seq == seq, what  # noqa: SLF001
+        assert g._seq == seq, what
         seen.append(what)
     # the group still works afterwards
     buf = np.ones(5, np.float32)
