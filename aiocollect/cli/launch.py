@@ -202,6 +202,10 @@ def rank_env(cfg: LaunchConfig, local_rank: int,
     })
     if cfg.transport is not None:
         env["AIOCOLLECT_TRANSPORT"] = cfg.transport
+    # Like torchrun: one BLAS thread per rank unless the user chose otherwise, since
+    # several ranks per machine oversubscribe the cores otherwise.
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, "1")
     return env
 
 

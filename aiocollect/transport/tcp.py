@@ -59,7 +59,13 @@ class TcpLink(Link, asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
-        self.transport.set_write_buffer_limits(high=0, low=0)
+        try:
+            self._setup(self.transport)
+        except Exception as exc:  # fail the handshake at once rather than time out
+            self._handshake_failed(exc)
+
+    def _setup(self, transport: asyncio.Transport) -> None:
+        transport.set_write_buffer_limits(high=0, low=0)
         sock = transport.get_extra_info("socket")
         peername = transport.get_extra_info("peername")
         if peername:
