@@ -7,6 +7,7 @@ sequence number at call time and returns an ``asyncio.Task`` (an awaitable handl
 from __future__ import annotations
 
 import asyncio
+import zlib
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ import numpy as np
 from aiocollect import objects
 from aiocollect._buffers import Array, as_array
 from aiocollect.collectives import barrier as _barrier
-from aiocollect.collectives import direct, ring, tree
+from aiocollect.collectives import direct, doubling, pipeline, ring, tree
 from aiocollect.collectives.checks import (
     check_rank,
     check_tag,
@@ -23,6 +24,7 @@ from aiocollect.collectives.checks import (
     output,
     reduction,
 )
+from aiocollect.collectives.select import choose
 from aiocollect.engine.op import Op, flat_blocks, split_even
 from aiocollect.errors import MismatchError, UsageError
 from aiocollect.group_core import GroupCore
@@ -94,48 +96,63 @@ class Group(GroupCore):
 
     # -- synchronisation and data movement -------------------------------------------------
 
-    def barrier(self, *, timeout: float | None = None) -> asyncio.Task[None]:
-        """Complete once every rank has entered the barrier."""
-        return self._start("barrier", fingerprint(Collective.BARRIER, None), _barrier.barrier,
-                           timeout)
+    def barrier(self, *, timeout: float | None = None,
+                algorithm: str | None = None) -> asyncio.Task[None]:
+        """Complete once every rank has entered the barrier (dissemination)."""
+        alg = choose("barrier", algorithm, 0, self.world_size)
+        return self._start("barrier", fingerprint(Collective.BARRIER, None, alg=alg),
+                           _barrier.barrier, timeout)
 
-    def broadcast(self, buf: Any, *, root: int = 0,
-                  timeout: float | None = None) -> asyncio.Task[Any]:
-        """Copy ``root``'s ``buf`` into every rank's ``buf``."""
+    def broadcast(self, buf: Any, *, root: int = 0, timeout: float | None = None,
+                  algorithm: str | None = None) -> asyncio.Task[Any]:
+        """Copy ``root``'s ``buf`` into every rank's ``buf`` (binomial tree or pipeline)."""
         arr = as_array(buf, "buf", writable=True)
         root = check_rank(root, self.world_size, "root")
-        fp = fingerprint(Collective.BROADCAST, arr, root=root)
+        alg = choose("broadcast", algorithm, arr.nbytes, self.world_size)
+        fp = fingerprint(Collective.BROADCAST, arr, root=root, alg=alg)
+        run = (tree.broadcast, pipeline.broadcast)[alg]
 
         async def body(op: Op) -> Any:
-            await tree.broadcast(op, _flat(arr), root)
+            await run(op, _flat(arr), root)
             return buf
 
         return self._start("broadcast", fp, body, timeout)
 
-    def allreduce(self, buf: Any, *, op: Any = ReduceOp.SUM,
-                  timeout: float | None = None) -> asyncio.Task[Any]:
-        """Reduce ``buf`` across ranks, in place on every rank (ring, pipelined)."""
+    def allreduce(self, buf: Any, *, op: Any = ReduceOp.SUM, timeout: float | None = None,
+                  algorithm: str | None = None) -> asyncio.Task[Any]:
+        """Reduce ``buf`` across ranks, in place on every rank. Algorithms: ``ring``
+        (bandwidth), ``recursive_doubling`` (latency), ``halving_doubling``; default by size."""
         arr = as_array(buf, "buf", writable=True)
         rop, ufunc = reduction(op, arr)
-        fp = fingerprint(Collective.ALLREDUCE, arr, op=rop)
         n = self.world_size
+        alg = choose("allreduce", algorithm, arr.nbytes, n)
+        fp = fingerprint(Collective.ALLREDUCE, arr, op=rop, alg=alg)
 
         async def body(o: Op) -> Any:
-            blocks = flat_blocks(_flat(arr), n)
-            await ring.reduce_scatter(o, blocks, ufunc)
+            flat = _flat(arr)
+            if alg == 0:
+                blocks = flat_blocks(flat, n)
+                await ring.reduce_scatter(o, blocks, ufunc)
+                if rop is ReduceOp.AVG:
+                    blocks[o.rank] /= n
+                await ring.allgather(o, blocks)
+                return buf
+            await (doubling.recursive_doubling, doubling.halving_doubling)[alg - 1](
+                o, flat, ufunc)
             if rop is ReduceOp.AVG:
-                blocks[o.rank] /= n
-            await ring.allgather(o, blocks)
+                flat /= n
             return buf
 
         return self._start("allreduce", fp, body, timeout)
 
     def reduce(self, buf: Any, *, root: int = 0, op: Any = ReduceOp.SUM,
-               timeout: float | None = None) -> asyncio.Task[Any]:
+               timeout: float | None = None,
+               algorithm: str | None = None) -> asyncio.Task[Any]:
         """Reduce ``buf`` across ranks into ``root``'s ``buf``; others' stay unchanged."""
         arr = as_array(buf, "buf", writable=True)
         root = check_rank(root, self.world_size, "root")
         rop, ufunc = reduction(op, arr)
+        choose("reduce", algorithm, 0, self.world_size)
         fp = fingerprint(Collective.REDUCE, arr, op=rop, root=root)
 
         async def body(o: Op) -> Any:
@@ -148,29 +165,33 @@ class Group(GroupCore):
 
         return self._start("reduce", fp, body, timeout)
 
-    def allgather(self, send: Any, out: Any = None, *,
-                  timeout: float | None = None) -> asyncio.Task[Any]:
-        """Gather every rank's ``send`` into ``out`` of shape ``(world_size, *send.shape)``."""
+    def allgather(self, send: Any, out: Any = None, *, timeout: float | None = None,
+                  algorithm: str | None = None) -> asyncio.Task[Any]:
+        """Gather every rank's ``send`` into ``out`` of shape ``(world_size, *send.shape)``
+        (``ring`` or ``direct``)."""
         arr = as_array(send, "send", writable=False)
         n = self.world_size
         res = output(out, (n, *arr.shape), arr.dtype)
-        fp = fingerprint(Collective.ALLGATHER, arr)
+        alg = choose("allgather", algorithm, arr.nbytes * n, n)
+        fp = fingerprint(Collective.ALLGATHER, arr, alg=alg)
 
         async def body(o: Op) -> Any:
             blocks = split_even(_flat(res), n)
             blocks[o.rank][...] = _flat(arr)
-            await ring.allgather(o, list(blocks))
+            await (ring.allgather, direct.allgather)[alg](o, list(blocks))
             return res if out is None else out
 
         return self._start("allgather", fp, body, timeout)
 
     def gather(self, send: Any, out: Any = None, *, root: int = 0,
-               timeout: float | None = None) -> asyncio.Task[Any]:
+               timeout: float | None = None,
+               algorithm: str | None = None) -> asyncio.Task[Any]:
         """Like allgather, but only ``root`` gets the result (None elsewhere)."""
         arr = as_array(send, "send", writable=False)
         n = self.world_size
         root = check_rank(root, n, "root")
         res = output(out, (n, *arr.shape), arr.dtype) if self.rank == root else None
+        choose("gather", algorithm, 0, self.world_size)
         fp = fingerprint(Collective.GATHER, arr, root=root)
 
         async def body(o: Op) -> Any:
@@ -183,7 +204,8 @@ class Group(GroupCore):
         return self._start("gather", fp, body, timeout)
 
     def scatter(self, send: Any, out: Any, *, root: int = 0,
-                timeout: float | None = None) -> asyncio.Task[Any]:
+                timeout: float | None = None,
+                algorithm: str | None = None) -> asyncio.Task[Any]:
         """Rank i receives block i of ``root``'s ``send`` (shape ``(world_size, *out.shape)``)."""
         n = self.world_size
         root = check_rank(root, n, "root")
@@ -197,6 +219,7 @@ class Group(GroupCore):
                 raise UsageError(
                     f"scatter: send has shape {src.shape} and dtype {src.dtype}; expected "
                     f"{(n, *res.shape)} of {res.dtype}")
+        choose("scatter", algorithm, 0, self.world_size)
         fp = fingerprint(Collective.SCATTER, res, root=root)
 
         async def body(o: Op) -> Any:
@@ -207,19 +230,24 @@ class Group(GroupCore):
         return self._start("scatter", fp, body, timeout)
 
     def reduce_scatter(self, send: Any, out: Any = None, *, op: Any = ReduceOp.SUM,
-                       timeout: float | None = None) -> asyncio.Task[Any]:
-        """Reduce ``send`` across ranks; rank r gets the r-th of ``world_size`` blocks."""
+                       timeout: float | None = None,
+                       algorithm: str | None = None) -> asyncio.Task[Any]:
+        """Reduce ``send`` across ranks; rank r gets the r-th of ``world_size`` blocks
+        (``ring`` or ``direct``)."""
         arr = as_array(send, "send", writable=False)
         n = self.world_size
         divisible(arr, n, "send")
         rop, ufunc = reduction(op, arr)
         res = output(out, (arr.shape[0] // n, *arr.shape[1:]), arr.dtype)
-        fp = fingerprint(Collective.REDUCE_SCATTER, arr, op=rop)
+        alg = choose("reduce_scatter", algorithm, arr.nbytes, n)
+        fp = fingerprint(Collective.REDUCE_SCATTER, arr, op=rop, alg=alg)
 
         async def body(o: Op) -> Any:
-            work = _flat(arr).copy()
+            work = _flat(arr) if alg == 1 else _flat(arr).copy()
             blocks = list(split_even(work, n))
-            await ring.reduce_scatter(o, blocks, ufunc)
+            if alg == 1:
+                blocks[o.rank] = blocks[o.rank].copy()
+            await (ring.reduce_scatter, direct.reduce_scatter)[alg](o, blocks, ufunc)
             mine = blocks[o.rank]
             if rop is ReduceOp.AVG:
                 mine /= n
@@ -229,13 +257,15 @@ class Group(GroupCore):
         return self._start("reduce_scatter", fp, body, timeout)
 
     def alltoall(self, send: Any, out: Any = None, *,
-                 timeout: float | None = None) -> asyncio.Task[Any]:
+                 timeout: float | None = None,
+                 algorithm: str | None = None) -> asyncio.Task[Any]:
         """Block i of ``send`` (split along axis 0) goes to rank i; ``out`` gets block j from
         rank j."""
         arr = as_array(send, "send", writable=False)
         n = self.world_size
         divisible(arr, n, "send")
         res = output(out, arr.shape, arr.dtype)
+        choose("alltoall", algorithm, 0, self.world_size)
         fp = fingerprint(Collective.ALLTOALL, arr)
 
         async def body(o: Op) -> Any:
@@ -244,12 +274,14 @@ class Group(GroupCore):
 
         return self._start("alltoall", fp, body, timeout)
 
-    def allgatherv(self, send: Any, *, timeout: float | None = None) -> asyncio.Task[list[Any]]:
+    def allgatherv(self, send: Any, *, timeout: float | None = None,
+                   algorithm: str | None = None) -> asyncio.Task[list[Any]]:
         """Gather arrays whose first axis may differ per rank; returns them in rank order."""
         arr = as_array(send, "send", writable=False)
         if arr.ndim == 0:
             arr = arr.reshape(1)
         n = self.world_size
+        choose("allgatherv", algorithm, 0, self.world_size)
         fp = fingerprint(Collective.ALLGATHERV, arr, count=0)
         row = int(np.prod(arr.shape[1:]))
 
@@ -315,3 +347,86 @@ class Group(GroupCore):
             return values if self.rank == root else None
 
         return asyncio.get_running_loop().create_task(pick())
+
+    # -- variable-size exchange and sub-groups ---------------------------------------------
+
+    def alltoallv(self, send: Any, send_counts: Any, *, out: Any = None,
+                  timeout: float | None = None,
+                  algorithm: str | None = None) -> asyncio.Task[Any]:
+        """Rows ``[sum(send_counts[:i]), sum(send_counts[:i+1]))`` of ``send`` go to rank i.
+
+        Returns the blocks received from each rank as a list in rank order, or, when ``out``
+        is given, ``out`` filled with them concatenated along axis 0 (its row count must
+        equal the total received).
+        """
+        arr = as_array(send, "send", writable=False)
+        n = self.world_size
+        counts = [int(c) for c in np.asarray(send_counts).reshape(-1)]
+        if len(counts) != n or min(counts, default=0) < 0:
+            raise UsageError(f"send_counts must hold {n} non-negative counts, got {counts}")
+        if arr.ndim == 0 or sum(counts) != arr.shape[0]:
+            raise UsageError(f"send_counts sum to {sum(counts)} but send has shape {arr.shape}")
+        res = None if out is None else as_array(out, "out", writable=True)
+        if res is not None and (res.dtype != arr.dtype or res.shape[1:] != arr.shape[1:]):
+            raise UsageError(f"out must have dtype {arr.dtype} and rows of shape "
+                             f"{arr.shape[1:]}, got {res.dtype} {res.shape}")
+        choose("alltoallv", algorithm, 0, n)
+        fp = fingerprint(Collective.ALLTOALLV, arr, count=0)
+        row = int(np.prod(arr.shape[1:]))
+
+        async def body(o: Op) -> Any:
+            mine = np.array([[c, row] for c in counts], dtype=_I64)
+            theirs = np.empty_like(mine)
+            await direct.alltoall(o, list(mine), list(theirs), slot=0)
+            await o.finish()
+            if (theirs[:, 1] != row).any():
+                raise MismatchError(f"alltoallv: ranks sent rows of {theirs[:, 1].tolist()} "
+                                    f"elements, rank {o.rank} rows of {row}")
+            rows = theirs[:, 0]
+            total = int(rows.sum())
+            if res is not None and res.shape[0] != total:
+                raise UsageError(f"alltoallv: out has {res.shape[0]} rows, {total} arrive")
+            dest = _flat(res) if res is not None else np.empty(total * row, arr.dtype)
+            rb = np.concatenate([[0], np.cumsum(rows * row)])
+            sb = np.concatenate([[0], np.cumsum(np.array(counts, dtype=_I64) * row)])
+            flat = _flat(arr)
+            await direct.alltoall(o, [flat[sb[i]:sb[i + 1]] for i in range(n)],
+                                  [dest[rb[i]:rb[i + 1]] for i in range(n)], slot=1)
+            if res is not None:
+                return out
+            return [dest[rb[i]:rb[i + 1]].reshape(int(rows[i]), *arr.shape[1:])
+                    for i in range(n)]
+
+        return self._start("alltoallv", fp, body, timeout)
+
+    def split(self, color: int | None, *, key: int = 0,
+              timeout: float | None = None) -> asyncio.Task[Group | None]:
+        """Collective: ranks passing the same ``color`` form a new Group, ordered by
+        ``key`` then rank; ``color=None`` opts out (the handle gives None). Sub-groups share
+        this group's links, have their own sequence numbers, run concurrently with it and
+        close with it."""
+        if color is not None and (isinstance(color, bool) or not isinstance(color, int)
+                                  or color < 0):
+            raise UsageError(f"color must be a non-negative int or None, got {color!r}")
+        if isinstance(key, bool) or not isinstance(key, int):
+            raise UsageError(f"key must be an int, got {key!r}")
+        split_seq = self._seq
+        task = self.allgather_object([color, key], timeout=timeout)
+        root: GroupCore = self
+        while root._parent is not None:
+            root = root._parent
+
+        async def make() -> Group | None:
+            entries = await task
+            if color is None:
+                return None
+            members = sorted((k, r) for r, (c, k) in enumerate(entries) if c == color)
+            ranks = [self._ranks[r] for _, r in members]
+            gid = zlib.crc32(f"{self._gid}/{split_seq}/{color}".encode()) or 1
+            child = Group(self._fabric, gid, ranks, timeout=self.timeout,
+                          chunk_bytes=self.chunk_bytes, name=f"{self.name}.{color}",
+                          parent=root)
+            root._children.append(child)
+            return child
+
+        return asyncio.get_running_loop().create_task(make())

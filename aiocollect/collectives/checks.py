@@ -30,10 +30,13 @@ def check_tag(tag: Any) -> int:
 
 
 def fingerprint(coll: Collective, arr: Array | None, count: int | None = None,
-                op: OpLike | None = None, root: int = -1) -> tuple[int, int, int, int, int]:
+                op: OpLike | None = None, root: int = -1,
+                alg: int = 0) -> tuple[int, int, int, int, int]:
+    """The cross-rank fingerprint of an operation; ``alg`` (0-7) rides in bits 5-7 of the
+    collective code."""
     dcode = 0 if arr is None else dtype_code(arr.dtype)
     n = (0 if arr is None else arr.size) if count is None else count
-    return (int(coll), dcode, n, 0 if op is None else op_code(op), root)
+    return (int(coll) | (alg << 5), dcode, n, 0 if op is None else op_code(op), root)
 
 
 def reduction(op: Any, arr: Array) -> tuple[OpLike, np.ufunc]:

@@ -1,4 +1,5 @@
-"""Direct algorithms: gather, scatter and pairwise-exchange alltoall.
+"""Direct algorithms: gather, scatter, pairwise-exchange alltoall, and one-step allgather
+and reduce-scatter for small messages.
 
 - gather: every rank sends its block straight to the root (n-1 messages into the root;
   one step of latency; the root receives (n-1)/n of the result).
@@ -12,8 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from aiocollect._buffers import Array
 from aiocollect.engine.op import Op
+from aiocollect.engine.reduce import reduce_into
 
 SLOT = 0
 
@@ -49,3 +53,37 @@ async def alltoall(op: Op, send_blocks: Sequence[Array], out_blocks: Sequence[Ar
     out_blocks[r][...] = send_blocks[r]
     for k in range(1, n):
         await op.send_chunks((r + k) % n, slot, send_blocks[(r + k) % n])
+
+
+async def allgather(op: Op, blocks: Sequence[Array], slot: int = SLOT) -> None:
+    """Every rank sends its block straight to every other rank: one step of latency,
+    n-1 messages per rank. Best for small blocks."""
+    r = op.rank
+    for peer in range(op.size):
+        if peer != r:
+            op.recv_chunks(peer, slot, blocks[peer])
+    for k in range(1, op.size):
+        await op.send_chunks((r + k) % op.size, slot, blocks[r])
+
+
+async def reduce_scatter(op: Op, blocks: Sequence[Array], ufunc: np.ufunc,
+                         slot: int = SLOT) -> None:
+    """Rank i receives block i from every rank and reduces them in rank order: one step of
+    latency, (n-1)/n of the data sent per rank. Best for small blocks."""
+    n, r = op.size, op.rank
+    mine = blocks[r]
+    tmps = {peer: np.empty_like(mine) for peer in range(n) if peer != r}
+    futs = {peer: op.recv_chunks(peer, slot, tmp) for peer, tmp in tmps.items()}
+    for k in range(1, n):
+        await op.send_chunks((r + k) % n, slot, blocks[(r + k) % n])
+    acc = None
+    for peer in range(n):
+        part = mine if peer == r else tmps[peer]
+        for fut in futs.get(peer, ()):
+            await fut
+        if acc is None:
+            acc = part.copy()
+        else:
+            await reduce_into(ufunc, acc, part)
+    assert acc is not None
+    mine[...] = acc

@@ -26,7 +26,7 @@ from aiocollect.errors import (
 )
 from aiocollect.transport.base import Fingerprint, Link
 from aiocollect.transport.wire import ABORT, GOODBYE, P2P, Header, control_header
-from aiocollect.types import Collective, dtype_label, op_label
+from aiocollect.types import collective_label, dtype_label, op_label
 
 log = logging.getLogger("aiocollect")
 
@@ -35,10 +35,7 @@ DONE_MEMORY = 4096
 
 def describe_fingerprint(fp: Fingerprint) -> str:
     coll, dtype, count, op, root = fp
-    try:
-        name = Collective(coll).name.lower()
-    except ValueError:
-        name = f"collective#{coll}"
+    name = collective_label(coll)
     parts = [f"count={count}", f"dtype={dtype_label(dtype)}"]
     if op:
         parts.append(f"op={op_label(op)}")

@@ -1,0 +1,13 @@
+"""``aiocollect bench``: collective latency and bus bandwidth, optionally against gloo.
+
+Modules:
+
+- :mod:`~aiocollect.bench.spec` — sizes, cases, buffer shapes, bus-bandwidth factors and the
+  closed-form correctness checks (pure, no event loop);
+- :mod:`~aiocollect.bench.sweep` — the timing method shared by every backend;
+- :mod:`~aiocollect.bench.backends` — aiocollect and torch.distributed/gloo backends;
+- :mod:`~aiocollect.bench.worker` — the entry point of one spawned rank process;
+- :mod:`~aiocollect.bench.runner` — spawning rank processes, rounds, cleanup;
+- :mod:`~aiocollect.bench.report` — medians across rounds, the table, the JSON document;
+- :mod:`~aiocollect.bench.plot` — bandwidth and latency versus size with matplotlib.
+"""

@@ -1,0 +1,57 @@
+"""Every collective x every algorithm x world sizes 1-8 x counts x dtype classes x ops x
+roots, against numpy — in one process (memory and TCP) and in separate processes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import aiocollect as ac
+from aiocollect.testing import run_ranks, spawn_ranks
+from tests.collectives.algorithms import sweep_algorithms
+from tests.helpers import CHUNK
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8])
+async def test_algorithms_memory(n: int) -> None:
+    res = await run_ranks(n, sweep_algorithms, chunk_bytes=CHUNK)
+    assert res[0] > 100
+
+
+@pytest.mark.parametrize("n", [3, 5])
+async def test_algorithms_tcp(n: int) -> None:
+    dtypes = [np.dtype(np.int32), np.dtype(np.float32)]
+    res = await run_ranks(n, sweep_algorithms, dtypes, transport="tcp", chunk_bytes=CHUNK)
+    assert res[0] > 20
+
+
+@pytest.mark.parametrize("n", [2, 5, 8])
+async def test_algorithms_in_processes(n: int) -> None:
+    dtypes = [np.dtype(np.bool_), np.dtype(np.int64), np.dtype(np.float64)]
+    res = await spawn_ranks(n, sweep_algorithms, dtypes, timeout=250, chunk_bytes=CHUNK)
+    assert len(set(res)) == 1
+
+
+async def test_unknown_algorithm_is_usage_error() -> None:
+    async def body(g: ac.Group) -> None:
+        with pytest.raises(ac.UsageError, match="ring"):
+            g.allreduce(np.zeros(3), algorithm="bogus")
+        with pytest.raises(ac.UsageError):
+            g.broadcast(np.zeros(3), algorithm="ring")
+
+    await run_ranks(2, body)
+
+
+async def test_forced_algorithm_disagreement_is_a_mismatch() -> None:
+    async def body(g: ac.Group) -> str:
+        alg = "ring" if g.rank == 0 else "recursive_doubling"
+        try:
+            await g.allreduce(np.ones(8), algorithm=alg)
+        except ac.MismatchError as exc:
+            return str(exc)
+        return "no error"
+
+    res = await run_ranks(2, body, timeout=10)
+    assert all("allreduce[ring]" in m and "allreduce[recursive_doubling]" in m for m in res)
