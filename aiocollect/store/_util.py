@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -146,6 +147,8 @@ class Lifecycle:
         Raises:
             StoreError: the store was closed before or while ``aw`` ran.
         """
+        if self.closed and inspect.iscoroutine(aw):
+            aw.close()  # never started: no "was never awaited" warning
         self.ensure_open()
         task = asyncio.ensure_future(aw)
         closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -61,6 +61,7 @@ class PrefixStore(Store):
             StoreTimeout: not set in time; ``.keys`` names the key without the prefix.
             StoreError: the view or the underlying store is closed or failed.
         """
+        self._life.ensure_open()
         try:
             return await self._life.guard(self.store.get(self._key(key), timeout=timeout))
         except StoreTimeout as exc:
@@ -78,6 +79,7 @@ class PrefixStore(Store):
             StoreTimeout: some keys were not set in time (``.keys`` without the prefix).
             StoreError: the view or the underlying store is closed or failed.
         """
+        self._life.ensure_open()
         names = [self._key(k) for k in check_keys(keys)]
         try:
             await self._life.guard(self.store.wait(names, timeout=timeout))
