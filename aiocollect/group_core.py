@@ -30,6 +30,8 @@ log = logging.getLogger("aiocollect")
 T = TypeVar("T")
 
 DEFAULT_CHUNK_BYTES = 1 << 20
+#: Seconds a timed-out operation waits for peers to answer a liveness probe.
+PROBE_SECONDS = 0.5
 
 
 class GroupCore:
@@ -122,24 +124,24 @@ class GroupCore:
         fabric = self._fabric
         start = time.monotonic()
         try:
-            fabric.check()
+            if fabric.failure is not None:  # broke after this op was called: its cause
+                raise fabric.failure
             try:
                 async with asyncio.timeout(timeout) as cm:
                     result = await body(op)
                     await op.finish()
             except TimeoutError:
-                if not cm.expired() or fabric.failure is not None:
+                if not cm.expired():
                     raise
-                silent = op.silent_peers()
-                err = PeerTimeout(
-                    f"{kind} (op #{op.seq} of group {self.name!r}) on rank {self.rank}: no "
-                    f"progress from ranks {silent} within {timeout:g} s", silent)
-                fabric.fail(err)
-                raise err from None
+                if fabric.failure is None:
+                    err = await self._timeout_error(kind, op, timeout)
+                    fabric.fail(err)  # no-op if a peer's ABORT arrived while probing
+                assert fabric.failure is not None
+                raise fabric.failure from None
             self._stats[f"{kind}_completed"] += 1
             return result
         except asyncio.CancelledError:
-            if op.pending or op._sent:
+            if op.moved_data():
                 fabric.fail(GroupBrokenError(
                     f"{kind} (op #{op.seq}) was cancelled on rank {self.rank} with data "
                     "in flight"))
@@ -153,6 +155,18 @@ class GroupCore:
             op.abandon()
             if registered:
                 fabric.unregister(self._gid, op.seq)
+
+    async def _timeout_error(self, kind: str, op: Op, timeout: float | None) -> PeerTimeout:
+        """Name the ranks to blame: those that do not answer a liveness probe, else those
+        this operation was still waiting for."""
+        waited = op.silent_peers()
+        others = [r for r in self._ranks if r != self._fabric.rank]
+        dead = await self._fabric.probe(others, PROBE_SECONDS)
+        silent = [self._ranks.index(r) for r in dead] or waited
+        how = "do not respond" if dead else "sent nothing"
+        return PeerTimeout(
+            f"{kind} (op #{op.seq} of group {self.name!r}) on rank {self.rank} timed out "
+            f"after {timeout:g} s: ranks {silent} {how}", silent)
 
     def _next_send(self, dst: int, tag: int) -> int:
         n = self._send_counters[(dst, tag)]

@@ -4,6 +4,7 @@ Modules:
 
 - :mod:`~aiocollect.bench.spec` — sizes, cases, buffer shapes, bus-bandwidth factors and the
   closed-form correctness checks (pure, no event loop);
+- :mod:`~aiocollect.bench.stats` — p50/p99, bus bandwidth and the progress line;
 - :mod:`~aiocollect.bench.sweep` — the timing method shared by every backend;
 - :mod:`~aiocollect.bench.backends` — aiocollect and torch.distributed/gloo backends;
 - :mod:`~aiocollect.bench.worker` — the entry point of one spawned rank process;

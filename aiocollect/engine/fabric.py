@@ -25,7 +25,7 @@ from aiocollect.errors import (
     ProtocolError,
 )
 from aiocollect.transport.base import Fingerprint, Link
-from aiocollect.transport.wire import ABORT, GOODBYE, P2P, Header, control_header
+from aiocollect.transport.wire import ABORT, GOODBYE, P2P, PING, PONG, Header, control_header
 from aiocollect.types import collective_label, dtype_label, op_label
 
 log = logging.getLogger("aiocollect")
@@ -59,6 +59,8 @@ class Fabric:
         self._early: dict[tuple[int, int], list[tuple[int, Fingerprint]]] = {}
         self._done: OrderedDict[tuple[int, int], Fingerprint] = OrderedDict()
         self._p2p_waiters: list[asyncio.Future[None]] = []
+        self._pongs: dict[tuple[int, bytes], asyncio.Future[None]] = {}
+        self._probes = 0
         self.on_break: list[Callable[[BaseException], None]] = []
 
     # -- operation registry ----------------------------------------------------------------
@@ -114,6 +116,15 @@ class Fabric:
         if kind == GOODBYE:
             link.goodbye_received = True
             return
+        if kind == PING:
+            if not link.closed:
+                link.send(control_header(PONG, len(payload)), payload)
+            return
+        if kind == PONG:
+            waiter = self._pongs.pop((link.peer, payload), None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+            return
         assert kind == ABORT
         # Relay it: a peer that hears our close before the origin's ABORT must not blame us.
         self.fail(_decode_abort(link.peer, payload), notify=True)
@@ -132,6 +143,33 @@ class Fabric:
         detail = f": {exc}" if exc else ""
         self.fail(PeerDisconnected(
             f"rank {link.peer} disconnected ({link.describe()}){detail}", link.peer))
+
+    # -- liveness ---------------------------------------------------------------------------
+
+    async def probe(self, peers: list[int], timeout: float) -> list[int]:
+        """PING ``peers`` (world ranks) and return those that did not answer within
+        ``timeout`` seconds: a live peer's event loop answers at once, even while its own
+        operations wait; a frozen or hung process does not."""
+        loop = asyncio.get_running_loop()
+        self._probes += 1
+        token = self._probes.to_bytes(8, "little")
+        waiting: dict[int, asyncio.Future[None]] = {}
+        for peer in peers:
+            link = self.links.get(peer)
+            if link is None or link.closed:
+                continue
+            fut: asyncio.Future[None] = loop.create_future()
+            self._pongs[(peer, token)] = fut
+            waiting[peer] = fut
+            try:
+                link.send(control_header(PING, len(token)), token)
+            except errors.AiocollectError:
+                fut.cancel()
+        if waiting:
+            await asyncio.wait(waiting.values(), timeout=timeout)
+        for peer in waiting:
+            self._pongs.pop((peer, token), None)
+        return sorted(p for p, f in waiting.items() if not f.done() or f.cancelled())
 
     # -- any-source receives ---------------------------------------------------------------
 
@@ -162,12 +200,17 @@ class Fabric:
         level = logging.INFO if isinstance(exc, GroupBrokenError) else logging.WARNING
         log.log(level, "group broken on rank %d: %s: %s", self.rank, type(exc).__name__, exc)
         payload = _encode_abort(self.rank, exc) if notify else b""
-        for link in list(self.links.values()):
-            if notify and not link.closed:
-                with contextlib.suppress(errors.AiocollectError):
-                    link.send(control_header(ABORT, len(payload)), payload)
+        links = list(self.links.values())
+        for link in links:  # first fail every pending receive: no I/O, cannot be cut short
             link.fail(exc)
-            link.close()  # flushes the ABORT before closing
+        for link in links:
+            try:
+                if notify and not link.closed:
+                    link.send(control_header(ABORT, len(payload)), payload)
+                link.close()  # flushes the ABORT before closing
+            except Exception as err:  # noqa: BLE001 - the link is going away anyway
+                log.warning("while closing the link to rank %d: %r", link.peer, err)
+                link.abort()
         for waiter in self._p2p_waiters:
             if not waiter.done():
                 waiter.set_exception(exc)

@@ -96,6 +96,11 @@ class Op:
             if link.write_buffer_size():
                 await link.drained()
 
+    def moved_data(self) -> bool:
+        """Whether any frame of this op was sent or received (cancelling it then breaks the
+        group: the peers could not finish it consistently)."""
+        return bool(self._sent) or any(f.done() for _, _, f in self.pending)
+
     def silent_peers(self) -> list[int]:
         """Group ranks this op still waits for (for timeout messages)."""
         waiting = {peer for peer, _, fut in self.pending if not fut.done()}

@@ -132,6 +132,7 @@ async def rendezvous(store: Store, cfg: RendezvousConfig, events: LinkEvents,
         for link in links.values():
             link.abort()
         raise
+    endpoint.close()  # every peer is linked: accept nobody else
     return endpoint, links
 
 

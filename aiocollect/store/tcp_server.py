@@ -175,7 +175,7 @@ class TCPStoreServer:
         finally:
             self._conns.discard(conn)
             writer.close()
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
                 await writer.wait_closed()
             self._handlers.discard(task)
 

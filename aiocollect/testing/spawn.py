@@ -45,6 +45,8 @@ def _child(rank: int, world_size: int, store: str, conn: Connection,
     async def main() -> Any:
         from aiocollect.api import open_group
 
+        if "group_timeout" in options:
+            options["timeout"] = options.pop("group_timeout")
         group = await open_group(rank, world_size, store=store, **options)
         try:
             result = await target(group, *args)
@@ -112,11 +114,12 @@ class SpawnedRanks:
             if not ready.done():
                 ready.set_result(None)
 
-        loop.add_reader(conn.fileno(), readable)
+        fd = conn.fileno()
+        loop.add_reader(fd, readable)
         try:
             await ready
         finally:
-            loop.remove_reader(conn.fileno())
+            loop.remove_reader(fd)
         try:
             msg: tuple[Any, ...] = conn.recv()
             return msg
@@ -127,6 +130,24 @@ class SpawnedRanks:
             how = (f"signal {signal.Signals(-code).name}" if code is not None and code < 0
                    else f"exit code {code}")
             return ("died", how)
+
+    async def outcomes(self) -> list[tuple[Any, ...]]:
+        """Wait for every rank (up to ``timeout``; stragglers are killed) and return one
+        tuple per rank without raising: ``("ok", value)``, ``("error", type name, message,
+        traceback)`` or ``("died", how)`` — for fault tests where some ranks must fail."""
+        tasks = [asyncio.ensure_future(self._outcome(r)) for r in range(self.world_size)]
+        try:
+            await asyncio.wait(tasks, timeout=self.timeout)
+        finally:
+            self.terminate()
+        out: list[tuple[Any, ...]] = []
+        for rank, task in enumerate(tasks):
+            if task.done() and not task.cancelled() and task.exception() is None:
+                out.append(task.result())
+            else:
+                task.cancel()
+                out.append(("died", f"rank {rank} did not finish within {self.timeout} s"))
+        return out
 
     async def results(self) -> list[Any]:
         """Wait for every rank (up to ``timeout``) and return results in rank order.
@@ -179,5 +200,6 @@ def spawn_ranks(world_size: int, target: Callable[..., Awaitable[Any]], *args: A
                 timeout: float = 60.0, **options: Any) -> SpawnedRanks:
     """Start one process per rank running ``target(group, *args)``; ``await`` the result
     for their return values in rank order. ``options`` go to ``open_group`` (plus
-    ``uvloop=True`` to run the children on uvloop)."""
+    ``uvloop=True`` to run the children on uvloop, and ``group_timeout=`` for
+    open_group's ``timeout``, since ``timeout`` here bounds the whole run)."""
     return SpawnedRanks(world_size, target, args, timeout, options)

@@ -13,7 +13,7 @@ import logging
 from typing import Any, Protocol
 
 from aiocollect.errors import MismatchError
-from aiocollect.transport.wire import ABORT, GOODBYE, Header, Key
+from aiocollect.transport.wire import CONTROL, Header, Key
 from aiocollect.types import dtype_label
 
 log = logging.getLogger("aiocollect.transport")
@@ -26,7 +26,7 @@ class LinkEvents(Protocol):
         """A DATA/P2P header arrived; may raise MismatchError or ProtocolError."""
 
     def on_control(self, link: Link, kind: int, payload: bytes) -> None:
-        """An ABORT or GOODBYE frame arrived."""
+        """A control frame (ABORT, GOODBYE, PING, PONG) arrived."""
 
     def on_error(self, link: Link, exc: BaseException) -> None:
         """The link hit a protocol or matching error; it is being closed."""
@@ -150,7 +150,7 @@ class Link(abc.ABC):
         or None if the link must stop reading (the error has been reported)."""
         self._frame = h
         self.frames_received += 1
-        if h.kind in (ABORT, GOODBYE):
+        if h.kind in CONTROL:
             self._frame_staging = bytearray(h.length)
             return memoryview(self._frame_staging)
         try:
@@ -175,7 +175,7 @@ class Link(abc.ABC):
         self.bytes_received += h.length
         recv, staging = self._frame_recv, self._frame_staging
         self._frame = self._frame_recv = self._frame_staging = None
-        if h.kind in (ABORT, GOODBYE):
+        if h.kind in CONTROL:
             self.events.on_control(self, h.kind, bytes(staging or b""))
             return
         if recv is not None:
@@ -200,6 +200,9 @@ class Link(abc.ABC):
         if self._failure is None:
             self._failure = exc
         posted, self._posted = self._posted, {}
+        if self._frame_recv is not None:  # its payload was arriving: it never will now
+            posted[("in-progress",)] = self._frame_recv  # type: ignore[index]
+            self._frame_recv = None
         for recv in posted.values():
             if not recv.fut.done():
                 recv.fut.set_exception(exc)

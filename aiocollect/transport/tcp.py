@@ -244,7 +244,11 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         if transport is None or self._lost:
             return
         if transport.can_write_eof():
-            transport.write_eof()
+            try:
+                transport.write_eof()
+            except OSError:  # the peer reset the connection already: nothing to flush
+                transport.abort()
+                return
             self._linger = asyncio.get_running_loop().call_later(LINGER, transport.abort)
         else:
             transport.close()

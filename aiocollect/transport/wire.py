@@ -3,7 +3,7 @@
 Every frame is a fixed 50-byte little-endian header, then ``length`` payload bytes::
 
     magic   u16  0xAC01
-    kind    u8   DATA | P2P | ABORT | GOODBYE
+    kind    u8   DATA | P2P | ABORT | GOODBYE | PING | PONG
     coll    u8   Collective of the operation (fingerprint)
     op      u8   reduction op code (fingerprint; 0 when none)
     dtype   u8   dtype code (fingerprint)
@@ -38,7 +38,10 @@ DATA = 1
 P2P = 2
 ABORT = 3
 GOODBYE = 4
-KINDS = (DATA, P2P, ABORT, GOODBYE)
+PING = 5
+PONG = 6
+KINDS = (DATA, P2P, ABORT, GOODBYE, PING, PONG)
+CONTROL = (ABORT, GOODBYE, PING, PONG)
 
 Key = tuple[int, int, int, int, int]
 
@@ -70,7 +73,7 @@ def pack_header(h: Header) -> bytes:
 
 
 def control_header(kind: int, length: int) -> bytes:
-    """Header of an ABORT or GOODBYE frame."""
+    """Header of a control frame (ABORT, GOODBYE, PING, PONG)."""
     return HEADER.pack(MAGIC, kind, 0, 0, 0, 0, 0, 0, 0, -1, 0, length)
 
 
@@ -86,7 +89,7 @@ def parse_header(buf: bytes | bytearray | memoryview, max_length: int) -> Header
     h = Header(*fields)
     if h.kind not in KINDS:
         raise ProtocolError(f"unknown frame kind {h.kind}")
-    limit = MAX_CONTROL if h.kind in (ABORT, GOODBYE) else max_length
+    limit = MAX_CONTROL if h.kind in CONTROL else max_length
     if h.length > limit:
         raise ProtocolError(f"frame of {h.length} bytes exceeds the limit of {limit}")
     return h

@@ -1,0 +1,236 @@
+"""Medians across rounds, the table printed on stdout, and the JSON document.
+
+Per case and backend, p50, p99, bus bandwidth, loop lag and iteration counts are the
+medians over rounds; peak-RSS growth is the maximum over ranks and rounds; a case is
+correct only if every rank of every round got the closed-form result. Ratios are
+aiocollect/gloo of those medians: bandwidth (above 1 favours aiocollect) and p50 latency
+(below 1 favours aiocollect).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aiocollect import __version__
+from aiocollect.bench.spec import Case, format_size
+from aiocollect.bench.stats import format_number, format_time, median, summarize
+
+BACKENDS = ("aiocollect", "gloo")
+
+
+def _records(result: dict[str, Any] | None) -> dict[tuple[str, int], dict[str, Any]]:
+    if not result or "records" not in result:
+        return {}
+    return {(r["name"], r["size"]): r for r in result["records"]}
+
+
+def _combine(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """Medians (and maxima, for RSS) over rounds of one backend's summaries."""
+    sums = [s for _, s in pairs]
+
+    def med(key: str) -> float:
+        return median([s[key] for s in sums if key in s])
+
+    out: dict[str, Any] = {
+        "rounds": len(sums), "iters": int(med("iters")), "p50_us": med("p50_us"),
+        "p99_us": med("p99_us"), "mean_us": med("mean_us"), "busbw_gbps": med("busbw_gbps"),
+        "algbw_gbps": med("algbw_gbps"), "lag_p99_ms": med("lag_p99_ms"),
+        "rss_growth_mib": max((s["rss_growth_mib"] for s in sums), default=float("nan")),
+        "correct": all(s["correct"] for s in sums),
+        "wrong_ranks": sorted({r for rec, _ in pairs for r in rec.get("wrong_ranks", [])}),
+    }
+    if any("concurrent_ratio" in s for s in sums):
+        out["seq_p50_us"] = med("seq_p50_us")
+        out["concurrent_ratio"] = med("concurrent_ratio")
+    return out
+
+
+def aggregate(rounds: list[dict[str, Any]], cases: list[Case],
+              world_size: int) -> list[dict[str, Any]]:
+    """One summary row per case: per-backend medians over rounds and the ratios."""
+    indexed = [{b: _records(entry.get(b)) for b in BACKENDS} for entry in rounds]
+    rows = []
+    for case in cases:
+        key = (case.name, case.size)
+        row: dict[str, Any] = {"name": case.name, "collective": case.collective,
+                               "concurrency": case.concurrency, "size": case.size}
+        for backend in BACKENDS:
+            pairs = [(idx[backend][key], summarize(idx[backend][key], world_size))
+                     for idx in indexed if key in idx[backend]]
+            row[backend] = _combine(pairs) if pairs else None
+            if pairs:
+                row.setdefault("bytes", pairs[0][0]["bytes"])
+                row[f"{backend}_algorithm"] = pairs[0][0]["algorithm"]
+        ac, gl = row["aiocollect"], row["gloo"]
+        row["bw_ratio"] = _ratio(ac, gl, "busbw_gbps")
+        row["lat_ratio"] = _ratio(ac, gl, "p50_us")
+        rows.append(row)
+    return rows
+
+
+def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str) -> float:
+    if a is None or b is None or not b[key] or b[key] != b[key]:
+        return float("nan")
+    return float(a[key] / b[key])
+
+
+def all_correct(rows: list[dict[str, Any]]) -> bool:
+    """False if any backend got a wrong result for any case (or measured nothing)."""
+    return all(row["aiocollect"] is not None and row["aiocollect"]["correct"]
+               and (row["gloo"] is None or row["gloo"]["correct"]) for row in rows)
+
+
+# -- the table ----------------------------------------------------------------------------
+
+
+def _render(headers: list[str], lines: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(headers)]
+    out = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
+    out += ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in lines]
+    return out
+
+
+def _check(row: dict[str, Any]) -> str:
+    ac, gl = row["aiocollect"], row["gloo"]
+    if ac is None:
+        return "MISSING"
+    if not ac["correct"]:
+        return f"WRONG (ranks {ac['wrong_ranks']})"
+    if gl is not None and not gl["correct"]:
+        return "ok (gloo WRONG)"
+    return "ok"
+
+
+def _x(value: float) -> str:
+    return format_number(value, 2, "x")
+
+
+def _line(row: dict[str, Any], baseline: bool) -> list[str]:
+    ac, gl = row["aiocollect"], row["gloo"]
+    line = [format_size(row["size"]), row.get("aiocollect_algorithm", "auto"),
+            str(ac["iters"])]
+    if row["concurrency"] > 1:
+        line += [format_time(ac["p50_us"]), format_time(ac["seq_p50_us"]),
+                 _x(ac["concurrent_ratio"])]
+    else:
+        line += [format_time(ac["p50_us"]), format_time(ac["p99_us"]),
+                 format_time(ac["mean_us"])]
+    line += [format_number(ac["busbw_gbps"], 3), format_number(ac["lag_p99_ms"], 2),
+             format_number(ac["rss_growth_mib"], 1)]
+    if baseline:
+        if row["concurrency"] > 1:
+            line += [_x(gl["concurrent_ratio"]) if gl else "-"]
+        else:
+            line += [format_time(gl["p50_us"]) if gl else "-",
+                     format_number(gl["busbw_gbps"], 3) if gl else "-",
+                     _x(row["bw_ratio"]), _x(row["lat_ratio"])]
+    return [*line, _check(row)]
+
+
+def _headers(concurrency: int, baseline: bool) -> list[str]:
+    if concurrency > 1:
+        head = ["size", "algorithm", "iters", f"{concurrency} conc p50",
+                f"{concurrency} seq p50", "conc/seq"]
+    else:
+        head = ["size", "algorithm", "iters", "p50", "p99", "mean"]
+    head += ["busbw GB/s", "lag p99 ms", "rss+ MiB"]
+    if baseline:
+        head += (["gloo conc/seq"] if concurrency > 1
+                 else ["gloo p50", "gloo GB/s", "bw ratio", "lat ratio"])
+    return [*head, "check"]
+
+
+def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """The human-readable report: one table per collective (and concurrency)."""
+    baseline = any(row["gloo"] is not None for row in rows)
+    out: list[str] = []
+    names = list(dict.fromkeys(row["name"] for row in rows))
+    for name in names:
+        group = [r for r in rows if r["name"] == name and r["aiocollect"] is not None]
+        if not group:
+            continue
+        out.append(f"{name}: {meta['world_size']} ranks, {meta['transport']}, "
+                   f"{meta['dtype']}, median of {meta['rounds']} rounds")
+        out += _render(_headers(group[0]["concurrency"], baseline),
+                       [_line(r, baseline) for r in group])
+        out.append("")
+    out += [
+        "p50/p99: per iteration, the slowest rank; mean: the slowest rank's batch time / "
+        "iterations (NCCL-tests' time); busbw: NCCL-tests bus bandwidth at mean (1e9 B/s).",
+        f"lag p99: rank 0's event loop, 1 ms sleeps (idle floor "
+        f"{format_number(meta.get('idle_lag_p99_ms', float('nan')), 2)} ms); rss+: peak RSS "
+        "growth in the timed iterations, max over ranks and rounds.",
+    ]
+    if baseline:
+        out.append("bw ratio: aiocollect/gloo busbw (>1 favours aiocollect); lat ratio: "
+                   "aiocollect/gloo p50 (<1 favours aiocollect); conc/seq: K in flight / K "
+                   "in sequence.")
+    if meta.get("baseline_note"):
+        out.append(meta["baseline_note"])
+    return "\n".join(out)
+
+
+# -- JSON ---------------------------------------------------------------------------------
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where unknown)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def machine_info(loop: str) -> dict[str, Any]:
+    """Where the numbers were measured: cores, CPU, Python, libraries, event loop, date,
+    load average at the end (the machine may be shared)."""
+    try:
+        affinity: int | None = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = None
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "hostname": platform.node(), "platform": platform.platform(), "cpu": _cpu_model(),
+        "nproc": os.cpu_count(), "affinity_cpus": affinity,
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(), "aiocollect": __version__,
+        "numpy": np.__version__, "event_loop": loop, "uvloop": _version("uvloop"),
+        "torch": _version("torch"), "matplotlib": _version("matplotlib"),
+        "loadavg_end": load_average(),
+    }
+
+
+def clean(value: Any) -> Any:
+    """``value`` with NaN and infinities replaced by None (strict JSON)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean(v) for v in value]
+    return value

@@ -1,0 +1,242 @@
+"""The timing method, shared by every backend so aiocollect and gloo are measured alike.
+
+For each case every rank: allocates and touches its buffers; runs ``warmup`` untimed
+iterations (their median time calibrates the iteration count so that a case takes about
+``seconds``; rank 0's choice is broadcast so all ranks agree); resets its peak-RSS mark;
+enters a barrier; times each of ``iters`` iterations with ``perf_counter`` (a concurrent
+case times K collectives in flight together, then K back to back, alternately); reads its
+peak-RSS growth; runs the collective once more on rank-dependent data and checks the result
+against the closed form; and finally all ranks gather their per-iteration times, so that
+rank 0 reports, per iteration, the maximum over ranks (for p50/p99), and the slowest rank's
+total time divided by the iterations (NCCL-tests' time, for bandwidth: with collectives
+whose ranks can run ahead of each other, like a broadcast root, per-iteration times alone
+would flatter). On rank 0 a probe task sleeps 1 ms
+in a loop during the timed iterations and records how late it wakes (event-loop lag).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from aiocollect.bench.spec import Array, Case, Shape, fill, shape, verify
+from aiocollect.bench.stats import MIB, percentile
+
+#: Bounds of the adaptive iteration count.
+MIN_ITERS = 5
+MAX_ITERS = 20_000
+#: Period of the event-loop lag probe.
+PROBE_PERIOD = 0.001
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+@dataclass
+class Buffers:
+    """One set of a rank's buffers: numpy views (``send``, ``out``) for filling and
+    checking, and whatever the backend passes to its collective (``native``)."""
+
+    send: Array
+    out: Array | None
+    native: tuple[Any, Any]
+
+
+class Backend(Protocol):
+    """A communication library under test, already joined to its group."""
+
+    name: str
+    rank: int
+    world_size: int
+    has_loop_probe: bool
+
+    def algorithm_for(self, collective: str, shp: Shape) -> str: ...
+    def allocate(self, shp: Shape, dtype: np.dtype[Any]) -> Buffers: ...
+    async def run(self, collective: str, bufs: Buffers) -> None: ...
+    async def run_many(self, collective: str, sets: list[Buffers]) -> None: ...
+    async def barrier(self) -> None: ...
+    async def agree(self, value: int) -> int: ...
+    async def gather(self, values: Array) -> Array: ...
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """What every rank of one backend measures."""
+
+    cases: list[Case]
+    dtype: str
+    warmup: int
+    iters: int | None
+    seconds: float
+    lag_probe: bool = True
+
+
+# -- peak resident set size ---------------------------------------------------------------
+
+
+def _status_kib(field_name: str) -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> int:
+    """Reset the peak-RSS mark (Linux ``clear_refs``) and return the current RSS in bytes;
+    where that is impossible, return the peak so far (growth is then a lower bound)."""
+    try:
+        _CLEAR_REFS.write_text("5")
+        current = _status_kib("VmRSS")
+        if current is not None:
+            return current * 1024
+    except OSError:
+        pass
+    return peak_rss()
+
+
+def peak_rss() -> int:
+    """The peak RSS in bytes since the last reset (``VmHWM``, else ``ru_maxrss``)."""
+    hwm = _status_kib("VmHWM")
+    if hwm is not None:
+        return hwm * 1024
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+# -- event-loop lag probe -----------------------------------------------------------------
+
+
+@dataclass
+class LagProbe:
+    """Sleeps ``PROBE_PERIOD`` in a loop and records how late each wake-up is (µs)."""
+
+    enabled: bool
+    samples: list[float] = field(default_factory=list)
+    _task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.samples = []
+        if self.enabled:
+            self._task = asyncio.get_running_loop().create_task(self._probe())
+
+    async def _probe(self) -> None:
+        clock = time.perf_counter
+        while True:
+            before = clock()
+            await asyncio.sleep(PROBE_PERIOD)
+            # Timers may fire a little early (libuv caches its clock): count lateness only.
+            self.samples.append(max(0.0, clock() - before - PROBE_PERIOD) * 1e6)
+
+    async def stop(self) -> dict[str, Any] | None:
+        """Stop probing; the lag statistics in µs (None when disabled)."""
+        task, self._task = self._task, None
+        if task is None:
+            return None
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        s = self.samples
+        return {"samples": len(s), "p50": percentile(s, 50), "p99": percentile(s, 99),
+                "max": max(s) if s else float("nan")}
+
+
+# -- measuring ----------------------------------------------------------------------------
+
+
+def calibrate(per_iter: float, seconds: float) -> int:
+    """Iterations that take about ``seconds`` at ``per_iter`` seconds each (bounded)."""
+    if per_iter <= 0 or not math.isfinite(per_iter):
+        return MAX_ITERS
+    return max(MIN_ITERS, min(MAX_ITERS, math.ceil(seconds / per_iter)))
+
+
+async def measure(backend: Backend, case: Case, cfg: SweepConfig) -> dict[str, Any] | None:
+    """Measure one case on every rank; rank 0 returns the record, the others None."""
+    dtype = np.dtype(cfg.dtype)
+    n, k, coll = backend.world_size, case.concurrency, case.collective
+    shp = shape(coll, case.size, dtype.itemsize, n)
+    sets = [backend.allocate(shp, dtype) for _ in range(k)]
+
+    async def together() -> float:
+        t0 = time.perf_counter()
+        if k == 1:
+            await backend.run(coll, sets[0])
+        else:
+            await backend.run_many(coll, sets)
+        return time.perf_counter() - t0
+
+    async def in_sequence() -> float:
+        t0 = time.perf_counter()
+        for bufs in sets:
+            await backend.run(coll, bufs)
+        return time.perf_counter() - t0
+
+    steps: list[Callable[[], Any]] = [together] if k == 1 else [together, in_sequence]
+    warm = [sum([await step() for step in steps]) for _ in range(max(cfg.warmup, 1))]
+    iters = cfg.iters or calibrate(float(np.median(warm)), cfg.seconds)
+    iters = await backend.agree(iters)
+    base = reset_peak_rss()
+    probe = LagProbe(enabled=cfg.lag_probe and backend.has_loop_probe and backend.rank == 0)
+    await backend.barrier()
+    probe.start()
+    times = np.empty((len(steps), iters), dtype=np.float64)
+    for i in range(iters):
+        for j, step in enumerate(steps):
+            times[j, i] = await step()
+    lag = await probe.stop()
+    growth = (peak_rss() - base) / MIB
+    ok = await _check(backend, coll, sets)
+    tail = np.array([growth, 1.0 if ok else 0.0])
+    gathered = await backend.gather(np.concatenate([times.reshape(-1), tail]))
+    if backend.rank != 0:
+        return None
+    per_rank = gathered[:, :-2].reshape(n, len(steps), iters) * 1e6
+    worst = per_rank.max(axis=0)
+    return {
+        "collective": coll, "name": case.name, "concurrency": k, "size": case.size,
+        "bytes": shp.total_bytes, "count": shp.count, "dtype": cfg.dtype, "iters": iters,
+        "algorithm": backend.algorithm_for(coll, shp),
+        "times_us": [round(float(t), 3) for t in worst[0]],
+        "seq_times_us": [round(float(t), 3) for t in worst[1]] if k > 1 else None,
+        # NCCL-tests' time: the slowest rank's whole batch divided by the iterations.
+        "mean_us": round(float(per_rank[:, 0].sum(axis=1).max()) / iters, 3),
+        "lag_us": lag,
+        "rss_growth_mib": [round(float(g), 3) for g in gathered[:, -2]],
+        "correct": bool(gathered[:, -1].min() == 1.0),
+        "wrong_ranks": [int(r) for r in np.flatnonzero(gathered[:, -1] != 1.0)],
+    }
+
+
+async def _check(backend: Backend, coll: str, sets: list[Buffers]) -> bool:
+    """Run the collective once on rank-dependent data; True if this rank's result is
+    the closed form."""
+    rank, n = backend.rank, backend.world_size
+    for offset, bufs in enumerate(sets):
+        fill(coll, bufs.send, bufs.out, rank, n, offset)
+    if len(sets) == 1:
+        await backend.run(coll, sets[0])
+    else:
+        await backend.run_many(coll, sets)
+    return all(verify(coll, bufs.send, bufs.out, rank, n, offset)
+               for offset, bufs in enumerate(sets))
+
+
+async def idle_lag(backend: Backend, seconds: float = 0.2) -> dict[str, Any] | None:
+    """The lag probe's statistics on an idle loop (the floor of the per-case figures)."""
+    probe = LagProbe(enabled=backend.has_loop_probe and backend.rank == 0)
+    probe.start()
+    await asyncio.sleep(seconds)
+    return await probe.stop()

@@ -1,0 +1,182 @@
+"""``aiocollect bench`` end to end: the real command in a subprocess, seconds long.
+
+Nothing here asserts speed: only that the command runs, checks results, reports sane
+positive numbers, writes its files, rejects bad arguments and cleans up its ranks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aiocollect.cli import bench
+from aiocollect.testing.spawn import free_port
+
+SMOKE = ("--rounds", "1", "--iters", "3", "--warmup", "1")
+
+
+def run_bench(*args: str, cwd: Path, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "aiocollect", "bench", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL, check=False)
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and value > 0
+
+
+@pytest.mark.timeout(60)
+def test_smoke_table_and_json(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = run_bench("allreduce", "broadcast", "-n", "2", "--sizes", "4..4K", "--rounds", "1",
+                     "--iters", "3", "--json", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    for title in ("allreduce: 2 ranks, tcp, float32", "broadcast: 2 ranks"):
+        assert title in done.stdout
+    assert "p50" in done.stdout and "busbw GB/s" in done.stdout
+    assert "WRONG" not in done.stdout
+    assert "[aiocollect r1/1 allreduce 4K] 3 iters" in done.stderr  # progress
+    doc = json.loads(out.read_text())
+    assert doc["ok"] is True
+    assert doc["command"].startswith("aiocollect bench allreduce broadcast")
+    machine = doc["machine"]
+    assert machine["nproc"] >= 1 and machine["python"] and machine["date"]
+    assert {"uvloop", "torch", "event_loop", "cpu"} <= set(machine)
+    assert doc["config"]["world_size"] == 2 and doc["config"]["rounds"] == 1
+    rows = doc["summary"]
+    assert [(r["name"], r["size"]) for r in rows] == \
+        [(c, s) for c in ("allreduce", "broadcast") for s in (4, 16, 64, 256, 1024, 4096)]
+    for row in rows:
+        ac = row["aiocollect"]
+        assert ac["iters"] == 3 and ac["correct"] is True
+        for key in ("p50_us", "p99_us", "busbw_gbps"):
+            assert _positive(ac[key]), (row["name"], row["size"], key, ac[key])
+        assert ac["p99_us"] >= ac["p50_us"]
+        assert ac["rss_growth_mib"] >= 0
+        assert row["gloo"] is None
+    (round1,) = doc["rounds"]
+    records = round1["aiocollect"]["records"]
+    assert len(records) == 12
+    assert all(len(r["times_us"]) == 3 and all(t > 0 for t in r["times_us"])
+               for r in records)
+    assert all(len(r["rss_growth_mib"]) == 2 for r in records)
+
+
+@pytest.mark.timeout(90)
+def test_gloo_baseline(tmp_path: Path) -> None:
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch not installed: the gloo baseline cannot run")
+    out = tmp_path / "bench.json"
+    done = run_bench("allreduce", "-n", "2", "--sizes", "4,64K", *SMOKE, "--baseline", "gloo",
+                     "--json", str(out), cwd=tmp_path, timeout=80)
+    assert done.returncode == 0, done.stderr
+    assert "gloo p50" in done.stdout and "bw ratio" in done.stdout
+    assert "[gloo r1/1 allreduce 64K]" in done.stderr
+    doc = json.loads(out.read_text())
+    assert doc["config"]["baseline_used"] == "gloo"
+    for row in doc["summary"]:
+        assert row["gloo"]["correct"] is True
+        assert _positive(row["gloo"]["p50_us"]) and _positive(row["gloo"]["busbw_gbps"])
+        assert _positive(row["bw_ratio"]) and _positive(row["lat_ratio"])
+
+
+@pytest.mark.timeout(60)
+def test_plot_and_concurrent_mode(tmp_path: Path) -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        pytest.skip("matplotlib not installed: --plot cannot run")
+    png = tmp_path / "bench.png"
+    done = run_bench("allreduce", "allreduce-concurrent2", "-n", "2", "--sizes", "1K,64K",
+                     *SMOKE, "--plot", str(png), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert "allreduce-concurrent2:" in done.stdout and "conc/seq" in done.stdout
+
+
+@pytest.mark.timeout(60)
+def test_join_mode_two_processes(tmp_path: Path) -> None:
+    store = f"tcp://127.0.0.1:{free_port()}"
+    args = ["allgather", "-n", "2", "--sizes", "64", *SMOKE, "--store", store]
+    procs = [subprocess.Popen([sys.executable, "-m", "aiocollect", "bench", *args,
+                               "--rank", str(rank)], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=50) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [e for _, e in outputs]
+    assert "allgather: 2 ranks" in outputs[0][0]
+    assert outputs[1][0] == ""  # only rank 0 reports
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("args", [
+    ["--sizes", "lots"], ["nosuch"], ["-n", "0"], ["--rounds", "0"], ["--iters", "0"],
+    ["--store", "tcp://127.0.0.1:1"], ["--rank", "0"], ["--concurrent", "1"],
+    ["--store", "tcp://127.0.0.1:1", "--rank", "0", "--baseline", "gloo"],
+    ["--dtype", "complex64"], ["--bogus"], ["--chunk-bytes", "0"],
+])
+def test_bad_arguments_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.bench_main(args) == 2
+    assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_bad_arguments_exit_2_from_the_command(tmp_path: Path) -> None:
+    done = run_bench("allreduce", "--sizes", "8..4", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "empty size range" in done.stderr
+
+
+@pytest.mark.timeout(30)
+def test_wrong_result_exits_1(monkeypatch: pytest.MonkeyPatch,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    # One rank in this process (join mode): a check that fails must make the exit 1.
+    monkeypatch.setattr("aiocollect.bench.sweep.verify", lambda *args, **kwargs: False)
+    status = bench.bench_main(["allreduce", "-n", "1", "--sizes", "64", "--rounds", "1",
+                               "--iters", "2", "--warmup", "1", "--loop", "asyncio",
+                               "--store", f"tcp://127.0.0.1:{free_port()}", "--rank", "0"])
+    captured = capsys.readouterr()
+    assert status == 1, captured.err
+    assert "WRONG" in captured.out and "WRONG RESULT" in captured.err
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_interrupt_stops_every_rank(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "aiocollect", "bench", "allreduce", "-n",
+                             "2", "--sizes", "4", "--iters", "20000000", "--rounds", "1"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 30
+        ranks: list[int] = []
+        while len(ranks) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            ranks = _children(proc.pid)
+        assert len(ranks) == 2, "the rank processes did not start"
+        time.sleep(1.0)  # let them form the group and start measuring
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    for pid in ranks:
+        assert not Path(f"/proc/{pid}").exists(), f"rank pid {pid} survived"

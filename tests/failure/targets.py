@@ -1,0 +1,43 @@
+"""Rank bodies for the fault tests (module level, so spawned processes can import them)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+import aiocollect as ac
+
+
+async def loop_until_failure(g: ac.Group, size: int, ready_key: str,
+                             algorithm: str | None = None) -> dict[str, Any]:
+    """Allreduce in a loop; once a few have succeeded, publish readiness in the store (the
+    test waits on it before injecting the fault), then report the first error and when it
+    was raised (time.time, comparable across processes)."""
+    buf = np.ones(size, np.float32)
+    done = 0
+    try:
+        while True:
+            await g.allreduce(buf, algorithm=algorithm)
+            buf[:] = 1
+            done += 1
+            if done == 3:
+                await g.store.set(f"{ready_key}/{g.rank}", str(os.getpid()).encode())
+    except ac.AiocollectError as exc:
+        later = ""
+        try:
+            g.barrier()
+        except ac.GroupBrokenError as broken:
+            later = type(broken.__cause__).__name__
+        return {"error": type(exc).__name__, "message": str(exc), "at": time.time(),
+                "rank_attr": getattr(exc, "rank", None), "ranks": getattr(exc, "ranks", None),
+                "later": later, "done": done}
+
+
+async def reopen_after_failure(g: ac.Group, size: int, ready_key: str) -> dict[str, Any]:
+    """As loop_until_failure, then open a new group (new name) among the survivors."""
+    result = await loop_until_failure(g, size, ready_key)
+    return result

@@ -1,0 +1,67 @@
+"""Real processes, real signals: a killed rank is named on every survivor within a second; a
+frozen one is named at the deadline; afterwards the group is broken and a new one opens."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import aiocollect as ac
+from aiocollect.store import open_store
+from aiocollect.testing import spawn_ranks
+from tests.failure import targets
+
+pytestmark = pytest.mark.timeout(90)
+
+
+async def _wait_ready(store_url: str, n: int, key: str) -> None:
+    store, _ = await open_store(store_url, rank=1, timeout=30)
+    try:
+        await store.wait([f"{key}/{r}" for r in range(n)], timeout=30)
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("n, victim, size, alg", [
+    (2, 1, 1 << 16, None),
+    (3, 2, 1 << 20, "ring"),
+    (4, 1, 4096, "recursive_doubling"),
+    (4, 3, 1 << 18, "halving_doubling"),
+])
+async def test_sigkill_named_on_every_survivor_within_a_second(
+        n: int, victim: int, size: int, alg: str | None) -> None:
+    job = spawn_ranks(n, targets.loop_until_failure, size, "ready", alg, timeout=60)
+    await _wait_ready(job.store, n, "ready")
+    killed_at = time.time()
+    job.kill(victim)
+    outcomes = await job.outcomes()
+    assert outcomes[victim][0] == "died"
+    for rank, out in enumerate(outcomes):
+        if rank == victim:
+            continue
+        assert out[0] == "ok", out
+        res = out[1]
+        assert res["error"] == "PeerDisconnected", res
+        assert res["rank_attr"] == victim, res
+        assert f"rank {victim}" in res["message"]
+        assert res["at"] - killed_at < 1.0, f"rank {rank} took {res['at'] - killed_at:.2f}s"
+        assert res["later"] == "PeerDisconnected"  # later calls: GroupBrokenError from it
+
+
+async def test_sigstop_gives_peer_timeout_naming_the_frozen_rank() -> None:
+    n, victim = 3, 1
+    job = spawn_ranks(n, targets.loop_until_failure, 1 << 14, "ready", timeout=60,
+                      group_timeout=2.0)
+    await _wait_ready(job.store, n, "ready")
+    stopped_at = time.time()
+    job.stop(victim)
+    outcomes = await job.outcomes()
+    for rank, out in enumerate(outcomes):
+        if rank == victim:
+            continue
+        res = out[1]
+        assert res["error"] == "PeerTimeout", res
+        assert res["ranks"] == [victim], res
+        assert f"[{victim}]" in res["message"]
+        assert 1.0 < res["at"] - stopped_at < 5.0, res["at"] - stopped_at
