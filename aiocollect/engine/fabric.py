@@ -208,7 +208,7 @@ class Fabric:
                 if notify and not link.closed:
                     link.send(control_header(ABORT, len(payload)), payload)
                 link.close()  # flushes the ABORT before closing
-            except Exception as err:  # noqa: BLE001 - the link is going away anyway
+            except Exception as err:
                 log.warning("while closing the link to rank %d: %r", link.peer, err)
                 link.abort()
         for waiter in self._p2p_waiters:

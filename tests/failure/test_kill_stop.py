@@ -7,7 +7,6 @@ import time
 
 import pytest
 
-import aiocollect as ac
 from aiocollect.store import open_store
 from aiocollect.testing import spawn_ranks
 from tests.failure import targets
