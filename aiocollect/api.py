@@ -18,8 +18,12 @@ from aiocollect.group import Group
 from aiocollect.group_core import DEFAULT_CHUNK_BYTES
 from aiocollect.rendezvous.rendezvous import RendezvousConfig, rendezvous
 from aiocollect.store import Store, open_store
+from aiocollect.tls import TLSConfig, as_config
 
 TRANSPORTS = ("auto", "tcp", "tls", "memory")
+
+SSLArg = (TLSConfig | ssl_module.SSLContext
+          | tuple[ssl_module.SSLContext, ssl_module.SSLContext] | None)
 
 _ENV_RANK = ("AIOCOLLECT_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 _ENV_SIZE = ("AIOCOLLECT_WORLD_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
@@ -100,7 +104,7 @@ def listen_host(host: str | None, store: Store | str) -> str:
 
 async def _open(rank: int | None, world_size: int | None, *, store: Store | str | None,
                 transport: str | None, timeout: float | None, secret: bytes | str | None,
-                host: str | None, ssl: ssl_module.SSLContext | None, name: str,
+                host: str | None, ssl: SSLArg, name: str,
                 chunk_bytes: int | None) -> Group:
     if rank is None:
         rank = _env_int(_ENV_RANK, "rank")
@@ -117,7 +121,9 @@ async def _open(rank: int | None, world_size: int | None, *, store: Store | str 
     if transport not in TRANSPORTS:
         raise UsageError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if transport == "tls" and ssl is None:
-        raise UsageError("transport='tls' needs ssl= (an ssl.SSLContext)")
+        raise UsageError("transport='tls' needs ssl= (aiocollect.tls.contexts(...) or an "
+                         "ssl.SSLContext)")
+    tls = None if ssl is None else as_config(ssl)
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise UsageError(f"timeout must be a positive number, got {timeout!r}")
     chunk = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
@@ -135,7 +141,7 @@ async def _open(rank: int | None, world_size: int | None, *, store: Store | str 
     fabric = Fabric(rank, world_size, max_frame=chunk)
     try:
         cfg = RendezvousConfig(name=name, rank=rank, world_size=world_size, transport=transport,
-                               host=listen_host(host, spec), secret=key, ssl=ssl,
+                               host=listen_host(host, spec), secret=key, ssl=tls,
                                chunk_bytes=chunk, deadline=deadline)
         endpoint, links = await rendezvous(store_obj, cfg, fabric, max_frame=chunk)
     except BaseException:
@@ -182,7 +188,7 @@ class GroupOpener:
 def open_group(rank: int | None = None, world_size: int | None = None, *,
                store: Store | str | None = None, transport: str | None = None,
                timeout: float | None = 300.0, secret: bytes | str | None = None,
-               host: str | None = None, ssl: ssl_module.SSLContext | None = None,
+               host: str | None = None, ssl: SSLArg = None,
                name: str = "default", chunk_bytes: int | None = None) -> GroupOpener:
     """Form a group of ``world_size`` ranks and return it (awaitable / async with).
 

@@ -209,8 +209,8 @@ async def measure(backend: Backend, case: Case, cfg: SweepConfig) -> dict[str, A
         "collective": coll, "name": case.name, "concurrency": k, "size": case.size,
         "bytes": shp.total_bytes, "count": shp.count, "dtype": cfg.dtype, "iters": iters,
         "algorithm": backend.algorithm_for(coll, shp),
-        "times_us": [round(float(t), 3) for t in worst[0]],
-        "seq_times_us": [round(float(t), 3) for t in worst[1]] if k > 1 else None,
+        "times_us": [round(float(t), 1) for t in worst[0]],
+        "seq_times_us": [round(float(t), 1) for t in worst[1]] if k > 1 else None,
         # NCCL-tests' time: the slowest rank's whole batch divided by the iterations.
         "mean_us": round(float(per_rank[:, 0].sum(axis=1).max()) / iters, 3),
         "lag_us": lag,

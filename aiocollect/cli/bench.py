@@ -185,7 +185,7 @@ def _publish(ns: argparse.Namespace, argv: Sequence[str], plan: Plan, cases: lis
                           "baseline": ns.baseline, "baseline_used": plan.baseline,
                           "baseline_note": note, "multi_node": ns.store is not None},
                "ok": ok, "summary": rows, "rounds": rounds}
-        ns.json.write_text(json.dumps(report.clean(doc), indent=1))
+        ns.json.write_text(json.dumps(report.clean(doc), separators=(",", ":")))
         print(f"{PROG}: wrote {ns.json}", file=sys.stderr)
     if ns.plot is not None:
         title = (f"aiocollect bench: {plan.world_size} ranks, {ns.transport}, {ns.dtype}, "

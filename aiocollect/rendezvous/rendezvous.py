@@ -21,6 +21,7 @@ from aiocollect._deadline import Deadline
 from aiocollect.errors import RendezvousError, RendezvousTimeout
 from aiocollect.rendezvous.handshake import PROTOCOL_VERSION, AcceptorHandshake, ConnectorHandshake
 from aiocollect.store.base import Store
+from aiocollect.tls import TLSConfig
 from aiocollect.transport import memory, tcp
 from aiocollect.transport.base import Link, LinkEvents
 
@@ -33,7 +34,7 @@ class RendezvousConfig:
     transport: str
     host: str | None
     secret: bytes | None
-    ssl: ssl_module.SSLContext | None
+    ssl: TLSConfig | None
     chunk_bytes: int
     deadline: Deadline
 
@@ -190,7 +191,11 @@ async def _listen(cfg: RendezvousConfig, events: LinkEvents, max_frame: int,
 
 
 def _server_ssl(cfg: RendezvousConfig) -> ssl_module.SSLContext | None:
-    return cfg.ssl if cfg.transport == "tls" else None
+    return cfg.ssl.server if cfg.transport == "tls" and cfg.ssl else None
+
+
+def _client_ssl(cfg: RendezvousConfig) -> ssl_module.SSLContext | None:
+    return cfg.ssl.client if cfg.transport == "tls" and cfg.ssl else None
 
 
 async def _connect(cfg: RendezvousConfig, rec: dict[str, Any], events: LinkEvents,
@@ -202,7 +207,7 @@ async def _connect(cfg: RendezvousConfig, rec: dict[str, Any], events: LinkEvent
     link = tcp.TcpLink(events, max_frame, hs)
     try:
         return await tcp.connect(str(rec["address"]), int(rec["port"]), link,
-                                 ssl=_server_ssl(cfg))
+                                 ssl=_client_ssl(cfg))
     except OSError as exc:
         raise RendezvousError(
             f"rank {cfg.rank} could not connect to rank {peer} at "

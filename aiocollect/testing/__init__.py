@@ -24,8 +24,10 @@ _names = itertools.count()
 
 async def run_ranks(world_size: int, fn: Callable[..., Awaitable[Any]], *args: Any,
                     transport: str = "memory", timeout: float | None = 60.0,
-                    chunk_bytes: int | None = None, store: Any = None) -> list[Any]:
+                    chunk_bytes: int | None = None, store: Any = None,
+                    **options: Any) -> list[Any]:
     """Run ``fn(group, *args)`` for every rank of a new group on the current event loop.
+    Extra keyword ``options`` (``secret=``, ``ssl=``, ...) go to ``open_group``.
 
     Returns:
         The results in rank order.
@@ -39,7 +41,8 @@ async def run_ranks(world_size: int, fn: Callable[..., Awaitable[Any]], *args: A
 
     async def one(rank: int) -> Any:
         group = await open_group(rank, world_size, store=spec, transport=transport,
-                                 timeout=timeout, name=name, chunk_bytes=chunk_bytes)
+                                 timeout=timeout, name=name, chunk_bytes=chunk_bytes,
+                                 **options)
         try:
             result = await fn(group, *args)
         except BaseException:
