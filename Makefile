@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,lint,redis]'
+	$(PY) -m pip install -q -e '.[test,lint,redis,torch,plot]'
 	touch $(STAMP)
 
 install: $(STAMP)

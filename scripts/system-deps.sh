@@ -3,6 +3,7 @@
 set -u
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
 if [ ${#need[@]} -eq 0 ]; then exit 0; fi
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
   echo "system-deps: missing ${need[*]} (not root or no apt-get); tests needing them will skip visibly"
