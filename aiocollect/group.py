@@ -132,10 +132,11 @@ class Group(GroupCore):
             flat = _flat(arr)
             if alg == 0:
                 blocks = flat_blocks(flat, n)
+                gathered = ring.post_allgather(o, blocks)
                 await ring.reduce_scatter(o, blocks, ufunc)
                 if rop is ReduceOp.AVG:
                     blocks[o.rank] /= n
-                await ring.allgather(o, blocks)
+                await ring.allgather(o, blocks, posted=gathered)
                 return buf
             await (doubling.recursive_doubling, doubling.halving_doubling)[alg - 1](
                 o, flat, ufunc)

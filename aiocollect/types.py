@@ -92,9 +92,15 @@ def collective_label(code: int) -> str:
     return f"{coll}[{names[alg]}]" if alg < len(names) and len(names) > 1 else coll
 
 
+_NAMES: dict[np.dtype[Any], str] = {}
+
+
 def dtype_name(dtype: np.dtype[Any]) -> str:
     """A stable, human-readable dtype name (``float32``, ``bfloat16``...)."""
-    return str(dtype.name)
+    name = _NAMES.get(dtype)
+    if name is None:  # numpy computes .name in Python: cache it, calls are per operation
+        name = _NAMES[dtype] = str(dtype.name)
+    return name
 
 
 def dtype_code(dtype: np.dtype[Any]) -> int:

@@ -13,6 +13,8 @@ as soon as chunk c of step s has arrived (and been reduced), so the steps overla
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 
 from aiocollect._buffers import Array
@@ -47,6 +49,7 @@ async def reduce_scatter(op: Op, blocks: list[Array], ufunc: np.ufunc,
         for c, (dst, src) in enumerate(zip(mine, theirs, strict=True)):
             await futs[c]
             await reduce_into(ufunc, dst, src)
+            await asyncio.sleep(0)  # a done future does not yield: keep the loop responsive
             if not last:
                 if c < len(ahead):
                     nfuts.append(op.recv(prv, slot0 + s + 1, c, ahead[c]))
@@ -56,15 +59,30 @@ async def reduce_scatter(op: Op, blocks: list[Array], ufunc: np.ufunc,
         futs = nfuts
 
 
-async def allgather(op: Op, blocks: list[Array], slot0: int = AG_SLOT) -> None:
+def post_allgather(op: Op, blocks: list[Array],
+                   slot0: int = AG_SLOT) -> list[list[asyncio.Future[None]]]:
+    """Post every receive of the ring allgather straight into its destination block.
+
+    An allreduce posts them before its reduce-scatter, so allgather frames of a peer that
+    runs ahead land in place instead of being staged: the frame for block b can only be
+    sent once every rank's contribution to b, this rank's included, has left, so this rank
+    no longer reads or writes b for the reduce-scatter by then.
+    """
+    n, r = op.size, op.rank
+    prv = (r - 1) % n
+    return [[op.recv(prv, slot0 + s, c, part)
+             for c, part in enumerate(op.chunks(blocks[(r - s - 1) % n]))]
+            for s in range(n - 1)]
+
+
+async def allgather(op: Op, blocks: list[Array], slot0: int = AG_SLOT,
+                    posted: list[list[asyncio.Future[None]]] | None = None) -> None:
     """Before: ``blocks[op.rank]`` holds this rank's data. After: every block is filled."""
     n, r = op.size, op.rank
     if n == 1:
         return
-    nxt, prv = (r + 1) % n, (r - 1) % n
-    futs = [[op.recv(prv, slot0 + s, c, part)
-             for c, part in enumerate(op.chunks(blocks[(r - s - 1) % n]))]
-            for s in range(n - 1)]
+    nxt = (r + 1) % n
+    futs = posted if posted is not None else post_allgather(op, blocks, slot0)
     for c, part in enumerate(op.chunks(blocks[r])):
         await op.send(nxt, slot0, c, part)
     for s in range(n - 2):
@@ -72,3 +90,4 @@ async def allgather(op: Op, blocks: list[Array], slot0: int = AG_SLOT) -> None:
         for c, part in enumerate(parts):
             await futs[s][c]
             await op.send(nxt, slot0 + s + 1, c, part)
+            await asyncio.sleep(0)
