@@ -19,8 +19,9 @@ from aiocollect.group_core import DEFAULT_CHUNK_BYTES
 from aiocollect.rendezvous.rendezvous import RendezvousConfig, rendezvous
 from aiocollect.store import Store, open_store
 from aiocollect.tls import TLSConfig, as_config
+from aiocollect.transport.shm_ring import unavailable as shm_unavailable
 
-TRANSPORTS = ("auto", "tcp", "tls", "memory")
+TRANSPORTS = ("auto", "tcp", "tls", "memory", "shm")
 
 SSLArg = (TLSConfig | ssl_module.SSLContext
           | tuple[ssl_module.SSLContext, ssl_module.SSLContext] | None)
@@ -123,6 +124,8 @@ async def _open(rank: int | None, world_size: int | None, *, store: Store | str 
     if transport == "tls" and ssl is None:
         raise UsageError("transport='tls' needs ssl= (aiocollect.tls.contexts(...) or an "
                          "ssl.SSLContext)")
+    if transport == "shm" and (reason := shm_unavailable()) is not None:
+        raise UsageError(f"transport='shm' is not available here: {reason}")
     tls = None if ssl is None else as_config(ssl)
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise UsageError(f"timeout must be a positive number, got {timeout!r}")
@@ -133,8 +136,8 @@ async def _open(rank: int | None, world_size: int | None, *, store: Store | str 
         secret = os.environ.get("AIOCOLLECT_SECRET") or None
     key = _auth.as_secret(secret)
     spec = resolve_store(store)
-    if transport == "auto":
-        transport = "memory" if isinstance(spec, str) and spec.startswith("memory://") else "tcp"
+    if transport == "auto" and isinstance(spec, str) and spec.startswith("memory://"):
+        transport = "memory"  # ranks in one process; else auto picks shm or tcp per link
     deadline = Deadline.after(timeout)
     store_obj, owned = await open_store(spec, rank=rank, secret=key,
                                         timeout=300.0 if timeout is None else timeout)
@@ -196,7 +199,9 @@ def open_group(rank: int | None = None, world_size: int | None = None, *,
         rank, world_size: this rank and the group size (else from the environment).
         store: a Store or URL (``tcp://H:P``, ``file:///path``, ``redis://H:P/DB``,
             ``memory://NAME``); else AIOCOLLECT_STORE, else MASTER_ADDR/MASTER_PORT.
-        transport: ``auto`` (default), ``tcp``, ``tls`` (needs ``ssl``), ``memory``.
+        transport: ``auto`` (default: shared memory to ranks on this host, TCP to the
+            others), ``tcp``, ``tls`` (needs ``ssl``), ``memory``, ``shm`` (shared memory
+            to every rank; all must be on one host). Ring size: AIOCOLLECT_SHM_RING_BYTES.
         timeout: default deadline in seconds for rendezvous and every collective.
         secret: shared secret; every store connection and peer link must prove it.
         host: address to listen on and publish (else AIOCOLLECT_IFNAME, else the address

@@ -12,8 +12,8 @@ from aiocollect.errors import UsageError
 from aiocollect.types import ALGORITHMS
 
 #: Thresholds in bytes (per rank message size), measured; see docs/algorithms.md.
-ALLREDUCE_DOUBLING_MAX = 32 * 1024
-ALLREDUCE_HALVING_MAX = 256 * 1024
+ALLREDUCE_DOUBLING_MAX = 16 * 1024
+ALLREDUCE_HALVING_MAX = 64 * 1024
 BROADCAST_BINOMIAL_MAX = 512 * 1024
 DIRECT_BLOCK_MAX = 16 * 1024
 
@@ -36,8 +36,8 @@ def choose(collective: str, algorithm: str | None, nbytes: int, world_size: int)
 
 def _auto(collective: str, nbytes: int, n: int) -> str:
     if collective == "allreduce":
-        if n <= 2 and nbytes > ALLREDUCE_DOUBLING_MAX:
-            return "ring"  # with two ranks all three move the same bytes; ring pipelines best
+        if n <= 2:
+            return "ring"  # measured fastest at every size with two ranks (algorithms.md)
         if nbytes <= ALLREDUCE_DOUBLING_MAX:
             return "recursive_doubling"
         if nbytes <= ALLREDUCE_HALVING_MAX:

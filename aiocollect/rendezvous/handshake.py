@@ -58,7 +58,8 @@ class AcceptorHandshake:
         nonce = _field(msg, "nonce", bytes)
         mac = _field(msg, "mac", bytes)
         peer = _field(msg, "rank", int)
-        ctx = _context(str(msg.get("group")), peer, self.rank, int(msg.get("world", -1)))
+        world = _field(msg, "world", int)
+        ctx = _context(str(msg.get("group")), peer, self.rank, world)
         if self.secret is not None and not _auth.check(
                 self.secret, mac, b"connector", nonce, self.nonce, ctx):
             raise self._reject("auth", AuthenticationError(
@@ -69,9 +70,9 @@ class AcceptorHandshake:
         if msg.get("group") != self.group:
             raise self._reject("group", RendezvousError(
                 f"group {msg.get('group')!r} does not match this group {self.group!r}"))
-        if msg.get("world") != self.world_size:
+        if world != self.world_size:
             raise self._reject("group", RendezvousError(
-                f"world size {msg.get('world')!r} != {self.world_size}"))
+                f"world size {world} != {self.world_size}"))
         if msg.get("peer") != self.rank:
             raise self._reject("group", RendezvousError(
                 f"connection meant for rank {msg.get('peer')!r} reached rank {self.rank}"))

@@ -3,6 +3,11 @@
 Every rank starts a listener, publishes a record (address, host identity, settings) under
 ``aiocollect/<name>/rank/<r>``, waits for every other record, connects to every lower rank
 and accepts every higher one. Handshakes check version, group name, ranks and the secret.
+
+Transport per link: ``tcp`` and ``tls`` use sockets only; ``shm`` and ``auto`` listen on TCP
+too, and a link between two ranks whose records show the same host (hostname and boot id)
+is upgraded to shared memory during its handshake (``auto``: when both ranks allow it and
+the upgrade works, else it stays on TCP; ``shm``: every link, or the group fails to form).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from aiocollect.errors import RendezvousError, RendezvousTimeout
 from aiocollect.rendezvous.handshake import PROTOCOL_VERSION, AcceptorHandshake, ConnectorHandshake
 from aiocollect.store.base import Store
 from aiocollect.tls import TLSConfig
-from aiocollect.transport import memory, tcp
+from aiocollect.transport import memory, shm, shm_ring, tcp
 from aiocollect.transport.base import Link, LinkEvents
 
 
@@ -102,7 +107,8 @@ async def rendezvous(store: Store, cfg: RendezvousConfig, events: LinkEvents,
     endpoint = await _listen(cfg, events, max_frame, acceptor, on_link)
     try:
         record = {"v": PROTOCOL_VERSION, "rank": cfg.rank, "world_size": cfg.world_size,
-                  "transport": endpoint.transport, "address": endpoint.address,
+                  "transport": cfg_transport_family(cfg.transport), "shm": shm_mode(cfg),
+                  "address": endpoint.address,
                   "port": endpoint.port, "hostname": socket.gethostname(),
                   "boot_id": boot_id(), "pid": os.getpid(), "chunk_bytes": cfg.chunk_bytes}
         prefix = _prefix(cfg)
@@ -168,11 +174,49 @@ async def _read_records(store: Store, cfg: RendezvousConfig,
             raise RendezvousError(
                 f"rank {r} uses transport {rec['transport']!r}, rank {cfg.rank} uses "
                 f"{cfg_transport_family(cfg.transport)!r}")
+    if cfg.transport == "shm":
+        _check_shm_peers(cfg, peers)
     return peers
 
 
 def cfg_transport_family(transport: str) -> str:
-    return "memory" if transport == "memory" else transport
+    """What the listener speaks: ``auto`` and ``shm`` links start as TCP connections."""
+    return "tcp" if transport in ("auto", "shm") else transport
+
+
+def shm_mode(cfg: RendezvousConfig) -> str:
+    """``force`` (transport shm), ``auto`` (transport auto, shared memory works here) or
+    ``off``."""
+    if cfg.transport == "shm":
+        return "force"
+    if cfg.transport == "auto" and shm_ring.unavailable() is None:
+        return "auto"
+    return "off"
+
+
+def same_host(rec: dict[str, Any]) -> bool:
+    """Whether a rendezvous record comes from this machine (same hostname and boot id)."""
+    mine = boot_id()
+    return bool(mine) and rec.get("boot_id") == mine and rec.get("hostname") == \
+        socket.gethostname()
+
+
+def _check_shm_peers(cfg: RendezvousConfig, peers: dict[int, dict[str, Any]]) -> None:
+    reason = shm_ring.unavailable()
+    if reason is not None:
+        raise RendezvousError(f"rank {cfg.rank}: transport='shm' is unavailable: {reason}")
+    for r, rec in peers.items():
+        if r == cfg.rank:
+            continue
+        if not same_host(rec):
+            raise RendezvousError(
+                f"transport='shm' needs every rank on one host: rank {r} runs on "
+                f"{rec.get('hostname')!r} (boot id {rec.get('boot_id')!r}), rank {cfg.rank} "
+                f"on {socket.gethostname()!r} (boot id {boot_id()!r}); use transport='auto'")
+        if rec.get("shm", "off") == "off":
+            raise RendezvousError(
+                f"rank {r} does not use shared memory but rank {cfg.rank} has "
+                f"transport='shm'; give every rank the same transport")
 
 
 async def _listen(cfg: RendezvousConfig, events: LinkEvents, max_frame: int,
@@ -182,10 +226,15 @@ async def _listen(cfg: RendezvousConfig, events: LinkEvents, max_frame: int,
             lambda: memory.MemoryLink(events, max_frame, acceptor()), on_link)
         return Endpoint("memory", address, 0)
     host = cfg.host or "127.0.0.1"
-    server = await tcp.listen(
-        host, 0,
-        lambda: tcp.TcpLink(events, max_frame, acceptor()), on_link,
-        ssl=_server_ssl(cfg))
+    mode = shm_mode(cfg)
+
+    def make_link() -> tcp.TcpLink:
+        if mode == "off":
+            return tcp.TcpLink(events, max_frame, acceptor())
+        return shm.ShmLink(events, max_frame, acceptor(), role="acceptor",
+                           required=mode == "force")
+
+    server = await tcp.listen(host, 0, make_link, on_link, ssl=_server_ssl(cfg))
     port = server.sockets[0].getsockname()[1]
     return Endpoint(cfg.transport, host, port, server)
 
@@ -204,7 +253,12 @@ async def _connect(cfg: RendezvousConfig, rec: dict[str, Any], events: LinkEvent
     hs = ConnectorHandshake(cfg.name, cfg.rank, peer, cfg.world_size, cfg.secret)
     if cfg.transport == "memory":
         return memory.connect(str(rec["address"]), memory.MemoryLink(events, max_frame, hs))
-    link = tcp.TcpLink(events, max_frame, hs)
+    mode = shm_mode(cfg)
+    link: tcp.TcpLink
+    if mode != "off" and rec.get("shm", "off") != "off" and same_host(rec):
+        link = shm.ShmLink(events, max_frame, hs, role="connector", required=mode == "force")
+    else:
+        link = tcp.TcpLink(events, max_frame, hs)
     try:
         return await tcp.connect(str(rec["address"]), int(rec["port"]), link,
                                  ssl=_client_ssl(cfg))

@@ -136,7 +136,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         try:
             h = parse_header(self._hdr, self.max_frame)
         except ProtocolError as exc:
-            self._raise_error(exc)
+            self._raise_error(ProtocolError(f"{self.describe()} sent a malformed frame: {exc}"))
             return
         dest = self._begin_frame(h)
         if dest is None:
@@ -204,6 +204,9 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         if not self.ready.done():
             self.ready.set_exception(exc)
         self.handshaker = None
+        # Nothing more from this connection may be read, let alone parsed as frames: a TLS
+        # transport still delivers already-decrypted bytes after close().
+        self._discard = True
         if self.transport is not None:
             # Let a final error reply leave before closing.
             self.transport.close()
