@@ -19,6 +19,8 @@ from aiocollect.transport.wire import DATA, HEADER, MAGIC, Key
 
 #: Bytes queued in user space per link before a sender waits for the socket to drain.
 SEND_WINDOW = 8 * 1024 * 1024
+#: A send of at least this many bytes yields to the event loop once.
+YIELD_BYTES = 64 * 1024
 
 
 class Op:
@@ -83,6 +85,8 @@ class Op:
         data = _bytes(src)
         link.send(self.header(slot, chunk, len(data), seq), data)
         self._sent.add(link)
+        if len(data) >= YIELD_BYTES:
+            await asyncio.sleep(0)  # one big write per loop step keeps the loop lag low
 
     async def send_chunks(self, peer: int, slot: int, src: Array) -> None:
         for c, part in enumerate(self.chunks(src)):

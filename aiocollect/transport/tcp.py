@@ -96,6 +96,8 @@ class TcpLink(Link, asyncio.BufferedProtocol):
                 f"connection to {self.address} closed during the handshake"
                 + (f": {exc}" if exc else ""), None))
             return
+        if self.ready.cancelled() or self.ready.exception() is not None:
+            return  # a rejected handshake: this connection never joined the group
         self.events.on_lost(self, exc)
 
     def pause_writing(self) -> None:
