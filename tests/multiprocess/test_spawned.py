@@ -28,3 +28,28 @@ async def test_concurrent_allreduces_uvloop() -> None:
 async def test_child_traceback_comes_back() -> None:
     job = spawn_ranks(2, targets.echo_rank, timeout=50)
     assert await job == [(0, 2), (1, 2)]
+
+
+@pytest.mark.timeout(240)
+def test_sweep_in_processes_on_uvloop() -> None:
+    """The same sweep with every rank on uvloop (its transports take other code paths:
+    zero-copy reads into the posted buffer, write buffering by reference)."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> list[int]:
+        return await spawn_ranks(3, targets.sweep, timeout=200, chunk_bytes=CHUNK, uvloop=True)
+
+    counts = uvloop.run(main())
+    assert len(set(counts)) == 1 and counts[0] > 50
+
+
+@pytest.mark.timeout(240)
+def test_in_process_tcp_sweep_on_uvloop() -> None:
+    uvloop = pytest.importorskip("uvloop")
+    from aiocollect.testing import run_ranks
+
+    async def main() -> list[int]:
+        return await run_ranks(4, targets.sweep, transport="tcp", chunk_bytes=CHUNK)
+
+    counts = uvloop.run(main())
+    assert len(set(counts)) == 1 and counts[0] > 50

@@ -1,0 +1,298 @@
+"""Helpers for the failure tests: a hand-driven fake peer, a loop-error trap, certificates.
+
+``FakePeer`` plays one rank of a group whose other ranks are real: it publishes its own
+rendezvous record, connects to the real rank with plain asyncio streams, completes the
+handshake with the library's own sans-IO :class:`ConnectorHandshake`, and can then write any
+bytes it likes on the established link and read what the real rank sends back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import pytest_asyncio
+
+from aiocollect.rendezvous.handshake import PROTOCOL_VERSION, ConnectorHandshake
+from aiocollect.store import MemoryStore, Store
+from aiocollect.transport.wire import (
+    ABORT,
+    DATA,
+    HEADER,
+    HEADER_SIZE,
+    LENGTH_PREFIX,
+    MAGIC,
+    Header,
+    parse_header,
+)
+
+
+def header(kind: int = DATA, *, magic: int = MAGIC, coll: int = 0, op: int = 0, dtype: int = 0,
+           gid: int = 0, chunk: int = 0, seq: int = 0, slot: int = 0, root: int = -1,
+           elems: int = 0, length: int = 0) -> bytes:
+    """A frame header with any field values (valid or not)."""
+    return HEADER.pack(magic, kind, coll, op, dtype, gid, chunk, seq, slot, root, elems, length)
+
+
+def echo_header(h: Header, **changes: Any) -> bytes:
+    """``h`` (a header the real rank sent) with some fields replaced."""
+    return HEADER.pack(MAGIC, *h._replace(**changes))
+
+
+class FakePeer:
+    """Rank ``rank`` of group ``name``, driven by hand over a raw TCP stream."""
+
+    def __init__(self, store: Store, name: str, *, rank: int = 1, world_size: int = 2,
+                 chunk_bytes: int, secret: bytes | None = None) -> None:
+        self.store, self.name, self.rank, self.world_size = store, name, rank, world_size
+        self.chunk_bytes = chunk_bytes
+        self.secret = secret
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def join(self, peer: int = 0, timeout: float = 20.0) -> None:
+        """Publish this rank's record and link to rank ``peer`` (which accepts from us)."""
+        record = {"v": PROTOCOL_VERSION, "rank": self.rank, "world_size": self.world_size,
+                  "transport": "tcp", "address": "127.0.0.1", "port": 9,
+                  "hostname": socket.gethostname(), "boot_id": "", "pid": os.getpid(),
+                  "chunk_bytes": self.chunk_bytes}
+        prefix = f"aiocollect/{self.name}/rank"
+        await self.store.set(f"{prefix}/{self.rank}", msgpack.packb(record))
+        theirs = msgpack.unpackb(await self.store.get(f"{prefix}/{peer}", timeout=timeout))
+        self.reader, self.writer = await asyncio.open_connection(
+            theirs["address"], theirs["port"])
+        hs = ConnectorHandshake(self.name, self.rank, peer, self.world_size, self.secret)
+        async with asyncio.timeout(timeout):
+            while True:
+                replies, done = hs.on_message(await self.read_message())
+                for reply in replies:
+                    self.write_message(reply)
+                if done is not None:
+                    return
+
+    async def read_message(self) -> dict[str, Any]:
+        assert self.reader is not None
+        (n,) = LENGTH_PREFIX.unpack(await self.reader.readexactly(LENGTH_PREFIX.size))
+        msg: dict[str, Any] = msgpack.unpackb(await self.reader.readexactly(n), raw=False)
+        return msg
+
+    def write_message(self, msg: dict[str, Any]) -> None:
+        data = msgpack.packb(msg, use_bin_type=True)
+        self.write(LENGTH_PREFIX.pack(len(data)) + data)
+
+    def write(self, data: bytes) -> None:
+        assert self.writer is not None
+        self.writer.write(data)
+
+    async def drain(self) -> None:
+        assert self.writer is not None
+        await self.writer.drain()
+
+    async def read_frame(self) -> tuple[Header, bytes]:
+        """The next frame the real rank sent."""
+        assert self.reader is not None
+        h = parse_header(await self.reader.readexactly(HEADER_SIZE), 1 << 62)
+        return h, await self.reader.readexactly(h.length)
+
+    async def read_until_eof(self) -> list[tuple[Header, bytes]]:
+        """Every frame until the real rank closes the link (a partial frame is dropped)."""
+        frames = []
+        try:
+            while True:
+                frames.append(await self.read_frame())
+        except asyncio.IncompleteReadError:
+            return frames
+
+    async def aborts(self) -> list[dict[str, Any]]:
+        """Read to EOF and decode the ABORT frames received."""
+        return [msgpack.unpackb(p, raw=False)
+                for h, p in await self.read_until_eof() if h.kind == ABORT]
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+@pytest.fixture
+def fake_peer() -> Iterator[Callable[..., FakePeer]]:
+    """``fake_peer(store, name, chunk_bytes=..., ...)`` -> FakePeer, closed at teardown."""
+    made: list[FakePeer] = []
+
+    def make(store: Store, name: str, **kwargs: Any) -> FakePeer:
+        peer = FakePeer(store, name, **kwargs)
+        made.append(peer)
+        return peer
+
+    yield make
+    for peer in made:
+        peer.close()
+
+
+@pytest.fixture
+def unique_name() -> str:
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def memory_store(unique_name: str) -> MemoryStore:
+    return MemoryStore(unique_name)
+
+
+@pytest_asyncio.fixture
+async def loop_errors() -> AsyncIterator[list[dict[str, Any]]]:
+    """Collects what reaches the event loop's exception handler (an exception escaping a
+    protocol callback, a task exception never retrieved, ...); the test fails if any did."""
+    loop = asyncio.get_running_loop()
+    seen: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, ctx: seen.append(ctx))
+    try:
+        yield seen
+    finally:
+        loop.set_exception_handler(previous)
+    assert not seen, f"unhandled errors reached the event loop: {seen}"
+
+
+# -- certificates ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Certs:
+    """Files of two independent CAs: ``ranks[r]`` are (cert, key) signed by the main CA,
+    ``stranger`` is (cert, key) signed by the other CA."""
+
+    ca: str
+    other_ca: str
+    ranks: list[tuple[str, str]]
+    stranger: tuple[str, str]
+
+
+def _openssl_certs(d: Path, n: int) -> Certs:
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+    def ca(name: str) -> tuple[Path, Path]:
+        crt, key = d / f"{name}.pem", d / f"{name}.key"
+        run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+            "-keyout", str(key), "-out", str(crt), "-days", "2", "-subj", f"/CN={name}")
+        return crt, key
+
+    def leaf(name: str, ca_crt: Path, ca_key: Path) -> tuple[str, str]:
+        crt, key, csr = d / f"{name}.pem", d / f"{name}.key", d / f"{name}.csr"
+        ext = d / f"{name}.ext"
+        ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+            "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}")
+        run("x509", "-req", "-in", str(csr), "-CA", str(ca_crt), "-CAkey", str(ca_key),
+            "-CAcreateserial", "-out", str(crt), "-days", "2", "-extfile", str(ext))
+        return str(crt), str(key)
+
+    ca_crt, ca_key = ca("ca")
+    other_crt, other_key = ca("other-ca")
+    return Certs(str(ca_crt), str(other_crt), [leaf(f"rank{r}", ca_crt, ca_key)
+                                               for r in range(n)],
+                 leaf("stranger", other_crt, other_key))
+
+
+def _cryptography_certs(d: Path, n: int) -> Certs:
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def write(name: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> tuple[str,
+                                                                                          str]:
+        crt_path, key_path = d / f"{name}.pem", d / f"{name}.key"
+        crt_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                               serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+        return str(crt_path), str(key_path)
+
+    def build(name: str, issuer: x509.Name | None, signer: ec.EllipticCurvePrivateKey | None,
+              is_ca: bool) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        builder = (x509.CertificateBuilder().subject_name(subject)
+                   .issuer_name(issuer or subject).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=2))
+                   .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None),
+                                  critical=True))
+        if is_ca:
+            builder = builder.add_extension(x509.KeyUsage(
+                digital_signature=True, key_cert_sign=True, crl_sign=True,
+                content_commitment=False, key_encipherment=False, data_encipherment=False,
+                key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        else:
+            builder = builder.add_extension(x509.SubjectAlternativeName([
+                x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                x509.DNSName("localhost")]), critical=False)
+        return builder.sign(signer or key, hashes.SHA256()), key
+
+    ca_cert, ca_key = build("aiocollect test CA", None, None, True)
+    other_cert, other_key = build("another CA", None, None, True)
+    ranks = [write(f"rank{r}", *build(f"rank{r}", ca_cert.subject, ca_key, False))
+             for r in range(n)]
+    stranger = write("stranger", *build("stranger", other_cert.subject, other_key, False))
+    return Certs(write("ca", ca_cert, ca_key)[0], write("other-ca", other_cert, other_key)[0],
+                 ranks, stranger)
+
+
+def make_certs(d: Path, n: int) -> Certs:
+    """Certificates from the ``cryptography`` package (a test dependency), else from the
+    ``openssl`` command; skips visibly when neither is available."""
+    try:
+        import cryptography  # noqa: F401
+    except ImportError:
+        if shutil.which("openssl") is None:
+            pytest.skip("neither the cryptography package nor the openssl command: TLS "
+                        "tests skipped (pip install cryptography)")
+        return _openssl_certs(d, n)
+    return _cryptography_certs(d, n)
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    return make_certs(tmp_path_factory.mktemp("certs"), 4)
+
+
+def u32(n: int) -> bytes:
+    return struct.pack("<I", n)
+
+
+# -- event loops ----------------------------------------------------------------------------
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "both_loops: run this async test on the default loop and on uvloop")
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config,
+                                  item: pytest.Item) -> dict[str, Callable[[], Any]]:
+    """Tests marked ``both_loops`` run on asyncio's loop and on uvloop (whose transports
+    drive BufferedProtocol differently); every other test keeps the default loop."""
+    factories: dict[str, Callable[[], Any]] = {"asyncio": asyncio.new_event_loop}
+    if item.get_closest_marker("both_loops") is not None:
+        try:
+            import uvloop
+        except ImportError:
+            return factories
+        factories["uvloop"] = uvloop.new_event_loop
+    return factories

@@ -1,0 +1,182 @@
+"""Failures over shared memory: a SIGKILLed rank is named on every survivor within a second
+and leaves nothing in /dev/shm, a frozen rank is named at the deadline, ranks that disagree
+get MismatchError, and corrupt bytes in a ring are a ProtocolError, never a crash."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+import aiocollect as ac
+from aiocollect.testing import run_ranks, spawn_ranks
+from aiocollect.transport.shm import ShmLink
+from aiocollect.transport.wire import HEADER_SIZE, Header, pack_header
+from tests.failure import targets as failure_targets
+from tests.failure.test_kill_stop import _wait_ready
+from tests.failure.test_mismatch import CASES, _body
+from tests.shm.conftest import leaked, segments
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("n, victim, size, alg", [
+    (2, 1, 1 << 16, None),
+    (2, 0, 8 << 20, None),  # frames larger than the ring are in flight
+    (3, 2, 1 << 20, "ring"),
+    (4, 1, 4096, "recursive_doubling"),
+    (4, 3, 1 << 18, "halving_doubling"),
+])
+async def test_sigkill_named_on_every_survivor_within_a_second(
+        n: int, victim: int, size: int, alg: str | None) -> None:
+    before = segments()
+    job = spawn_ranks(n, failure_targets.loop_until_failure, size, "ready", alg, timeout=60,
+                      transport="shm")
+    await _wait_ready(job.store, n, "ready")
+    killed_at = time.time()
+    job.kill(victim)
+    outcomes = await job.outcomes()
+    assert outcomes[victim][0] == "died"
+    for rank, out in enumerate(outcomes):
+        if rank == victim:
+            continue
+        assert out[0] == "ok", out
+        res = out[1]
+        assert res["error"] == "PeerDisconnected", res
+        assert res["rank_attr"] == victim, res
+        assert f"rank {victim}" in res["message"]
+        assert res["at"] - killed_at < 1.0, f"rank {rank} took {res['at'] - killed_at:.2f}s"
+        assert res["later"] == "PeerDisconnected"
+    pids = {job.pid(r) for r in range(n)}
+    assert not leaked(before, pids)
+
+
+@pytest.mark.timeout(90)
+async def test_sigkill_during_rendezvous_leaves_no_segment() -> None:
+    """Ranks killed while their group forms (some links set up, some not)."""
+    before = segments()
+    job = spawn_ranks(4, failure_targets.loop_until_failure, 1024, "ready", timeout=30,
+                      transport="shm")
+    for rank in range(4):
+        job.kill(rank)
+    await job.outcomes()
+    assert not leaked(before, {job.pid(r) for r in range(4)})
+
+
+@pytest.mark.timeout(60)
+async def test_sigstop_gives_peer_timeout_naming_the_frozen_rank() -> None:
+    n, victim = 3, 1
+    job = spawn_ranks(n, failure_targets.loop_until_failure, 1 << 14, "ready", timeout=60,
+                      group_timeout=2.0, transport="shm")
+    await _wait_ready(job.store, n, "ready")
+    stopped_at = time.time()
+    job.stop(victim)
+    outcomes = await job.outcomes()
+    for rank, out in enumerate(outcomes):
+        if rank == victim:
+            continue
+        res = out[1]
+        assert res["error"] == "PeerTimeout", res
+        assert res["ranks"] == [victim], res
+        assert 1.0 < res["at"] - stopped_at < 5.0, res["at"] - stopped_at
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("n", [2, 3])
+async def test_mismatch_in_process(case: str, n: int) -> None:
+    res = await run_ranks(n, _body, case, n - 1, transport="shm", timeout=20)
+    for rank, (elapsed, kind, message) in enumerate(res):
+        assert kind == "MismatchError", f"rank {rank}: {kind}"
+        assert elapsed < 1.0, f"rank {rank} took {elapsed:.2f}s"
+        assert "called" in message and "but rank" in message
+    assert any(CASES[case][2] in m for _, _, m in res), [m for _, _, m in res]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["size", "kind", "root"])
+async def test_mismatch_in_processes(case: str) -> None:
+    res = await spawn_ranks(3, _body, case, 1, timeout=40, transport="shm")
+    assert [kind for _, kind, _ in res] == ["MismatchError"] * 3
+    assert max(elapsed for elapsed, _, _ in res) < 1.0
+
+
+# -- corrupt rings ------------------------------------------------------------------------
+
+def _corrupt(link: ShmLink, how: str) -> None:
+    """Write something bad into ``link``'s outgoing ring, as a broken peer would."""
+    tx = link._tx
+    assert tx is not None
+    if how == "magic":
+        tx.write(memoryview(b"\xee" * HEADER_SIZE))
+    elif how == "length":  # a DATA frame longer than the group's chunk size
+        bad = Header(1, 0, 0, 0, 0, 0, 0, 0, -1, 0, 1 << 40)
+        tx.write(memoryview(pack_header(bad)))
+    elif how == "kind":
+        tx.write(memoryview(pack_header(Header(99, 0, 0, 0, 0, 0, 0, 0, -1, 0, 0))))
+    elif how == "head":  # the writer's position runs past the reader by more than the ring
+        tx.pos += tx.cap + 4096
+    else:
+        raise AssertionError(how)
+    link._publish(tx)
+
+
+async def _corrupt_then_allreduce(g: ac.Group, how: str) -> tuple[str, str]:
+    if g.rank == 0:
+        link = g._fabric.links[1]
+        assert isinstance(link, ShmLink) and link.shm
+        _corrupt(link, how)
+    try:
+        for _ in range(100):  # rank 0's first allreduce may complete before rank 1 reports
+            await g.allreduce(np.ones(4, np.float32))
+    except ac.AiocollectError as exc:
+        cause = exc if not isinstance(exc, ac.GroupBrokenError) else exc.__cause__ or exc
+        return type(exc).__name__, f"{type(cause).__name__}: {cause}"
+    return "no error", ""
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("how", ["magic", "length", "kind", "head"])
+async def test_corrupt_ring_is_a_protocol_error(how: str) -> None:
+    res = await run_ranks(2, _corrupt_then_allreduce, how, transport="shm", timeout=10)
+    kind, detail = res[1]
+    assert "ProtocolError" in kind + detail, res
+    # rank 0 hears about it through rank 1's ABORT (or the closed link): never a hang
+    assert res[0][0] != "no error", res
+
+
+async def _corrupt_tail(g: ac.Group) -> str:
+    if g.rank == 1:  # rank 1 claims to have read more than rank 0 ever wrote
+        link = g._fabric.links[0]
+        assert isinstance(link, ShmLink) and link._rx is not None
+        link._rx.pos += 1 << 40
+        link._rx.publish_tail()
+    try:
+        for _ in range(100):
+            await g.allreduce(np.ones(1 << 12, np.float32))
+    except ac.AiocollectError as exc:
+        cause = exc.__cause__ if isinstance(exc, ac.GroupBrokenError) else exc
+        return type(cause).__name__
+    return "no error"
+
+
+@pytest.mark.timeout(30)
+async def test_corrupt_reader_position_is_a_protocol_error() -> None:
+    res = await run_ranks(2, _corrupt_tail, transport="shm", timeout=10)
+    assert res[0] == "ProtocolError", res
+    assert res[1] != "no error", res
+
+
+@pytest.mark.timeout(30)
+async def test_garbage_after_close_does_not_crash() -> None:
+    """A peer scribbling in the ring while the link closes: no exception escapes."""
+    async def body(g: ac.Group) -> int:
+        await g.allreduce(np.ones(8))
+        link = g._fabric.links[1 - g.rank]
+        assert isinstance(link, ShmLink)
+        if g.rank == 0:
+            _corrupt(link, "magic")
+        return os.getpid()
+
+    await run_ranks(2, body, transport="shm")
