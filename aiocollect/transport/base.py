@@ -12,11 +12,23 @@ import asyncio
 import logging
 from typing import Any, Protocol
 
-from aiocollect.errors import MismatchError
+from aiocollect.errors import MismatchError, ProtocolError
 from aiocollect.transport.wire import CONTROL, Header, Key
 from aiocollect.types import dtype_label
 
 log = logging.getLogger("aiocollect.transport")
+
+#: Most a link stages of frames that arrived before their receive was posted: payload bytes
+#: plus ``STAGED_FRAME_COST`` per frame for its bookkeeping. A peer that sends more than
+#: that ahead of this rank's receives (frames nobody will post, or a program far out of
+#: step) is cut off with ProtocolError instead of exhausting memory. Read when a link is
+#: created.
+MAX_EARLY_BYTES = 1 << 30
+STAGED_FRAME_COST = 512
+
+#: Bytes of early frames (no receive posted yet) a link holds before it stops reading from
+#: its peer; the peer's sends then wait in TCP flow control instead of growing our memory.
+STAGING_LIMIT = 64 * 1024 * 1024
 
 
 class LinkEvents(Protocol):
@@ -88,6 +100,8 @@ class Link(abc.ABC):
         self._posted: dict[Key, _Recv] = {}
         self._early: dict[Key, tuple[Header, bytearray]] = {}
         self._early_bytes = 0
+        self._early_frames = 0
+        self.early_limit = MAX_EARLY_BYTES
         self._frame: Header | None = None
         self._frame_recv: _Recv | None = None
         self._frame_staging: bytearray | None = None
@@ -104,6 +118,9 @@ class Link(abc.ABC):
         if early is not None:  # arrived before the peer closed: still good
             h, data = early
             self._early_bytes -= len(data)
+            self._early_frames -= 1
+            if self._early_bytes <= STAGING_LIMIT // 2:
+                self._staging_relieved()
             if self._check(h, len(view), expect):
                 view[:] = data
                 fut.set_result(None)
@@ -165,8 +182,26 @@ class Link(abc.ABC):
             del self._posted[h.key]
             self._frame_recv = recv
             return recv.view
+        refusal = self._refuse_staging(h)
+        if refusal is not None:
+            self._raise_error(refusal)
+            return None
         self._frame_staging = bytearray(h.length)
         return memoryview(self._frame_staging)
+
+    def _refuse_staging(self, h: Header) -> ProtocolError | None:
+        """Why a frame with no posted receive cannot be staged, if it cannot."""
+        if h.key in self._early:  # a second copy would silently replace the first
+            return ProtocolError(f"{self.describe()} sent frame {h.key} twice")
+        frames = self._early_frames + 1
+        cost = self._early_bytes + h.length + frames * STAGED_FRAME_COST
+        if cost > self.early_limit:
+            return ProtocolError(
+                f"{self.describe()} sent more than this rank has receives for: "
+                f"{frames} frames ({self._early_bytes + h.length} bytes) staged would "
+                f"exceed the limit of {self.early_limit} bytes (MAX_EARLY_BYTES in "
+                "aiocollect.transport.base)")
+        return None
 
     def _end_frame(self) -> None:
         """Called by the transport when the current frame's payload is complete."""
@@ -193,6 +228,9 @@ class Link(abc.ABC):
             return
         self._early[h.key] = (h, staging)
         self._early_bytes += len(staging)
+        self._early_frames += 1
+        if self._early_bytes > STAGING_LIMIT:
+            self._staging_full()
 
     def fail(self, exc: BaseException, drop_early: bool = True) -> None:
         """Fail every posted receive (and any posted later) with ``exc``. Frames that
@@ -210,6 +248,14 @@ class Link(abc.ABC):
         if drop_early:
             self._early.clear()
             self._early_bytes = 0
+            self._early_frames = 0
+
+    def _staging_full(self) -> None:  # noqa: B027 - optional hook
+        """Frames nobody has posted a receive for exceed ``STAGING_LIMIT``: a transport
+        that can should stop reading until receives consume them (backpressure)."""
+
+    def _staging_relieved(self) -> None:  # noqa: B027 - optional hook
+        """Staged frames fell below half the limit: reading may resume."""
 
     @property
     def pending_receives(self) -> int:

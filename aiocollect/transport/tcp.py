@@ -53,6 +53,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         self._drain: asyncio.Future[None] | None = None
         self._lost = False
         self._discard = False
+        self._reading_paused = False
         self._linger: asyncio.TimerHandle | None = None
 
     # -- connection lifecycle --------------------------------------------------------------
@@ -147,6 +148,16 @@ class TcpLink(Link, asyncio.BufferedProtocol):
             self._end_frame()
         else:
             self._payload = dest
+
+    def _staging_full(self) -> None:
+        if self.transport is not None and not self._reading_paused and not self._lost:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def _staging_relieved(self) -> None:
+        if self._reading_paused and self.transport is not None and not self._lost:
+            self._reading_paused = False
+            self.transport.resume_reading()
 
     def eof_received(self) -> bool | None:
         return False  # close our side too; connection_lost reports it
@@ -245,6 +256,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
             return
         self.closed = True
         self._discard = True
+        self._staging_relieved()  # drain whatever the peer still sends
         transport = self.transport
         if transport is None or self._lost:
             return
