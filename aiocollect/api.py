@@ -95,9 +95,9 @@ def listen_host(host: str | None, store: Store | str) -> str:
         target = netloc.rsplit(":", 1)[0].strip("[]")
         if target in ("localhost", "127.0.0.1", "::1", ""):
             return "127.0.0.1" if target != "::1" else "::1"
-        try:
-            target = socket.gethostbyname(target)
-        except OSError:
+        try:  # getaddrinfo, not gethostbyname: IPv6 literals and names must work too
+            target = str(socket.getaddrinfo(target, None, type=socket.SOCK_STREAM)[0][4][0])
+        except (OSError, IndexError):
             return "127.0.0.1"
         return _route_address(target)
     return "127.0.0.1"

@@ -90,9 +90,11 @@ class _Pipe:
     """One direction of one proxied connection: a reader task queues segments with their
     release times, a writer task forwards them when due and the direction is not stalled."""
 
-    def __init__(self, proxy: FaultProxy, direction: Literal["forward", "reverse"],
-                 src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    def __init__(self, proxy: FaultProxy, conn: _Connection,
+                 direction: Literal["forward", "reverse"], src: asyncio.StreamReader,
+                 dst: asyncio.StreamWriter) -> None:
         self.proxy = proxy
+        self.conn = conn
         self.direction = direction
         self.src = src
         self.dst = dst
@@ -116,6 +118,8 @@ class _Pipe:
             while self.queued_bytes >= proxy.window_bytes:
                 await self._wait_change()
             data = await self.src.read(proxy.segment_bytes)
+            if self.conn.closed:
+                return
             faults = proxy.faults[self.direction]
             release = loop.time() + faults.delay
             if faults.jitter:
@@ -150,6 +154,8 @@ class _Pipe:
             view = memoryview(data)
             while view:
                 await proxy.gates[self.direction].wait()
+                if self.conn.closed:  # cut (maybe by the trigger just fired): drop the rest
+                    return
                 n = proxy._allowance(self.direction, len(view))
                 if n:
                     self.dst.write(view[:n])
@@ -169,9 +175,10 @@ class _Connection:
                  asyncio.StreamWriter], upstream: tuple[asyncio.StreamReader,
                  asyncio.StreamWriter]) -> None:
         self.writers = (client[1], upstream[1])
-        self.pipes = (_Pipe(proxy, FORWARD, client[0], upstream[1]),
-                      _Pipe(proxy, REVERSE, upstream[0], client[1]))
+        self.pipes = (_Pipe(proxy, self, FORWARD, client[0], upstream[1]),
+                      _Pipe(proxy, self, REVERSE, upstream[0], client[1]))
         self.task: asyncio.Task[Any] | None = None
+        self.closed = False
 
     async def run(self) -> None:
         """Pump both directions until both ended; a failed side resets the other."""
@@ -194,6 +201,7 @@ class _Connection:
 
     def close_sockets(self, reset: bool) -> None:
         """Close both sockets: with ``reset``, send RST (SO_LINGER 0) instead of FIN."""
+        self.closed = True
         for writer in self.writers:
             _close_writer(writer, reset)
 
@@ -357,6 +365,7 @@ class FaultProxy:
             self.fired.append((time.monotonic(), "reset" if reset else "close"))
             for conn in list(self._connections):
                 conn.cut(reset)
+                self._connections.discard(conn)
 
         self._schedule(_directions(direction), after_bytes, cut_all)
 

@@ -26,6 +26,10 @@ async def loop_until_failure(g: ac.Group, size: int, ready_key: str,
             if done == 3:
                 await g.store.set(f"{ready_key}/{g.rank}", str(os.getpid()).encode())
     except ac.AiocollectError as exc:
+        if isinstance(exc, ac.GroupBrokenError) and isinstance(exc.__cause__, ac.PeerError):
+            # the previous collective finished just before the failure arrived: this call
+            # raised GroupBrokenError caused by it (documented behaviour)
+            exc = exc.__cause__
         later = ""
         try:
             g.barrier()

@@ -107,6 +107,7 @@ async def test_cut_resets_or_closes_both_sides(echo: tuple[str, int], reset: boo
             while chunk := await reader.read(65536):
                 got += chunk
         assert len(got) <= 10
+        assert sum(proxy.forwarded.values()) == 2 * 5 + 10  # hello both ways, then 10 bytes
         assert proxy.active == 0
         assert proxy.fired[0][1] == ("reset" if reset else "close")
         writer.close()
