@@ -145,9 +145,6 @@ async def test_allreduce_broadcast_across_namespaces_ipv6(
     await _check_run(topology, launch, env, topology.v6)
 
 
-@pytest.mark.xfail(reason="library: api.listen_host resolves the store host with "
-                   "socket.gethostbyname (IPv4 only), so an IPv6 store URL without host= "
-                   "publishes 127.0.0.1 (docs/network-faults.md, findings)", strict=False)
 async def test_ipv6_store_without_host_publishes_a_routable_address(
         topology: netns.Topology, launch: Any) -> None:
     store = f"tcp://[{topology.v6(0)}]:{STORE_PORT}"
