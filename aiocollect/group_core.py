@@ -158,12 +158,20 @@ class GroupCore:
 
     async def _timeout_error(self, kind: str, op: Op, timeout: float | None) -> PeerTimeout:
         """Name the ranks to blame: those that do not answer a liveness probe, else those
-        this operation was still waiting for."""
+        that have not called this operation, else those it was still waiting for."""
         waited = op.silent_peers()
         others = [r for r in self._ranks if r != self._fabric.rank]
-        dead = await self._fabric.probe(others, PROBE_SECONDS)
-        silent = [self._ranks.index(r) for r in dead] or waited
-        how = "do not respond" if dead else "sent nothing"
+        absent: list[int] = []
+        if op.kind == DATA:
+            dead, absent = await self._fabric.survey(others, PROBE_SECONDS, self._gid, op.seq)
+        else:  # point to point: no operation number to ask about
+            dead = await self._fabric.probe(others, PROBE_SECONDS)
+        if dead:
+            silent, how = [self._ranks.index(r) for r in dead], "do not respond"
+        elif absent:
+            silent, how = [self._ranks.index(r) for r in absent], "have not called it"
+        else:
+            silent, how = waited, "sent nothing"
         return PeerTimeout(
             f"{kind} (op #{op.seq} of group {self.name!r}) on rank {self.rank} timed out "
             f"after {timeout:g} s: ranks {silent} {how}", silent)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,14 @@ from aiocollect.types import collective_label, dtype_label, op_label
 log = logging.getLogger("aiocollect")
 
 DONE_MEMORY = 4096
+#: A PING is answered only while less than this is queued on the link: a peer that sends
+#: PINGs and never reads cannot make this rank queue PONGs without bound.
+PONG_BACKLOG = 16 * 1024 * 1024
+#: A PING's payload: an 8-byte token, optionally followed by this question, "have you
+#: called operation ``seq`` of group ``gid``?" — its PONG echoes the payload and appends
+#: one byte, 1 (yes) or 0 (no). The token alone is just echoed.
+_CALLED_QUERY = struct.Struct("<IQ")
+_TOKEN = 8
 
 
 def describe_fingerprint(fp: Fingerprint) -> str:
@@ -59,7 +68,7 @@ class Fabric:
         self._early: dict[tuple[int, int], list[tuple[int, Fingerprint]]] = {}
         self._done: OrderedDict[tuple[int, int], Fingerprint] = OrderedDict()
         self._p2p_waiters: list[asyncio.Future[None]] = []
-        self._pongs: dict[tuple[int, bytes], asyncio.Future[None]] = {}
+        self._pongs: dict[tuple[int, bytes], asyncio.Future[bytes]] = {}
         self._probes = 0
         self.on_break: list[Callable[[BaseException], None]] = []
 
@@ -117,13 +126,14 @@ class Fabric:
             link.goodbye_received = True
             return
         if kind == PING:
-            if not link.closed:
-                link.send(control_header(PONG, len(payload)), payload)
+            if not link.closed and link.write_buffer_size() < PONG_BACKLOG:
+                reply = payload + self._called(payload)
+                link.send(control_header(PONG, len(reply)), reply)
             return
         if kind == PONG:
-            waiter = self._pongs.pop((link.peer, payload), None)
+            waiter = self._pongs.pop((link.peer, payload[:_TOKEN]), None)
             if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+                waiter.set_result(payload)
             return
         assert kind == ABORT
         # Relay it: a peer that hears our close before the origin's ABORT must not blame us.
@@ -150,26 +160,51 @@ class Fabric:
         """PING ``peers`` (world ranks) and return those that did not answer within
         ``timeout`` seconds: a live peer's event loop answers at once, even while its own
         operations wait; a frozen or hung process does not."""
+        replies = await self._ping(peers, timeout, b"")
+        return sorted(p for p, reply in replies.items() if reply is None)
+
+    async def survey(self, peers: list[int], timeout: float, gid: int,
+                     seq: int) -> tuple[list[int], list[int]]:
+        """Like :meth:`probe`, also asking whether each peer has called operation ``seq``
+        of group ``gid``. Returns (peers that did not answer, peers that answered no)."""
+        query = _CALLED_QUERY.pack(gid, seq)
+        replies = await self._ping(peers, timeout, query)
+        dead = sorted(p for p, reply in replies.items() if reply is None)
+        absent = sorted(p for p, reply in replies.items() if reply == b"\x00")
+        return dead, absent
+
+    async def _ping(self, peers: list[int], timeout: float,
+                    query: bytes) -> dict[int, bytes | None]:
+        """PING each peer with ``query``; its answer (what the PONG appended), or None."""
         loop = asyncio.get_running_loop()
         self._probes += 1
-        token = self._probes.to_bytes(8, "little")
-        waiting: dict[int, asyncio.Future[None]] = {}
+        token = self._probes.to_bytes(_TOKEN, "little")
+        request = token + query
+        waiting: dict[int, asyncio.Future[bytes]] = {}
         for peer in peers:
             link = self.links.get(peer)
             if link is None or link.closed:
                 continue
-            fut: asyncio.Future[None] = loop.create_future()
+            fut: asyncio.Future[bytes] = loop.create_future()
             self._pongs[(peer, token)] = fut
             waiting[peer] = fut
             try:
-                link.send(control_header(PING, len(token)), token)
+                link.send(control_header(PING, len(request)), request)
             except errors.AiocollectError:
                 fut.cancel()
         if waiting:
             await asyncio.wait(waiting.values(), timeout=timeout)
         for peer in waiting:
             self._pongs.pop((peer, token), None)
-        return sorted(p for p, f in waiting.items() if not f.done() or f.cancelled())
+        return {p: f.result()[len(request):] if f.done() and not f.cancelled() else None
+                for p, f in waiting.items()}
+
+    def _called(self, ping: bytes) -> bytes:
+        """The answer to a PING's question, if it asks one."""
+        if len(ping) != _TOKEN + _CALLED_QUERY.size:
+            return b""
+        gid, seq = _CALLED_QUERY.unpack_from(ping, _TOKEN)
+        return b"\x01" if self._started.get(gid, -1) >= seq else b"\x00"
 
     # -- any-source receives ---------------------------------------------------------------
 

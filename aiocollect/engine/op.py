@@ -103,11 +103,14 @@ class Op:
     def moved_data(self) -> bool:
         """Whether any frame of this op was sent or received (cancelling it then breaks the
         group: the peers could not finish it consistently)."""
-        return bool(self._sent) or any(f.done() for _, _, f in self.pending)
+        # A cancelled task cancels the receive it awaited: that one moved nothing.
+        return bool(self._sent) or any(f.done() and not f.cancelled() and f.exception() is None
+                                       for _, _, f in self.pending)
 
     def silent_peers(self) -> list[int]:
         """Group ranks this op still waits for (for timeout messages)."""
-        waiting = {peer for peer, _, fut in self.pending if not fut.done()}
+        # The timeout that asks cancelled the receive being awaited: still not received.
+        waiting = {peer for peer, _, fut in self.pending if not fut.done() or fut.cancelled()}
         waiting.update(self.ranks.index(link.peer) for link in self._sent
                        if link.write_buffer_size() and link.peer in self.ranks)
         return sorted(waiting)

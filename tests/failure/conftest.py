@@ -9,13 +9,14 @@ bytes it likes on the established link and read what the real rank sends back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
 import struct
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,8 +62,10 @@ class FakePeer:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def join(self, peer: int = 0, timeout: float = 20.0) -> None:
-        """Publish this rank's record and link to rank ``peer`` (which accepts from us)."""
+    async def join(self, peer: int = 0, timeout: float = 20.0,
+                   rcvbuf: int | None = None) -> None:
+        """Publish this rank's record and link to rank ``peer`` (which accepts from us);
+        ``rcvbuf`` shrinks our socket's receive buffer (to fill the peer's queue sooner)."""
         record = {"v": PROTOCOL_VERSION, "rank": self.rank, "world_size": self.world_size,
                   "transport": "tcp", "address": "127.0.0.1", "port": 9,
                   "hostname": socket.gethostname(), "boot_id": "", "pid": os.getpid(),
@@ -70,8 +73,17 @@ class FakePeer:
         prefix = f"aiocollect/{self.name}/rank"
         await self.store.set(f"{prefix}/{self.rank}", msgpack.packb(record))
         theirs = msgpack.unpackb(await self.store.get(f"{prefix}/{peer}", timeout=timeout))
-        self.reader, self.writer = await asyncio.open_connection(
-            theirs["address"], theirs["port"])
+        sock = socket.socket()
+        if rcvbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(
+                sock, (theirs["address"], theirs["port"]))
+        except BaseException:
+            sock.close()
+            raise
+        self.reader, self.writer = await asyncio.open_connection(sock=sock)
         hs = ConnectorHandshake(self.name, self.rank, peer, self.world_size, self.secret)
         async with asyncio.timeout(timeout):
             while True:
@@ -123,9 +135,15 @@ class FakePeer:
         if self.writer is not None:
             self.writer.close()
 
+    async def aclose(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(OSError):
+                await self.writer.wait_closed()
 
-@pytest.fixture
-def fake_peer() -> Iterator[Callable[..., FakePeer]]:
+
+@pytest_asyncio.fixture
+async def fake_peer() -> AsyncIterator[Callable[..., FakePeer]]:
     """``fake_peer(store, name, chunk_bytes=..., ...)`` -> FakePeer, closed at teardown."""
     made: list[FakePeer] = []
 
@@ -136,7 +154,7 @@ def fake_peer() -> Iterator[Callable[..., FakePeer]]:
 
     yield make
     for peer in made:
-        peer.close()
+        await peer.aclose()
 
 
 @pytest.fixture
