@@ -133,10 +133,15 @@ class Group(GroupCore):
             if alg == 0:
                 blocks = flat_blocks(flat, n)
                 gathered = ring.post_allgather(o, blocks)
-                await ring.reduce_scatter(o, blocks, ufunc)
-                if rop is ReduceOp.AVG:
-                    blocks[o.rank] /= n
-                await ring.allgather(o, blocks, posted=gathered)
+                nxt = (o.rank + 1) % n
+
+                async def forward(c: int, chunk: Array) -> None:
+                    if rop is ReduceOp.AVG:
+                        chunk /= n
+                    await o.send(nxt, ring.AG_SLOT, c, chunk)
+
+                await ring.reduce_scatter(o, blocks, ufunc, finished=forward)
+                await ring.allgather(o, blocks, posted=gathered, first_sent=True)
                 return buf
             await (doubling.recursive_doubling, doubling.halving_doubling)[alg - 1](
                 o, flat, ufunc)

@@ -14,6 +14,7 @@ as soon as chunk c of step s has arrived (and been reduced), so the steps overla
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
@@ -24,10 +25,17 @@ from aiocollect.engine.reduce import reduce_into
 RS_SLOT = 0
 AG_SLOT = 1 << 20
 
+Forward = Callable[[int, Array], Awaitable[None]]
+
 
 async def reduce_scatter(op: Op, blocks: list[Array], ufunc: np.ufunc,
-                         slot0: int = RS_SLOT) -> None:
-    """After this, ``blocks[op.rank]`` holds the reduction of every rank's block."""
+                         slot0: int = RS_SLOT, finished: Forward | None = None) -> None:
+    """After this, ``blocks[op.rank]`` holds the reduction of every rank's block.
+
+    ``finished(c, chunk)`` is awaited as soon as chunk ``c`` of this rank's block is fully
+    reduced: an allreduce starts its allgather there, chunk by chunk, instead of after the
+    whole reduce-scatter.
+    """
     n, r = op.size, op.rank
     if n == 1:
         return
@@ -54,6 +62,8 @@ async def reduce_scatter(op: Op, blocks: list[Array], ufunc: np.ufunc,
                 if c < len(ahead):
                     nfuts.append(op.recv(prv, slot0 + s + 1, c, ahead[c]))
                 await op.send(nxt, slot0 + s + 1, c, dst)
+            elif finished is not None:
+                await finished(c, dst)
         for c in range(len(mine), len(ahead)):
             nfuts.append(op.recv(prv, slot0 + s + 1, c, ahead[c]))
         futs = nfuts
@@ -76,15 +86,18 @@ def post_allgather(op: Op, blocks: list[Array],
 
 
 async def allgather(op: Op, blocks: list[Array], slot0: int = AG_SLOT,
-                    posted: list[list[asyncio.Future[None]]] | None = None) -> None:
-    """Before: ``blocks[op.rank]`` holds this rank's data. After: every block is filled."""
+                    posted: list[list[asyncio.Future[None]]] | None = None,
+                    first_sent: bool = False) -> None:
+    """Before: ``blocks[op.rank]`` holds this rank's data. After: every block is filled.
+    ``first_sent``: the caller already sent this rank's block (step 0)."""
     n, r = op.size, op.rank
     if n == 1:
         return
     nxt = (r + 1) % n
     futs = posted if posted is not None else post_allgather(op, blocks, slot0)
-    for c, part in enumerate(op.chunks(blocks[r])):
-        await op.send(nxt, slot0, c, part)
+    if not first_sent:
+        for c, part in enumerate(op.chunks(blocks[r])):
+            await op.send(nxt, slot0, c, part)
     for s in range(n - 2):
         parts = op.chunks(blocks[(r - s - 1) % n])
         for c, part in enumerate(parts):
