@@ -18,7 +18,7 @@ from aiocollect.transport.base import Fingerprint, Link
 from aiocollect.transport.wire import DATA, HEADER, MAGIC, Key
 
 #: Bytes queued in user space per link before a sender waits for the socket to drain.
-SEND_WINDOW = 8 * 1024 * 1024
+SEND_WINDOW = 32 * 1024 * 1024
 #: A send of at least this many bytes yields to the event loop once.
 YIELD_BYTES = 64 * 1024
 
