@@ -53,10 +53,15 @@ class Endpoint:
     port: int
     server: asyncio.Server | None = None
     links: dict[int, Link] = field(default_factory=dict)
+    #: Accepted connections still in their handshake (strangers, once rendezvous is over).
+    handshaking: set[tcp.TcpLink] = field(default_factory=set)
 
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        for link in list(self.handshaking):  # asyncio.Server.close() leaves them open
+            link.abort()
+        self.handshaking.clear()
         if self.transport == "memory":
             memory.unlisten(self.address)
 
@@ -104,7 +109,8 @@ async def rendezvous(store: Store, cfg: RendezvousConfig, events: LinkEvents,
     def acceptor() -> AcceptorHandshake:
         return AcceptorHandshake(cfg.name, cfg.rank, cfg.world_size, cfg.secret, admit)
 
-    endpoint = await _listen(cfg, events, max_frame, acceptor, on_link)
+    policy = shm.ShmPolicy()
+    endpoint = await _listen(cfg, events, max_frame, acceptor, on_link, policy)
     try:
         record = {"v": PROTOCOL_VERSION, "rank": cfg.rank, "world_size": cfg.world_size,
                   "transport": cfg_transport_family(cfg.transport), "shm": shm_mode(cfg),
@@ -114,10 +120,13 @@ async def rendezvous(store: Store, cfg: RendezvousConfig, events: LinkEvents,
         prefix = _prefix(cfg)
         await store.set(f"{prefix}/rank/{cfg.rank}", msgpack.packb(record))
         peers = await _read_records(store, cfg, prefix)
+        local = sum(1 for rec in peers.values() if same_host(rec))
+        policy.spin = shm.spin_budget(local)
+        policy.capacity = shm_ring.configured_capacity(local)
         if expected == 0:
             arrived.set()
         lower = [r for r in range(cfg.rank)]
-        connects = [asyncio.ensure_future(_connect(cfg, peers[r], events, max_frame))
+        connects = [asyncio.ensure_future(_connect(cfg, peers[r], events, max_frame, policy))
                     for r in lower]
         try:
             remaining = cfg.deadline.remaining()
@@ -220,7 +229,7 @@ def _check_shm_peers(cfg: RendezvousConfig, peers: dict[int, dict[str, Any]]) ->
 
 
 async def _listen(cfg: RendezvousConfig, events: LinkEvents, max_frame: int,
-                  acceptor: Any, on_link: Any) -> Endpoint:
+                  acceptor: Any, on_link: Any, policy: shm.ShmPolicy) -> Endpoint:
     if cfg.transport == "memory":
         address = memory.listen(
             lambda: memory.MemoryLink(events, max_frame, acceptor()), on_link)
@@ -228,15 +237,19 @@ async def _listen(cfg: RendezvousConfig, events: LinkEvents, max_frame: int,
     host = cfg.host or "127.0.0.1"
     mode = shm_mode(cfg)
 
+    handshaking: set[tcp.TcpLink] = set()
+
     def make_link() -> tcp.TcpLink:
-        if mode == "off":
-            return tcp.TcpLink(events, max_frame, acceptor())
-        return shm.ShmLink(events, max_frame, acceptor(), role="acceptor",
-                           required=mode == "force")
+        link = (tcp.TcpLink(events, max_frame, acceptor()) if mode == "off" else
+                shm.ShmLink(events, max_frame, acceptor(), role="acceptor",
+                            required=mode == "force", policy=policy))
+        handshaking.add(link)
+        link.ready.add_done_callback(lambda _: handshaking.discard(link))
+        return link
 
     server = await tcp.listen(host, 0, make_link, on_link, ssl=_server_ssl(cfg))
     port = server.sockets[0].getsockname()[1]
-    return Endpoint(cfg.transport, host, port, server)
+    return Endpoint(cfg.transport, host, port, server, handshaking=handshaking)
 
 
 def _server_ssl(cfg: RendezvousConfig) -> ssl_module.SSLContext | None:
@@ -248,7 +261,7 @@ def _client_ssl(cfg: RendezvousConfig) -> ssl_module.SSLContext | None:
 
 
 async def _connect(cfg: RendezvousConfig, rec: dict[str, Any], events: LinkEvents,
-                   max_frame: int) -> Link:
+                   max_frame: int, policy: shm.ShmPolicy) -> Link:
     peer = int(rec["rank"])
     hs = ConnectorHandshake(cfg.name, cfg.rank, peer, cfg.world_size, cfg.secret)
     if cfg.transport == "memory":
@@ -256,7 +269,8 @@ async def _connect(cfg: RendezvousConfig, rec: dict[str, Any], events: LinkEvent
     mode = shm_mode(cfg)
     link: tcp.TcpLink
     if mode != "off" and rec.get("shm", "off") != "off" and same_host(rec):
-        link = shm.ShmLink(events, max_frame, hs, role="connector", required=mode == "force")
+        link = shm.ShmLink(events, max_frame, hs, role="connector", required=mode == "force",
+                           policy=policy)
     else:
         link = tcp.TcpLink(events, max_frame, hs)
     try:
@@ -266,3 +280,9 @@ async def _connect(cfg: RendezvousConfig, rec: dict[str, Any], events: LinkEvent
         raise RendezvousError(
             f"rank {cfg.rank} could not connect to rank {peer} at "
             f"{rec['address']}:{rec['port']}: {exc}") from None
+    except errors.PeerDisconnected as exc:  # closed before the handshake completed
+        hint = (f" (rank {peer} may have rejected this rank's TLS certificate)"
+                if cfg.transport == "tls" else "")
+        raise RendezvousError(
+            f"rank {cfg.rank} could not link to rank {peer} at "
+            f"{rec['address']}:{rec['port']}: {exc}{hint}") from None

@@ -51,6 +51,8 @@ MIN_CAPACITY = 64 * 1024
 MAX_CAPACITY = 1 << 30
 DEFAULT_CAPACITY = 8 * 1024 * 1024
 CAPACITY_ENV = "AIOCOLLECT_SHM_RING_BYTES"
+#: Most ring memory one rank maps by default, over all its local peers (both directions).
+RING_BUDGET = 256 * 1024 * 1024
 #: Seconds after which a segment of a dead process counts as leaked (a rank killed between
 #: creating a segment and its peer mapping it) and may be removed by the next rank.
 STALE_AFTER = 60.0
@@ -82,13 +84,18 @@ def unavailable() -> str | None:
     return None
 
 
-def configured_capacity() -> int:
-    """Ring capacity from AIOCOLLECT_SHM_RING_BYTES (clamped), else the default."""
+def configured_capacity(local_ranks: int = 2) -> int:
+    """Bytes per ring: AIOCOLLECT_SHM_RING_BYTES (clamped) if set, else DEFAULT_CAPACITY,
+    reduced when many ranks share the host so that one rank's rings (two per local peer)
+    stay within RING_BUDGET (at least 1 MiB each)."""
     raw = os.environ.get(CAPACITY_ENV, "")
     try:
-        value = int(raw) if raw else DEFAULT_CAPACITY
+        value = int(raw) if raw else 0
     except ValueError:
-        value = DEFAULT_CAPACITY
+        value = 0
+    if value <= 0:
+        share = RING_BUDGET // (2 * max(1, local_ranks - 1))
+        value = min(DEFAULT_CAPACITY, max(1 << 20, 1 << (share.bit_length() - 1)))
     return min(MAX_CAPACITY, max(MIN_CAPACITY, value))
 
 
@@ -168,6 +175,12 @@ class Ring:
         if first < n:
             dst[first:] = self.data[:n - first]
         self.pos += n
+
+    def peek(self, dst: memoryview) -> None:
+        """Copy the next ``len(dst)`` bytes without consuming them."""
+        pos = self.pos
+        self.read(dst)
+        self.pos = pos
 
     def skip(self, n: int) -> None:
         self.pos += n

@@ -4,6 +4,9 @@ processes (transport="shm" forced, and "auto" on one host)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import numpy as np
 import pytest
 
@@ -64,16 +67,22 @@ async def test_algorithms_in_processes(n: int, transport: str) -> None:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("n", [2, 3, 4])
-async def test_sweep_in_processes(n: int) -> None:
+async def test_sweep_in_processes(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    if n == 2:  # spinning readers (opt-in, and only while ranks <= cores)
+        monkeypatch.setenv("AIOCOLLECT_SHM_SPIN_US", "300")
     counts = await spawn_ranks(n, mp_targets.sweep, timeout=200, chunk_bytes=CHUNK,
                                transport="shm")
     assert len(counts) == n and counts[0] > 50 and len(set(counts)) == 1
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("n, spin_us", [(3, "0"), (2, "500")])
 @pytest.mark.parametrize("uvloop", [False, True])
-async def test_concurrent_allreduces(uvloop: bool) -> None:
-    n = 3
+async def test_concurrent_allreduces(uvloop: bool, n: int, spin_us: str,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several allreduces in flight, readers sleeping at once or (2 ranks, so no more
+    than the cores of any CI machine) spinning first."""
+    monkeypatch.setenv("AIOCOLLECT_SHM_SPIN_US", spin_us)  # the children inherit it
     res = await spawn_ranks(n, mp_targets.concurrent, 50_000, timeout=100, uvloop=uvloop,
                             transport="shm")
     want = [float(sum(r + i for r in range(n))) for i in range(6)]
@@ -114,6 +123,64 @@ async def test_objects_and_split() -> None:
                    ([0, 1, 2, 3], 0 + 2), ([0, 1, 2, 3], 1 + 3)]
 
 
-def test_bad_transport_is_usage_error() -> None:
-    with pytest.raises(ac.UsageError):
-        ac.open_group(0, 1, store="memory://x", transport="bogus").__await__().send(None)
+@pytest.mark.timeout(10)
+async def test_bad_transport_is_usage_error() -> None:
+    with pytest.raises(ac.UsageError, match="shm"):
+        await ac.open_group(0, 1, store="memory://bad", transport="bogus")
+
+
+@pytest.mark.timeout(120)
+async def test_staging_is_bounded_and_nothing_is_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/collectives/test_backpressure.py over shared memory: with too many early
+    frames the link leaves the rest in the ring, and the writer waits for space."""
+    from aiocollect.transport import base
+    from tests.collectives.test_backpressure import _body
+
+    limit = 4 * 1024 * 1024
+    monkeypatch.setattr(base, "STAGING_LIMIT", limit)
+    res = await run_ranks(2, _body, limit, limit, transport="shm", chunk_bytes=256 * 1024)
+    assert limit < res[0] <= limit + 256 * 1024
+
+
+async def _overwrite_after_send(g: ac.Group, count: int) -> bool:
+    if g.rank == 0:
+        data = np.arange(count, dtype=np.int64)
+        await g.send(data, 1, tag=3)  # returns once drained: the ring holds its own copy
+        data[:] = -1
+        await g.barrier()
+        return True
+    await g.barrier()  # receive only after the sender has overwritten its array
+    out = np.empty(count, np.int64)
+    await g.recv(out, 0, tag=3)
+    return bool((out == np.arange(count, dtype=np.int64)).all())
+
+
+@pytest.mark.timeout(60)
+async def test_sender_memory_is_free_after_drained(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message 64x the ring: queued pieces reference the sender's array only until
+    drained(); what the sender does to it afterwards never reaches the receiver."""
+    monkeypatch.setenv("AIOCOLLECT_SHM_RING_BYTES", str(64 << 10))
+    assert await run_ranks(2, _overwrite_after_send, 1 << 19, transport="shm",
+                           chunk_bytes=1 << 20) == [True, True]
+
+
+async def _idle(g: ac.Group, seconds: float) -> float:
+    """CPU seconds this process spends while rank 1 waits for a message rank 0 sends only
+    after ``seconds``, and while both then sit idle for as long."""
+    await g.barrier()
+    start = time.process_time()
+    if g.rank == 0:
+        await asyncio.sleep(seconds)  # the measured idle period, not a synchronisation
+        await g.send(np.ones(4), 1)
+    else:
+        await g.recv(np.empty(4), 0)
+    await asyncio.sleep(seconds)
+    return time.process_time() - start
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("spin_us", ["0", "2000"])
+async def test_idle_links_do_not_poll(spin_us: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIOCOLLECT_SHM_SPIN_US", spin_us)
+    cpu = await run_ranks(2, _idle, 0.5, transport="shm")
+    assert max(cpu) < 0.1, cpu  # one process: both ranks' CPU over 1 s of waiting

@@ -67,7 +67,8 @@ async def test_sigkill_during_rendezvous_leaves_no_segment() -> None:
 @pytest.mark.timeout(60)
 async def test_sigstop_gives_peer_timeout_naming_the_frozen_rank() -> None:
     n, victim = 3, 1
-    job = spawn_ranks(n, failure_targets.loop_until_failure, 1 << 14, "ready", timeout=60,
+    # outcomes() waits for the frozen rank until the job's timeout, then kills it
+    job = spawn_ranks(n, failure_targets.loop_until_failure, 1 << 14, "ready", timeout=20,
                       group_timeout=2.0, transport="shm")
     await _wait_ready(job.store, n, "ready")
     stopped_at = time.time()
@@ -123,6 +124,7 @@ def _corrupt(link: ShmLink, how: str) -> None:
 
 
 async def _corrupt_then_allreduce(g: ac.Group, how: str) -> tuple[str, str]:
+    """Rank 0 corrupts its ring to rank 1, then both allreduce until the group fails."""
     if g.rank == 0:
         link = g._fabric.links[1]
         assert isinstance(link, ShmLink) and link.shm
@@ -138,12 +140,14 @@ async def _corrupt_then_allreduce(g: ac.Group, how: str) -> tuple[str, str]:
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("how", ["magic", "length", "kind", "head"])
-async def test_corrupt_ring_is_a_protocol_error(how: str) -> None:
+async def test_corrupt_ring_is_a_protocol_error(how: str,
+                                                caplog: pytest.LogCaptureFixture) -> None:
     res = await run_ranks(2, _corrupt_then_allreduce, how, transport="shm", timeout=10)
     kind, detail = res[1]
     assert "ProtocolError" in kind + detail, res
     # rank 0 hears about it through rank 1's ABORT (or the closed link): never a hang
     assert res[0][0] != "no error", res
+    assert not [r for r in caplog.records if r.name == "asyncio" and r.levelname == "ERROR"]
 
 
 async def _corrupt_tail(g: ac.Group) -> str:
@@ -157,20 +161,24 @@ async def _corrupt_tail(g: ac.Group) -> str:
             await g.allreduce(np.ones(1 << 12, np.float32))
     except ac.AiocollectError as exc:
         cause = exc.__cause__ if isinstance(exc, ac.GroupBrokenError) else exc
-        return type(cause).__name__
+        return f"{type(exc).__name__}: {type(cause).__name__}: {cause}"
     return "no error"
 
 
 @pytest.mark.timeout(30)
 async def test_corrupt_reader_position_is_a_protocol_error() -> None:
+    """Rank 0's writer finds the position implausible, or rank 1's reader does (its own
+    copy is corrupt too): whichever looks first fails with ProtocolError, the other rank
+    hears of it through the ABORT or the closed link."""
     res = await run_ranks(2, _corrupt_tail, transport="shm", timeout=10)
-    assert res[0] == "ProtocolError", res
-    assert res[1] != "no error", res
+    assert any("ProtocolError: corrupt shared-memory ring" in r for r in res), res
+    assert "no error" not in res, res
 
 
 @pytest.mark.timeout(30)
-async def test_garbage_after_close_does_not_crash() -> None:
-    """A peer scribbling in the ring while the link closes: no exception escapes."""
+async def test_garbage_after_close_does_not_crash(caplog: pytest.LogCaptureFixture) -> None:
+    """A peer scribbling in the ring while the link closes: no exception escapes into the
+    event loop (asyncio would log "Fatal error: protocol.buffer_updated() call failed")."""
     async def body(g: ac.Group) -> int:
         await g.allreduce(np.ones(8))
         link = g._fabric.links[1 - g.rank]
@@ -180,3 +188,4 @@ async def test_garbage_after_close_does_not_crash() -> None:
         return os.getpid()
 
     await run_ranks(2, body, transport="shm")
+    assert not [r for r in caplog.records if r.name == "asyncio" and r.levelname == "ERROR"]

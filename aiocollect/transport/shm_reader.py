@@ -1,0 +1,310 @@
+"""The receiving half of a shared-memory link: doorbells, reading frames out of the
+incoming ring, parking, spinning and backpressure (see :mod:`aiocollect.transport.shm`).
+
+:class:`RingReader` is the base of :class:`~aiocollect.transport.shm.ShmLink`, which adds
+the link's setup, its sending half (``_write_pending``) and its closing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from aiocollect.errors import ProtocolError
+from aiocollect.transport.base import Fingerprint, Handshaker, LinkEvents
+from aiocollect.transport.shm_ring import Ring, configured_capacity, fence
+from aiocollect.transport.tcp import TcpLink
+from aiocollect.transport.wire import DATA, HEADER_SIZE, Header, Key, parse_header
+
+log = logging.getLogger("aiocollect.transport.shm")
+
+_BELLS = memoryview(bytearray(4096))
+_BELL = b"\x01"
+#: A write at least this large is published (and the reader woken) before the next one, so
+#: the reader copies out while the writer copies in.
+PUBLISH_EVERY = 64 * 1024
+#: How long a DATA frame whose receive is not posted yet may wait in the ring (instead of
+#: being copied to a staging buffer) for the receive; once per operation.
+PARK_SECONDS = 0.002
+#: Only frames this large are parked: staging a small one costs less than the extra turn
+#: of the event loop that reading it after ``post_recv`` takes.
+PARK_MIN = 64 * 1024
+#: How long a reader whose receive waits looks at its ring before it sleeps (only while
+#: the host has a core per local rank; AIOCOLLECT_SHM_SPIN_US overrides it, 0 = off).
+#: Measured in docs/shm.md: 2 ranks, 4-byte allreduce about 230 us against 310 us without.
+SPIN_SECONDS = 200e-6
+SPIN_ENV = "AIOCOLLECT_SHM_SPIN_US"
+
+
+@dataclass
+class ShmPolicy:
+    """Settings shared by the shared-memory links of one rank, filled in by rendezvous.
+
+    ``spin``: seconds a reader with a receive waiting keeps looking at its ring (between
+    the event loop's other work) before it sleeps until a doorbell; see :func:`spin_budget`.
+    ``capacity``: bytes per ring of the segments this rank creates (it accepts what its
+    peers offer); see :func:`~aiocollect.transport.shm_ring.configured_capacity`.
+    """
+
+    spin: float = 0.0
+    capacity: int = field(default_factory=configured_capacity)
+
+
+def spin_budget(local_ranks: int) -> float:
+    """Seconds a waiting reader spins before it sleeps: AIOCOLLECT_SHM_SPIN_US, else
+    SPIN_SECONDS, and only while ``local_ranks`` (ranks on this host) are no more than this
+    process's cores, since a spinning rank would take the core its peer needs."""
+    raw = os.environ.get(SPIN_ENV, "")
+    try:
+        spin = max(0.0, float(raw)) * 1e-6 if raw else SPIN_SECONDS
+    except ValueError:
+        log.warning("ignoring %s=%r: not a number", SPIN_ENV, raw)
+        spin = SPIN_SECONDS
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return spin if local_ranks <= cores else 0.0
+
+
+class RingReader(TcpLink):
+    """Reading frames out of the incoming ring (``self._rx``) once the link is in shared
+    memory mode (``self.shm``); before that, and on TCP fallback, plain TcpLink."""
+
+    def __init__(self, events: LinkEvents, max_frame: int, handshaker: Handshaker,
+                 policy: ShmPolicy) -> None:
+        super().__init__(events, max_frame, handshaker)
+        self.shm = False  # set once both sides have the segment mapped
+        self.policy = policy
+        self._loop = asyncio.get_running_loop()
+        self._rx: Ring | None = None
+        self._rx_dead = False
+        self._rx_paused = False  # too many early frames staged: leave the rest in the ring
+        self._parked: Key | None = None
+        self._parked_op: tuple[int, int] | None = None
+        self._unparked_op: tuple[int, int] | None = None
+        self._park_timer: asyncio.TimerHandle | None = None
+        self._spin_until: float | None = None
+        self._rgen = 1  # our reader's sleep generation; a new segment starts armed at 1
+        self._rung_writer = 0  # the peer writer's generation we last rang for
+
+    def _write_pending(self) -> None:
+        """Continue queued writes (the sending half)."""
+
+    def _bell(self) -> None:
+        transport = self.transport
+        if transport is not None and not self._lost and not transport.is_closing():
+            transport.write(_BELL)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.shm:
+            return _BELLS
+        return super().get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.shm:
+            self._service()
+        else:
+            super().buffer_updated(nbytes)
+
+    def _service(self) -> None:
+        """A doorbell rang (or reading may resume): read what arrived, then write what
+        waits for space."""
+        if self._lost:
+            return
+        rx = self._rx
+        if rx is not None and not self._rx_dead:
+            try:
+                self._read_ring(rx)
+            except ProtocolError as exc:
+                self._rx_failed(exc)
+        self._write_pending()
+
+    def _read_ring(self, rx: Ring, spin: bool = True) -> None:
+        while self._consume(rx):
+            if self._spin_until is not None:
+                return  # a spin is on: it looks again on the loop's next turn
+            if spin and self._posted and self.policy.spin > 0:
+                self._start_spin(rx)
+                return
+            # Out of input: say so in the ring, then look once more (the writer checks the
+            # flag after publishing, so at least one of the two sees the other).
+            self._rgen += 1
+            rx.arm_reader(self._rgen)
+            fence()
+            if not self._has_input(rx):
+                return
+
+    def _start_spin(self, rx: Ring) -> None:
+        # Not sleeping: the writer need not ring (it sees 0). The spin arms the flag, and
+        # looks once more, before it ends, so no frame goes unnoticed.
+        rx.arm_reader(0)
+        self._spin_until = time.perf_counter() + self.policy.spin
+        self._loop.call_soon(self._spin_tick)
+
+    def _spin_tick(self) -> None:
+        """One look at the ring while a receive waits on this link, between the event
+        loop's other work (each turn polls the sockets without blocking). Frames found
+        this way cost no doorbell and no wake-up; after ``policy.spin`` seconds without
+        input (or once no receive waits) the reader arms its flag and sleeps."""
+        rx = self._rx
+        if rx is None or self._lost or self._rx_dead:
+            self._spin_until = None
+            return
+        try:
+            hold = self._rx_paused or self._parked is not None
+            if not hold and self._posted and self._has_input(rx):
+                self._spin_until = time.perf_counter() + self.policy.spin
+                self._service()
+            elif hold or not self._posted or time.perf_counter() >= (self._spin_until or 0):
+                self._spin_until = None
+                self._read_ring(rx, spin=False)
+                return
+        except ProtocolError as exc:
+            self._spin_until = None
+            self._rx_failed(exc)
+            return
+        self._loop.call_soon(self._spin_tick)
+
+    def _read_ring_final(self) -> None:
+        """The socket closed: read what the peer put in the ring before it went, holding
+        nothing back (no parking, no backpressure)."""
+        rx = self._rx
+        if rx is None or self._rx_dead:
+            return
+        self._unpark()
+        try:
+            self._consume(rx, final=True)
+        except ProtocolError as exc:
+            self._rx_failed(exc)
+
+    def _has_input(self, rx: Ring) -> bool:
+        need = 1 if self._payload is not None or self._discard else HEADER_SIZE
+        return rx.available() >= need
+
+    def _consume(self, rx: Ring, final: bool = False) -> bool:
+        """Take frames out of the ring: whole headers, then each payload straight into the
+        memory ``_begin_frame`` chose (one copy). Returns True when it stopped for lack of
+        input, False when it holds back (a parked frame, backpressure, a dead stream)."""
+        avail = rx.available()
+        try:
+            while not self._rx_dead and (final or not self._lost):
+                if self._discard:
+                    self._rx_paused = False
+                    rx.skip(avail)
+                    avail = rx.available()
+                    if not avail:
+                        return True
+                    continue
+                payload = self._payload
+                if payload is not None:
+                    if not avail and not (avail := rx.available()):
+                        return True
+                    got = self._got
+                    n = min(avail, len(payload) - got)
+                    rx.read(payload[got:got + n])
+                    avail -= n
+                    self._got = got = got + n
+                    if got == len(payload):
+                        self._payload = None
+                        self._got = 0
+                        if got >= PUBLISH_EVERY and not final:  # let the writer go on
+                            rx.publish_tail()
+                            self._wake_writer(rx)
+                        self._end_frame()
+                    continue
+                if not final and (self._rx_paused or self._parked is not None):
+                    return False
+                if avail < HEADER_SIZE and (avail := rx.available()) < HEADER_SIZE:
+                    # The writer is not short of space (the ring is not full), so it will
+                    # publish the rest of the header without our help.
+                    return True
+                rx.peek(self._hdr_view)
+                h = parse_header(self._hdr, self.max_frame)
+                if not final and h.kind == DATA and h.length >= PARK_MIN \
+                        and h.key not in self._posted and self._park(h):
+                    return False
+                rx.skip(HEADER_SIZE)
+                avail -= HEADER_SIZE
+                dest = self._begin_frame(h)
+                if dest is None:
+                    self._discard = True
+                elif h.length == 0:
+                    self._end_frame()
+                else:
+                    self._payload = dest
+            return False
+        finally:
+            if not self._rx_dead and not final:
+                rx.publish_tail()
+                self._wake_writer(rx)
+
+    # -- parking: a frame whose receive is not posted yet stays in the ring ----------------
+
+    def _park(self, h: Header) -> bool:
+        """Leave the frame ``h`` in the ring until its receive is posted (saving the staging
+        copy), for at most PARK_SECONDS per operation; False to stage it now."""
+        op = (h.gid, h.seq)
+        if op == self._unparked_op:
+            return False  # this operation's receives were slow once: stage the rest
+        self._parked = h.key
+        self._parked_op = op
+        self._park_timer = asyncio.get_running_loop().call_later(PARK_SECONDS,
+                                                                 self._park_expired)
+        return True
+
+    def _park_expired(self) -> None:
+        self._park_timer = None
+        self._unparked_op = self._parked_op
+        self._unpark()
+        self._service()
+
+    def _unpark(self) -> None:
+        self._parked = None
+        if self._park_timer is not None:
+            self._park_timer.cancel()
+            self._park_timer = None
+
+    def post_recv(self, key: Key, view: memoryview,
+                  expect: Fingerprint | None = None) -> asyncio.Future[None]:
+        fut = super().post_recv(key, view, expect)
+        if key == self._parked:
+            self._unpark()
+            # the caller is an algorithm posting receives: read on the loop's next turn
+            self._loop.call_soon(self._service)
+        elif self.policy.spin > 0 and self._spin_until is None and not fut.done() \
+                and self._rx is not None and not self._rx_dead:
+            self._start_spin(self._rx)  # a receive that has to wait
+        return fut
+
+    def _staging_full(self) -> None:
+        if not self.shm:
+            super()._staging_full()
+            return
+        # Stop taking frames out of the ring, but keep reading doorbells: they also say
+        # that our own queued writes can go on, and the socket's end is the peer's death.
+        self._rx_paused = True
+
+    def _staging_relieved(self) -> None:
+        if not self.shm:
+            super()._staging_relieved()
+            return
+        if self._rx_paused:
+            self._rx_paused = False
+            # called from post_recv: read on the loop's next turn, not inside the caller
+            asyncio.get_running_loop().call_soon(self._service)
+
+    def _wake_writer(self, rx: Ring) -> None:
+        fence()
+        gen = rx.writer_sleep()
+        if gen and gen != self._rung_writer:
+            self._rung_writer = gen
+            self._bell()
+
+    def _rx_failed(self, exc: ProtocolError) -> None:
+        """The incoming ring or frame stream is corrupt: never read it again."""
+        self._rx_dead = True
+        self._raise_error(exc)

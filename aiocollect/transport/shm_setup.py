@@ -1,0 +1,137 @@
+"""The shared-memory upgrade of a link's handshake (sans-IO apart from creating and mapping
+the segment).
+
+::
+
+    connector -> acceptor   hello   + {shm: true}                 (after the challenge)
+    acceptor -> connector   welcome + {shm: {name, capacity}}     (segment created)
+                         or welcome + {shm_error: "..."}          (auto: stay on TCP)
+    connector -> acceptor   {t: "shm-ok"}    segment mapped and its name unlinked
+                         or {t: "shm-fail", error}   (auto: both stay on TCP)
+
+The connector unlinks the name as soon as it has mapped the segment, and the acceptor
+removes it on every other outcome (shm-fail, a refused or broken handshake), so a segment
+is named in ``/dev/shm`` only for the duration of one round trip.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from aiocollect.errors import ProtocolError, RendezvousError
+from aiocollect.transport.base import Handshaker, Rejection
+from aiocollect.transport.shm_ring import Segment
+
+log = logging.getLogger("aiocollect.transport.shm")
+
+
+class ShmSetup:
+    """Wraps the peer handshake: the connector's hello asks for shared memory, the
+    acceptor's welcome offers a segment, the connector answers ``shm-ok`` or ``shm-fail``.
+    The link is ready (``on_message`` returns the peer) once both sides know the outcome."""
+
+    def __init__(self, inner: Handshaker, activate: Callable[[Segment, int], None], role: str,
+                 required: bool, capacity: Callable[[], int]) -> None:
+        if role not in ("connector", "acceptor"):
+            raise ValueError(f"role must be connector or acceptor, not {role!r}")
+        self.inner = inner
+        self.activate = activate
+        self.role = role
+        self.required = required
+        self.capacity = capacity
+        self.segment: Segment | None = None  # created, not yet handed to the link
+        self.peer: int | None = None
+
+    def start(self) -> list[dict[str, Any]]:
+        return self.inner.start()
+
+    def on_message(self, msg: dict[str, Any]) -> tuple[list[dict[str, Any]], int | None]:
+        if self.role == "connector":
+            return self._connector(msg)
+        return self._acceptor(msg)
+
+    def discard(self) -> None:
+        """Remove a segment that was created but never handed over (setup failed)."""
+        segment, self.segment = self.segment, None
+        if segment is not None:
+            segment.close()
+
+    def _connector(self, msg: dict[str, Any]) -> tuple[list[dict[str, Any]], int | None]:
+        replies, peer = self.inner.on_message(msg)
+        if msg.get("t") == "challenge":
+            return [dict(r, shm=True) if r.get("t") == "hello" else r for r in replies], peer
+        if peer is None:
+            return replies, peer
+        offer = msg.get("shm")
+        if not isinstance(offer, dict):  # the acceptor is already on TCP: nothing to answer
+            why = f"rank {peer} offered no shared memory" + (
+                f": {msg['shm_error']}" if "shm_error" in msg else "")
+            if self.required:
+                raise RendezvousError(why)
+            log.info("link to rank %d stays on TCP: %s", peer, why)
+            return replies, peer
+        try:
+            name, capacity = offer.get("name"), offer.get("capacity")
+            if not isinstance(name, str) or not isinstance(capacity, int):
+                raise ProtocolError(f"malformed shared-memory offer from rank {peer}")
+            segment = Segment.attach(name, capacity)
+        except (OSError, ProtocolError) as exc:
+            if self.required:
+                raise RendezvousError(
+                    f"no shared-memory link to rank {peer}: {exc}") from None
+            log.info("link to rank %d stays on TCP: %s", peer, exc)
+            return [*replies, {"t": "shm-fail", "error": str(exc)}], peer
+        segment.unlink()  # both sides have it mapped: the name is no longer needed
+        self.activate(segment, 0)
+        return [*replies, {"t": "shm-ok"}], peer
+
+    def _acceptor(self, msg: dict[str, Any]) -> tuple[list[dict[str, Any]], int | None]:
+        if self.peer is None:
+            replies, peer = self.inner.on_message(msg)
+            if peer is None:
+                return replies, peer
+            if not msg.get("shm"):
+                if self.required:
+                    raise _refuse(RendezvousError(
+                        f"rank {peer} did not ask for shared memory, which this rank "
+                        "requires (transport='shm')"))
+                return replies, peer
+            extra: dict[str, Any]
+            try:
+                size = self.capacity()
+                self.segment = Segment.create(size)
+            except OSError as exc:
+                if self.required:
+                    raise _refuse(RendezvousError(
+                        f"cannot create a shared-memory segment: {exc}")) from None
+                log.warning("cannot create a shared-memory segment: %s", exc)
+                extra = {"shm_error": str(exc)}
+            else:
+                extra = {"shm": {"name": self.segment.name, "capacity": size}}
+            replies = [dict(r, **extra) if r.get("t") == "welcome" else r for r in replies]
+            if self.segment is None:
+                return replies, peer
+            self.peer = peer
+            return replies, None
+        kind = msg.get("t")
+        segment = self.segment
+        if segment is None or kind not in ("shm-ok", "shm-fail"):
+            raise ProtocolError(f"expected shm-ok or shm-fail, got {kind!r}")
+        self.segment = None
+        if kind == "shm-ok":
+            segment.unlink()
+            self.activate(segment, 1)
+            return [], self.peer
+        segment.close()
+        if self.required:
+            raise RendezvousError(f"rank {self.peer} could not map shared memory: "
+                                  f"{msg.get('error')}")
+        log.info("link to rank %d stays on TCP: %s", self.peer, msg.get("error"))
+        return [], self.peer
+
+
+def _refuse(error: RendezvousError) -> Rejection:
+    """Refuse the connection, telling the connecting rank why."""
+    return Rejection({"t": "reject", "kind": "shm", "error": str(error)}, error)
