@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import signal
 import subprocess
@@ -96,11 +95,10 @@ def test_bad_command_exits_2(args: list[str], run_cli: RunCli) -> None:
 
 @pytest.mark.timeout(60)
 def test_bench_dispatch(run_cli: RunCli) -> None:
-    if importlib.util.find_spec("aiocollect.cli.bench") is not None:
-        pytest.skip("aiocollect.cli.bench exists: its own tests cover it")
-    done = run_cli("bench", "-n", "2")
-    assert done.returncode == 2
-    assert "bench is not available yet" in done.stderr
+    """`aiocollect bench` reaches the bench command (its own tests cover the rest)."""
+    done = run_cli("bench", "--help")
+    assert done.returncode == 0, done.stderr
+    assert "usage: aiocollect bench" in done.stdout
 
 
 @pytest.mark.timeout(60)
