@@ -56,18 +56,12 @@ def _torch_array(tensor: Any, name: str) -> Array:
         raise UsageError(f"{name} must be a contiguous tensor")
     if str(tensor.dtype) == "torch.bfloat16":
         import ml_dtypes
+        import torch
 
-        arr: Array = tensor.detach().view(dtype=_torch_int16(tensor)).numpy()
+        arr: Array = tensor.detach().view(dtype=torch.int16).numpy()
         return arr.view(ml_dtypes.bfloat16)
     out: Array = tensor.detach().numpy()
     return out
-
-
-def _torch_int16(tensor: Any) -> Any:
-    import torch
-
-    del tensor
-    return torch.int16
 
 
 def byte_view(arr: Array) -> memoryview:

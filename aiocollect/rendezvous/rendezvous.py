@@ -125,15 +125,13 @@ async def rendezvous(store: Store, cfg: RendezvousConfig, events: LinkEvents,
         policy.capacity = shm_ring.configured_capacity(local)
         if expected == 0:
             arrived.set()
-        lower = [r for r in range(cfg.rank)]
         connects = [asyncio.ensure_future(_connect(cfg, peers[r], events, max_frame, policy))
-                    for r in lower]
+                    for r in range(cfg.rank)]
         try:
             remaining = cfg.deadline.remaining()
             async with asyncio.timeout(remaining):
-                for r, fut in zip(lower, connects, strict=True):
+                for fut in connects:
                     on_link(await fut)
-                    del r
                 await arrived.wait()
         except TimeoutError:
             missing = [r for r in range(cfg.world_size) if r != cfg.rank and r not in links]

@@ -25,9 +25,11 @@ _names = itertools.count()
 async def run_ranks(world_size: int, fn: Callable[..., Awaitable[Any]], *args: Any,
                     transport: str = "memory", timeout: float | None = 60.0,
                     chunk_bytes: int | None = None, store: Any = None,
-                    **options: Any) -> list[Any]:
+                    name: str | None = None, **options: Any) -> list[Any]:
     """Run ``fn(group, *args)`` for every rank of a new group on the current event loop.
-    Extra keyword ``options`` (``secret=``, ``ssl=``, ...) go to ``open_group``.
+    ``store`` is a Store or URL shared by all ranks, or a callable giving each rank's
+    (``store(rank)``); by default a fresh ``memory://`` store. Extra keyword ``options``
+    (``secret=``, ``ssl=``, ...) go to ``open_group``.
 
     Returns:
         The results in rank order.
@@ -36,11 +38,12 @@ async def run_ranks(world_size: int, fn: Callable[..., Awaitable[Any]], *args: A
         ExceptionGroup: one or more ranks failed; each exception is annotated with its rank
             (``RankFailed`` wrapping the original as ``__cause__``).
     """
-    name = f"run-ranks-{os.getpid()}-{next(_names)}"
+    name = name or f"run-ranks-{os.getpid()}-{next(_names)}"
     spec = store if store is not None else f"memory://{name}"
 
     async def one(rank: int) -> Any:
-        group = await open_group(rank, world_size, store=spec, transport=transport,
+        mine = spec(rank) if callable(spec) else spec
+        group = await open_group(rank, world_size, store=mine, transport=transport,
                                  timeout=timeout, name=name, chunk_bytes=chunk_bytes,
                                  **options)
         try:

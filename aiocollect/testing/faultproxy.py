@@ -538,35 +538,11 @@ class ProxyNetwork:
         Raises:
             ExceptionGroup: of ``RankFailed`` (cause: the rank's exception), as run_ranks.
         """
-        from aiocollect.api import open_group
-        from aiocollect.testing.spawn import RankFailed
+        from aiocollect.testing import run_ranks
 
-        transport = options.pop("transport", "tcp")
-
-        async def one(rank: int) -> Any:
-            group = await open_group(rank, world_size, store=self.store_for(rank),
-                                     transport=transport, timeout=timeout, name=name,
-                                     **options)
-            try:
-                result = await fn(group, *args)
-            except BaseException:
-                group.abort()
-                raise
-            await group.aclose()
-            return result
-
-        tasks = [asyncio.ensure_future(one(r)) for r in range(world_size)]
-        await asyncio.wait(tasks)
-        failures = []
-        for rank, task in enumerate(tasks):
-            exc = task.exception()
-            if exc is not None:
-                err = RankFailed(rank, f"rank {rank} failed: {type(exc).__name__}: {exc}")
-                err.__cause__ = exc
-                failures.append(err)
-        if failures:
-            raise ExceptionGroup(f"{len(failures)} of {world_size} ranks failed", failures)
-        return [t.result() for t in tasks]
+        options.setdefault("transport", "tcp")
+        return await run_ranks(world_size, fn, *args, store=self.store_for, name=name,
+                               timeout=timeout, **options)
 
 
 __all__ = ["FORWARD", "REVERSE", "FaultProxy", "LinkFaults", "ProxiedStore", "ProxyNetwork"]
