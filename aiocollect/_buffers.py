@@ -23,6 +23,11 @@ def as_array(buf: Any, name: str, *, writable: bool) -> Array:
             collective writes to it, or has an unsupported dtype.
     """
     arr: Array
+    if type(buf) is np.ndarray:  # the common case, kept short: this runs per operation
+        flags = buf.flags
+        if flags.c_contiguous and (flags.writeable or not writable):
+            dtype_code(buf.dtype)
+            return buf
     if isinstance(buf, np.ndarray):
         arr = buf
     elif type(buf).__module__.startswith("torch"):
@@ -66,8 +71,11 @@ def _torch_array(tensor: Any, name: str) -> Array:
 
 def byte_view(arr: Array) -> memoryview:
     """A flat, writable-if-possible byte view of a C-contiguous array."""
-    view: memoryview = arr.reshape(-1).view(np.uint8).data
-    return view
+    try:
+        return arr.data.cast("B")  # a third of the cost of the numpy route below
+    except (TypeError, ValueError):  # dtypes the buffer protocol cannot name (bfloat16)
+        view: memoryview = arr.reshape(-1).view(np.uint8).data
+        return view
 
 
 EMPTY = memoryview(bytearray(0))

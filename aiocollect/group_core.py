@@ -9,8 +9,8 @@ collectives in the same order.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -55,8 +55,12 @@ class GroupCore:
         self.store: Any = None
         self._send_counters: Counter[tuple[int, int]] = Counter()
         self._recv_counters: Counter[tuple[int, int]] = Counter()
-        self._stats: Counter[str] = Counter()
-        self._busy_seconds = 0.0
+        self._stats: Counter[str] = Counter()  # operations started, per kind
+        self._done: Counter[str] = Counter()  # and completed
+        self._deadlines: list[tuple[float, int, asyncio.Task[Any], Op]] = []  # a heap
+        self._watch_count = 0
+        self._watch_at: float | None = None
+        self._watch_handle: asyncio.TimerHandle | None = None
         self._closers: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self._sync_closers: list[Callable[[], None]] = []
 
@@ -84,7 +88,9 @@ class GroupCore:
                    "frames_sent": link.frames_sent, "frames_received": link.frames_received}
             for peer, link in sorted(self._fabric.links.items())
         }
-        return {"rank": self.rank, "world_size": self.world_size, "ops": dict(self._stats),
+        ops = {f"{kind}_started": n for kind, n in self._stats.items()}
+        ops.update((f"{kind}_completed", n) for kind, n in self._done.items())
+        return {"rank": self.rank, "world_size": self.world_size, "ops": ops,
                 "in_flight": len(self._tasks), "links": links,
                 "broken": self.broken, "closed": self.closed}
 
@@ -100,47 +106,97 @@ class GroupCore:
     def _start(self, kind: str, fp: tuple[int, int, int, int, int],
                body: Callable[[Op], Awaitable[T]], timeout: float | None, *,
                p2p: tuple[int, int] | None = None) -> asyncio.Task[T]:
-        """Take a sequence number and start ``body`` as a task (the handle)."""
-        self._check_usable()
-        timeout = self._timeout_arg(timeout)
+        """Take a sequence number and start ``body`` as a task (the handle).
+
+        This is the per-operation hot path: one Task, one timer handle for the deadline
+        (no ``asyncio.timeout`` context), no other allocation beyond the Op.
+        """
+        if self._closed or self.closed:
+            raise UsageError(f"group {self.name!r} is closed")
+        fabric = self._fabric
+        if fabric.failure is not None:
+            fabric.check()
+        timeout = self.timeout if timeout is None else self._timeout_arg(timeout)
         loop = asyncio.get_running_loop()
         if p2p is None:
             seq = self._seq
-            self._seq += 1
-            self._fabric.register(self._gid, seq, fp, self._ranks)
-            op = Op(self._fabric, self._gid, seq, fp, self._ranks, self.rank,
-                    self.chunk_bytes, DATA)
+            self._seq = seq + 1
+            fabric.register(self._gid, seq, fp, self._ranks)
+            op = Op(fabric, self._gid, seq, fp, self._ranks, self.rank, self.chunk_bytes, DATA)
         else:
-            op = Op(self._fabric, self._gid, p2p[0], fp, self._ranks, self.rank,
+            op = Op(fabric, self._gid, p2p[0], fp, self._ranks, self.rank,
                     self.chunk_bytes, P2P)
-        self._stats[f"{kind}_started"] += 1
+        self._stats[kind] += 1
         task = loop.create_task(self._run(kind, op, body, timeout, p2p is None))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if timeout is not None:
+            self._watch(loop, loop.time() + timeout, task, op)
         return task
+
+    def _watch(self, loop: asyncio.AbstractEventLoop, deadline: float,
+               task: asyncio.Task[Any], op: Op) -> None:
+        """Expire ``task`` at ``deadline``. One timer per group (a loop timer costs several
+        microseconds, a heap push well under one): entries of finished tasks are dropped
+        when they reach the top or when the heap outgrows the operations in flight."""
+        heap = self._deadlines
+        self._watch_count += 1
+        heapq.heappush(heap, (deadline, self._watch_count, task, op))
+        if len(heap) > 2 * len(self._tasks) + 64:
+            heap[:] = [entry for entry in heap if not entry[2].done()]
+            heapq.heapify(heap)
+        if self._watch_at is None or deadline < self._watch_at:
+            self._arm(loop)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        heap = self._deadlines
+        while heap and heap[0][2].done():
+            heapq.heappop(heap)
+        if self._watch_handle is not None:
+            self._watch_handle.cancel()
+            self._watch_handle = None
+        self._watch_at = heap[0][0] if heap else None
+        if self._watch_at is not None:
+            self._watch_handle = loop.call_at(self._watch_at, self._on_deadline, loop)
+
+    def _unwatch(self) -> None:
+        """Drop the deadline timer and its entries (the group is closed: no new ones)."""
+        if self._watch_handle is not None:
+            self._watch_handle.cancel()
+            self._watch_handle = None
+        self._watch_at = None
+        self._deadlines.clear()
+
+    def _on_deadline(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._watch_handle = None
+        heap = self._deadlines
+        now = loop.time()
+        while heap and (heap[0][0] <= now or heap[0][2].done()):
+            _, _, task, op = heapq.heappop(heap)
+            if not task.done():
+                op.expired = True  # _run turns the cancellation into a PeerTimeout
+                task.cancel()
+        self._arm(loop)
 
     async def _run(self, kind: str, op: Op, body: Callable[[Op], Awaitable[T]],
                    timeout: float | None, registered: bool) -> T:
         fabric = self._fabric
-        start = time.monotonic()
         try:
             if fabric.failure is not None:  # broke after this op was called: its cause
                 raise fabric.failure
-            try:
-                async with asyncio.timeout(timeout) as cm:
-                    result = await body(op)
-                    await op.finish()
-            except TimeoutError:
-                if not cm.expired():
-                    raise
+            result = await body(op)
+            await op.finish()
+            self._done[kind] += 1
+            return result
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if op.expired and task is not None and task.uncancel() == 0:
+                # The deadline passed (not a cancellation by the caller): name the culprits.
                 if fabric.failure is None:
                     err = await self._timeout_error(kind, op, timeout)
                     fabric.fail(err)  # no-op if a peer's ABORT arrived while probing
                 assert fabric.failure is not None
                 raise fabric.failure from None
-            self._stats[f"{kind}_completed"] += 1
-            return result
-        except asyncio.CancelledError:
             if op.moved_data():
                 fabric.fail(GroupBrokenError(
                     f"{kind} (op #{op.seq}) was cancelled on rank {self.rank} with data "
@@ -151,7 +207,6 @@ class GroupCore:
                 fabric.fail(exc)
             raise
         finally:
-            self._busy_seconds += time.monotonic() - start
             op.abandon()
             if registered:
                 fabric.unregister(self._gid, op.seq)
@@ -201,8 +256,10 @@ class GroupCore:
             if pending:
                 await asyncio.wait(pending)
         self._closed = True
+        self._unwatch()
         for child in self._children:
             child._closed = True
+            child._unwatch()
         if self._parent is not None:
             return
         if self._fabric.failure is None:
@@ -225,8 +282,10 @@ class GroupCore:
             return
         self._fabric.fail(GroupBrokenError(f"group {self.name!r} aborted on rank {self.rank}"))
         root._closed = True
+        root._unwatch()
         for child in root._children:
             child._closed = True
+            child._unwatch()
         for fn in root._sync_closers:
             fn()
         loop = asyncio.get_running_loop()

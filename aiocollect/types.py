@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import zlib
 from typing import Any
@@ -93,6 +94,7 @@ def collective_label(code: int) -> str:
 
 
 _NAMES: dict[np.dtype[Any], str] = {}
+_CODES: dict[np.dtype[Any], int] = {}  # dtype_code's answers (supported dtypes only)
 
 
 def dtype_name(dtype: np.dtype[Any]) -> str:
@@ -109,6 +111,9 @@ def dtype_code(dtype: np.dtype[Any]) -> int:
     Raises:
         UsageError: the dtype is not supported (structured, object, non-native order...).
     """
+    code = _CODES.get(dtype)
+    if code is not None:
+        return code
     if not dtype.isnative:
         raise UsageError(f"dtype {dtype} is not in native byte order")
     code = _DTYPE_CODE.get(dtype_name(dtype))
@@ -117,6 +122,7 @@ def dtype_code(dtype: np.dtype[Any]) -> int:
             f"unsupported dtype {dtype}: use a numpy integer, float, complex, bool, "
             "float16 or ml_dtypes.bfloat16 array"
         )
+    _CODES[dtype] = code
     return code
 
 
@@ -156,6 +162,22 @@ def resolve_op(op: Any, dtype: np.dtype[Any]) -> tuple[OpLike, np.ufunc]:
         UsageError: unknown op, a bitwise op on floats, AVG on integers or bool, or a
             ufunc that is not binary.
     """
+    try:
+        cached = _RESOLVED.get((type(op), op, dtype))
+    except TypeError:  # unhashable: not a valid op, the checks below say why
+        cached = None
+    if cached is not None:
+        return cached
+    resolved = _resolve_op(op, dtype)
+    with contextlib.suppress(TypeError):
+        _RESOLVED[(type(op), op, dtype)] = resolved
+    return resolved
+
+
+_RESOLVED: dict[tuple[type, Any, np.dtype[Any]], tuple[OpLike, np.ufunc]] = {}
+
+
+def _resolve_op(op: Any, dtype: np.dtype[Any]) -> tuple[OpLike, np.ufunc]:
     if isinstance(op, np.ufunc):
         if op.nin != 2 or op.nout != 1:
             raise UsageError(f"reduction ufunc {op.__name__} must take 2 inputs and give 1 output")

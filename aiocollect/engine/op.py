@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-import numpy as np
-
-from aiocollect._buffers import Array
+from aiocollect._buffers import Array, byte_view
 from aiocollect.engine.fabric import Fabric
 from aiocollect.transport.base import Fingerprint, Link
 from aiocollect.transport.wire import DATA, HEADER, MAGIC, Key
@@ -26,8 +24,8 @@ YIELD_BYTES = 64 * 1024
 class Op:
     """Context of one collective at sequence number ``seq`` of group ``gid``."""
 
-    __slots__ = ("_sent", "chunk_bytes", "fabric", "fp", "gid", "kind", "pending", "rank",
-                 "ranks", "seq", "size")
+    __slots__ = ("_sent", "chunk_bytes", "expired", "fabric", "fp", "gid", "kind", "pending",
+                 "rank", "ranks", "seq", "size")
 
     def __init__(self, fabric: Fabric, gid: int, seq: int, fp: Fingerprint,
                  ranks: list[int], rank: int, chunk_bytes: int, kind: int = DATA) -> None:
@@ -42,6 +40,7 @@ class Op:
         self.kind = kind
         self.pending: list[tuple[int, Key, asyncio.Future[None]]] = []
         self._sent: set[Link] = set()
+        self.expired = False  # set by the deadline timer before it cancels the task
 
     def link(self, peer: int) -> Link:
         return self.fabric.links[self.ranks[peer]]
@@ -59,6 +58,8 @@ class Op:
         n = arr.size
         if n == 0:
             return []
+        if arr.nbytes <= self.chunk_bytes:
+            return [arr]
         step = max(1, self.chunk_bytes // max(1, arr.itemsize))
         return [arr[i:i + step] for i in range(0, n, step)]
 
@@ -123,9 +124,7 @@ class Op:
                 fut.cancel()
 
 
-def _bytes(arr: Array) -> memoryview:
-    view: memoryview = arr.reshape(-1).view(np.uint8).data
-    return view
+_bytes = byte_view
 
 
 def flat_blocks(arr: Array, parts: int) -> list[Array]:
