@@ -119,7 +119,7 @@ class Group(GroupCore):
         return self._start("broadcast", fp, body, timeout)
 
     def allreduce(self, buf: Any, *, op: Any = ReduceOp.SUM, timeout: float | None = None,
-                  algorithm: str | None = None) -> asyncio.Task[Any]:
+                  algorithm: str | None = None) -> asyncio.Future[Any]:
         """Reduce ``buf`` across ranks, in place on every rank. Algorithms: ``ring``
         (bandwidth), ``recursive_doubling`` (latency), ``halving_doubling``; default by size."""
         arr = as_array(buf, "buf", writable=True)
@@ -127,6 +127,11 @@ class Group(GroupCore):
         n = self.world_size
         alg = choose("allreduce", algorithm, arr.nbytes, n)
         fp = fingerprint(Collective.ALLREDUCE, arr, op=rop, alg=alg)
+        if alg == 1 and n > 1 and not n & (n - 1) and 0 < arr.nbytes <= self.chunk_bytes:
+            return self._schedule(
+                "allreduce", fp, lambda o: doubling.small_steps(o, _flat(arr), ufunc,
+                                                                rop is ReduceOp.AVG),
+                buf, timeout)
 
         async def body(o: Op) -> Any:
             flat = _flat(arr)

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from aiocollect.engine.fabric import Fabric
 from aiocollect.engine.op import Op
+from aiocollect.engine.small import Schedule, Step
 from aiocollect.errors import (
     AiocollectError,
     GroupBrokenError,
@@ -48,7 +49,7 @@ class GroupCore:
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
         self._seq = 0
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Future[Any]] = set()  # handles (and helper tasks) in flight
         self._children: list[GroupCore] = []
         self._parent = parent
         self._closed = False
@@ -57,7 +58,7 @@ class GroupCore:
         self._recv_counters: Counter[tuple[int, int]] = Counter()
         self._stats: Counter[str] = Counter()  # operations started, per kind
         self._done: Counter[str] = Counter()  # and completed
-        self._deadlines: list[tuple[float, int, asyncio.Task[Any], Op]] = []  # a heap
+        self._deadlines: list[tuple[float, int, asyncio.Future[Any], Op | Schedule]] = []
         self._watch_count = 0
         self._watch_at: float | None = None
         self._watch_handle: asyncio.TimerHandle | None = None
@@ -103,20 +104,25 @@ class GroupCore:
             raise UsageError(f"timeout must be a positive number of seconds, got {timeout!r}")
         return float(timeout)
 
+    def _usable(self, timeout: float | None) -> float | None:
+        """Check the group can start an operation; its deadline in seconds (or None)."""
+        if self._closed or self.closed:
+            raise UsageError(f"group {self.name!r} is closed")
+        if self._fabric.failure is not None:
+            self._fabric.check()
+        return self.timeout if timeout is None else self._timeout_arg(timeout)
+
     def _start(self, kind: str, fp: tuple[int, int, int, int, int],
                body: Callable[[Op], Awaitable[T]], timeout: float | None, *,
                p2p: tuple[int, int] | None = None) -> asyncio.Task[T]:
         """Take a sequence number and start ``body`` as a task (the handle).
 
-        This is the per-operation hot path: one Task, one timer handle for the deadline
-        (no ``asyncio.timeout`` context), no other allocation beyond the Op.
+        This is the per-operation hot path: one Task and a heap entry for the deadline (no
+        ``asyncio.timeout`` context, no timer per operation), no other allocation beyond
+        the Op.
         """
-        if self._closed or self.closed:
-            raise UsageError(f"group {self.name!r} is closed")
+        timeout = self._usable(timeout)
         fabric = self._fabric
-        if fabric.failure is not None:
-            fabric.check()
-        timeout = self.timeout if timeout is None else self._timeout_arg(timeout)
         loop = asyncio.get_running_loop()
         if p2p is None:
             seq = self._seq
@@ -134,8 +140,31 @@ class GroupCore:
             self._watch(loop, loop.time() + timeout, task, op)
         return task
 
+    def _schedule(self, kind: str, fp: tuple[int, int, int, int, int],
+                  build: Callable[[Op], list[Step]], result: Any,
+                  timeout: float | None) -> asyncio.Future[Any]:
+        """Like :meth:`_start` for an operation of one-frame steps: ``build(op)`` lists
+        them and a :class:`Schedule` runs them from callbacks; the handle is a Future."""
+        timeout = self._usable(timeout)
+        fabric = self._fabric
+        loop = asyncio.get_running_loop()
+        seq = self._seq
+        self._seq = seq + 1
+        fabric.register(self._gid, seq, fp, self._ranks)
+        op = Op(fabric, self._gid, seq, fp, self._ranks, self.rank, self.chunk_bytes, DATA)
+        self._stats[kind] += 1
+        handle: asyncio.Future[Any] = loop.create_future()
+        sched = Schedule(self, kind, op, build(op), handle, result, timeout)
+        handle.add_done_callback(sched.on_done)
+        self._tasks.add(handle)
+        handle.add_done_callback(self._tasks.discard)
+        loop.call_soon(sched.start)
+        if timeout is not None:
+            self._watch(loop, loop.time() + timeout, handle, sched)
+        return handle
+
     def _watch(self, loop: asyncio.AbstractEventLoop, deadline: float,
-               task: asyncio.Task[Any], op: Op) -> None:
+               task: asyncio.Future[Any], op: Op | Schedule) -> None:
         """Expire ``task`` at ``deadline``. One timer per group (a loop timer costs several
         microseconds, a heap push well under one): entries of finished tasks are dropped
         when they reach the top or when the heap outgrows the operations in flight."""
@@ -172,9 +201,13 @@ class GroupCore:
         heap = self._deadlines
         now = loop.time()
         while heap and (heap[0][0] <= now or heap[0][2].done()):
-            _, _, task, op = heapq.heappop(heap)
-            if not task.done():
-                op.expired = True  # _run turns the cancellation into a PeerTimeout
+            _, _, task, target = heapq.heappop(heap)
+            if task.done():
+                continue
+            if isinstance(target, Schedule):
+                target.expire()
+            else:
+                target.expired = True  # _run turns the cancellation into a PeerTimeout
                 task.cancel()
         self._arm(loop)
 

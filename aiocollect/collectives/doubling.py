@@ -18,11 +18,14 @@ with bit-identical results.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from aiocollect._buffers import Array
 from aiocollect.engine.op import Op
 from aiocollect.engine.reduce import reduce_into
+from aiocollect.engine.small import Step
 
 FOLD_SLOT = 0
 STEP_SLOT = 1 << 10
@@ -44,10 +47,53 @@ def _real(v: int, rem: int) -> int:
 
 
 async def _transfer(op: Op, peer: int, slot: int, send: Array, recv: Array) -> None:
+    """Exchange with ``peer``. Returns once ``recv`` is filled and ``send`` has left user
+    space: the partner's data arriving does not mean ours left, and the caller is about to
+    rewrite ``send``."""
     futs = op.recv_chunks(peer, slot, recv)
     await op.send_chunks(peer, slot, send)
     for fut in futs:
         await fut
+    link = op.link(peer)
+    if link.write_buffer_size():
+        await link.drained()
+
+
+def small_steps(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> list[Step]:
+    """Recursive doubling for a power-of-two world size and a one-frame ``buf``, as steps
+    for :class:`aiocollect.engine.small.Schedule` (same frames and reduction order as
+    :func:`recursive_doubling`)."""
+    n, v = op.size, op.rank
+    tmp = np.empty_like(buf)
+    steps: list[Step] = []
+    mask, k = 1, 0
+    while mask < n:
+        partner = v ^ mask
+        steps.append(Step(partner, STEP_SLOT + k, buf, tmp,
+                          _lower(ufunc, buf, tmp) if v < partner else
+                          _upper(ufunc, buf, tmp)))
+        mask, k = mask << 1, k + 1
+    if average:
+        last = steps[-1].then
+
+        def finish() -> None:
+            if last is not None:
+                last()
+            np.divide(buf, n, out=buf)
+
+        steps[-1].then = finish
+    return steps
+
+
+def _lower(ufunc: np.ufunc, mine: Array, theirs: Array) -> Callable[[], None]:
+    return lambda: ufunc(mine, theirs, out=mine)
+
+
+def _upper(ufunc: np.ufunc, mine: Array, theirs: Array) -> Callable[[], None]:
+    def combine() -> None:  # keep the lower rank's operand first
+        ufunc(theirs, mine, out=theirs)
+        np.copyto(mine, theirs)
+    return combine
 
 
 async def _combine(ufunc: np.ufunc, mine: Array, theirs: Array, i_am_lower: bool) -> None:

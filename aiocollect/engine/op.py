@@ -89,6 +89,18 @@ class Op:
         if len(data) >= YIELD_BYTES:
             await asyncio.sleep(0)  # one big write per loop step keeps the loop lag low
 
+    def send_now(self, peer: int, slot: int, chunk: int, src: Array) -> None:
+        """Queue frame (slot, chunk) without waiting (one-frame operations: the send
+        window cannot matter)."""
+        link = self.fabric.links[self.ranks[peer]]
+        data = _bytes(src)
+        link.send(self.header(slot, chunk, len(data)), data)
+        self._sent.add(link)
+
+    def unsent(self) -> bool:
+        """Whether a frame this op sent is still queued in user space."""
+        return any(link.write_buffer_size() for link in self._sent)
+
     async def send_chunks(self, peer: int, slot: int, src: Array) -> None:
         for c, part in enumerate(self.chunks(src)):
             await self.send(peer, slot, c, part)

@@ -229,13 +229,7 @@ class RingReader(TcpLink):
                     return False
                 rx.skip(HEADER_SIZE)
                 avail -= HEADER_SIZE
-                dest = self._begin_frame(h)
-                if dest is None:
-                    self._discard = True
-                elif h.length == 0:
-                    self._end_frame()
-                else:
-                    self._payload = dest
+                self._take_header(h)
             return False
         finally:
             if not self._rx_dead and not final:

@@ -77,16 +77,17 @@ def control_header(kind: int, length: int) -> bytes:
     return HEADER.pack(MAGIC, kind, 0, 0, 0, 0, 0, 0, 0, -1, 0, length)
 
 
-def parse_header(buf: bytes | bytearray | memoryview, max_length: int) -> Header:
-    """Decode and bounds-check a header.
+def parse_header(buf: bytes | bytearray | memoryview, max_length: int,
+                 offset: int = 0) -> Header:
+    """Decode and bounds-check the header at ``buf[offset:]``.
 
     Raises:
         ProtocolError: bad magic, unknown kind, or a payload longer than allowed.
     """
-    magic, *fields = HEADER.unpack(buf)
-    if magic != MAGIC:
-        raise ProtocolError(f"bad frame magic 0x{magic:04x}")
-    h = Header(*fields)
+    fields = HEADER.unpack_from(buf, offset)
+    if fields[0] != MAGIC:
+        raise ProtocolError(f"bad frame magic 0x{fields[0]:04x}")
+    h = Header._make(fields[1:])
     if h.kind not in KINDS:
         raise ProtocolError(f"unknown frame kind {h.kind}")
     limit = MAX_CONTROL if h.kind in CONTROL else max_length
