@@ -1,0 +1,126 @@
+"""The Task-free path for one-frame allreduces (engine/small.py): results, handle type,
+deadline, cancellation and failure, over the in-process memory transport and real TCP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aiocollect as ac
+from aiocollect.testing import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize(("transport", "n"), [("memory", 2), ("memory", 4), ("memory", 8),
+                                              ("tcp", 2), ("tcp", 4)])
+@pytest.mark.parametrize("op", [ac.ReduceOp.SUM, ac.ReduceOp.MAX, ac.ReduceOp.PROD,
+                                ac.ReduceOp.AVG, np.logaddexp])
+async def test_results_match_numpy_and_are_identical_on_every_rank(
+        transport: str, n: int, op: Any) -> None:
+    count = 37
+
+    async def body(g: ac.Group) -> tuple[bool, np.ndarray[Any, Any]]:
+        rng = np.random.default_rng(g.rank)
+        buf = rng.uniform(0.5, 1.5, count).astype(np.float64)
+        handle = g.allreduce(buf, op=op)
+        task_free = not isinstance(handle, asyncio.Task)
+        await handle
+        return task_free, buf
+
+    results = await run_ranks(n, body, transport=transport)
+    inputs = [np.random.default_rng(r).uniform(0.5, 1.5, count) for r in range(n)]
+    if op is ac.ReduceOp.AVG:
+        want = np.mean(inputs, axis=0)
+    elif op is np.logaddexp:
+        want = np.logaddexp.reduce(inputs, axis=0)
+    else:
+        want = {ac.ReduceOp.SUM: np.sum, ac.ReduceOp.MAX: np.max,
+                ac.ReduceOp.PROD: np.prod}[op](inputs, axis=0)
+    for task_free, got in results:
+        assert task_free  # it took the schedule path
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+        assert got.tobytes() == results[0][1].tobytes()  # bit-identical across ranks
+
+
+async def test_integers_and_many_in_flight_keep_their_order() -> None:
+    async def body(g: ac.Group) -> list[np.ndarray[Any, Any]]:
+        bufs = [np.full(5, g.rank * 10 + i, np.int64) for i in range(200)]
+        await asyncio.gather(*(g.allreduce(b) for b in bufs))
+        return bufs
+
+    for bufs in await run_ranks(4, body, transport="tcp"):
+        for i, b in enumerate(bufs):
+            assert (b == sum(r * 10 + i for r in range(4))).all()
+
+
+async def test_the_schedule_and_the_task_paths_interleave() -> None:
+    """Small (schedule) and large (task) allreduces started back to back, same order."""
+    async def body(g: ac.Group) -> list[float]:
+        small = [np.full(3, float(g.rank + i)) for i in range(20)]
+        large = [np.full(300_000, float(g.rank - i)) for i in range(3)]
+        handles = []
+        for i in range(20):
+            handles.append(g.allreduce(small[i]))
+            if i % 7 == 0:
+                handles.append(g.allreduce(large[i // 7]))
+        await asyncio.gather(*handles)
+        return [float(b[0]) for b in small + large]
+
+    for got in await run_ranks(2, body, transport="tcp"):
+        assert got == [float(1 + 2 * i) for i in range(20)] + [float(1 - 2 * i)
+                                                               for i in range(3)]
+
+
+async def test_deadline_names_the_rank_that_never_called() -> None:
+    async def body(g: ac.Group) -> Any:
+        if g.rank == 1:  # never calls the allreduce; hears rank 0's relayed timeout
+            with pytest.raises(ac.PeerTimeout):
+                await g.recv(np.zeros(1), 0, tag=1)
+            return None
+        with pytest.raises(ac.PeerTimeout) as info:
+            await g.allreduce(np.ones(4), timeout=0.5)
+        return info.value
+
+    err, _ = await run_ranks(2, body, transport="tcp", timeout=30.0)
+    assert err.ranks == [1] and "have not called it" in str(err), err
+
+
+async def test_cancel_before_start_moves_nothing_and_after_start_breaks() -> None:
+    async def body(g: ac.Group) -> Any:
+        early = g.allreduce(np.ones(4))
+        early.cancel()  # before its first step: nothing sent, group usable
+        with pytest.raises(asyncio.CancelledError):
+            await early
+        assert not g.statistics()["broken"]
+        buf = np.ones(4)
+        late = g.allreduce(buf)
+        await asyncio.sleep(0)  # first step ran: the frame was sent
+        if g.rank == 0:
+            late.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await late
+        else:  # it may complete before rank 0's ABORT arrives
+            with contextlib.suppress(ac.GroupBrokenError):
+                await late
+        with pytest.raises(ac.GroupBrokenError):
+            await g.allreduce(np.ones(4))
+        return g.statistics()["broken"]
+
+    assert await run_ranks(2, body, transport="tcp", timeout=30.0) == [True, True]
+
+
+async def test_peer_loss_fails_the_pending_allreduce() -> None:
+    async def body(g: ac.Group) -> Any:
+        if g.rank == 1:
+            g.abort()
+            return None
+        with pytest.raises(ac.AiocollectError):
+            await g.allreduce(np.ones(4), timeout=20.0)
+        return g.statistics()["broken"]
+
+    assert (await run_ranks(2, body, transport="tcp", timeout=30.0))[0] is True
