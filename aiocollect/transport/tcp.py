@@ -39,6 +39,10 @@ _SCRATCH = memoryview(bytearray(64 * 1024))
 #: Size of the read-ahead buffer; a payload with at least this much left to read is read
 #: straight into its destination.
 READ_AHEAD = 64 * 1024
+#: Payload bytes read straight into place before the link lets the event loop run other
+#: callbacks: libuv keeps reading while data keeps coming (up to 32 reads of a whole
+#: payload each), which would stall every other task for tens of milliseconds.
+READ_BUDGET = 2 * 1024 * 1024
 
 
 class TcpLink(Link, asyncio.BufferedProtocol):
@@ -63,7 +67,9 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         self._drain: asyncio.Future[None] | None = None
         self._lost = False
         self._discard = False
-        self._reading_paused = False
+        self._reading_paused = False  # staging is full (backpressure)
+        self._yielding = False  # paused for one loop pass after READ_BUDGET bytes
+        self._read_run = 0  # payload bytes read since the last such pause
         self._linger: asyncio.TimerHandle | None = None
 
     # -- connection lifecycle --------------------------------------------------------------
@@ -139,6 +145,9 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         if self._direct:
             assert self._payload is not None
             self._got += nbytes
+            self._read_run += nbytes
+            if self._read_run >= READ_BUDGET:
+                self._yield_reading()
             if self._got == len(self._payload):
                 self._payload = None
                 self._got = 0
@@ -200,11 +209,29 @@ class TcpLink(Link, asyncio.BufferedProtocol):
     def _staging_full(self) -> None:
         if self.transport is not None and not self._reading_paused and not self._lost:
             self._reading_paused = True
-            self.transport.pause_reading()
+            if not self._yielding:
+                self.transport.pause_reading()
 
     def _staging_relieved(self) -> None:
         if self._reading_paused and self.transport is not None and not self._lost:
             self._reading_paused = False
+            if not self._yielding:
+                self.transport.resume_reading()
+
+    def _yield_reading(self) -> None:
+        """Stop reading until the event loop has run everything else that is ready."""
+        self._read_run = 0
+        if self._yielding or self.transport is None or self._lost:
+            return
+        self._yielding = True
+        if not self._reading_paused:
+            self.transport.pause_reading()
+        asyncio.get_running_loop().call_soon(self._end_yield)
+
+    def _end_yield(self) -> None:
+        self._yielding = False
+        if not self._reading_paused and self.transport is not None and not self._lost \
+                and not self.transport.is_closing():
             self.transport.resume_reading()
 
     def eof_received(self) -> bool | None:
