@@ -8,7 +8,9 @@ Schedule (n ranks, rank r sends to r+1 and receives from r-1, message split in n
 
 Cost per rank: (n-1) messages of size/n per phase, i.e. 2(n-1)/n * size bytes for an
 allreduce, latency 2(n-1) alpha. Each block travels in chunks, and chunk c of step s+1 is sent
-as soon as chunk c of step s has arrived (and been reduced), so the steps overlap.
+as soon as chunk c of step s has arrived (and been reduced), so the steps overlap. The
+reduce-scatter receives into a reused window of ``RS_WINDOW_BYTES`` (not a block-sized
+buffer) and sends no more than that window ahead of its own reductions.
 """
 
 from __future__ import annotations
@@ -21,9 +23,14 @@ import numpy as np
 from aiocollect._buffers import Array
 from aiocollect.engine.op import Op
 from aiocollect.engine.reduce import reduce_into
+from aiocollect.engine.scratch import SCRATCH
 
 RS_SLOT = 0
 AG_SLOT = 1 << 20
+#: Bytes of receive scratch a ring reduce-scatter uses (and sends ahead), in whole chunks.
+RS_WINDOW_BYTES = 16 * 1024 * 1024
+#: Fewest chunk slots in that window (one landing while one is reduced).
+RS_MIN_SLOTS = 2
 
 Forward = Callable[[int, Array], Awaitable[None]]
 
@@ -35,38 +42,96 @@ async def reduce_scatter(op: Op, blocks: list[Array], ufunc: np.ufunc,
     ``finished(c, chunk)`` is awaited as soon as chunk ``c`` of this rank's block is fully
     reduced: an allreduce starts its allgather there, chunk by chunk, instead of after the
     whole reduce-scatter.
+
+    Receive scratch is a bounded window (see :func:`window_slots`), leased from
+    :data:`~aiocollect.engine.scratch.SCRATCH` and used cyclically: the receives are
+    numbered in the order they are reduced (step by step, chunk by chunk), receive ``i``
+    lands in slot ``i % K`` and is posted as soon as receive ``i - K`` has been reduced.
+    Chunks are reduced one at a time (a worker thread takes chunks of at least
+    ``THREAD_THRESHOLD`` bytes), with a yield to the loop after each.
+
+    Sends go out in the order the successor reduces them. Chunk ``c`` of step ``s + 1``
+    leaves as soon as chunk ``c`` of step ``s`` is reduced, unless it is ``K`` or more
+    frames ahead of this rank's own reductions: every rank runs the same schedule, so the
+    successor has then not posted a receive for it yet, and it would only be staged
+    (allocated and copied) there; it leaves once this rank catches up. Each link's frames
+    of one operation arrive in receive order (so a link that stops reading while its
+    staging is full never holds a frame a posted receive waits for behind staged ones),
+    and the successor stages at most what it lags behind this rank (data that arrives
+    early still works, just slower).
     """
     n, r = op.size, op.rank
     if n == 1:
         return
     nxt, prv = (r + 1) % n, (r - 1) % n
-    tmp = np.empty(max(b.size for b in blocks), dtype=blocks[0].dtype)
-    recv_block = (r - 2) % n
-    futs = [op.recv(prv, slot0, c, part) for c, part in enumerate(op.chunks(
-        tmp[:blocks[recv_block].size]))]
-    for c, part in enumerate(op.chunks(blocks[(r - 1) % n])):
-        await op.send(nxt, slot0, c, part)
-    for s in range(n - 1):
-        rb = (r - s - 2) % n
-        mine = op.chunks(blocks[rb])
-        theirs = op.chunks(tmp[:blocks[rb].size])
-        last = s == n - 2
-        nb = (r - s - 3) % n
-        ahead = [] if last else op.chunks(tmp[:blocks[nb].size])
-        nfuts = []
-        for c, (dst, src) in enumerate(zip(mine, theirs, strict=True)):
-            await futs[c]
-            await reduce_into(ufunc, dst, src)
+    # What this rank reduces, in order: step s, chunk c of block (r-s-2) mod n.
+    recvs = [(s, c, dst) for s in range(n - 1)
+             for c, dst in enumerate(op.chunks(blocks[(r - s - 2) % n]))]
+    # What it sends, in the order its successor reduces them: step s, chunk c of block
+    # (r-s-1) mod n; step 0 is this rank's own data, step s+1 the chunk it reduced as
+    # receive i at step s (sendable once i+1 receives are reduced).
+    sends: list[tuple[int, int, Array, int]] = [
+        (0, c, part, 0) for c, part in enumerate(op.chunks(blocks[(r - 1) % n]))]
+    sends += [(s + 1, c, dst, i + 1) for i, (s, c, dst) in enumerate(recvs) if s < n - 2]
+    lead = window_slots(op.chunk_bytes, blocks[0].dtype.itemsize)
+    sent = 0
+
+    async def pump(done: int, limit: int) -> None:
+        """Send what ``done`` reductions made ready, up to ``limit`` frames in all."""
+        nonlocal sent
+        while sent < len(sends) and sent < limit and sends[sent][3] <= done:
+            s, c, src, _ = sends[sent]
+            sent += 1
+            await op.send(nxt, slot0 + s, c, src)
+
+    if not recvs:
+        await pump(0, len(sends))
+        return
+    width = max(dst.size for _, _, dst in recvs)
+    k = min(lead, len(recvs))
+    window = SCRATCH.acquire(k * width, blocks[0].dtype)
+    slots = [window[j * width:(j + 1) * width] for j in range(k)]
+    futs: list[asyncio.Future[None] | None] = [None] * k
+    reducing = False
+
+    def post(i: int) -> None:
+        s, c, dst = recvs[i]
+        futs[i % k] = op.recv(prv, slot0 + s, c, slots[i % k][:dst.size])
+
+    try:
+        for i in range(k):
+            post(i)
+        await pump(0, lead)
+        for i, (s, c, dst) in enumerate(recvs):
+            fut = futs[i % k]
+            assert fut is not None
+            await fut
+            reducing = True
+            await reduce_into(ufunc, dst, slots[i % k][:dst.size])
+            reducing = False
+            if i + k < len(recvs):
+                post(i + k)
             await asyncio.sleep(0)  # a done future does not yield: keep the loop responsive
-            if not last:
-                if c < len(ahead):
-                    nfuts.append(op.recv(prv, slot0 + s + 1, c, ahead[c]))
-                await op.send(nxt, slot0 + s + 1, c, dst)
-            elif finished is not None:
+            await pump(i + 1, i + 1 + lead)
+            if s == n - 2 and finished is not None:
                 await finished(c, dst)
-        for c in range(len(mine), len(ahead)):
-            nfuts.append(op.recv(prv, slot0 + s + 1, c, ahead[c]))
-        futs = nfuts
+        await pump(len(recvs), len(sends))
+    finally:
+        # Reuse the window only if no transport can still write into it and no worker
+        # thread still reads it; otherwise let it go with the failed operation.
+        if not reducing and all(f is None or (f.done() and not f.cancelled()
+                                              and f.exception() is None) for f in futs):
+            SCRATCH.release(window)
+        else:
+            SCRATCH.discard(window)
+
+
+def window_slots(chunk_bytes: int, itemsize: int) -> int:
+    """Chunk slots in a reduce-scatter's receive window, and how many frames a rank sends
+    ahead of its own reductions: ``RS_WINDOW_BYTES`` worth of chunks, at least
+    ``RS_MIN_SLOTS``. Depends only on values every rank shares."""
+    chunk = max(1, chunk_bytes // max(1, itemsize)) * itemsize
+    return max(RS_MIN_SLOTS, RS_WINDOW_BYTES // chunk)
 
 
 def post_allgather(op: Op, blocks: list[Array],

@@ -14,7 +14,11 @@ THREAD_THRESHOLD = 4 * 1024 * 1024
 
 
 async def reduce_into(ufunc: np.ufunc, dst: Array, src: Array) -> None:
-    """``dst = ufunc(dst, src)`` elementwise, in place."""
+    """``dst = ufunc(dst, src)`` elementwise, in place.
+
+    Runs on the calling (loop) thread below ``THREAD_THRESHOLD`` bytes, in a worker thread
+    from there on. The ring reduce-scatter calls it once per ``chunk_bytes`` frame (1 MiB
+    by default), never for a whole block, so it holds the loop for one chunk at most."""
     if dst.nbytes >= THREAD_THRESHOLD:
         await asyncio.to_thread(ufunc, dst, src, out=dst)
     else:
