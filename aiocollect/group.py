@@ -254,15 +254,26 @@ class Group(GroupCore):
         fp = fingerprint(Collective.REDUCE_SCATTER, arr, op=rop, alg=alg)
 
         async def body(o: Op) -> Any:
-            work = _flat(arr) if alg == 1 else _flat(arr).copy()
-            blocks = list(split_even(work, n))
+            r, dest = o.rank, _flat(res)
+            blocks = list(split_even(_flat(arr), n))
             if alg == 1:
-                blocks[o.rank] = blocks[o.rank].copy()
+                blocks[r] = blocks[r].copy()
+            else:
+                # The ring reduces into every block but the one it sends first, (r-1):
+                # that one stays a view of the input, this rank's own block is reduced
+                # straight into the output, and only the others are copied.
+                for b in range(n):
+                    if b == r:
+                        dest[...] = blocks[b]
+                        blocks[b] = dest
+                    elif b != (r - 1) % n:
+                        blocks[b] = blocks[b].copy()
             await (ring.reduce_scatter, direct.reduce_scatter)[alg](o, blocks, ufunc)
-            mine = blocks[o.rank]
+            mine = blocks[r]
             if rop is ReduceOp.AVG:
                 mine /= n
-            _flat(res)[...] = mine
+            if mine is not dest:
+                dest[...] = mine
             return res if out is None else out
 
         return self._start("reduce_scatter", fp, body, timeout)
