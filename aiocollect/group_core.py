@@ -155,9 +155,8 @@ class GroupCore:
         self._stats[kind] += 1
         handle: asyncio.Future[Any] = loop.create_future()
         sched = Schedule(self, kind, op, build(op), handle, result, timeout)
-        handle.add_done_callback(sched.on_done)
+        handle.add_done_callback(sched.on_done)  # also drops it from _tasks
         self._tasks.add(handle)
-        handle.add_done_callback(self._tasks.discard)
         loop.call_soon(sched.start)
         if timeout is not None:
             self._watch(loop, loop.time() + timeout, handle, sched)

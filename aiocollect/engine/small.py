@@ -162,8 +162,9 @@ class Schedule:
             self.handle.set_exception(exc)
 
     def on_done(self, handle: asyncio.Future[Any]) -> None:
-        """The handle's done callback: a caller's cancellation after data moved breaks the
-        group."""
+        """The handle's done callback: it leaves the group's in-flight set, and a caller's
+        cancellation after data moved breaks the group."""
+        self.core._tasks.discard(handle)
         if handle.cancelled() and not self._timing_out:
             op = self.op
             if op.moved_data():
