@@ -124,3 +124,50 @@ async def test_peer_loss_fails_the_pending_allreduce() -> None:
         return g.statistics()["broken"]
 
     assert (await run_ranks(2, body, transport="tcp", timeout=30.0))[0] is True
+
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 1024], ids=["schedule", "task-path"])
+async def test_the_reduction_waits_for_its_own_frame_to_leave(
+        monkeypatch: pytest.MonkeyPatch, chunk_bytes: int | None) -> None:
+    """Both recursive-doubling paths (one frame: the schedule; 1 KiB chunks: the Task
+    running doubling.recursive_doubling). Fault injection: a link that holds rank 1's
+    frames in "user space" for 0.2 s (and copies the payload only when it finally sends
+    it, as a socket does) while rank 0's go at once. Rank 1 then has rank 0's data long
+    before its own frame left; reducing into its buffer at that point would send rank 0 a
+    partly reduced buffer."""
+    from aiocollect.transport.memory import MemoryLink
+
+    def send(self: MemoryLink, header: bytes, payload: Any) -> None:
+        other, loop = self.other, asyncio.get_running_loop()
+        assert other is not None
+        pending = getattr(self, "_held", 0) + len(payload)
+        self._held = pending  # type: ignore[attr-defined]
+        self.frames_sent += 1
+
+        def deliver() -> None:
+            self._held -= len(payload)  # type: ignore[attr-defined]
+            other._deliver(header, bytes(payload))  # the bytes as they are now
+            if not self._held:  # type: ignore[attr-defined]
+                for fut in getattr(self, "_waiters", []):
+                    if not fut.done():
+                        fut.set_result(None)
+
+        loop.call_later(0.2 if self.peer == 0 else 0.0, deliver)
+
+    async def drained(self: MemoryLink) -> None:
+        while getattr(self, "_held", 0):
+            fut = asyncio.get_running_loop().create_future()
+            self.__dict__.setdefault("_waiters", []).append(fut)
+            await fut
+
+    monkeypatch.setattr(MemoryLink, "send", send)
+    monkeypatch.setattr(MemoryLink, "write_buffer_size", lambda self: getattr(self, "_held", 0))
+    monkeypatch.setattr(MemoryLink, "drained", drained)
+
+    async def body(g: ac.Group) -> list[float]:
+        buf = np.full(1000, float(g.rank + 1))
+        await g.allreduce(buf)
+        return [float(buf.min()), float(buf.max())]
+
+    assert await run_ranks(2, body, chunk_bytes=chunk_bytes) == [[3.0, 3.0], [3.0, 3.0]]
