@@ -104,12 +104,15 @@ class Group(GroupCore):
                            _barrier.barrier, timeout)
 
     def broadcast(self, buf: Any, *, root: int = 0, timeout: float | None = None,
-                  algorithm: str | None = None) -> asyncio.Task[Any]:
+                  algorithm: str | None = None) -> asyncio.Future[Any]:
         """Copy ``root``'s ``buf`` into every rank's ``buf`` (binomial tree or pipeline)."""
         arr = as_array(buf, "buf", writable=True)
         root = check_rank(root, self.world_size, "root")
         alg = choose("broadcast", algorithm, arr.nbytes, self.world_size)
         fp = fingerprint(Collective.BROADCAST, arr, root=root, alg=alg)
+        if alg == 0 and self.world_size > 1 and 0 < arr.nbytes <= self.chunk_bytes:
+            return self._schedule("broadcast", fp,
+                                  lambda o: tree.small_steps(o, _flat(arr), root), buf, timeout)
         run = (tree.broadcast, pipeline.broadcast)[alg]
 
         async def body(op: Op) -> Any:

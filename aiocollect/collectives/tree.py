@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from aiocollect._buffers import Array
 from aiocollect.engine.op import Op
+from aiocollect.engine.small import Step
 
 SLOT = 0
 
@@ -51,6 +52,16 @@ async def broadcast(op: Op, buf: Array, root: int, slot: int = SLOT) -> None:
         await futs[c]
         for child in real:
             await op.send(child, slot, c, part)
+
+
+def small_steps(op: Op, buf: Array, root: int, slot: int = SLOT) -> list[Step]:
+    """:func:`broadcast` of a one-frame ``buf`` as steps for
+    :class:`aiocollect.engine.small.Schedule`: receive from the parent (unless root), then
+    send to each child; the same frames as the coroutine."""
+    parent, children = tree_links((op.rank - root) % op.size, op.size)
+    steps = [] if parent is None else [Step((parent + root) % op.size, slot, None, buf)]
+    steps += [Step((child + root) % op.size, slot, buf, None) for child in children]
+    return steps
 
 
 async def reduce(op: Op, work: Array, root: int, ufunc: object, slot: int = SLOT) -> None:

@@ -171,3 +171,20 @@ async def test_the_reduction_waits_for_its_own_frame_to_leave(
         return [float(buf.min()), float(buf.max())]
 
     assert await run_ranks(2, body, chunk_bytes=chunk_bytes) == [[3.0, 3.0], [3.0, 3.0]]
+
+
+@pytest.mark.parametrize(("transport", "n"), [("memory", 2), ("memory", 3), ("memory", 5),
+                                              ("memory", 8), ("tcp", 3)])
+async def test_small_broadcast_from_every_root(transport: str, n: int) -> None:
+    async def body(g: ac.Group) -> list[tuple[bool, list[int]]]:
+        out = []
+        for root in range(n):
+            buf = np.full(6, g.rank * 100 + root, np.int32)
+            handle = g.broadcast(buf, root=root)
+            out.append((not isinstance(handle, asyncio.Task), (await handle).tolist()))
+        return out
+
+    for per_root in await run_ranks(n, body, transport=transport):
+        for root, (task_free, got) in enumerate(per_root):
+            assert task_free
+            assert got == [root * 100 + root] * 6
