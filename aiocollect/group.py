@@ -1,7 +1,9 @@
 """Group: the public collective methods.
 
 Each method validates its arguments (UsageError, before anything is sent), takes the next
-sequence number at call time and returns an ``asyncio.Task`` (an awaitable handle).
+sequence number at call time and returns an ``asyncio.Future`` (the awaitable handle): a
+Task running the algorithm, or for one-frame allreduces and broadcasts a plain Future
+driven by a callback schedule (engine/small.py).
 """
 
 from __future__ import annotations

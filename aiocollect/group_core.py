@@ -2,7 +2,9 @@
 
 Every collective method checks its arguments (raising UsageError before anything is sent),
 takes the next sequence number at call time, registers its fingerprint and returns an
-``asyncio.Task`` running the algorithm. Several may run at once; ranks must call a group's
+``asyncio.Task`` running the algorithm (:meth:`GroupCore._start`), or a plain Future run by
+a :class:`~aiocollect.engine.small.Schedule` for one-frame operations
+(:meth:`GroupCore._schedule`). Several may run at once; ranks must call a group's
 collectives in the same order.
 """
 
