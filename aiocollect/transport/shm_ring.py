@@ -314,7 +314,7 @@ def reap_stale(max_age: float = STALE_AFTER) -> list[str]:
     now = time.time()
     for name in names:
         pid = segment_pid(name)
-        if pid is None or _alive(pid):
+        if pid is None or pid_alive(pid):
             continue
         path = os.path.join(SEGMENT_DIR, name)
         try:
@@ -338,7 +338,8 @@ def segment_pid(name: str) -> int | None:
     return int(pid)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

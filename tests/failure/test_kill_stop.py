@@ -4,6 +4,7 @@ frozen one is named at the deadline; afterwards the group is broken and a new on
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,22 @@ async def _wait_ready(store_url: str, n: int, key: str) -> None:
         await store.close()
 
 
+def check_killed(outcomes: list[Any], victim: int, killed_at: float) -> None:
+    """``victim`` died; every survivor reported PeerDisconnected naming it within a second,
+    and its later calls failed from that cause (GroupBrokenError caused by it)."""
+    assert outcomes[victim][0] == "died"
+    for rank, out in enumerate(outcomes):
+        if rank == victim:
+            continue
+        assert out[0] == "ok", out
+        res = out[1]
+        assert res["error"] == "PeerDisconnected", res
+        assert res["rank_attr"] == victim, res
+        assert f"rank {victim}" in res["message"]
+        assert res["at"] - killed_at < 1.0, f"rank {rank} took {res['at'] - killed_at:.2f}s"
+        assert res["later"] == "PeerDisconnected"
+
+
 @pytest.mark.parametrize("n, victim, size, alg", [
     (2, 1, 1 << 16, None),
     (3, 2, 1 << 20, "ring"),
@@ -34,18 +51,7 @@ async def test_sigkill_named_on_every_survivor_within_a_second(
     await _wait_ready(job.store, n, "ready")
     killed_at = time.time()
     job.kill(victim)
-    outcomes = await job.outcomes()
-    assert outcomes[victim][0] == "died"
-    for rank, out in enumerate(outcomes):
-        if rank == victim:
-            continue
-        assert out[0] == "ok", out
-        res = out[1]
-        assert res["error"] == "PeerDisconnected", res
-        assert res["rank_attr"] == victim, res
-        assert f"rank {victim}" in res["message"]
-        assert res["at"] - killed_at < 1.0, f"rank {rank} took {res['at'] - killed_at:.2f}s"
-        assert res["later"] == "PeerDisconnected"  # later calls: GroupBrokenError from it
+    check_killed(await job.outcomes(), victim, killed_at)
 
 
 async def test_sigstop_gives_peer_timeout_naming_the_frozen_rank() -> None:

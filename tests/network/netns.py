@@ -15,6 +15,8 @@ import shutil
 import signal
 import subprocess
 
+from aiocollect.transport.shm_ring import pid_alive
+
 PREFIX = "acnet-"
 #: The rank-side interface in every rank namespace (what AIOCOLLECT_IFNAME names).
 IFNAME = "veth-x"
@@ -53,16 +55,6 @@ def unavailable() -> str | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def delete_namespace(name: str) -> None:
     """Kill what still runs in namespace ``name`` (processes we started there), delete it."""
     pids = ip("netns", "pids", name, check=False).stdout.split()
@@ -83,7 +75,7 @@ def remove_leftovers() -> list[str]:
             owner = int(name[len(PREFIX):].split("-", 1)[0])
         except ValueError:
             owner = -1
-        if owner == os.getpid() or (owner > 0 and _pid_alive(owner)):
+        if owner == os.getpid() or (owner > 0 and pid_alive(owner)):
             continue
         delete_namespace(name)
         removed.append(name)

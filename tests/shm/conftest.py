@@ -7,7 +7,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from aiocollect.transport.shm_ring import PREFIX, SEGMENT_DIR, segment_pid, unavailable
+from aiocollect.transport.shm_ring import (
+    PREFIX,
+    SEGMENT_DIR,
+    pid_alive,
+    segment_pid,
+    unavailable,
+)
 
 if unavailable() is not None:  # pragma: no cover - the CI machines are Linux x86-64
     pytest.skip(f"shared memory unavailable: {unavailable()}", allow_module_level=True)
@@ -31,19 +37,9 @@ def leaked(before: set[str], pids: set[int] | None = None) -> set[str]:
             if pid in pids:
                 out.add(name)
             continue
-        if pid == os.getpid() or not _alive(pid):
+        if pid == os.getpid() or not pid_alive(pid):
             out.add(name)
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -15,7 +15,7 @@ from aiocollect.testing import run_ranks, spawn_ranks
 from aiocollect.transport.shm import ShmLink
 from aiocollect.transport.wire import HEADER_SIZE, Header, pack_header
 from tests.failure import targets as failure_targets
-from tests.failure.test_kill_stop import _wait_ready
+from tests.failure.test_kill_stop import _wait_ready, check_killed
 from tests.failure.test_mismatch import CASES, _body
 from tests.shm.conftest import leaked, segments
 
@@ -36,18 +36,7 @@ async def test_sigkill_named_on_every_survivor_within_a_second(
     await _wait_ready(job.store, n, "ready")
     killed_at = time.time()
     job.kill(victim)
-    outcomes = await job.outcomes()
-    assert outcomes[victim][0] == "died"
-    for rank, out in enumerate(outcomes):
-        if rank == victim:
-            continue
-        assert out[0] == "ok", out
-        res = out[1]
-        assert res["error"] == "PeerDisconnected", res
-        assert res["rank_attr"] == victim, res
-        assert f"rank {victim}" in res["message"]
-        assert res["at"] - killed_at < 1.0, f"rank {rank} took {res['at'] - killed_at:.2f}s"
-        assert res["later"] == "PeerDisconnected"
+    check_killed(await job.outcomes(), victim, killed_at)
     pids = {job.pid(r) for r in range(n)}
     assert not leaked(before, pids)
 
