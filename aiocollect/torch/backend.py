@@ -42,6 +42,14 @@ def _tensor_list(value: Any) -> list[torch.Tensor]:
     return [value] if isinstance(value, torch.Tensor) else list(value)
 
 
+def _root_tensors(value: Any) -> list[torch.Tensor]:
+    """The root's tensor list of gather/scatter: c10d passes ``[tensors]`` or ``tensors``
+    (empty on the other ranks)."""
+    if not value:
+        return []
+    return list(value) if isinstance(value[0], torch.Tensor) else list(value[0])
+
+
 def _opt(opts: Any, name: str, default: Any) -> Any:
     return getattr(opts, name, default) if opts is not None else default
 
@@ -254,10 +262,7 @@ class AiocollectProcessGroup(dist.ProcessGroup):
         """Gather every rank's input on ``opts.rootRank`` (``output_tensors[0]`` there)."""
         root = _opt(opts, "rootRank", 0)
         inputs = _tensor_list(input_tensors)
-        outputs: list[torch.Tensor] = []
-        if output_tensors:
-            first = output_tensors[0]
-            outputs = list(output_tensors) if isinstance(first, torch.Tensor) else list(first)
+        outputs = _root_tensors(output_tensors)
         if len(inputs) != 1:
             raise UsageError(f"gather takes one input tensor per rank, got {len(inputs)}")
         timeout = timeout_seconds(_opt(opts, "timeout", None))
@@ -269,10 +274,7 @@ class AiocollectProcessGroup(dist.ProcessGroup):
         """Scatter ``input_tensors[0]`` of ``opts.rootRank``, block i to rank i."""
         root = _opt(opts, "rootRank", 0)
         outputs = _tensor_list(output_tensors)
-        inputs: list[torch.Tensor] = []
-        if input_tensors:
-            first = input_tensors[0]
-            inputs = list(input_tensors) if isinstance(first, torch.Tensor) else list(first)
+        inputs = _root_tensors(input_tensors)
         if len(outputs) != 1:
             raise UsageError(f"scatter takes one output tensor per rank, got {len(outputs)}")
         timeout = timeout_seconds(_opt(opts, "timeout", None))
