@@ -106,13 +106,24 @@ class GroupCore:
             raise UsageError(f"timeout must be a positive number of seconds, got {timeout!r}")
         return float(timeout)
 
-    def _usable(self, timeout: float | None) -> float | None:
-        """Check the group can start an operation; its deadline in seconds (or None)."""
-        if self._closed or self.closed:
-            raise UsageError(f"group {self.name!r} is closed")
-        if self._fabric.failure is not None:
-            self._fabric.check()
-        return self.timeout if timeout is None else self._timeout_arg(timeout)
+    def _new_op(self, kind: str, fp: tuple[int, int, int, int, int], timeout: float | None,
+                p2p: tuple[int, int] | None = None) -> tuple[Op, float | None]:
+        """Check the group can start an operation, take its sequence number (a collective)
+        or use ``p2p``'s (counter, tag), and count it. Returns the Op and its deadline in
+        seconds (or None)."""
+        self._check_usable()
+        fabric = self._fabric
+        timeout = self._timeout_arg(timeout)
+        if p2p is None:
+            seq = self._seq
+            self._seq = seq + 1
+            fabric.register(self._gid, seq, fp, self._ranks)
+            op = Op(fabric, self._gid, seq, fp, self._ranks, self.rank, self.chunk_bytes, DATA)
+        else:
+            op = Op(fabric, self._gid, p2p[0], fp, self._ranks, self.rank,
+                    self.chunk_bytes, P2P)
+        self._stats[kind] += 1
+        return op, timeout
 
     def _start(self, kind: str, fp: tuple[int, int, int, int, int],
                body: Callable[[Op], Awaitable[T]], timeout: float | None, *,
@@ -123,38 +134,26 @@ class GroupCore:
         ``asyncio.timeout`` context, no timer per operation), no other allocation beyond
         the Op.
         """
-        timeout = self._usable(timeout)
-        fabric = self._fabric
+        op, timeout = self._new_op(kind, fp, timeout, p2p)
         loop = asyncio.get_running_loop()
-        if p2p is None:
-            seq = self._seq
-            self._seq = seq + 1
-            fabric.register(self._gid, seq, fp, self._ranks)
-            op = Op(fabric, self._gid, seq, fp, self._ranks, self.rank, self.chunk_bytes, DATA)
-        else:
-            op = Op(fabric, self._gid, p2p[0], fp, self._ranks, self.rank,
-                    self.chunk_bytes, P2P)
-        self._stats[kind] += 1
         task = loop.create_task(self._run(kind, op, body, timeout, p2p is None))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._track(task)
         if timeout is not None:
             self._watch(loop, loop.time() + timeout, task, op)
         return task
+
+    def _track(self, fut: asyncio.Future[Any]) -> None:
+        """Count ``fut`` as in flight (aclose waits for it) until it is done."""
+        self._tasks.add(fut)
+        fut.add_done_callback(self._tasks.discard)
 
     def _schedule(self, kind: str, fp: tuple[int, int, int, int, int],
                   build: Callable[[Op], list[Step]], result: Any,
                   timeout: float | None) -> asyncio.Future[Any]:
         """Like :meth:`_start` for an operation of one-frame steps: ``build(op)`` lists
         them and a :class:`Schedule` runs them from callbacks; the handle is a Future."""
-        timeout = self._usable(timeout)
-        fabric = self._fabric
+        op, timeout = self._new_op(kind, fp, timeout)
         loop = asyncio.get_running_loop()
-        seq = self._seq
-        self._seq = seq + 1
-        fabric.register(self._gid, seq, fp, self._ranks)
-        op = Op(fabric, self._gid, seq, fp, self._ranks, self.rank, self.chunk_bytes, DATA)
-        self._stats[kind] += 1
         handle: asyncio.Future[Any] = loop.create_future()
         sched = Schedule(self, kind, op, build(op), handle, result, timeout)
         handle.add_done_callback(sched.on_done)  # also drops it from _tasks

@@ -83,19 +83,18 @@ class Op:
         link = self.link(peer)
         if link.write_buffer_size() > SEND_WINDOW:
             await link.drained()
+        if self.send_now(peer, slot, chunk, src, seq) >= YIELD_BYTES:
+            await asyncio.sleep(0)  # one big write per loop step keeps the loop lag low
+
+    def send_now(self, peer: int, slot: int, chunk: int, src: Array,
+                 seq: int | None = None) -> int:
+        """Queue frame (slot, chunk) without waiting for the send window (one-frame
+        operations, where it cannot matter). Returns the payload's size in bytes."""
+        link = self.link(peer)
         data = _bytes(src)
         link.send(self.header(slot, chunk, len(data), seq), data)
         self._sent.add(link)
-        if len(data) >= YIELD_BYTES:
-            await asyncio.sleep(0)  # one big write per loop step keeps the loop lag low
-
-    def send_now(self, peer: int, slot: int, chunk: int, src: Array) -> None:
-        """Queue frame (slot, chunk) without waiting (one-frame operations: the send
-        window cannot matter)."""
-        link = self.fabric.links[self.ranks[peer]]
-        data = _bytes(src)
-        link.send(self.header(slot, chunk, len(data)), data)
-        self._sent.add(link)
+        return len(data)
 
     def unsent(self) -> bool:
         """Whether a frame this op sent is still queued in user space."""

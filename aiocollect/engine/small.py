@@ -111,10 +111,15 @@ class Schedule:
             # The callback may rewrite the buffer still queued for sending: wait first.
             self._spawn(self._drain())
             return False
-        self._i += 1
-        if step.then is not None:
-            step.then()
+        self._next()
         return True
+
+    def _next(self) -> None:
+        """Run the current step's callback and move to the next step."""
+        then = self.steps[self._i].then
+        self._i += 1
+        if then is not None:
+            then()
 
     def _landed(self, fut: asyncio.Future[None]) -> None:
         if self.handle.done() or self._timing_out:
@@ -123,9 +128,7 @@ class Schedule:
             self._advance()
 
     def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self.core._tasks.add(task)
-        task.add_done_callback(self.core._tasks.discard)
+        self.core._track(asyncio.get_running_loop().create_task(coro))
 
     async def _drain(self) -> None:
         """Wait until this op's frames left user space, then go on."""
@@ -137,10 +140,7 @@ class Schedule:
         if self.handle.done() or self._timing_out:
             return
         if self._i < len(self.steps):  # stopped before a step's callback
-            step = self.steps[self._i]
-            self._i += 1
-            if step.then is not None:
-                step.then()
+            self._next()
             self._advance()
         else:
             self._succeed()

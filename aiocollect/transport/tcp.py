@@ -70,6 +70,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         self._reading_paused = False  # staging is full (backpressure)
         self._yielding = False  # paused for one loop pass after READ_BUDGET bytes
         self._read_run = 0  # payload bytes read since the last such pause
+        self._transport_paused = False  # what the transport was last told
         self._linger: asyncio.TimerHandle | None = None
 
     # -- connection lifecycle --------------------------------------------------------------
@@ -207,32 +208,37 @@ class TcpLink(Link, asyncio.BufferedProtocol):
             self._got = 0
 
     def _staging_full(self) -> None:
-        if self.transport is not None and not self._reading_paused and not self._lost:
-            self._reading_paused = True
-            if not self._yielding:
-                self.transport.pause_reading()
+        self._reading_paused = True
+        self._sync_reading()
 
     def _staging_relieved(self) -> None:
-        if self._reading_paused and self.transport is not None and not self._lost:
-            self._reading_paused = False
-            if not self._yielding:
-                self.transport.resume_reading()
+        self._reading_paused = False
+        self._sync_reading()
 
     def _yield_reading(self) -> None:
         """Stop reading until the event loop has run everything else that is ready."""
         self._read_run = 0
-        if self._yielding or self.transport is None or self._lost:
-            return
-        self._yielding = True
-        if not self._reading_paused:
-            self.transport.pause_reading()
-        asyncio.get_running_loop().call_soon(self._end_yield)
+        if not self._yielding:
+            self._yielding = True
+            self._sync_reading()
+            asyncio.get_running_loop().call_soon(self._end_yield)
 
     def _end_yield(self) -> None:
         self._yielding = False
-        if not self._reading_paused and self.transport is not None and not self._lost \
-                and not self.transport.is_closing():
-            self.transport.resume_reading()
+        self._sync_reading()
+
+    def _sync_reading(self) -> None:
+        """Pause the transport while staging is full or the link yields, else resume it."""
+        transport = self.transport
+        if transport is None or self._lost:
+            return
+        paused = self._reading_paused or self._yielding
+        if paused != self._transport_paused:
+            self._transport_paused = paused
+            if paused:
+                transport.pause_reading()
+            elif not transport.is_closing():
+                transport.resume_reading()
 
     def eof_received(self) -> bool | None:
         return False  # close our side too; connection_lost reports it
