@@ -111,7 +111,9 @@ async def reduce_scatter(op: Op, blocks: list[Array], ufunc: np.ufunc,
             reducing = False
             if i + k < len(recvs):
                 post(i + k)
-            await asyncio.sleep(0)  # a done future does not yield: keep the loop responsive
+            nxt_fut = futs[(i + 1) % k]
+            if nxt_fut is not None and nxt_fut.done():
+                await asyncio.sleep(0)  # a done future does not yield: keep the loop responsive
             await pump(i + 1, i + 1 + lead)
             if s == n - 2 and finished is not None:
                 await finished(c, dst)

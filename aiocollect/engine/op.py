@@ -83,7 +83,8 @@ class Op:
         link = self.link(peer)
         if link.write_buffer_size() > SEND_WINDOW:
             await link.drained()
-        if self.send_now(peer, slot, chunk, src, seq) >= YIELD_BYTES:
+        n = self.send_now(peer, slot, chunk, src, seq)
+        if n >= YIELD_BYTES and link.copies(n):
             await asyncio.sleep(0)  # one big write per loop step keeps the loop lag low
 
     def send_now(self, peer: int, slot: int, chunk: int, src: Array,

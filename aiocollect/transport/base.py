@@ -271,6 +271,12 @@ class Link(abc.ABC):
     def send(self, header: bytes, payload: memoryview | bytes) -> None:
         """Queue one frame. The payload memory must stay unchanged until ``drained()``."""
 
+    def copies(self, nbytes: int) -> bool:
+        """Whether ``send`` copies a payload of ``nbytes`` on the calling thread (a sender
+        of large payloads then yields to the event loop after each); False for payloads a
+        transport sends by reference."""
+        return True
+
     @abc.abstractmethod
     def write_buffer_size(self) -> int:
         """Bytes queued in user space and not yet handed to the kernel."""

@@ -16,6 +16,12 @@ the transport was ``auto``). From then on the socket carries only doorbell bytes
 - ``send`` never blocks: what does not fit is queued (the payload is referenced, not
   copied, until it is in the ring, as with TCP) and written as the reader frees space;
   ``write_buffer_size`` is the queued bytes and ``drained`` waits for the queue to empty.
+- Single copy: when the peer's probe showed it can read this process's memory, a payload
+  of at least ``policy.pull_min`` bytes goes as a *reference record* (address and length,
+  :mod:`aiocollect.transport.shm_ring`) and the reader copies it straight from the sender's
+  array into its posted receive (:mod:`aiocollect.transport.cma`). The payload counts in
+  ``write_buffer_size`` until the reader reports it pulled, so ``drained`` (and an
+  operation's end) waits for that, exactly as for bytes still queued.
 - The socket closing (a SIGKILLed peer's kernel closes it) is the loss of the peer; what
   the peer put in the ring before is still read first, so an ABORT frame is never lost.
 
@@ -27,9 +33,11 @@ loop), ``shm_reader`` (the receiving half: parking, spinning, backpressure) and 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 
 from aiocollect.errors import PeerDisconnected, ProtocolError
+from aiocollect.transport import cma
 from aiocollect.transport.base import Handshaker, LinkEvents
 from aiocollect.transport.shm_reader import (
     PUBLISH_EVERY,
@@ -39,7 +47,7 @@ from aiocollect.transport.shm_reader import (
     ShmPolicy,
     spin_budget,
 )
-from aiocollect.transport.shm_ring import Ring, Segment, fence
+from aiocollect.transport.shm_ring import REF_DESC, REF_MAGIC_BYTES, Ring, Segment, fence
 from aiocollect.transport.shm_setup import ShmSetup
 from aiocollect.transport.tcp import LINGER
 
@@ -69,10 +77,15 @@ class ShmLink(RingReader):
         self._wgen = 0
         self._rung_reader = 0  # the peer reader's generation we last rang for
         self._close_pending = False
+        self._refs: deque[tuple[memoryview, int]] = deque()  # sent by reference, not pulled
+        self._ref_bytes = 0
+        self._refs_sent = 0
+        self._refs_done = 0
 
-    def _activate(self, segment: Segment, rx: int) -> None:
+    def _activate(self, segment: Segment, rx: int, peer_pid: int) -> None:
         self._segment = segment
         self._rx, self._tx = segment.rings[rx], segment.rings[1 - rx]
+        self._peer_pid = peer_pid
         self.shm = True
 
     # -- connection lifecycle --------------------------------------------------------------
@@ -83,6 +96,7 @@ class ShmLink(RingReader):
             self._read_ring_final()
             self._queue.clear()
             self._queued = 0
+            self._drop_refs()
         try:
             super().connection_lost(exc)
         finally:
@@ -126,6 +140,13 @@ class ShmLink(RingReader):
         self.bytes_sent += n
         self.frames_sent += 1
         tx = self._tx
+        if n >= self.policy.pull_min > 0 and tx.pulls_enabled():
+            # by reference: the reader copies the payload out of this process's memory
+            header = REF_MAGIC_BYTES + header[2:] + REF_DESC.pack(cma.address(view), n)
+            self._refs.append((view, n))
+            self._ref_bytes += n
+            self._refs_sent += 1
+            n = 0
         idle = not self._queue  # else the queue waits for space: the doorbell resumes it
         if idle:
             try:
@@ -144,6 +165,16 @@ class ShmLink(RingReader):
         self._queued += len(header) + n
         if idle:
             self._pump()
+
+    @property
+    def frames_by_reference(self) -> int:
+        """Frames this link has sent by reference (the peer pulled their payloads)."""
+        return self._refs_sent
+
+    def copies(self, nbytes: int) -> bool:
+        tx = self._tx
+        return not (self.shm and tx is not None and nbytes >= self.policy.pull_min > 0
+                    and tx.pulls_enabled())
 
     def _pump(self) -> None:
         """Copy queued pieces into the outgoing ring while it has space."""
@@ -196,16 +227,61 @@ class ShmLink(RingReader):
             self._bell()
 
     def _flushed(self) -> None:
-        if self._drain is not None and not self._drain.done():
+        if self._drain is not None and not self._drain.done() and self._all_pulled():
             self._drain.set_result(None)
         if self._close_pending and self.transport is not None:
             self._close_pending = False
             self.transport.close()
 
+    # -- payloads sent by reference ----------------------------------------------------------
+
+    def _reap(self) -> None:
+        """Let go of the payloads the reader has pulled.
+
+        Raises:
+            ProtocolError: the reader reports more pulls than references were sent.
+        """
+        tx = self._tx
+        if tx is None:
+            return
+        done = tx.pulled()
+        if done == self._refs_done:
+            return
+        if not self._refs_done < done <= self._refs_sent:
+            raise ProtocolError(f"corrupt shared-memory ring: {done} pulls reported after "
+                                f"{self._refs_done}, with {self._refs_sent} references sent")
+        refs = self._refs
+        for _ in range(done - self._refs_done):
+            self._ref_bytes -= refs.popleft()[1]
+        self._refs_done = done
+
+    def _all_pulled(self) -> bool:
+        """Whether every payload sent by reference has been pulled; if not, the writer's
+        flag is armed (a new generation) so that the reader rings once it pulls more."""
+        tx = self._tx
+        if not self._refs or tx is None or self._tx_dead:
+            return True
+        try:
+            self._reap()
+            if self._refs:
+                self._wgen += 1
+                tx.arm_writer(self._wgen)
+                fence()
+                self._reap()
+        except ProtocolError as exc:
+            self._tx_failed(exc)
+            return True
+        return not self._refs
+
+    def _drop_refs(self) -> None:
+        self._refs.clear()
+        self._ref_bytes = 0
+
     def _tx_failed(self, exc: ProtocolError) -> None:
         self._tx_dead = True
         self._queue.clear()
         self._queued = 0
+        self._drop_refs()
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(exc)
             self._drain.exception()
@@ -216,18 +292,44 @@ class ShmLink(RingReader):
     def _write_pending(self) -> None:
         if self._queue:
             self._pump()
+        elif self._refs:
+            self._flushed()
 
     def write_buffer_size(self) -> int:
-        return self._queued if self.shm else super().write_buffer_size()
+        """Bytes queued for the ring plus bytes sent by reference and not yet pulled."""
+        if not self.shm:
+            return super().write_buffer_size()
+        if self._refs:
+            try:
+                self._reap()
+            except ProtocolError as exc:
+                self._tx_failed(exc)
+        return self._queued + self._ref_bytes
 
     async def drained(self) -> None:
+        """Wait until everything queued is in the ring and every payload sent by
+        reference has been pulled (spinning first, like a waiting reader, when the policy
+        spins; then asleep until the reader's doorbell)."""
         if not self.shm:
             await super().drained()
             return
-        while self._queue:
+        spin_until = None
+        while self._queue or self._refs:
             if self._lost or self._tx_dead:
                 raise self._failure or PeerDisconnected(
                     f"link to {self.describe()} closed", self.peer)
+            if not self._queue:
+                if self.write_buffer_size() == 0:
+                    return
+                if self.policy.spin > 0:
+                    now = time.perf_counter()
+                    if spin_until is None:
+                        spin_until = now + self.policy.spin
+                    if now < spin_until:
+                        await asyncio.sleep(0)
+                        continue
+                if self._all_pulled():
+                    continue
             if self._drain is None or self._drain.done():
                 self._drain = asyncio.get_running_loop().create_future()
             await asyncio.shield(self._drain)
@@ -263,6 +365,7 @@ class ShmLink(RingReader):
             self._discard = True  # nothing more is read, as on a reset TCP connection
             self._queue.clear()
             self._queued = 0
+            self._drop_refs()
         super().abort()
 
     def describe(self) -> str:

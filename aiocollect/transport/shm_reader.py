@@ -14,10 +14,25 @@ import time
 from dataclasses import dataclass, field
 
 from aiocollect.errors import ProtocolError
+from aiocollect.transport import cma
 from aiocollect.transport.base import Fingerprint, Handshaker, LinkEvents
-from aiocollect.transport.shm_ring import Ring, configured_capacity, fence
+from aiocollect.transport.shm_ring import (
+    REF_DESC,
+    REF_MAGIC_BYTES,
+    Ring,
+    configured_capacity,
+    fence,
+)
 from aiocollect.transport.tcp import TcpLink
-from aiocollect.transport.wire import DATA, HEADER_SIZE, Header, Key, parse_header
+from aiocollect.transport.wire import (
+    DATA,
+    HEADER_SIZE,
+    MAGIC,
+    P2P,
+    Header,
+    Key,
+    parse_header,
+)
 
 log = logging.getLogger("aiocollect.transport.shm")
 
@@ -32,11 +47,17 @@ PARK_SECONDS = 0.002
 #: Only frames this large are parked: staging a small one costs less than the extra turn
 #: of the event loop that reading it after ``post_recv`` takes.
 PARK_MIN = 64 * 1024
-#: How long a reader whose receive waits looks at its ring before it sleeps (only while
-#: the host has a core per local rank; AIOCOLLECT_SHM_SPIN_US overrides it, 0 = off).
-#: Measured in docs/shm.md: 2 ranks, 4-byte allreduce about 230 us against 310 us without.
+#: How long a reader keeps looking at its ring, with a receive waiting or after its last
+#: input, before it sleeps (only while the host has a core per local rank;
+#: AIOCOLLECT_SHM_SPIN_US overrides it, 0 = off). Measured in docs/shm.md.
 SPIN_SECONDS = 200e-6
 SPIN_ENV = "AIOCOLLECT_SHM_SPIN_US"
+#: Most bytes pulled out of the peer's memory in one go; a larger payload is pulled in
+#: steps, and every step (and every pulled frame) ends with a turn of the event loop, so
+#: that the operation waiting for the frame reduces it and sends on before the next pull.
+PULL_STEP = 1024 * 1024
+REF_SIZE = HEADER_SIZE + REF_DESC.size
+_MAGIC_BYTES = MAGIC.to_bytes(2, "little")
 
 
 @dataclass
@@ -47,10 +68,13 @@ class ShmPolicy:
     the event loop's other work) before it sleeps until a doorbell; see :func:`spin_budget`.
     ``capacity``: bytes per ring of the segments this rank creates (it accepts what its
     peers offer); see :func:`~aiocollect.transport.shm_ring.configured_capacity`.
+    ``pull_min``: the smallest payload sent by reference on links whose peer can pull
+    (0: never); see :func:`~aiocollect.transport.cma.threshold`.
     """
 
     spin: float = 0.0
     capacity: int = field(default_factory=configured_capacity)
+    pull_min: int = field(default_factory=cma.threshold)
 
 
 def spin_budget(local_ranks: int) -> float:
@@ -90,6 +114,12 @@ class RingReader(TcpLink):
         self._spin_until: float | None = None
         self._rgen = 1  # our reader's sleep generation; a new segment starts armed at 1
         self._rung_writer = 0  # the peer writer's generation we last rang for
+        self._peer_pid = 0  # whose memory reference records point into
+        self._ref_addr: int | None = None  # the payload being pulled: its address there
+        self._pulled = 0  # reference records completed
+        self._resume: asyncio.Handle | None = None  # reading goes on at the loop's next turn
+        self._desc = bytearray(REF_DESC.size)
+        self._desc_view = memoryview(self._desc)
 
     def _write_pending(self) -> None:
         """Continue queued writes (the sending half)."""
@@ -116,7 +146,7 @@ class RingReader(TcpLink):
         if self._lost:
             return
         rx = self._rx
-        if rx is not None and not self._rx_dead:
+        if rx is not None and not self._rx_dead and self._resume is None:
             try:
                 self._read_ring(rx)
             except ProtocolError as exc:
@@ -127,7 +157,7 @@ class RingReader(TcpLink):
         while self._consume(rx):
             if self._spin_until is not None:
                 return  # a spin is on: it looks again on the loop's next turn
-            if spin and self._posted and self.policy.spin > 0:
+            if spin and self.policy.spin > 0:
                 self._start_spin(rx)
                 return
             # Out of input: say so in the ring, then look once more (the writer checks the
@@ -146,20 +176,23 @@ class RingReader(TcpLink):
         self._loop.call_soon(self._spin_tick)
 
     def _spin_tick(self) -> None:
-        """One look at the ring while a receive waits on this link, between the event
-        loop's other work (each turn polls the sockets without blocking). Frames found
-        this way cost no doorbell and no wake-up; after ``policy.spin`` seconds without
-        input (or once no receive waits) the reader arms its flag and sleeps."""
+        """One look at the ring between the event loop's other work (each turn polls the
+        sockets without blocking), while a receive waits on this link and for
+        ``policy.spin`` seconds after the last input (the next operation's frames usually
+        follow within that). Frames found this way cost no doorbell and no wake-up; after
+        ``policy.spin`` seconds without input the reader arms its flag and sleeps."""
         rx = self._rx
         if rx is None or self._lost or self._rx_dead:
             self._spin_until = None
             return
         try:
             hold = self._rx_paused or self._parked is not None
-            if not hold and self._posted and self._has_input(rx):
+            if self._resume is not None:  # a pull goes on from its own callback
+                self._spin_until = time.perf_counter() + self.policy.spin
+            elif not hold and self._has_input(rx):
                 self._spin_until = time.perf_counter() + self.policy.spin
                 self._service()
-            elif hold or not self._posted or time.perf_counter() >= (self._spin_until or 0):
+            elif hold or time.perf_counter() >= (self._spin_until or 0):
                 self._spin_until = None
                 self._read_ring(rx, spin=False)
                 return
@@ -200,6 +233,10 @@ class RingReader(TcpLink):
                         return True
                     continue
                 payload = self._payload
+                if payload is not None and self._ref_addr is not None:
+                    if not self._pull(rx, payload, final):
+                        return False  # the rest on the loop's next turn (or never)
+                    continue
                 if payload is not None:
                     if not avail and not (avail := rx.available()):
                         return True
@@ -223,18 +260,84 @@ class RingReader(TcpLink):
                     # publish the rest of the header without our help.
                     return True
                 rx.peek(self._hdr_view)
+                ref = self._hdr[:2] == REF_MAGIC_BYTES
+                if ref:
+                    if avail < REF_SIZE and (avail := rx.available()) < REF_SIZE:
+                        return True  # the writer publishes the rest on its own, as above
+                    self._hdr[:2] = _MAGIC_BYTES
                 h = parse_header(self._hdr, self.max_frame)
                 if not final and h.kind == DATA and h.length >= PARK_MIN \
                         and h.key not in self._posted and self._park(h):
                     return False
                 rx.skip(HEADER_SIZE)
                 avail -= HEADER_SIZE
+                if ref:
+                    rx.read(self._desc_view)
+                    avail -= REF_DESC.size
+                    addr, length = REF_DESC.unpack(self._desc)
+                    if length != h.length or not length or addr == 0 \
+                            or h.kind not in (DATA, P2P):
+                        raise ProtocolError(
+                            f"{self.describe()} sent a bad reference record: {length} bytes "
+                            f"at {addr:#x} for a frame of {h.length}")
+                    self._take_header(h)
+                    if self._payload is not None:
+                        self._ref_addr = addr
+                    else:  # refused (the link is failing): nothing to copy
+                        self._count_pull(rx)
+                    continue
                 self._take_header(h)
             return False
         finally:
             if not self._rx_dead and not final:
                 rx.publish_tail()
                 self._wake_writer(rx)
+
+    # -- pulls: payloads copied straight out of the peer's memory ----------------------------
+
+    def _pull(self, rx: Ring, payload: memoryview, final: bool) -> bool:
+        """Copy the next step of the referenced payload out of the peer's memory. Returns
+        True to go on reading (only when ``final``), False when reading goes on at the
+        loop's next turn (or never: the link can no longer read)."""
+        addr = self._ref_addr
+        assert addr is not None
+        got = self._got
+        n = min(PULL_STEP, len(payload) - got)
+        try:
+            cma.pull(self._peer_pid, payload[got:got + n], addr + got)
+        except ProcessLookupError:
+            # the peer is gone: its socket's end reports that; nothing more can be read
+            self._rx_dead = True
+            return False
+        except OSError as exc:
+            raise ProtocolError(f"{self.describe()} sent a reference its memory does not "
+                                f"back ({exc})") from None
+        self._got = got = got + n
+        if got < len(payload):
+            if not final:
+                self._resume = self._loop.call_soon(self._resume_reading)
+                return False
+            return True  # keep going: nothing else runs before the end is reported
+        self._payload = None
+        self._got = 0
+        self._ref_addr = None
+        self._count_pull(rx)
+        self._end_frame()
+        if final:
+            return True
+        # after the callbacks the frame's receive just scheduled (one reduction per pull)
+        self._resume = self._loop.call_soon(self._resume_reading)
+        return False
+
+    def _resume_reading(self) -> None:
+        self._resume = None
+        self._service()
+
+    def _count_pull(self, rx: Ring) -> None:
+        """Tell the writer that one more reference record is done with."""
+        self._pulled += 1
+        rx.publish_pulled(self._pulled)
+        self._wake_writer(rx)
 
     # -- parking: a frame whose receive is not posted yet stays in the ring ----------------
 

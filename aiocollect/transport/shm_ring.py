@@ -14,10 +14,18 @@ Layout (all offsets in bytes, counters native u64)::
     4096 + capacity       ring 1 data
 
 Each ring's control block has the writer's line (``head``: bytes ever written; ``wsleep``:
-the writer is waiting for space, in generation g) and, 256 bytes on, the reader's line
-(``tail``: bytes ever consumed; ``rsleep``: the reader is waiting for data, in generation g).
+the writer is waiting for space or pulls, in generation g) and, 256 bytes on, the reader's
+line (``tail``: bytes ever consumed; ``rsleep``: the reader is waiting for data, in
+generation g; ``pulled``: reference records completed; ``pulls``: 1 once the reader has
+checked that it can read the writer's memory, see :mod:`aiocollect.transport.cma`).
 Positions only grow; ``head - tail`` is the fill. Everything read from the other side is
 bounds-checked: a position out of range raises ProtocolError, never an IndexError or crash.
+
+A ring carries the link's frames as on TCP (header, then payload), plus *reference
+records*: a frame header whose magic is ``REF_MAGIC`` followed by ``REF_DESC`` (the
+payload's address in the writer's process and its length) instead of the payload. The
+reader copies the payload out of the writer's memory and then counts it in ``pulled``; the
+writer keeps the payload untouched until then.
 
 Memory ordering: x86-64 keeps stores in order and loads in order, so "copy the bytes, then
 store ``head``" publishes them and "load ``head``, then copy" reads them. The one reordering
@@ -41,6 +49,7 @@ import threading
 import time
 
 from aiocollect.errors import ProtocolError
+from aiocollect.transport import cma
 
 SEGMENT_DIR = "/dev/shm"
 PREFIX = "aiocollect-"
@@ -58,10 +67,17 @@ RING_BUDGET = 256 * 1024 * 1024
 STALE_AFTER = 60.0
 
 _SEG_HEADER = struct.Struct("=8sQQ")
+PROBE_BYTES = _SEG_HEADER.size
 _CTL_OFFSET = (1024, 1536)
 _CTL_BYTES = 512
 # u64 word indexes inside a control block
-_HEAD, _WSLEEP, _TAIL, _RSLEEP = 0, 1, 32, 33
+_HEAD, _WSLEEP, _TAIL, _RSLEEP, _PULLED, _PULLS = 0, 1, 32, 33, 34, 35
+
+#: Magic of a reference record's header (a frame header otherwise; wire.MAGIC is 0xAC01).
+REF_MAGIC = 0xAC02
+REF_MAGIC_BYTES = REF_MAGIC.to_bytes(2, "little")
+#: What follows a reference record's header: payload address and length in the writer.
+REF_DESC = struct.Struct("<QQ")
 
 _fence_lock = threading.Lock()
 
@@ -151,6 +167,14 @@ class Ring:
     def reader_sleep(self) -> int:
         return int(self.ctl[_RSLEEP])
 
+    def pulls_enabled(self) -> bool:
+        """Whether the reader said it can read this process's memory."""
+        return self.ctl[_PULLS] == 1
+
+    def pulled(self) -> int:
+        """Reference records the reader has completed (copied out of our memory)."""
+        return int(self.ctl[_PULLED])
+
     # -- reader side -----------------------------------------------------------------------
 
     def available(self) -> int:
@@ -194,6 +218,12 @@ class Ring:
     def writer_sleep(self) -> int:
         return int(self.ctl[_WSLEEP])
 
+    def enable_pulls(self) -> None:
+        self.ctl[_PULLS] = 1
+
+    def publish_pulled(self, count: int) -> None:
+        self.ctl[_PULLED] = count
+
 
 class Segment:
     """A mapped segment; ``rings[0]`` carries acceptor -> connector, ``rings[1]`` back."""
@@ -205,6 +235,17 @@ class Segment:
         self._mmap: mmap.mmap | None = mm
         self._view: memoryview | None = memoryview(mm)
         self.rings = (Ring(self._view, 0, capacity), Ring(self._view, 1, capacity))
+
+    @property
+    def address(self) -> int:
+        """Where this process maps the segment (the peer's pull probe reads its header)."""
+        assert self._view is not None
+        return cma.address(self._view[:PROBE_BYTES])
+
+    def probe_bytes(self) -> bytes:
+        """The segment's header, identical in both processes' mappings."""
+        assert self._view is not None
+        return bytes(self._view[:PROBE_BYTES])
 
     @staticmethod
     def size_for(capacity: int) -> int:

@@ -4,10 +4,16 @@ the segment).
 ::
 
     connector -> acceptor   hello   + {shm: true}                 (after the challenge)
-    acceptor -> connector   welcome + {shm: {name, capacity}}     (segment created)
+    acceptor -> connector   welcome + {shm: {name, capacity, pid, addr}}   (segment created)
                          or welcome + {shm_error: "..."}          (auto: stay on TCP)
-    connector -> acceptor   {t: "shm-ok"}    segment mapped and its name unlinked
+    connector -> acceptor   {t: "shm-ok", pid, addr}   segment mapped and its name unlinked
                          or {t: "shm-fail", error}   (auto: both stay on TCP)
+
+``pid`` and ``addr`` (where that process maps the segment) let each side probe whether it
+can read the other's memory (:func:`aiocollect.transport.cma.probe`, reading the segment
+header there); a side whose probe works marks the ring it reads as *pulls* enabled, and
+the peer then sends large payloads by reference (see :mod:`aiocollect.transport.shm_ring`).
+A failed probe only means ring copies: it is logged, never fatal.
 
 The connector unlinks the name as soon as it has mapped the segment, and the acceptor
 removes it on every other outcome (shm-fail, a refused or broken handshake), so a segment
@@ -17,10 +23,12 @@ is named in ``/dev/shm`` only for the duration of one round trip.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
 from aiocollect.errors import ProtocolError, RendezvousError
+from aiocollect.transport import cma
 from aiocollect.transport.base import Handshaker, Rejection
 from aiocollect.transport.shm_ring import Segment
 
@@ -32,7 +40,8 @@ class ShmSetup:
     acceptor's welcome offers a segment, the connector answers ``shm-ok`` or ``shm-fail``.
     The link is ready (``on_message`` returns the peer) once both sides know the outcome."""
 
-    def __init__(self, inner: Handshaker, activate: Callable[[Segment, int], None], role: str,
+    def __init__(self, inner: Handshaker, activate: Callable[[Segment, int, int], None],
+                 role: str,
                  required: bool, capacity: Callable[[], int]) -> None:
         if role not in ("connector", "acceptor"):
             raise ValueError(f"role must be connector or acceptor, not {role!r}")
@@ -84,8 +93,9 @@ class ShmSetup:
             log.info("link to rank %d stays on TCP: %s", peer, exc)
             return [*replies, {"t": "shm-fail", "error": str(exc)}], peer
         segment.unlink()  # both sides have it mapped: the name is no longer needed
-        self.activate(segment, 0)
-        return [*replies, {"t": "shm-ok"}], peer
+        pid = _enable_pulls(segment, 0, offer, peer)
+        self.activate(segment, 0, pid)
+        return [*replies, {"t": "shm-ok", "pid": os.getpid(), "addr": segment.address}], peer
 
     def _acceptor(self, msg: dict[str, Any]) -> tuple[list[dict[str, Any]], int | None]:
         if self.peer is None:
@@ -109,7 +119,8 @@ class ShmSetup:
                 log.warning("cannot create a shared-memory segment: %s", exc)
                 extra = {"shm_error": str(exc)}
             else:
-                extra = {"shm": {"name": self.segment.name, "capacity": size}}
+                extra = {"shm": {"name": self.segment.name, "capacity": size,
+                                 "pid": os.getpid(), "addr": self.segment.address}}
             replies = [dict(r, **extra) if r.get("t") == "welcome" else r for r in replies]
             if self.segment is None:
                 return replies, peer
@@ -122,7 +133,8 @@ class ShmSetup:
         self.segment = None
         if kind == "shm-ok":
             segment.unlink()
-            self.activate(segment, 1)
+            pid = _enable_pulls(segment, 1, msg, self.peer)
+            self.activate(segment, 1, pid)
             return [], self.peer
         segment.close()
         if self.required:
@@ -130,6 +142,21 @@ class ShmSetup:
                                   f"{msg.get('error')}")
         log.info("link to rank %d stays on TCP: %s", self.peer, msg.get("error"))
         return [], self.peer
+
+
+def _enable_pulls(segment: Segment, rx: int, msg: dict[str, Any], peer: int | None) -> int:
+    """Probe the peer's memory where it says it maps the segment; if that works, mark the
+    ring this side reads (``rx``) as pulls enabled. Returns the peer's pid (0: unknown)."""
+    pid, addr = msg.get("pid"), msg.get("addr")
+    if not isinstance(pid, int) or not isinstance(addr, int) or pid <= 0 or addr <= 0:
+        log.info("link to rank %s copies through the ring: no pid/address announced", peer)
+        return 0
+    why = cma.probe(pid, addr, segment.probe_bytes())
+    if why is None:
+        segment.rings[rx].enable_pulls()
+    else:
+        log.info("link to rank %s copies through the ring: %s", peer, why)
+    return pid
 
 
 def _refuse(error: RendezvousError) -> Rejection:

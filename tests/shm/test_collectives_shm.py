@@ -90,12 +90,14 @@ async def test_concurrent_allreduces(uvloop: bool, n: int, spin_us: str,
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("uvloop", [False, True])
-async def test_frames_larger_than_the_ring(uvloop: bool,
+@pytest.mark.parametrize("uvloop, pull", [(False, "0"), (True, "0"), (True, "")])
+async def test_frames_larger_than_the_ring(uvloop: bool, pull: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunks of 1 MiB through 64 KiB rings: every frame is written in pieces as the reader
-    frees space, in both directions at once, several operations in flight."""
+    """Chunks of 1 MiB through 64 KiB rings: with pulls off, every frame is written in
+    pieces as the reader frees space, in both directions at once, several operations in
+    flight; with pulls on, the same frames go by reference."""
     monkeypatch.setenv("AIOCOLLECT_SHM_RING_BYTES", str(64 << 10))  # the children inherit it
+    monkeypatch.setenv("AIOCOLLECT_SHM_PULL", pull)
     res = await spawn_ranks(3, targets.big_frames, 3 << 20, timeout=100, uvloop=uvloop,
                             transport="shm", chunk_bytes=1 << 20)
     assert res == [True] * 3
@@ -156,10 +158,14 @@ async def _overwrite_after_send(g: ac.Group, count: int) -> bool:
 
 
 @pytest.mark.timeout(60)
-async def test_sender_memory_is_free_after_drained(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A message 64x the ring: queued pieces reference the sender's array only until
-    drained(); what the sender does to it afterwards never reaches the receiver."""
+@pytest.mark.parametrize("pull", ["0", ""])
+async def test_sender_memory_is_free_after_drained(pull: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message 64x the ring: queued pieces (or frames sent by reference) use the sender's
+    array only until drained(); what the sender does to it afterwards never reaches the
+    receiver."""
     monkeypatch.setenv("AIOCOLLECT_SHM_RING_BYTES", str(64 << 10))
+    monkeypatch.setenv("AIOCOLLECT_SHM_PULL", pull)
     assert await run_ranks(2, _overwrite_after_send, 1 << 19, transport="shm",
                            chunk_bytes=1 << 20) == [True, True]
 

@@ -1,0 +1,207 @@
+"""Single-copy pulls on shared-memory links: payloads sent by reference and copied straight
+out of the sender's memory with process_vm_readv (aiocollect.transport.cma).
+
+Real processes and real process_vm_readv throughout; the only fakes are fault injections
+(a probe that fails, a sender that announces a bad address or length)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aiocollect as ac
+from aiocollect.testing import run_ranks, spawn_ranks
+from aiocollect.transport import cma, shm_reader, shm_setup
+from aiocollect.transport.shm import ShmLink
+from tests.shm import targets
+from tests.shm.conftest import leaked, segments
+
+if cma.threshold() == 0 and os.environ.get(cma.ENV) is None:  # pragma: no cover
+    pytest.skip("process_vm_readv is not available on this platform", allow_module_level=True)
+
+_HOLDER = r"""
+import ctypes, sys
+data = bytes(range(256)) * 4096
+addr = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+print(addr, flush=True)
+sys.stdin.readline()
+"""
+
+
+def _holder() -> tuple[subprocess.Popen[str], int]:
+    """A child process holding 1 MiB of known bytes; returns it and their address."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
+@pytest.mark.timeout(30)
+def test_pull_copies_another_process_memory() -> None:
+    proc, addr = _holder()
+    try:
+        want = bytes(range(256)) * 4096
+        got = bytearray(len(want))
+        cma.pull(proc.pid, memoryview(got), addr)
+        assert bytes(got) == want
+        part = bytearray(1000)
+        cma.pull(proc.pid, memoryview(part), addr + 300)
+        assert bytes(part) == want[300:1300]
+        assert cma.probe(proc.pid, addr, want[:24]) is None
+        assert "does not hold" in (cma.probe(proc.pid, addr, b"x" * 24) or "")
+        with pytest.raises(OSError):  # nothing is mapped at page 0
+            cma.pull(proc.pid, memoryview(bytearray(16)), 8)
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.write("\n")
+        proc.stdin.close()
+        proc.wait(10)
+    with pytest.raises(ProcessLookupError):
+        cma.pull(proc.pid, memoryview(bytearray(16)), addr)
+    assert "failed" in (cma.probe(proc.pid, addr, b"x" * 16) or "")
+
+
+@pytest.mark.timeout(10)
+def test_threshold_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cma.ENV, raising=False)
+    assert cma.threshold() == cma.PULL_MIN
+    for raw, want in [("0", 0), ("off", 0), ("65536", 65536), ("junk", cma.PULL_MIN)]:
+        monkeypatch.setenv(cma.ENV, raw)
+        assert cma.threshold() == want
+    monkeypatch.setenv(cma.ENV, "0")
+    assert not cma.enabled()
+    assert "off" in (cma.probe(os.getpid(), 1, b"x") or "")
+
+
+@pytest.mark.timeout(10)
+def test_address_of_read_only_and_writable_buffers() -> None:
+    arr = np.arange(10, dtype=np.int64)
+    assert cma.address(memoryview(arr).cast("B")) == arr.ctypes.data
+    data = b"immutable bytes"
+    view = bytearray(len(data))
+    cma.pull(os.getpid(), memoryview(view), cma.address(data))
+    assert bytes(view) == data
+
+
+async def _allreduce_counting(g: ac.Group, count: int, rounds: int) -> dict[str, Any]:
+    """Large allreduces and a large send/recv, checked exactly; returns how many frames each
+    link sent by reference."""
+    n = g.world_size
+    total = n * (n + 1) // 2
+    for i in range(rounds):
+        buf = np.arange(count, dtype=np.float64) + (g.rank + 1) * (i + 1)
+        await g.allreduce(buf)
+        want = n * np.arange(count, dtype=np.float64) + total * (i + 1)
+        np.testing.assert_array_equal(buf, want)
+    if g.rank == 0:
+        msg = np.arange(count, dtype=np.int64)
+        await g.send(msg, 1, tag=9)
+        msg[:] = -1  # send returned: the receiver has pulled it, this changes nothing there
+    elif g.rank == 1:
+        out = np.empty(count, np.int64)
+        await g.recv(out, 0, tag=9)
+        np.testing.assert_array_equal(out, np.arange(count, dtype=np.int64))
+    refs = {p: link.frames_by_reference for p, link in g._fabric.links.items()
+            if isinstance(link, ShmLink)}
+    await g.barrier()
+    return {"refs": refs}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("setting", ["", "0"])
+async def test_processes_pull_large_frames(setting: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two and three real processes: frames of 1 MiB go by reference unless pulls are off
+    (AIOCOLLECT_SHM_PULL=0); results are exact either way and /dev/shm stays clean."""
+    if setting:
+        monkeypatch.setenv(cma.ENV, setting)  # the children inherit it
+    else:
+        monkeypatch.delenv(cma.ENV, raising=False)
+    before = segments()
+    for n in (2, 3):
+        job = spawn_ranks(n, _allreduce_counting, 3 << 19, 3, timeout=100, transport="shm",
+                          chunk_bytes=1 << 20)
+        res = await job
+        refs = [sum(r["refs"].values()) for r in res]
+        if setting == "0":
+            assert refs == [0] * n
+        else:
+            assert all(r > 0 for r in refs), refs
+        assert not leaked(before, {job.pid(r) for r in range(n)})
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 4])
+async def test_collectives_with_pulls_in_one_process(n: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every collective over pulled frames (threshold lowered to 1 KiB, 4 KiB chunks):
+    the same sweep as the other transports, results checked against numpy."""
+    from tests.collectives.test_sweep import _allreduce_all, _movement
+
+    monkeypatch.setenv(cma.ENV, "1024")
+    dtypes = [np.dtype(np.float32), np.dtype(np.int64)]
+    counts = await run_ranks(n, _allreduce_all, dtypes, transport="shm", chunk_bytes=4096)
+    assert counts[0] > 10
+    await run_ranks(n, _movement, dtypes, transport="shm", chunk_bytes=4096)
+    refs = await run_ranks(n, _allreduce_counting, 1 << 14, 1, transport="shm",
+                           chunk_bytes=4096)
+    assert all(sum(r["refs"].values()) > 0 for r in refs)
+
+
+@pytest.mark.timeout(60)
+async def test_failed_probe_falls_back_to_ring_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer whose memory cannot be read (ptrace policy, say) is sent copies through the
+    ring: same results, no references."""
+    monkeypatch.setattr(shm_setup.cma, "probe", lambda *a: "denied by policy (injected)")
+    res = await run_ranks(2, _allreduce_counting, 1 << 18, 2, transport="shm",
+                          chunk_bytes=1 << 20)
+    assert [sum(r["refs"].values()) for r in res] == [0, 0]
+
+
+async def _bad_reference(g: ac.Group, count: int) -> str:
+    buf = np.ones(count, np.float32)
+    try:
+        await asyncio.wait_for(g.allreduce(buf, timeout=20), 30)
+    except ac.AiocollectError as exc:
+        return f"{type(exc).__name__}: {exc} / {exc.__cause__!r}"
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fault", ["address", "length"])
+async def test_bad_reference_closes_the_link_not_the_process(
+        fault: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reference record whose address is not mapped in the sender, or whose length does
+    not match its frame, is a ProtocolError on that link: both ranks get an error, the
+    process goes on."""
+    import aiocollect.transport.shm as shm_mod
+
+    real_pack = shm_mod.REF_DESC.pack
+
+    class BadDesc:
+        size = shm_mod.REF_DESC.size
+
+        @staticmethod
+        def pack(addr: int, n: int) -> bytes:
+            return real_pack(4096, n) if fault == "address" else real_pack(addr, n + 8)
+
+    monkeypatch.setattr(shm_mod, "REF_DESC", BadDesc)
+    res = await run_ranks(2, _bad_reference, 1 << 18, transport="shm", chunk_bytes=1 << 20)
+    assert all(r != "no error" for r in res), res
+    assert any("reference" in r for r in res), res
+
+
+@pytest.mark.timeout(60)
+async def test_big_frames_pull_in_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frames several times PULL_STEP (8 MiB chunks) are pulled in steps with the loop
+    turning between them; several operations in flight, checked exactly."""
+    monkeypatch.setattr(shm_reader, "PULL_STEP", 1 << 20)
+    res = await run_ranks(3, targets.big_frames, 3 << 20, transport="shm",
+                          chunk_bytes=8 << 20)
+    assert res == [True] * 3
