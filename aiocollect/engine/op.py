@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from aiocollect._buffers import Array, byte_view
 from aiocollect.engine.fabric import Fabric
-from aiocollect.transport.base import Fingerprint, Link
+from aiocollect.transport.base import Fingerprint, Hook, Link
 from aiocollect.transport.wire import DATA, HEADER, MAGIC, Key
 
 #: Bytes queued in user space per link before a sender waits for the socket to drain.
@@ -66,10 +66,12 @@ class Op:
     # -- primitives ------------------------------------------------------------------------
 
     def recv(self, peer: int, slot: int, chunk: int, dest: Array,
-             expect: Fingerprint | None = None, seq: int | None = None) -> asyncio.Future[None]:
-        """Post a receive of frame (slot, chunk) from group rank ``peer`` into ``dest``."""
+             expect: Fingerprint | None = None, seq: int | None = None,
+             hook: Hook | None = None) -> asyncio.Future[None]:
+        """Post a receive of frame (slot, chunk) from group rank ``peer`` into ``dest``
+        (``hook``: see :meth:`~aiocollect.transport.base.Link.post_recv`)."""
         key = (self.kind, self.gid, self.seq if seq is None else seq, slot, chunk)
-        fut = self.link(peer).post_recv(key, _bytes(dest), expect)
+        fut = self.link(peer).post_recv(key, _bytes(dest), expect, hook)
         self.pending.append((peer, key, fut))
         return fut
 

@@ -43,8 +43,8 @@ class Step:
 class Schedule:
     """Runs ``steps`` of ``op`` in order and resolves ``handle`` with ``result``."""
 
-    __slots__ = ("_i", "_released", "_timing_out", "core", "handle", "kind", "op", "result",
-                 "steps", "timeout")
+    __slots__ = ("_i", "_released", "_timing_out", "_waiting", "core", "handle", "kind", "op",
+                 "result", "steps", "timeout")
 
     def __init__(self, core: GroupCore, kind: str, op: Op, steps: list[Step],
                  handle: asyncio.Future[Any], result: Any, timeout: float | None) -> None:
@@ -58,6 +58,7 @@ class Schedule:
         self._i = 0
         self._timing_out = False
         self._released = False
+        self._waiting: asyncio.Future[None] | None = None  # the receive the schedule awaits
 
     # -- running ---------------------------------------------------------------------------
 
@@ -81,10 +82,14 @@ class Schedule:
                 step = self.steps[self._i]
                 fut = None
                 if step.recv is not None:
-                    fut = op.recv(step.peer, step.slot, 0, step.recv)
+                    # The hook goes on from the transport's read path as the frame lands
+                    # (sending never reads, so not before the lines below); the done
+                    # callback covers failures, and whichever comes second does nothing.
+                    fut = op.recv(step.peer, step.slot, 0, step.recv, hook=self._landed)
                 if step.send is not None:
                     op.send_now(step.peer, step.slot, 0, step.send)
                 if fut is not None and not fut.done():
+                    self._waiting = fut
                     fut.add_done_callback(self._landed)
                     return
                 if not self._after(fut):
@@ -122,6 +127,9 @@ class Schedule:
             then()
 
     def _landed(self, fut: asyncio.Future[None]) -> None:
+        if fut is not self._waiting:
+            return  # seen already (hook, then done callback)
+        self._waiting = None
         if self.handle.done() or self._timing_out:
             return
         if self._after(fut):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from aiocollect.errors import MismatchError, ProtocolError
@@ -73,14 +74,29 @@ class Rejection(Exception):
 Fingerprint = tuple[int, int, int, int, int]
 
 
+Hook = Callable[[asyncio.Future[None]], None]
+
+
 class _Recv:
-    __slots__ = ("expect", "fut", "view")
+    __slots__ = ("expect", "fut", "hook", "view")
 
     def __init__(self, view: memoryview, fut: asyncio.Future[None],
-                 expect: Fingerprint | None) -> None:
+                 expect: Fingerprint | None, hook: Hook | None) -> None:
         self.view = view
         self.fut = fut
         self.expect = expect
+        self.hook = hook
+
+    def landed(self) -> None:
+        """The frame is in place: resolve the future, then run the hook at once."""
+        if self.fut.done():
+            return
+        self.fut.set_result(None)
+        if self.hook is not None:
+            try:
+                self.hook(self.fut)
+            except Exception:  # a bug above us must not break the link's reading
+                log.exception("receive hook failed")
 
 
 class Link(abc.ABC):
@@ -108,11 +124,18 @@ class Link(abc.ABC):
 
     # -- receiving -------------------------------------------------------------------------
 
-    def post_recv(self, key: Key, view: memoryview,
-                  expect: Fingerprint | None = None) -> asyncio.Future[None]:
+    def post_recv(self, key: Key, view: memoryview, expect: Fingerprint | None = None,
+                  hook: Hook | None = None) -> asyncio.Future[None]:
         """Receive the frame with ``key`` into ``view`` (exact length). With ``expect``,
         the frame's fingerprint must equal it. The future fails with the link's failure if
-        the link breaks first."""
+        the link breaks first.
+
+        ``hook(future)``, if given, is called synchronously from the transport's read path
+        as soon as a frame that arrives *after* this call has landed (after the future's
+        result is set, before its done callbacks run): it saves the event-loop pass a done
+        callback waits for. It is not called when the future is already done on return
+        (the frame was staged) nor when it fails; it must not raise, and must not expect
+        to be the only one to see the future done."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         early = self._early.pop(key, None)
         if early is not None:  # arrived before the peer closed: still good
@@ -132,7 +155,7 @@ class Link(abc.ABC):
             fut.set_exception(self._failure)
             fut.exception()
             return fut
-        self._posted[key] = _Recv(view, fut, expect)
+        self._posted[key] = _Recv(view, fut, expect, hook)
         return fut
 
     def has_frame(self, key: Key) -> bool:
@@ -214,8 +237,7 @@ class Link(abc.ABC):
             self.events.on_control(self, h.kind, bytes(staging or b""))
             return
         if recv is not None:
-            if not recv.fut.done():
-                recv.fut.set_result(None)
+            recv.landed()
             return
         assert staging is not None
         late = self._posted.get(h.key)  # posted while the payload was arriving
@@ -223,8 +245,7 @@ class Link(abc.ABC):
             if self._check(h, len(late.view), late.expect):
                 del self._posted[h.key]
                 late.view[:] = staging
-                if not late.fut.done():
-                    late.fut.set_result(None)
+                late.landed()
             return
         self._early[h.key] = (h, staging)
         self._early_bytes += len(staging)

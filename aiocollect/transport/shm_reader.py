@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from aiocollect.errors import ProtocolError
 from aiocollect.transport import cma
-from aiocollect.transport.base import Fingerprint, Handshaker, LinkEvents
+from aiocollect.transport.base import Fingerprint, Handshaker, Hook, LinkEvents
 from aiocollect.transport.shm_ring import (
     REF_DESC,
     REF_MAGIC_BYTES,
@@ -365,9 +365,9 @@ class RingReader(TcpLink):
             self._park_timer.cancel()
             self._park_timer = None
 
-    def post_recv(self, key: Key, view: memoryview,
-                  expect: Fingerprint | None = None) -> asyncio.Future[None]:
-        fut = super().post_recv(key, view, expect)
+    def post_recv(self, key: Key, view: memoryview, expect: Fingerprint | None = None,
+                  hook: Hook | None = None) -> asyncio.Future[None]:
+        fut = super().post_recv(key, view, expect, hook)
         if key == self._parked:
             self._unpark()
             # the caller is an algorithm posting receives: read on the loop's next turn
