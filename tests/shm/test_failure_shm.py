@@ -54,10 +54,14 @@ async def test_sigkill_during_rendezvous_leaves_no_segment() -> None:
 
 
 @pytest.mark.timeout(60)
-async def test_sigstop_gives_peer_timeout_naming_the_frozen_rank() -> None:
+@pytest.mark.parametrize("size", [1 << 14, 1 << 20])  # 1 << 20: 1 MiB frames, pulled
+async def test_sigstop_gives_peer_timeout_naming_the_frozen_rank(size: int) -> None:
+    """A frozen rank is named at the deadline, also when its peers' frames wait for it to
+    pull them (a frozen process's memory can still be pulled, so it is the one that stops
+    pulling that is to blame)."""
     n, victim = 3, 1
     # outcomes() waits for the frozen rank until the job's timeout, then kills it
-    job = spawn_ranks(n, failure_targets.loop_until_failure, 1 << 14, "ready", timeout=20,
+    job = spawn_ranks(n, failure_targets.loop_until_failure, size, "ready", timeout=20,
                       group_timeout=2.0, transport="shm")
     await _wait_ready(job.store, n, "ready")
     stopped_at = time.time()
