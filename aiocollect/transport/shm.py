@@ -227,8 +227,10 @@ class ShmLink(RingReader):
             self._bell()
 
     def _flushed(self) -> None:
-        if self._drain is not None and not self._drain.done() and self._all_pulled():
-            self._drain.set_result(None)
+        drain = self._drain
+        if drain is not None and not drain.done() and self._all_pulled() \
+                and not drain.done():  # (a corrupt pull count fails it in _all_pulled)
+            drain.set_result(None)
         if self._close_pending and self.transport is not None:
             self._close_pending = False
             self.transport.close()

@@ -205,3 +205,22 @@ async def test_big_frames_pull_in_steps(monkeypatch: pytest.MonkeyPatch) -> None
     res = await run_ranks(3, targets.big_frames, 3 << 20, transport="shm",
                           chunk_bytes=8 << 20)
     assert res == [True] * 3
+
+
+async def _corrupt_pull_count(g: ac.Group, count: int) -> str:
+    if g.rank == 1:  # this reader claims pulls nobody sent
+        link = g._fabric.links[0]
+        assert isinstance(link, ShmLink)
+        link._pulled = 1 << 40  # what it publishes after its next real pull
+    await g.barrier()
+    return await _bad_reference(g, count)
+
+
+@pytest.mark.timeout(60)
+async def test_corrupt_pull_count_is_a_protocol_error() -> None:
+    """A reader that reports more pulls than references were sent is a ProtocolError on
+    the writer's side ("corrupt shared-memory ring"); every rank gets an error."""
+    res = await run_ranks(2, _corrupt_pull_count, 1 << 18, transport="shm",
+                          chunk_bytes=1 << 20)
+    assert all(r != "no error" for r in res), res
+    assert any("corrupt shared-memory ring" in r for r in res), res
