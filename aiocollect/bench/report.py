@@ -4,7 +4,9 @@ Per case and backend, p50, p99, bus bandwidth, loop lag and iteration counts are
 medians over rounds; peak-RSS growth is the maximum over ranks and rounds; a case is
 correct only if every rank of every round got the closed-form result. Ratios are
 aiocollect/gloo of those medians: bandwidth (above 1 favours aiocollect) and p50 latency
-(below 1 favours aiocollect).
+(below 1 favours aiocollect). With ``--compare T``, aiocollect over transport T is a third
+backend (key ``"compare"``), and ``compare_bw_ratio`` / ``compare_lat_ratio`` are
+aiocollect over ``--transport`` divided by aiocollect over T, from the same medians.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from aiocollect.bench.spec import Case, format_size
 from aiocollect.bench.stats import format_number, format_time, median, summarize
 
 BACKENDS = ("aiocollect", "gloo")
+#: With ``--compare``: in the order of the round and of the table's columns.
+COMPARE_BACKENDS = ("aiocollect", "compare", "gloo")
 
 
 def _records(result: dict[str, Any] | None) -> dict[tuple[str, int], dict[str, Any]]:
@@ -53,16 +57,24 @@ def _combine(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, An
     return out
 
 
-def aggregate(rounds: list[dict[str, Any]], cases: list[Case],
-              world_size: int) -> list[dict[str, Any]]:
-    """One summary row per case: per-backend medians over rounds and the ratios."""
-    indexed = [{b: _records(entry.get(b)) for b in BACKENDS} for entry in rounds]
+def aggregate(rounds: list[dict[str, Any]], cases: list[Case], world_size: int,
+              compare: str | None = None) -> list[dict[str, Any]]:
+    """One summary row per case: per-backend medians over rounds and the ratios.
+
+    With ``compare`` (the ``--compare`` transport) a row also holds ``"compare"`` (the
+    medians of the rounds' ``"compare"`` results, or None), ``"compare_transport"``,
+    ``"compare_algorithm"``, and ``"compare_bw_ratio"`` / ``"compare_lat_ratio"``:
+    aiocollect's median busbw / the compared one (>1 favours ``--transport``) and median
+    p50 / the compared one (<1 favours ``--transport``). Without it, rows are as before.
+    """
+    backends = BACKENDS if compare is None else COMPARE_BACKENDS
+    indexed = [{b: _records(entry.get(b)) for b in backends} for entry in rounds]
     rows = []
     for case in cases:
         key = (case.name, case.size)
         row: dict[str, Any] = {"name": case.name, "collective": case.collective,
                                "concurrency": case.concurrency, "size": case.size}
-        for backend in BACKENDS:
+        for backend in backends:
             pairs = [(idx[backend][key], summarize(idx[backend][key], world_size))
                      for idx in indexed if key in idx[backend]]
             row[backend] = _combine(pairs) if pairs else None
@@ -72,6 +84,10 @@ def aggregate(rounds: list[dict[str, Any]], cases: list[Case],
         ac, gl = row["aiocollect"], row["gloo"]
         row["bw_ratio"] = _ratio(ac, gl, "busbw_gbps")
         row["lat_ratio"] = _ratio(ac, gl, "p50_us")
+        if compare is not None:
+            row["compare_transport"] = compare
+            row["compare_bw_ratio"] = _ratio(ac, row["compare"], "busbw_gbps")
+            row["compare_lat_ratio"] = _ratio(ac, row["compare"], "p50_us")
         rows.append(row)
     return rows
 
@@ -85,7 +101,8 @@ def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str) -> floa
 def all_correct(rows: list[dict[str, Any]]) -> bool:
     """False if any backend got a wrong result for any case (or measured nothing)."""
     return all(row["aiocollect"] is not None and row["aiocollect"]["correct"]
-               and (row["gloo"] is None or row["gloo"]["correct"]) for row in rows)
+               and (row["gloo"] is None or row["gloo"]["correct"])
+               and (row.get("compare") is None or row["compare"]["correct"]) for row in rows)
 
 
 # -- the table ----------------------------------------------------------------------------
@@ -99,13 +116,15 @@ def _render(headers: list[str], lines: list[list[str]]) -> list[str]:
 
 
 def _check(row: dict[str, Any]) -> str:
-    ac, gl = row["aiocollect"], row["gloo"]
+    ac, cmp, gl = row["aiocollect"], row.get("compare"), row["gloo"]
     if ac is None:
         return "MISSING"
     if not ac["correct"]:
         return f"WRONG (ranks {ac['wrong_ranks']})"
-    if gl is not None and not gl["correct"]:
-        return "ok (gloo WRONG)"
+    wrong = ([row["compare_transport"]] if cmp is not None and not cmp["correct"] else []) \
+        + (["gloo"] if gl is not None and not gl["correct"] else [])
+    if wrong:
+        return f"ok ({', '.join(wrong)} WRONG)"
     return "ok"
 
 
@@ -113,7 +132,7 @@ def _x(value: float) -> str:
     return format_number(value, 2, "x")
 
 
-def _line(row: dict[str, Any], baseline: bool) -> list[str]:
+def _line(row: dict[str, Any], baseline: bool, compare: str | None) -> list[str]:
     ac, gl = row["aiocollect"], row["gloo"]
     line = [format_size(row["size"]), row.get("aiocollect_algorithm", "auto"),
             str(ac["iters"])]
@@ -125,6 +144,11 @@ def _line(row: dict[str, Any], baseline: bool) -> list[str]:
                  format_time(ac["mean_us"])]
     line += [format_number(ac["busbw_gbps"], 3), format_number(ac["lag_p99_ms"], 2),
              format_number(ac["rss_growth_mib"], 1)]
+    if compare is not None:
+        cmp = row["compare"]
+        line += [format_time(cmp["p50_us"]) if cmp else "-",
+                 format_number(cmp["busbw_gbps"], 3) if cmp else "-",
+                 _x(row["compare_bw_ratio"])]
     if baseline:
         if row["concurrency"] > 1:
             line += [_x(gl["concurrent_ratio"]) if gl else "-"]
@@ -135,13 +159,17 @@ def _line(row: dict[str, Any], baseline: bool) -> list[str]:
     return [*line, _check(row)]
 
 
-def _headers(concurrency: int, baseline: bool) -> list[str]:
+def _headers(concurrency: int, baseline: bool, transport: str = "",
+             compare: str | None = None) -> list[str]:
     if concurrency > 1:
         head = ["size", "algorithm", "iters", f"{concurrency} conc p50",
                 f"{concurrency} seq p50", "conc/seq"]
     else:
         head = ["size", "algorithm", "iters", "p50", "p99", "mean"]
     head += ["busbw GB/s", "lag p99 ms", "rss+ MiB"]
+    if compare is not None:
+        head += [f"{compare} conc p50" if concurrency > 1 else f"{compare} p50",
+                 f"{compare} GB/s", f"{transport}/{compare} bw"]
     if baseline:
         head += (["gloo conc/seq"] if concurrency > 1
                  else ["gloo p50", "gloo GB/s", "bw ratio", "lat ratio"])
@@ -149,18 +177,26 @@ def _headers(concurrency: int, baseline: bool) -> list[str]:
 
 
 def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    """The human-readable report: one table per collective (and concurrency)."""
+    """The human-readable report: one table per collective (and concurrency).
+
+    Rows from :func:`aggregate` with ``compare`` get three more columns (the compared
+    transport's p50 and busbw, and the busbw ratio), whether or not its rounds succeeded.
+    """
     baseline = any(row["gloo"] is not None for row in rows)
+    compare: str | None = next((row["compare_transport"] for row in rows
+                                if "compare_transport" in row), None)
+    transport = meta["transport"]
+    over = transport if compare is None else f"{transport} vs {compare}"
     out: list[str] = []
     names = list(dict.fromkeys(row["name"] for row in rows))
     for name in names:
         group = [r for r in rows if r["name"] == name and r["aiocollect"] is not None]
         if not group:
             continue
-        out.append(f"{name}: {meta['world_size']} ranks, {meta['transport']}, "
+        out.append(f"{name}: {meta['world_size']} ranks, {over}, "
                    f"{meta['dtype']}, median of {meta['rounds']} rounds")
-        out += _render(_headers(group[0]["concurrency"], baseline),
-                       [_line(r, baseline) for r in group])
+        out += _render(_headers(group[0]["concurrency"], baseline, transport, compare),
+                       [_line(r, baseline, compare) for r in group])
         out.append("")
     out += [
         "p50/p99: per iteration, the slowest rank; mean: the slowest rank's batch time / "
@@ -169,6 +205,10 @@ def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{format_number(meta.get('idle_lag_p99_ms', float('nan')), 2)} ms); rss+: peak RSS "
         "growth in the timed iterations, max over ranks and rounds.",
     ]
+    if compare is not None:
+        out.append(f"{compare} p50, {compare} GB/s: aiocollect over {compare} (--compare); "
+                   f"{transport}/{compare} bw: busbw over {transport} / busbw over {compare}, "
+                   f"medians over rounds (>1 favours {transport}).")
     if baseline:
         out.append("bw ratio: aiocollect/gloo busbw (>1 favours aiocollect); lat ratio: "
                    "aiocollect/gloo p50 (<1 favours aiocollect); conc/seq: K in flight / K "

@@ -1,7 +1,8 @@
 """Running the rounds: one set of rank processes per backend and round, interleaved.
 
-Round i runs aiocollect's ranks, then (with a baseline) gloo's ranks, then round i+1, so
-that slow phases of a shared, noisy machine hit both libraries alike. Every rank is a
+Round i runs aiocollect's ranks over ``--transport``, then (with ``--compare T``)
+aiocollect's ranks over transport T, then (with a baseline) gloo's ranks, then round i+1,
+so that slow phases of a shared, noisy machine hit every backend alike. Every rank is a
 ``python -m aiocollect.bench.worker`` subprocess; whatever happens (a failing rank, a
 timeout, Ctrl-C), every process started here is terminated and reaped before returning.
 """
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,8 @@ class Plan:
     sweep: SweepConfig
     options: RankOptions
     baseline: str | None = None
+    #: A second aiocollect transport measured in every round (``--compare``).
+    compare: str | None = None
     round_timeout: float = 900.0
     env: dict[str, str] = field(default_factory=dict)
 
@@ -56,34 +59,78 @@ def rank_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
+@dataclass(frozen=True)
+class _Leg:
+    """One set of ranks run in every round: its key in the round entry, the worker's
+    backend, the rank options and the tag of its progress lines."""
+
+    key: str
+    backend: str
+    options: RankOptions
+    name: str
+
+
+def _legs(plan: Plan) -> list[_Leg]:
+    """What one round runs, in order: aiocollect, the compared transport, the baseline."""
+    main = plan.options
+    legs = [_Leg("aiocollect", "aiocollect", main,
+                 f"aiocollect/{main.transport}" if plan.compare else "aiocollect")]
+    if plan.compare:
+        legs.append(_Leg("compare", "aiocollect", replace(main, transport=plan.compare),
+                         f"aiocollect/{plan.compare}"))
+    if plan.baseline:
+        legs.append(_Leg(plan.baseline, plan.baseline, main, plan.baseline))
+    return legs
+
+
 def run_rounds(plan: Plan) -> list[dict[str, Any]]:
     """All rounds, interleaved across backends: ``[{"round": i, "aiocollect": result,
-    "gloo": result or {"error": …}}, …]``.
+    "compare": result, "gloo": result}, …]``, ``"compare"`` only with ``plan.compare`` and
+    ``"gloo"`` only with that baseline.
+
+    In each round aiocollect runs over ``plan.options.transport``, then over
+    ``plan.compare``, then the baseline runs. The compared transport is treated like the
+    baseline: a round of it that fails is reported on stderr, recorded as
+    ``{"error": …}`` and the run goes on (its table columns then show the other rounds'
+    medians, or ``-``); only a failing round over ``--transport`` ends the run. The
+    ``"compare"`` entry, result or error, also holds ``"transport": plan.compare``.
 
     Raises:
-        RoundFailed: an aiocollect round failed (a failing baseline round is recorded).
+        RoundFailed: an aiocollect round over ``--transport`` failed.
     """
-    backends = ["aiocollect"] + ([plan.baseline] if plan.baseline else [])
+    legs = _legs(plan)
     rounds: list[dict[str, Any]] = []
     for i in range(plan.rounds):
         entry: dict[str, Any] = {"round": i + 1}
         label = f"r{i + 1}/{plan.rounds}"
-        for backend in backends:
+        for leg in legs:
+            result: dict[str, Any]
             try:
-                entry[backend] = run_round(plan, backend, label)
+                result = run_round(plan, leg.backend, label, options=leg.options,
+                                   name=leg.name)
             except RoundFailed as exc:
-                if backend == "aiocollect":
+                if leg.key == "aiocollect":
                     raise
-                print(f"aiocollect bench: {backend} baseline round {label} failed: {exc}; "
+                role = "compared" if leg.key == "compare" else "baseline"
+                print(f"aiocollect bench: {leg.name} {role} round {label} failed: {exc}; "
                       "continuing without it", file=sys.stderr, flush=True)
-                entry[backend] = {"error": str(exc)}
+                result = {"error": str(exc)}
+            if leg.key == "compare":
+                result["transport"] = plan.compare
+            entry[leg.key] = result
         rounds.append(entry)
     return rounds
 
 
-def run_round(plan: Plan, backend: str, label: str) -> dict[str, Any]:
-    """Start ``world_size`` ranks of ``backend``, wait for them, return rank 0's result."""
-    config = encode(plan.sweep, plan.options)
+def run_round(plan: Plan, backend: str, label: str, *, options: RankOptions | None = None,
+              name: str | None = None) -> dict[str, Any]:
+    """Start ``world_size`` ranks of ``backend``, wait for them, return rank 0's result.
+
+    ``options`` replaces ``plan.options`` (e.g. another transport); ``name`` tags the
+    progress lines and messages (default: ``backend``).
+    """
+    config = encode(plan.sweep, options or plan.options)
+    what = name or backend
     env = rank_env(plan.env)
     with tempfile.TemporaryDirectory(prefix="aiocollect-bench-") as tmp:
         result = Path(tmp) / "rank0.json"
@@ -96,14 +143,16 @@ def run_round(plan: Plan, backend: str, label: str) -> dict[str, Any]:
                        "--rank", str(rank), "--world-size", str(plan.world_size),
                        "--rendezvous", rendezvous, "--config", config, "--label", label,
                        "--result", str(result)]
+                if name is not None and name != backend:
+                    cmd += ["--name", name]
                 # Worker stdout goes to our stderr: our stdout is the table.
                 procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
                                               stdout=sys.stderr.fileno()))
-            wait_all(procs, plan.round_timeout, f"{backend} round {label}")
+            wait_all(procs, plan.round_timeout, f"{what} round {label}")
         finally:
             stop_all(procs)
         if not result.exists():
-            raise RoundFailed(f"{backend} round {label}: rank 0 wrote no result")
+            raise RoundFailed(f"{what} round {label}: rank 0 wrote no result")
         rounds: list[dict[str, Any]] = json.loads(result.read_text())
         return rounds[0]
 

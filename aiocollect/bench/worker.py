@@ -2,9 +2,11 @@
 
 Started by :mod:`aiocollect.bench.runner` (one process per rank and per round) or run in
 the ``aiocollect bench`` process itself when it joins a multi-node run (``--store``,
-``--rank``). Rank 0 prints a progress line per case to stderr and writes the records of
-its rounds as JSON to ``--result``. A spawned worker exits on its own when its parent
-dies, so an interrupted benchmark leaves no rank behind.
+``--rank``). Rank 0 prints a progress line per case to stderr (tagged with ``--name``, by
+default the backend; ``aiocollect/tcp`` when ``aiocollect bench --compare`` measures two
+transports) and writes the records of its rounds as JSON to ``--result``. A spawned
+worker exits on its own when its parent dies, so an interrupted benchmark leaves no rank
+behind.
 """
 
 from __future__ import annotations
@@ -58,34 +60,40 @@ def decode(text: str) -> tuple[SweepConfig, RankOptions]:
     return SweepConfig(**sweep), RankOptions(**doc["options"])
 
 
-async def sweep(backend: Backend, cfg: SweepConfig, label: str) -> dict[str, Any]:
-    """Measure every case once (one round); rank 0's result holds the records."""
+async def sweep(backend: Backend, cfg: SweepConfig, label: str,
+                name: str | None = None) -> dict[str, Any]:
+    """Measure every case once (one round); rank 0's result holds the records.
+
+    ``name`` tags the progress lines (default: the backend's name).
+    """
     idle = await idle_lag(backend) if cfg.lag_probe else None
     records = []
     for case in cfg.cases:
         record = await measure(backend, case, cfg)
         if record is not None:
             records.append(record)
-            print(progress_line(backend.name, label, record, backend.world_size),
+            print(progress_line(name or backend.name, label, record, backend.world_size),
                   file=sys.stderr, flush=True)
     return {"backend": backend.name, "label": label, "idle_lag_us": idle, "records": records,
             "loop": type(asyncio.get_running_loop()).__module__.split(".")[0]}
 
 
 async def aiocollect_rounds(rank: int, world_size: int, store: str, cfg: SweepConfig,
-                            opts: RankOptions, labels: Sequence[str]) -> list[dict[str, Any]]:
-    """Open one aiocollect group and run one round per label in it."""
+                            opts: RankOptions, labels: Sequence[str],
+                            name: str | None = None) -> list[dict[str, Any]]:
+    """Open one aiocollect group and run one round per label in it (``name``: see
+    :func:`sweep`)."""
     from aiocollect.api import open_group
 
     async with open_group(rank, world_size, store=store, transport=opts.transport,
                           chunk_bytes=opts.chunk_bytes, timeout=opts.timeout,
                           name="bench") as group:
         backend = AiocollectBackend(group, opts.algorithm)
-        return [await sweep(backend, cfg, label) for label in labels]
+        return [await sweep(backend, cfg, label, name) for label in labels]
 
 
 def gloo_round(rank: int, world_size: int, init_method: str, cfg: SweepConfig,
-               opts: RankOptions, label: str) -> dict[str, Any]:
+               opts: RankOptions, label: str, name: str | None = None) -> dict[str, Any]:
     """Join a torch.distributed gloo group through ``init_method`` and run one round."""
     import warnings
 
@@ -98,7 +106,7 @@ def gloo_round(rank: int, world_size: int, init_method: str, cfg: SweepConfig,
     dist.init_process_group("gloo", init_method=init_method, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=opts.timeout))
     try:
-        return asyncio.run(sweep(GlooBackend(torch, rank, world_size), cfg, label))
+        return asyncio.run(sweep(GlooBackend(torch, rank, world_size), cfg, label, name))
     finally:
         dist.destroy_process_group()
 
@@ -144,15 +152,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--label", required=True)
     parser.add_argument("--result", type=Path, required=True)
+    parser.add_argument("--name", help="tag of the progress lines (default: the backend)")
     ns = parser.parse_args(argv)
     _watch_parent()
     cfg, opts = decode(ns.config)
     try:
         if ns.backend == "aiocollect":
             rounds = run_loop(opts.loop, aiocollect_rounds(
-                ns.rank, ns.world_size, ns.rendezvous, cfg, opts, [ns.label]))
+                ns.rank, ns.world_size, ns.rendezvous, cfg, opts, [ns.label], ns.name))
         else:
-            rounds = [gloo_round(ns.rank, ns.world_size, ns.rendezvous, cfg, opts, ns.label)]
+            rounds = [gloo_round(ns.rank, ns.world_size, ns.rendezvous, cfg, opts, ns.label,
+                                 ns.name)]
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the parent reports
         return 130
     if ns.rank == 0:

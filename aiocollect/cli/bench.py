@@ -3,15 +3,19 @@
 Usage::
 
     aiocollect bench [COLLECTIVE ...] -n N [--sizes 4..64M] [--transport tcp]
-                     [--iters K] [--warmup W] [--rounds R] [--dtype float32]
-                     [--algorithm A] [--concurrent K] [--baseline gloo]
-                     [--json F] [--plot F.png] [--store URL --rank R]
+                     [--compare T] [--iters K] [--warmup W] [--rounds R]
+                     [--dtype float32] [--algorithm A] [--concurrent K]
+                     [--baseline gloo] [--json F] [--plot F.png] [--store URL --rank R]
 
 By default N rank processes are started on this machine for each round (see
-:mod:`aiocollect.bench.runner`). With ``--store URL --rank R`` this process is rank R of a
-multi-node run instead: start one such command per rank (rank 0 hosts the store when
-nothing listens at URL yet) and rank 0 prints the report. The timing method is described in
-:mod:`aiocollect.bench.sweep`, the report in :mod:`aiocollect.bench.report`.
+:mod:`aiocollect.bench.runner`). ``--compare T`` also measures aiocollect over transport T
+(other than ``--transport``) in every round, between the ``--transport`` ranks and the
+baseline, and adds T's p50 and busbw and the busbw ratio ``--transport``/T to the table; a
+failing round over T is recorded and the run goes on, as for the baseline. With ``--store
+URL --rank R`` this process is rank R of a multi-node run instead: start one such command
+per rank (rank 0 hosts the store when nothing listens at URL yet) and rank 0 prints the
+report. The timing method is described in :mod:`aiocollect.bench.sweep`, the report in
+:mod:`aiocollect.bench.report`.
 
 Exit status: 0 on success, 1 when a result was wrong or a rank failed, 2 on bad arguments,
 130 when interrupted. Every rank process started is stopped before returning.
@@ -67,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--nproc", type=int, default=2, help="number of ranks (default 2)")
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"default {DEFAULT_SIZES}")
     p.add_argument("--transport", default="tcp", choices=TRANSPORTS)
+    p.add_argument("--compare", choices=TRANSPORTS, metavar="TRANSPORT",
+                   help="also measure aiocollect over this transport (not --transport) in "
+                   "every round and report busbw ratios; one of " + ", ".join(TRANSPORTS))
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--iters", type=int, help="timed iterations per size (default: "
                    "adaptive, about --seconds per size, at least 5)")
@@ -121,6 +128,12 @@ def _validate(ns: argparse.Namespace) -> None:
     if ns.store is not None and ns.baseline != "none":
         raise UsageFailure("--baseline is only available when this command spawns the ranks "
                            "(not with --store/--rank)")
+    if ns.compare is not None and ns.compare == ns.transport:
+        raise UsageFailure(f"--compare must name a transport other than --transport "
+                           f"(both are {ns.transport})")
+    if ns.store is not None and ns.compare is not None:
+        raise UsageFailure("--compare is only available when this command spawns the ranks "
+                           "(not with --store/--rank)")
     if ns.plot is not None and not plotting.available():
         raise UsageFailure(plotting.MISSING)
 
@@ -144,7 +157,7 @@ def _plan(ns: argparse.Namespace) -> tuple[Plan, list[Case], str | None]:
                           algorithm=None if ns.algorithm == "auto" else ns.algorithm,
                           loop=ns.loop)
     plan = Plan(world_size=ns.nproc, rounds=ns.rounds, sweep=sweep, options=options,
-                baseline=baseline, round_timeout=ns.timeout)
+                baseline=baseline, compare=ns.compare, round_timeout=ns.timeout)
     return plan, cases, note
 
 
@@ -164,7 +177,7 @@ def _publish(ns: argparse.Namespace, argv: Sequence[str], plan: Plan, cases: lis
              rounds: list[dict[str, Any]], note: str | None,
              load_start: list[float] | None) -> bool:
     """Print the table, write JSON and plot; True when every result was correct."""
-    rows = report.aggregate(rounds, cases, plan.world_size)
+    rows = report.aggregate(rounds, cases, plan.world_size, plan.compare)
     idle = [r["aiocollect"]["idle_lag_us"]["p99"] for r in rounds
             if r.get("aiocollect", {}).get("idle_lag_us")]
     meta = {"world_size": plan.world_size, "transport": ns.transport, "dtype": ns.dtype,
@@ -183,14 +196,16 @@ def _publish(ns: argparse.Namespace, argv: Sequence[str], plan: Plan, cases: lis
                           "seconds": ns.seconds, "algorithm": ns.algorithm,
                           "chunk_bytes": plan.options.chunk_bytes, "loop": loop,
                           "baseline": ns.baseline, "baseline_used": plan.baseline,
-                          "baseline_note": note, "multi_node": ns.store is not None},
+                          "baseline_note": note, "multi_node": ns.store is not None,
+                          **({"compare": plan.compare} if plan.compare else {})},
                "ok": ok, "summary": rows, "rounds": rounds}
         ns.json.write_text(json.dumps(report.clean(doc), separators=(",", ":")))
         print(f"{PROG}: wrote {ns.json}", file=sys.stderr)
     if ns.plot is not None:
-        title = (f"aiocollect bench: {plan.world_size} ranks, {ns.transport}, {ns.dtype}, "
+        over = ns.transport + (f" vs {plan.compare}" if plan.compare else "")
+        title = (f"aiocollect bench: {plan.world_size} ranks, {over}, {ns.dtype}, "
                  f"median of {plan.rounds} rounds")
-        plotting.plot(rows, ns.plot, title)
+        plotting.plot(rows, ns.plot, title, ns.transport)
         print(f"{PROG}: wrote {ns.plot}", file=sys.stderr)
     if not ok:
         print(f"{PROG}: WRONG RESULTS (see the check column)", file=sys.stderr)
@@ -217,7 +232,8 @@ def bench_main(argv: list[str]) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     sizes = sorted({c.size for c in cases})
-    print(f"{PROG}: {plan.world_size} ranks, {ns.transport}, {ns.dtype}, "
+    over = ns.transport + (f" vs {plan.compare}" if plan.compare else "")
+    print(f"{PROG}: {plan.world_size} ranks, {over}, {ns.dtype}, "
           f"{len(sizes)} sizes {format_size(sizes[0])}..{format_size(sizes[-1])}, "
           f"{', '.join(dict.fromkeys(c.name for c in cases))}, {plan.rounds} rounds"
           + (f", baseline {plan.baseline}" if plan.baseline else ""),
