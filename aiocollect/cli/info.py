@@ -59,6 +59,8 @@ def _transport_status(name: str) -> str:
         except ImportError:
             return "not available: Python was built without the ssl module"
         return f"available ({ssl.OPENSSL_VERSION})"
+    if name == "shm":
+        return _shm_status()
     module = f"aiocollect.transport.{name}"
     try:
         importlib.import_module(module)
@@ -69,6 +71,15 @@ def _transport_status(name: str) -> str:
     except ImportError as exc:
         return f"not available: {exc}"
     return "available"
+
+
+def _shm_status() -> str:
+    from aiocollect.transport import cma, shm_ring
+
+    why = shm_ring.unavailable()
+    if why is not None:
+        return f"not available: {why}"
+    return f"available; single-copy pulls {cma.status()}"
 
 
 def _read(path: Path) -> str:

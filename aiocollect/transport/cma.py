@@ -25,6 +25,8 @@ import numpy as np
 #: Environment setting: ``0`` turns single-copy pulls off (links copy through the ring); a
 #: number of bytes sets the smallest payload sent by reference (default ``PULL_MIN``).
 ENV = "AIOCOLLECT_SHM_PULL"
+#: Yama's ptrace policy: 1 or more forbids reading a sibling process's memory.
+YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 #: Payloads at least this large go by reference: below it the ring's two copies cost less
 #: than the writer's wait for the reader's acknowledgement.
 PULL_MIN = 256 * 1024
@@ -126,3 +128,25 @@ def probe(pid: int, src: int, expect: bytes) -> str | None:
     if bytes(got) != expect:
         return f"process {pid} does not hold the announced bytes at {src:#x}"
     return None
+
+
+def status() -> str:
+    """One line for ``aiocollect info``: whether ranks on this host will pull, and why not.
+    (Each link still probes its own peer; this only checks this process and the policy.)"""
+    limit = threshold()
+    if limit == 0:
+        return "off (AIOCOLLECT_SHM_PULL=0, or no process_vm_readv on this platform)"
+    token = b"aiocollect-cma-probe"
+    try:
+        pull(os.getpid(), memoryview(bytearray(len(token))), address(token))
+    except OSError as exc:
+        return f"off: process_vm_readv fails here ({exc}); links copy through the ring"
+    try:
+        with open(YAMA) as f:
+            scope = f.read().strip()
+    except OSError:
+        scope = ""
+    if scope not in ("", "0"):
+        return (f"off between ranks: Yama ptrace_scope={scope} forbids reading a sibling "
+                "process's memory; links copy through the ring")
+    return f"on for payloads of {limit} bytes or more"

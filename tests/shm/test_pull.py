@@ -224,3 +224,21 @@ async def test_corrupt_pull_count_is_a_protocol_error() -> None:
                           chunk_bytes=1 << 20)
     assert all(r != "no error" for r in res), res
     assert any("corrupt shared-memory ring" in r for r in res), res
+
+
+@pytest.mark.timeout(30)
+def test_info_reports_pulls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`aiocollect info` says whether ranks will pull (real process_vm_readv on this
+    process, Yama's policy read from /proc), and why not."""
+    from aiocollect.cli.info import collect_info
+
+    monkeypatch.delenv(cma.ENV, raising=False)
+    line = collect_info()["transports"]["shm"]
+    try:
+        scope = open(cma.YAMA).read().strip()
+    except OSError:
+        scope = "0"
+    want = "on for payloads of 262144 bytes" if scope == "0" else "off between ranks"
+    assert line.startswith("available; single-copy pulls") and want in line, line
+    monkeypatch.setenv(cma.ENV, "0")
+    assert "pulls off (AIOCOLLECT_SHM_PULL=0" in collect_info()["transports"]["shm"]
