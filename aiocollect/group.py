@@ -35,6 +35,15 @@ from aiocollect.types import Collective, ReduceOp
 _I64 = np.dtype(np.int64)
 
 
+def _pulled(op: Op, peer: int, block_bytes: int) -> bool:
+    """Whether frames of a ``block_bytes`` block (in chunks) between this rank and group
+    rank ``peer`` are pulled out of the sender's memory (shared memory), in either
+    direction: the ring then skips its up-front copies (see reduce_scatter, allgather)."""
+    frame = min(block_bytes, op.chunk_bytes)
+    link = op.link(peer)
+    return link.pulls(frame) or not link.copies(frame)
+
+
 def _flat(arr: Array) -> Array:
     return arr.reshape(-1)
 
@@ -192,9 +201,13 @@ class Group(GroupCore):
         fp = fingerprint(Collective.ALLGATHER, arr, alg=alg)
 
         async def body(o: Op) -> Any:
-            blocks = split_even(_flat(res), n)
-            blocks[o.rank][...] = _flat(arr)
-            await (ring.allgather, direct.allgather)[alg](o, list(blocks))
+            blocks = list(split_even(_flat(res), n))
+            if alg == 0 and n > 1 and _pulled(o, (o.rank + 1) % n, arr.nbytes):
+                # the successor pulls straight from ``send``: copy it into place meanwhile
+                await ring.allgather(o, blocks, own=_flat(arr))
+            else:
+                blocks[o.rank][...] = _flat(arr)
+                await (ring.allgather, direct.allgather)[alg](o, blocks)
             return res if out is None else out
 
         return self._start("allgather", fp, body, timeout)
@@ -263,6 +276,20 @@ class Group(GroupCore):
             blocks = list(split_even(_flat(arr), n))
             if alg == 1:
                 blocks[r] = blocks[r].copy()
+                await direct.reduce_scatter(o, blocks, ufunc)
+            elif n > 1 and _pulled(o, (r - 1) % n, blocks[0].nbytes):
+                # The ring reduces every block but the one it sends first, (r-1), exactly
+                # once: out of place from the input (``sources``), this rank's own block
+                # straight into the output, the others into fresh arrays, so nothing is
+                # copied before the first pull. (Over TCP the up-front copy measured
+                # faster: 8-9 against 12-14 ms at 16 MiB, 2 ranks.)
+                sources = list(blocks)
+                for b in range(n):
+                    if b == r:
+                        blocks[b] = dest
+                    elif b != (r - 1) % n:
+                        blocks[b] = np.empty_like(sources[b])
+                await ring.reduce_scatter(o, blocks, ufunc, sources=sources)
             else:
                 # The ring reduces into every block but the one it sends first, (r-1):
                 # that one stays a view of the input, this rank's own block is reduced
@@ -273,7 +300,7 @@ class Group(GroupCore):
                         blocks[b] = dest
                     elif b != (r - 1) % n:
                         blocks[b] = blocks[b].copy()
-            await (ring.reduce_scatter, direct.reduce_scatter)[alg](o, blocks, ufunc)
+                await ring.reduce_scatter(o, blocks, ufunc)
             mine = blocks[r]
             if rop is ReduceOp.AVG:
                 mine /= n

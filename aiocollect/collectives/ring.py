@@ -31,19 +31,31 @@ AG_SLOT = 1 << 20
 RS_WINDOW_BYTES = 16 * 1024 * 1024
 #: Fewest chunk slots in that window (one landing while one is reduced).
 RS_MIN_SLOTS = 2
+#: Slots when the predecessor's link pulls its frames out of the sender's memory (shared
+#: memory): a frame whose receive is not posted waits there at no cost, so two slots do,
+#: and a window that small stays in the cache the pulls and reductions work through
+#: (measured in docs/shm.md: a 16 MiB allreduce 15 % faster than with the full window).
+RS_PULL_SLOTS = 2
 
 Forward = Callable[[int, Array], Awaitable[None]]
 
 
 async def reduce_scatter(op: Op, blocks: list[Array], ufunc: np.ufunc,
-                         slot0: int = RS_SLOT, finished: Forward | None = None) -> None:
+                         slot0: int = RS_SLOT, finished: Forward | None = None,
+                         sources: list[Array] | None = None) -> None:
     """After this, ``blocks[op.rank]`` holds the reduction of every rank's block.
+
+    Each rank reduces every block but ``(r - 1) mod n`` exactly once. With ``sources``,
+    ``sources[b]`` holds this rank's contribution to block b and ``blocks[b]`` is only
+    written (``blocks[b] = ufunc(sources[b], received)``), so the caller need not copy its
+    input into the working blocks first; ``blocks[(r - 1) mod n]`` is then only read.
 
     ``finished(c, chunk)`` is awaited as soon as chunk ``c`` of this rank's block is fully
     reduced: an allreduce starts its allgather there, chunk by chunk, instead of after the
     whole reduce-scatter.
 
-    Receive scratch is a bounded window (see :func:`window_slots`), leased from
+    Receive scratch is a bounded window (see :func:`window_slots`; ``RS_PULL_SLOTS``
+    chunks when the predecessor's link pulls frames out of its memory), leased from
     :data:`~aiocollect.engine.scratch.SCRATCH` and used cyclically: the receives are
     numbered in the order they are reduced (step by step, chunk by chunk), receive ``i``
     lands in slot ``i % K`` and is posted as soon as receive ``i - K`` has been reduced.
@@ -67,6 +79,10 @@ async def reduce_scatter(op: Op, blocks: list[Array], ufunc: np.ufunc,
     # What this rank reduces, in order: step s, chunk c of block (r-s-2) mod n.
     recvs = [(s, c, dst) for s in range(n - 1)
              for c, dst in enumerate(op.chunks(blocks[(r - s - 2) % n]))]
+    bases: list[Array | None] = [None] * len(recvs)
+    if sources is not None:
+        bases = [base for s in range(n - 1)
+                 for base in op.chunks(sources[(r - s - 2) % n])]
     # What it sends, in the order its successor reduces them: step s, chunk c of block
     # (r-s-1) mod n; step 0 is this rank's own data, step s+1 the chunk it reduced as
     # receive i at step s (sendable once i+1 receives are reduced).
@@ -88,7 +104,10 @@ async def reduce_scatter(op: Op, blocks: list[Array], ufunc: np.ufunc,
         await pump(0, len(sends))
         return
     width = max(dst.size for _, _, dst in recvs)
-    k = min(lead, len(recvs))
+    frame = width * blocks[0].dtype.itemsize
+    k = min(RS_PULL_SLOTS if op.link(prv).pulls(frame) else lead, len(recvs))
+    if not op.link(nxt).copies(frame):  # the successor pulls: it has the small window
+        lead = RS_PULL_SLOTS
     window = SCRATCH.acquire(k * width, blocks[0].dtype)
     slots = [window[j * width:(j + 1) * width] for j in range(k)]
     futs: list[asyncio.Future[None] | None] = [None] * k
@@ -107,7 +126,7 @@ async def reduce_scatter(op: Op, blocks: list[Array], ufunc: np.ufunc,
             assert fut is not None
             await fut
             reducing = True
-            await reduce_into(ufunc, dst, slots[i % k][:dst.size])
+            await reduce_into(ufunc, dst, slots[i % k][:dst.size], bases[i])
             reducing = False
             if i + k < len(recvs):
                 post(i + k)
@@ -154,17 +173,23 @@ def post_allgather(op: Op, blocks: list[Array],
 
 async def allgather(op: Op, blocks: list[Array], slot0: int = AG_SLOT,
                     posted: list[list[asyncio.Future[None]]] | None = None,
-                    first_sent: bool = False) -> None:
-    """Before: ``blocks[op.rank]`` holds this rank's data. After: every block is filled.
-    ``first_sent``: the caller already sent this rank's block (step 0)."""
+                    first_sent: bool = False, own: Array | None = None) -> None:
+    """Before: ``blocks[op.rank]`` holds this rank's data, or ``own`` does (it is sent
+    from there, then copied into ``blocks[op.rank]`` while the successor receives it).
+    After: every block is filled. ``first_sent``: the caller already sent this rank's
+    block (step 0)."""
     n, r = op.size, op.rank
     if n == 1:
+        if own is not None:
+            blocks[r][...] = own
         return
     nxt = (r + 1) % n
     futs = posted if posted is not None else post_allgather(op, blocks, slot0)
     if not first_sent:
-        for c, part in enumerate(op.chunks(blocks[r])):
+        for c, part in enumerate(op.chunks(blocks[r] if own is None else own)):
             await op.send(nxt, slot0, c, part)
+    if own is not None:
+        blocks[r][...] = own
     for s in range(n - 2):
         parts = op.chunks(blocks[(r - s - 1) % n])
         for c, part in enumerate(parts):

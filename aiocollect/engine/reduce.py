@@ -13,13 +13,16 @@ from aiocollect._buffers import Array
 THREAD_THRESHOLD = 4 * 1024 * 1024
 
 
-async def reduce_into(ufunc: np.ufunc, dst: Array, src: Array) -> None:
-    """``dst = ufunc(dst, src)`` elementwise, in place.
+async def reduce_into(ufunc: np.ufunc, dst: Array, src: Array,
+                      base: Array | None = None) -> None:
+    """``dst = ufunc(dst, src)`` elementwise, in place; with ``base``,
+    ``dst = ufunc(base, src)`` (``dst`` is only written: no copy of ``base`` into it first).
 
     Runs on the calling (loop) thread below ``THREAD_THRESHOLD`` bytes, in a worker thread
     from there on. The ring reduce-scatter calls it once per ``chunk_bytes`` frame (1 MiB
     by default), never for a whole block, so it holds the loop for one chunk at most."""
+    first = dst if base is None else base
     if dst.nbytes >= THREAD_THRESHOLD:
-        await asyncio.to_thread(ufunc, dst, src, out=dst)
+        await asyncio.to_thread(ufunc, first, src, out=dst)
     else:
-        ufunc(dst, src, out=dst)
+        ufunc(first, src, out=dst)

@@ -292,6 +292,12 @@ class Link(abc.ABC):
     def send(self, header: bytes, payload: memoryview | bytes) -> None:
         """Queue one frame. The payload memory must stay unchanged until ``drained()``."""
 
+    def pulls(self, nbytes: int) -> bool:
+        """Whether this side copies a frame of ``nbytes`` from the peer straight out of
+        the peer's memory (so one whose receive is not posted yet costs nothing while it
+        waits); False for transports that deliver bytes."""
+        return False
+
     def copies(self, nbytes: int) -> bool:
         """Whether ``send`` copies a payload of ``nbytes`` on the calling thread (a sender
         of large payloads then yields to the event loop after each); False for payloads a

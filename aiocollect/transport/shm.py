@@ -171,6 +171,11 @@ class ShmLink(RingReader):
         """Frames this link has sent by reference (the peer pulled their payloads)."""
         return self._refs_sent
 
+    def pulls(self, nbytes: int) -> bool:
+        rx = self._rx
+        return (self.shm and rx is not None and nbytes >= self.policy.pull_min > 0
+                and rx.pulls_enabled())
+
     def copies(self, nbytes: int) -> bool:
         tx = self._tx
         return not (self.shm and tx is not None and nbytes >= self.policy.pull_min > 0

@@ -242,3 +242,34 @@ def test_info_reports_pulls(monkeypatch: pytest.MonkeyPatch) -> None:
     assert line.startswith("available; single-copy pulls") and want in line, line
     monkeypatch.setenv(cma.ENV, "0")
     assert "pulls off (AIOCOLLECT_SHM_PULL=0" in collect_info()["transports"]["shm"]
+
+
+async def _scatter_gather(g: ac.Group, count: int) -> int:
+    """Ring reduce-scatter and allgather over pulled frames (they skip their up-front copies
+    then: reductions out of place from the input, the own block copied while the successor
+    pulls it), checked against numpy, inputs unchanged."""
+    n, r = g.world_size, g.rank
+    rows = [np.arange(n * count, dtype=np.float64) * (x + 1) + x for x in range(n)]
+    mine = rows[r].copy()
+    for op in (ac.ReduceOp.SUM, ac.ReduceOp.MAX, ac.ReduceOp.AVG):
+        out = await g.reduce_scatter(mine, op=op, algorithm="ring")
+        stack = np.stack(rows)
+        want = {ac.ReduceOp.SUM: stack.sum(0), ac.ReduceOp.MAX: stack.max(0),
+                ac.ReduceOp.AVG: stack.mean(0)}[op][r * count:(r + 1) * count]
+        np.testing.assert_allclose(out, want, rtol=1e-12)
+        np.testing.assert_array_equal(mine, rows[r])  # the input is only read
+    send = rows[r][:count].copy()
+    gathered = await g.allgather(send, algorithm="ring")
+    np.testing.assert_array_equal(gathered, np.stack([x[:count] for x in rows]))
+    np.testing.assert_array_equal(send, rows[r][:count])
+    return sum(link.frames_by_reference for link in g._fabric.links.values()
+               if isinstance(link, ShmLink))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [2, 3, 4])
+async def test_ring_reduce_scatter_and_allgather_over_pulls(
+        n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cma.ENV, "4096")
+    refs = await run_ranks(n, _scatter_gather, 5000 + 3, transport="shm", chunk_bytes=16384)
+    assert all(r > 0 for r in refs), refs
