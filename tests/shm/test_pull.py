@@ -10,6 +10,7 @@ import asyncio
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -235,7 +236,7 @@ def test_info_reports_pulls(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(cma.ENV, raising=False)
     line = collect_info()["transports"]["shm"]
     try:
-        scope = open(cma.YAMA).read().strip()
+        scope = Path(cma.YAMA).read_text().strip()
     except OSError:
         scope = "0"
     want = "on for payloads of 262144 bytes" if scope == "0" else "off between ranks"
