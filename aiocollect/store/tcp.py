@@ -22,6 +22,10 @@ from aiocollect.store.tcp_server import DEFAULT_PORT, TCPStoreServer, serve_stor
 ATTEMPT_TIMEOUT = 10.0
 RETRY_MIN = 0.010
 RETRY_MAX = 0.200
+#: Seconds the host rank waits for a store at a port it found in use (another process that
+#: won the race to host it listens within milliseconds; a port held by some other socket,
+#: such as a client connection's ephemeral port, never answers).
+TAKEN_GRACE = 5.0
 
 _Retryable = (OSError, TimeoutError, asyncio.IncompleteReadError)
 
@@ -74,7 +78,8 @@ async def connect_tcp_store(
 
     Raises:
         StoreTimeout: no store answered at the address in time (the message names it).
-        StoreError: the embedded server could not be started, or the peer is not a store.
+        StoreError: the embedded server could not be started, the peer is not a store,
+            or (host rank) the port is held by a socket that is no store.
         AuthenticationError: the secret was not proven by one side.
         UsageError: ``port`` is 0 on a non-host rank.
     """
@@ -83,6 +88,20 @@ async def connect_tcp_store(
         store = await _host(host, port, secret, timeout, deadline)
         if store is not None:
             return store
+        # The port is taken: by a store another process started (it answers at once), or
+        # by a socket that is no store (then say so instead of waiting out the timeout).
+        remaining = deadline.remaining()
+        grace = TAKEN_GRACE if remaining is None else min(TAKEN_GRACE, remaining)
+        try:
+            return await _connect_with_retry(host, port, secret, timeout,
+                                             Deadline.after(grace))
+        except StoreTimeout:
+            raise StoreError(
+                f"cannot host the TCP store at {format_address(host, port)}: the port is in "
+                f"use, but no store answers there within {grace:g}s (another program, or an "
+                "outgoing connection's ephemeral port, holds it; pick a port outside "
+                "net.ipv4.ip_local_port_range, e.g. via MASTER_PORT or AIOCOLLECT_STORE)"
+            ) from None
     elif port == 0:
         raise UsageError("port 0 (pick a free port) is only valid on the host rank")
     return await _connect_with_retry(host, port, secret, timeout, deadline)

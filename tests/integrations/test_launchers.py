@@ -4,7 +4,9 @@ Each starts real processes that form a group from the environment alone."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +25,21 @@ def _clean_env() -> dict[str, str]:
            and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
     env["PYTHONPATH"] = str(ROOT)
     return env
+
+
+def _master_port() -> int:
+    """A free port P with P + 1 free too (aiocollect's store goes to MASTER_PORT + 1), below
+    the kernel's ephemeral range, so that no client connection of torchrun's own (whose
+    local ports come from that range) can take P + 1 meanwhile."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(max(1024, low - 12000), low - 1), 200):
+        try:
+            with socket.create_server(("127.0.0.1", port)), \
+                    socket.create_server(("127.0.0.1", port + 1)):
+                return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair below the ephemeral range")
 
 
 def _check(out: str, n: int) -> None:
@@ -53,7 +70,7 @@ def test_torchrun() -> None:
     env = _clean_env()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), SCRIPT],
+         "--master-port", str(_master_port()), SCRIPT],
         capture_output=True, text=True, timeout=170, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     _check(proc.stdout, 2)

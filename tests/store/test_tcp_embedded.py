@@ -157,3 +157,25 @@ def test_store_main_reports_bind_failure(capsys: pytest.CaptureFixture[str]) -> 
         port = s.getsockname()[1]
         assert tcp.store_main(["--host", "127.0.0.1", "--port", str(port)]) == 1
     assert f"port {port}" in capsys.readouterr().err
+
+
+async def test_host_port_held_by_a_connection_is_a_clear_error() -> None:
+    """The host rank's port is the local port of an established connection (what a
+    launcher's own client connections do to MASTER_PORT + 1 now and then): the host gets
+    StoreError naming the port within the grace period, not a StoreTimeout after the full
+    timeout."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = free_port()
+    client = socket.socket()  # no SO_REUSEADDR: the port stays unavailable to listeners
+    try:
+        client.bind(("127.0.0.1", port))
+        client.connect(listener.getsockname())
+        started = time.monotonic()
+        with pytest.raises(StoreError, match=f"{port}.*in use, but no store answers"):
+            await connect_tcp_store("127.0.0.1", port, is_host=True, timeout=25)
+        assert time.monotonic() - started < tcp.TAKEN_GRACE + 3
+    finally:
+        client.close()
+        listener.close()
