@@ -28,6 +28,7 @@ from aiocollect.collectives.checks import (
 )
 from aiocollect.collectives.select import choose
 from aiocollect.engine.op import Op, flat_blocks, split_even
+from aiocollect.engine.reduce import copy_into
 from aiocollect.errors import MismatchError, UsageError
 from aiocollect.group_core import GroupCore
 from aiocollect.types import Collective, ReduceOp
@@ -206,7 +207,7 @@ class Group(GroupCore):
                 # the successor pulls straight from ``send``: copy it into place meanwhile
                 await ring.allgather(o, blocks, own=_flat(arr))
             else:
-                blocks[o.rank][...] = _flat(arr)
+                await copy_into(blocks[o.rank], _flat(arr))
                 await (ring.allgather, direct.allgather)[alg](o, blocks)
             return res if out is None else out
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from aiocollect._buffers import Array
 from aiocollect.engine.op import Op
-from aiocollect.engine.reduce import reduce_into
+from aiocollect.engine.reduce import copy_into, reduce_into
 from aiocollect.engine.scratch import SCRATCH
 
 RS_SLOT = 0
@@ -181,7 +181,7 @@ async def allgather(op: Op, blocks: list[Array], slot0: int = AG_SLOT,
     n, r = op.size, op.rank
     if n == 1:
         if own is not None:
-            blocks[r][...] = own
+            await copy_into(blocks[r], own)
         return
     nxt = (r + 1) % n
     futs = posted if posted is not None else post_allgather(op, blocks, slot0)
@@ -189,7 +189,7 @@ async def allgather(op: Op, blocks: list[Array], slot0: int = AG_SLOT,
         for c, part in enumerate(op.chunks(blocks[r] if own is None else own)):
             await op.send(nxt, slot0, c, part)
     if own is not None:
-        blocks[r][...] = own
+        await copy_into(blocks[r], own)
     for s in range(n - 2):
         parts = op.chunks(blocks[(r - s - 1) % n])
         for c, part in enumerate(parts):

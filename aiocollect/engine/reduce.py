@@ -1,5 +1,6 @@
 """Reduction kernels: numpy ufuncs with ``out=``; large ones run in a worker thread so the
-event loop stays responsive (numpy releases the GIL inside its loops)."""
+event loop stays responsive (numpy releases the GIL inside its loops). And large local
+copies, in steps with a turn of the event loop between them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from aiocollect._buffers import Array
 
 #: Reductions larger than this many bytes are offloaded to a thread.
 THREAD_THRESHOLD = 4 * 1024 * 1024
+#: Bytes a local copy moves per turn of the event loop (about a millisecond here).
+COPY_STEP = 4 * 1024 * 1024
 
 
 async def reduce_into(ufunc: np.ufunc, dst: Array, src: Array,
@@ -26,3 +29,16 @@ async def reduce_into(ufunc: np.ufunc, dst: Array, src: Array,
         await asyncio.to_thread(ufunc, first, src, out=dst)
     else:
         ufunc(first, src, out=dst)
+
+
+async def copy_into(dst: Array, src: Array) -> None:
+    """``dst[...] = src`` for flat arrays of one size, ``COPY_STEP`` bytes per turn of the
+    event loop (a 64 MiB block copied at once held the loop for 5-10 ms)."""
+    step = max(1, COPY_STEP // max(1, dst.itemsize))
+    n = dst.size
+    if n <= step:
+        dst[...] = src
+        return
+    for i in range(0, n, step):
+        dst[i:i + step] = src[i:i + step]
+        await asyncio.sleep(0)
