@@ -238,6 +238,10 @@ class GroupCore:
         except AiocollectError as exc:
             if fabric.failure is None:
                 fabric.fail(exc)
+            elif fabric.failure is not exc:
+                # The group broke first (a peer died, say) and this op then hit a
+                # consequence (a link closed under it): report the cause, as every rank does.
+                raise fabric.failure from None
             raise
         finally:
             op.abandon()
