@@ -80,7 +80,6 @@ class ShmLink(RingReader):
         self._refs: deque[tuple[memoryview, int]] = deque()  # sent by reference, not pulled
         self._ref_bytes = 0
         self._refs_sent = 0
-        self._refs_done = 0
 
     def _activate(self, segment: Segment, rx: int, peer_pid: int) -> None:
         self._segment = segment
@@ -140,7 +139,7 @@ class ShmLink(RingReader):
         self.bytes_sent += n
         self.frames_sent += 1
         tx = self._tx
-        if n >= self.policy.pull_min > 0 and tx.pulls_enabled():
+        if self._by_reference(tx, n):
             # by reference: the reader copies the payload out of this process's memory
             header = REF_MAGIC_BYTES + header[2:] + REF_DESC.pack(cma.address(view), n)
             self._refs.append((view, n))
@@ -171,15 +170,16 @@ class ShmLink(RingReader):
         """Frames this link has sent by reference (the peer pulled their payloads)."""
         return self._refs_sent
 
+    def _by_reference(self, ring: Ring | None, nbytes: int) -> bool:
+        """Whether a payload of ``nbytes`` through ``ring`` goes as a reference record."""
+        return (self.shm and ring is not None and nbytes >= self.policy.pull_min > 0
+                and ring.pulls_enabled())
+
     def pulls(self, nbytes: int) -> bool:
-        rx = self._rx
-        return (self.shm and rx is not None and nbytes >= self.policy.pull_min > 0
-                and rx.pulls_enabled())
+        return self._by_reference(self._rx, nbytes)
 
     def copies(self, nbytes: int) -> bool:
-        tx = self._tx
-        return not (self.shm and tx is not None and nbytes >= self.policy.pull_min > 0
-                    and tx.pulls_enabled())
+        return not self._by_reference(self._tx, nbytes)
 
     def _pump(self) -> None:
         """Copy queued pieces into the outgoing ring while it has space."""
@@ -233,8 +233,8 @@ class ShmLink(RingReader):
 
     def _flushed(self) -> None:
         drain = self._drain
-        if drain is not None and not drain.done() and self._all_pulled() \
-                and not drain.done():  # (a corrupt pull count fails it in _all_pulled)
+        # (_all_pulled fails the drain itself on a corrupt pull count: check again after)
+        if drain is not None and not drain.done() and self._all_pulled() and not drain.done():
             drain.set_result(None)
         if self._close_pending and self.transport is not None:
             self._close_pending = False
@@ -251,16 +251,16 @@ class ShmLink(RingReader):
         tx = self._tx
         if tx is None:
             return
-        done = tx.pulled()
-        if done == self._refs_done:
-            return
-        if not self._refs_done < done <= self._refs_sent:
-            raise ProtocolError(f"corrupt shared-memory ring: {done} pulls reported after "
-                                f"{self._refs_done}, with {self._refs_sent} references sent")
         refs = self._refs
-        for _ in range(done - self._refs_done):
+        before = self._refs_sent - len(refs)  # pulls already let go of
+        done = tx.pulled()
+        if done == before:
+            return
+        if not before < done <= self._refs_sent:
+            raise ProtocolError(f"corrupt shared-memory ring: {done} pulls reported after "
+                                f"{before}, with {self._refs_sent} references sent")
+        for _ in range(done - before):
             self._ref_bytes -= refs.popleft()[1]
-        self._refs_done = done
 
     def _all_pulled(self) -> bool:
         """Whether every payload sent by reference has been pulled; if not, the writer's
