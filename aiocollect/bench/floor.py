@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import socket
 import sys
 import time
@@ -89,10 +90,16 @@ def _run(target: Any, n: int, args: tuple[Any, ...]) -> float:
              for r in range(n)]
     for p in procs:
         p.start()
+    results: list[tuple[int, float, bool]] = []
     try:
-        results = [out.get(timeout=600) for _ in range(n)]
-    except Exception as exc:
-        raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}") from exc
+        while len(results) < n:
+            try:
+                results.append(out.get(timeout=0.5))
+            except queue.Empty:
+                # a rank that died without a result leaves the others at a barrier
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError("a rank failed: exit codes "
+                                       f"{[p.exitcode for p in procs]}") from None
     finally:
         for p in procs:
             p.join(5)

@@ -77,3 +77,20 @@ def test_a_wrong_result_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cma, "pull", pull)
     with pytest.raises(RuntimeError, match=r"wrong result on rank\(s\) \[0, 1\]"):
         floor.bandwidth(2, 1 << 16, 1 << 14, iters=2)
+
+
+@needs_pulls
+@pytest.mark.timeout(60)
+def test_a_dead_rank_fails_the_run_promptly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: a rank that dies (a real exit, here from inside its first pull)
+    ends the run with an error within seconds instead of leaving the others waiting."""
+    parent, real = os.getpid(), cma.pull
+
+    def pull(pid: int, dst: memoryview, src: int) -> None:
+        if os.getpid() != parent and pid != parent:
+            os._exit(7)
+        real(pid, dst, src)
+
+    monkeypatch.setattr(cma, "pull", pull)
+    with pytest.raises(RuntimeError, match="a rank failed: exit codes"):
+        floor.bandwidth(2, 1 << 16, 1 << 14, iters=2)
