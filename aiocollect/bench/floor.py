@@ -42,6 +42,8 @@ from aiocollect.bench.spec import parse_size, parse_sizes
 from aiocollect.transport import cma
 
 _CTX = mp.get_context("fork")
+#: A rank waiting longer than this at a barrier gives up (exits non-zero).
+BARRIER_SECONDS = 60.0
 
 
 def _pull_worker(rank: int, n: int, nbytes: int, chunk: int, iters: int, table: Any,
@@ -50,7 +52,7 @@ def _pull_worker(rank: int, n: int, nbytes: int, chunk: int, iters: int, table: 
     own = np.full(count, rank + 1, np.float32)
     scratch = np.empty(max(1, chunk // 4), np.float32)
     table[2 * rank], table[2 * rank + 1] = os.getpid(), own.ctypes.data
-    bar.wait()
+    bar.wait(BARRIER_SECONDS)
     peers = [(int(table[2 * p]), int(table[2 * p + 1])) for p in range(n)]
     blk = count // n
     view = byte_view(own)
@@ -58,7 +60,7 @@ def _pull_worker(rank: int, n: int, nbytes: int, chunk: int, iters: int, table: 
     times = []
     for _ in range(iters):
         own[...] = rank + 1
-        bar.wait()
+        bar.wait(BARRIER_SECONDS)
         start = time.perf_counter()
         lo = rank * blk
         for step in range(1, n):
@@ -69,12 +71,12 @@ def _pull_worker(rank: int, n: int, nbytes: int, chunk: int, iters: int, table: 
                 cma.pull(pid, sview[:m * 4], base + off * 4)
                 np.add(own[off:off + m], scratch[:m], out=own[off:off + m])
                 off += m
-        bar.wait()
+        bar.wait(BARRIER_SECONDS)
         for step in range(1, n):
             q = (rank + step) % n
             pid, base = peers[q]
             cma.pull(pid, view[q * blk * 4:(q + 1) * blk * 4], base + q * blk * 4)
-        bar.wait()
+        bar.wait(BARRIER_SECONDS)
         times.append(time.perf_counter() - start)
     ok = bool((own[:blk * n] == n * (n + 1) / 2).all())
     out.put((rank, float(np.median(times)), ok))
@@ -102,9 +104,12 @@ def _run(target: Any, n: int, args: tuple[Any, ...]) -> float:
                                        f"{[p.exitcode for p in procs]}") from None
     finally:
         for p in procs:
+            if len(results) < n:
+                p.kill()  # the run failed: the others would wait at a barrier
             p.join(5)
             if p.is_alive():
                 p.kill()
+                p.join()
     wrong = sorted(r for r, _, ok in results if not ok)
     if wrong:
         raise RuntimeError(f"wrong result on rank(s) {wrong}")

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,16 +82,26 @@ def test_a_wrong_result_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @needs_pulls
 @pytest.mark.timeout(60)
-def test_a_dead_rank_fails_the_run_promptly(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fault injection: a rank that dies (a real exit, here from inside its first pull)
-    ends the run with an error within seconds instead of leaving the others waiting."""
+def test_a_dead_rank_fails_the_run_promptly(monkeypatch: pytest.MonkeyPatch,
+                                            tmp_path: Path) -> None:
+    """Fault injection: one rank dies (a real exit, from inside its first pull) while the
+    others go on to a barrier it never reaches; the run ends with an error within seconds
+    instead of leaving them waiting."""
     parent, real = os.getpid(), cma.pull
+    marker = str(tmp_path / "died")
 
     def pull(pid: int, dst: memoryview, src: int) -> None:
-        if os.getpid() != parent and pid != parent:
-            os._exit(7)
+        if os.getpid() != parent:
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass  # another rank is the one that dies
+            else:
+                os._exit(7)
         real(pid, dst, src)
 
     monkeypatch.setattr(cma, "pull", pull)
-    with pytest.raises(RuntimeError, match="a rank failed: exit codes"):
-        floor.bandwidth(2, 1 << 16, 1 << 14, iters=2)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"a rank failed: exit codes .*7"):
+        floor.bandwidth(4, 1 << 16, 1 << 14, iters=2)
+    assert time.monotonic() - start < 10
