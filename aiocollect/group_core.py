@@ -236,12 +236,9 @@ class GroupCore:
                     "in flight"))
             raise
         except AiocollectError as exc:
-            if fabric.failure is None:
-                fabric.fail(exc)
-            elif fabric.failure is not exc:
-                # The group broke first (a peer died, say) and this op then hit a
-                # consequence (a link closed under it): report the cause, as every rank does.
-                raise fabric.failure from None
+            cause = fabric.cause(exc)
+            if cause is not exc:  # the group broke first: report the cause, as every rank does
+                raise cause from None
             raise
         finally:
             op.abandon()

@@ -126,7 +126,7 @@ def bandwidth(n: int, nbytes: int, chunk: int = 1 << 20, iters: int = 15) -> flo
         RuntimeError: a rank failed or computed a wrong result."""
     if n < 2 or nbytes <= 0 or nbytes % (4 * n):
         raise ValueError(f"need 2+ ranks and a size that is a multiple of {4 * n} bytes")
-    reason = cma.probe(os.getpid(), cma.address(memoryview(b"floor")), b"floor")
+    reason = cma.self_check()
     if reason is not None:
         raise OSError(reason)
     table = _CTX.Array("Q", 2 * n, lock=False)

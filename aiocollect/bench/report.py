@@ -176,6 +176,11 @@ def _headers(concurrency: int, baseline: bool, transport: str = "",
     return [*head, "check"]
 
 
+def over(transport: str, compare: str | None) -> str:
+    """``transport``, or ``"transport vs compare"`` with ``--compare``."""
+    return transport if compare is None else f"{transport} vs {compare}"
+
+
 def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     """The human-readable report: one table per collective (and concurrency).
 
@@ -186,14 +191,13 @@ def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     compare: str | None = next((row["compare_transport"] for row in rows
                                 if "compare_transport" in row), None)
     transport = meta["transport"]
-    over = transport if compare is None else f"{transport} vs {compare}"
     out: list[str] = []
     names = list(dict.fromkeys(row["name"] for row in rows))
     for name in names:
         group = [r for r in rows if r["name"] == name and r["aiocollect"] is not None]
         if not group:
             continue
-        out.append(f"{name}: {meta['world_size']} ranks, {over}, "
+        out.append(f"{name}: {meta['world_size']} ranks, {over(transport, compare)}, "
                    f"{meta['dtype']}, median of {meta['rounds']} rounds")
         out += _render(_headers(group[0]["concurrency"], baseline, transport, compare),
                        [_line(r, baseline, compare) for r in group])

@@ -202,8 +202,8 @@ def _publish(ns: argparse.Namespace, argv: Sequence[str], plan: Plan, cases: lis
         ns.json.write_text(json.dumps(report.clean(doc), separators=(",", ":")))
         print(f"{PROG}: wrote {ns.json}", file=sys.stderr)
     if ns.plot is not None:
-        over = ns.transport + (f" vs {plan.compare}" if plan.compare else "")
-        title = (f"aiocollect bench: {plan.world_size} ranks, {over}, {ns.dtype}, "
+        title = (f"aiocollect bench: {plan.world_size} ranks, "
+                 f"{report.over(ns.transport, plan.compare)}, {ns.dtype}, "
                  f"median of {plan.rounds} rounds")
         plotting.plot(rows, ns.plot, title, ns.transport)
         print(f"{PROG}: wrote {ns.plot}", file=sys.stderr)
@@ -232,8 +232,8 @@ def bench_main(argv: list[str]) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     sizes = sorted({c.size for c in cases})
-    over = ns.transport + (f" vs {plan.compare}" if plan.compare else "")
-    print(f"{PROG}: {plan.world_size} ranks, {over}, {ns.dtype}, "
+    print(f"{PROG}: {plan.world_size} ranks, {report.over(ns.transport, plan.compare)}, "
+          f"{ns.dtype}, "
           f"{len(sizes)} sizes {format_size(sizes[0])}..{format_size(sizes[-1])}, "
           f"{', '.join(dict.fromkeys(c.name for c in cases))}, {plan.rounds} rounds"
           + (f", baseline {plan.baseline}" if plan.baseline else ""),

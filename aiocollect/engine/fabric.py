@@ -226,6 +226,14 @@ class Fabric:
 
     # -- failure ---------------------------------------------------------------------------
 
+    def cause(self, exc: BaseException) -> BaseException:
+        """What an operation that failed with ``exc`` reports: ``exc``, which now breaks the
+        fabric, or the fabric's first failure if it broke before (``exc`` is then only a
+        consequence, such as a link closed under the operation)."""
+        self.fail(exc)
+        assert self.failure is not None
+        return self.failure
+
     def fail(self, exc: BaseException, notify: bool = True) -> None:
         """Break the fabric with ``exc`` (first failure wins): fail every pending receive,
         send ABORT to every peer that can still hear it, then close the links."""

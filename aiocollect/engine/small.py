@@ -162,11 +162,8 @@ class Schedule:
             self.handle.set_result(self.result)
 
     def _fail(self, exc: BaseException) -> None:
-        fabric = self.core._fabric
-        if fabric.failure is None and isinstance(exc, AiocollectError):
-            fabric.fail(exc)
-        elif fabric.failure is not None and isinstance(exc, AiocollectError):
-            exc = fabric.failure  # the group broke first: report the cause (as _run does)
+        if isinstance(exc, AiocollectError):
+            exc = self.core._fabric.cause(exc)  # as _run does
         self._release()
         if not self.handle.done():
             self.handle.set_exception(exc)

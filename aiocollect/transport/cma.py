@@ -130,17 +130,22 @@ def probe(pid: int, src: int, expect: bytes) -> str | None:
     return None
 
 
+def self_check() -> str | None:
+    """Why this process cannot pull (see :func:`probe`), tried on its own memory; None when
+    it can. Another process may still be forbidden (Yama, see :func:`status`)."""
+    token = b"aiocollect-cma-probe"
+    return probe(os.getpid(), address(token), token)
+
+
 def status() -> str:
     """One line for ``aiocollect info``: whether ranks on this host will pull, and why not.
     (Each link still probes its own peer; this only checks this process and the policy.)"""
     limit = threshold()
     if limit == 0:
         return "off (AIOCOLLECT_SHM_PULL=0, or no process_vm_readv on this platform)"
-    token = b"aiocollect-cma-probe"
-    try:
-        pull(os.getpid(), memoryview(bytearray(len(token))), address(token))
-    except OSError as exc:
-        return f"off: process_vm_readv fails here ({exc}); links copy through the ring"
+    why = self_check()
+    if why is not None:
+        return f"off: {why}; links copy through the ring"
     try:
         with open(YAMA) as f:
             scope = f.read().strip()
