@@ -31,6 +31,7 @@ async def open_store(
     *,
     rank: int,
     secret: bytes | str | None = None,
+    insecure: bool = False,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> tuple[Store, bool]:
     """Open the store named by ``spec``.
@@ -39,7 +40,8 @@ async def open_store(
 
     - ``tcp://HOST:PORT``: a :class:`TCPStore`; rank 0 starts the embedded server when
       nothing listens there yet (it then lives as long as the returned store). ``secret``
-      is required from every client when set.
+      is required from every client when set; without one the embedded server accepts
+      only this host's connections unless ``insecure``.
     - ``file:///abs/path``: a :class:`FileStore` in that directory (``secret`` unused; file
       permissions protect it).
     - ``redis://[:password@]HOST:PORT/DB`` (or ``rediss://``): a :class:`RedisStore`
@@ -50,6 +52,7 @@ async def open_store(
         spec: a :class:`Store` (returned as is) or a URL.
         rank: this rank; rank 0 hosts the embedded TCP store.
         secret: shared secret for TCP stores, or None.
+        insecure: without a secret, let the embedded TCP store accept other hosts.
         timeout: seconds to reach the store; also the store's default timeout.
 
     Returns:
@@ -78,7 +81,8 @@ async def open_store(
     if scheme == "tcp":
         host, port = _tcp_address(spec, url)
         is_host = rank == 0
-        store = await connect_tcp_store(host, port, is_host=is_host, secret=secret, timeout=timeout)
+        store = await connect_tcp_store(host, port, is_host=is_host, secret=secret,
+                                        insecure=insecure, timeout=timeout)
         return store, True
     if scheme == "file":
         if url.netloc not in ("", "localhost"):

@@ -5,8 +5,10 @@ Every message is a frame: a 4-byte big-endian length, then that many bytes of ms
 Connection start (server speaks first)::
 
     S->C  [MAGIC, VERSION, nonce_s | None]        nonce only when the server has a secret
-    C->S  [nonce_c, proof("store-client")]         only when nonce_s was sent
-    S->C  [True, proof("store-server")] | [False, reason]
+          | [MAGIC, VERSION, False, reason]        refused (protected mode); then closed
+    C->S  [nonce_c, proof("store-client")]         when nonce_s was sent
+          | [None, None]                           when it was not
+    S->C  [True, proof("store-server")] | [False, reason]    (only when nonce_s was sent)
 
 Then the client sends requests ``[rid, op, *args]`` and the server answers
 ``[rid, status, payload]``, in any order (waits answer when they complete)::
@@ -20,7 +22,12 @@ Then the client sends requests ``[rid, op, *args]`` and the server answers
     [rid, "cancel", target_rid]      (no answer; abandons a pending get/wait)
 
 ``timeout`` is seconds (float) or None for no deadline. Any failure to decode or validate
-closes the connection.
+closes the connection; a refused ``set``/``add`` (quota) answers ``ERROR reason``.
+
+Decoding is bounded (:func:`decode`): a message is an array whose items are scalars or
+arrays of scalars (no maps, no extension types, no deeper nesting), with at most
+:data:`MAX_ITEMS` values in all, so a frame of N bytes never becomes more than a few
+hundred thousand Python objects, whatever N is.
 """
 
 from __future__ import annotations
@@ -36,9 +43,15 @@ from aiocollect import _auth
 from aiocollect.errors import ProtocolError
 
 MAGIC = "aiocollect-store"
-VERSION = 1
+VERSION = 2
 MAX_FRAME = 64 * 1024 * 1024
 MAX_HANDSHAKE_FRAME = 1024
+#: Most keys one ``wait``/``check`` may name (and one answer may list).
+MAX_KEYS = 16384
+#: Most values in one decoded message: the keys of a wait plus its few other fields.
+MAX_ITEMS = MAX_KEYS + 16
+#: Longest key (and error text), in UTF-8 bytes.
+MAX_KEY_BYTES = 64 * 1024
 HEADER = struct.Struct("!I")
 CONTEXT = b"aiocollect-store/1"
 CLIENT_ROLE = b"store-client"
@@ -62,14 +75,99 @@ def encode(obj: object) -> list[bytes]:
     return [HEADER.pack(len(body)), body]
 
 
-def decode(body: bytes) -> Any:
-    """Decode one frame's body.
+# Size of the value each msgpack type byte starts, when it is fixed: fixints, nil, bools,
+# floats, ints. _ARRAY, _STR, _BIN: the byte starts one (then the header's size); _REFUSED:
+# maps, extension types and the never-used 0xc1.
+_ARRAY, _STR, _BIN, _REFUSED = -1, -2, -3, -4
+_SIZE = [_REFUSED] * 256
+for _b in (*range(0x00, 0x80), *range(0xE0, 0x100), 0xC0, 0xC2, 0xC3):
+    _SIZE[_b] = 1
+for _b, _n in ((0xCA, 5), (0xCB, 9), (0xCC, 2), (0xCD, 3), (0xCE, 5), (0xCF, 9), (0xD0, 2),
+               (0xD1, 3), (0xD2, 5), (0xD3, 9)):
+    _SIZE[_b] = _n
+for _b in (*range(0x90, 0xA0), 0xDC, 0xDD):
+    _SIZE[_b] = _ARRAY
+for _b in (*range(0xA0, 0xC0), 0xD9, 0xDA, 0xDB):
+    _SIZE[_b] = _STR
+for _b in (0xC4, 0xC5, 0xC6):
+    _SIZE[_b] = _BIN
+#: Bytes of the length field after the type byte, for the sized types.
+_LENGTH_BYTES = {0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC4: 1, 0xC5: 2, 0xC6: 4, 0xDC: 2, 0xDD: 4}
+#: Arrays nest at most this deep: the message's own, and lists of keys inside it.
+MAX_DEPTH = 2
+
+
+def check_shape(body: bytes, max_items: int = MAX_ITEMS) -> None:
+    """Check, without building any object, that ``body`` is one msgpack value of the shape
+    the store speaks: scalars (nil, bool, int, float, str, bin) and arrays nested at most
+    :data:`MAX_DEPTH` deep, with at most ``max_items`` values in all.
+
+    Its cost is proportional to the number of values, not to the bytes; each array's
+    length is checked against what is left of ``max_items`` before any of its items is
+    looked at, so a hostile frame is refused after reading a few bytes of it.
 
     Raises:
-        ProtocolError: not exactly one valid msgpack object.
+        ProtocolError: anything else (maps, extension types, deeper nesting, too many
+            values, a truncated value, trailing bytes).
     """
+    end = len(body)
+    pos = 0
+    left = [1]  # values still to read in each array being read (the outermost: the body)
+    budget = max_items
+    size = _SIZE
+    while left:
+        if not left[-1]:
+            left.pop()
+            continue
+        left[-1] -= 1
+        if pos >= end:
+            raise ProtocolError("malformed store message: truncated")
+        b = body[pos]
+        n = size[b]
+        if n > 0:
+            pos += n
+            continue
+        if n == _REFUSED:
+            raise ProtocolError(
+                "malformed store message: maps and extension types are not part of it")
+        if 0xA0 <= b <= 0xBF:
+            pos += 1 + (b & 0x1F)
+            continue
+        if 0x90 <= b <= 0x9F:
+            count, pos = b & 0x0F, pos + 1
+        else:
+            width = _LENGTH_BYTES[b]
+            count = int.from_bytes(body[pos + 1:pos + 1 + width], "big")
+            pos += 1 + width
+            if n != _ARRAY:
+                pos += count
+                continue
+        if len(left) > MAX_DEPTH:
+            raise ProtocolError("malformed store message: arrays nested too deep")
+        budget -= count
+        if budget < 0:
+            raise ProtocolError(f"malformed store message: more than {max_items} values")
+        left.append(count)
+    if pos != end:
+        raise ProtocolError("malformed store message: "
+                            + ("truncated" if pos > end else "trailing bytes"))
+
+
+def decode(body: bytes, max_items: int = MAX_ITEMS) -> Any:
+    """Decode one frame's body, bounding what it may expand to (see :func:`check_shape`).
+
+    Strings are at most :data:`MAX_KEY_BYTES` long; the msgpack decoder enforces the same
+    limits again (``max_*_len``).
+
+    Raises:
+        ProtocolError: not exactly one value of that shape.
+    """
+    check_shape(body, max_items)
     try:
-        return msgpack.unpackb(body, raw=False, strict_map_key=True)
+        return msgpack.unpackb(
+            body, raw=False, strict_map_key=True, max_str_len=MAX_KEY_BYTES,
+            max_bin_len=max(len(body), 1), max_array_len=max_items, max_map_len=0,
+            max_ext_len=0)
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"malformed store message: {exc}") from None
 
@@ -176,12 +274,25 @@ def hello(nonce: bytes | None) -> list[object]:
     return [MAGIC, VERSION, nonce]
 
 
+def refusal(reason: str) -> list[object]:
+    """The server's first and last message to a connection it refuses (protected mode)."""
+    return [MAGIC, VERSION, False, reason]
+
+
+class Refused(Exception):
+    """The server refused this connection before the handshake; ``str()`` is its reason."""
+
+
 def parse_hello(msg: Any) -> bytes | None:
     """The server's nonce from its hello (None: the server has no secret).
 
     Raises:
+        Refused: the server refused the connection (its message says why and what to do).
         ProtocolError: not an aiocollect store, or another protocol version.
     """
+    if (isinstance(msg, list) and len(msg) == 4 and msg[0] == MAGIC and msg[2] is False
+            and isinstance(msg[3], str)):
+        raise Refused(msg[3])
     if not (isinstance(msg, list) and len(msg) == 3 and msg[0] == MAGIC):
         raise ProtocolError("the peer is not an aiocollect TCP store")
     if msg[1] != VERSION:
@@ -195,6 +306,10 @@ def parse_hello(msg: Any) -> bytes | None:
 def client_proof(secret: bytes, nonce_c: bytes, nonce_s: bytes) -> list[object]:
     """The client's answer to the challenge."""
     return [nonce_c, _auth.proof(secret, CLIENT_ROLE, nonce_c, nonce_s, CONTEXT)]
+
+
+#: The client's first frame when the server has no secret.
+NO_PROOF: list[object] = [None, None]
 
 
 def check_client_proof(secret: bytes, nonce_s: bytes, msg: Any) -> bytes | None:

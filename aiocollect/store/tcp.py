@@ -57,6 +57,7 @@ async def connect_tcp_store(
     *,
     is_host: bool,
     secret: bytes | str | None = None,
+    insecure: bool = False,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> TCPStore:
     """Connect to the TCP store at ``host:port``, starting it first on the host rank.
@@ -71,6 +72,8 @@ async def connect_tcp_store(
         port: the store's port.
         is_host: whether this rank may host the embedded server.
         secret: shared secret for the HMAC handshake, or None.
+        insecure: an embedded server without a secret accepts other hosts too (default:
+            this host only, see :class:`TCPStoreServer`).
         timeout: seconds to keep trying; also the store's default timeout.
 
     Returns:
@@ -79,13 +82,14 @@ async def connect_tcp_store(
     Raises:
         StoreTimeout: no store answered at the address in time (the message names it).
         StoreError: the embedded server could not be started, the peer is not a store,
-            or (host rank) the port is held by a socket that is no store.
+            the store refused us (protected mode: no secret and another host), or (host
+            rank) the port is held by a socket that is no store.
         AuthenticationError: the secret was not proven by one side.
         UsageError: ``port`` is 0 on a non-host rank.
     """
     deadline = Deadline.after(timeout)
     if is_host:
-        store = await _host(host, port, secret, timeout, deadline)
+        store = await _host(host, port, secret, insecure, timeout, deadline)
         if store is not None:
             return store
         # The port is taken: by a store another process started (it answers at once), or
@@ -108,7 +112,8 @@ async def connect_tcp_store(
 
 
 async def _host(
-    host: str, port: int, secret: bytes | str | None, timeout: float, deadline: Deadline
+    host: str, port: int, secret: bytes | str | None, insecure: bool, timeout: float,
+    deadline: Deadline,
 ) -> TCPStore | None:
     """Connect to a store already there, else start one; None if another process won the
     race for the port (connect to it then)."""
@@ -119,7 +124,7 @@ async def _host(
             return store
         except _Retryable:
             await store.close()
-    server = TCPStoreServer(_bind_host(host), port, secret=secret)
+    server = TCPStoreServer(_bind_host(host), port, secret=secret, insecure=insecure)
     try:
         await server.start()
     except OSError as exc:

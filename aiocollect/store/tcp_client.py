@@ -98,7 +98,8 @@ class TCPStore(Store):
         """Open the connection and authenticate (one attempt). No-op when connected.
 
         Raises:
-            StoreError: refused, unreachable, or not an aiocollect store.
+            StoreError: refused (by a store in protected mode: the message says how to set
+                a secret), unreachable, or not an aiocollect store.
             StoreTimeout: no answer within ``timeout`` (default: the store's timeout).
             AuthenticationError: the secret was not proven by one side.
         """
@@ -136,6 +137,9 @@ class TCPStore(Store):
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             nonce_s = _wire.parse_hello(await _wire.read_frame(reader, _wire.MAX_HANDSHAKE_FRAME))
+        except _wire.Refused as exc:
+            raise StoreError(f"the TCP store at {self.address} refused this connection: "
+                             f"{exc}") from None
         except ProtocolError as exc:
             raise StoreError(f"{self.address} is not an aiocollect TCP store: {exc}") from exc
         if nonce_s is None:
@@ -144,6 +148,8 @@ class TCPStore(Store):
                     f"the TCP store at {self.address} does not require a secret but we have one;"
                     " start it with the same secret"
                 )
+            writer.writelines(_wire.encode(_wire.NO_PROOF))
+            await writer.drain()
             return
         if self._secret is None:
             raise AuthenticationError(
@@ -209,6 +215,13 @@ class TCPStore(Store):
         ``wait`` is the server-side timeout of a get/wait (None: not a waiting request).
         """
         self._life.ensure_open()
+        for key in keys:
+            if len(key) > _wire.MAX_KEY_BYTES or len(key.encode()) > _wire.MAX_KEY_BYTES:
+                raise UsageError(f"{op}: a TCP store key has at most {_wire.MAX_KEY_BYTES} "
+                                 f"bytes, {key[:40]!r}... has more")
+        if len(keys) > _wire.MAX_KEYS:
+            raise UsageError(f"{op}: a TCP store request names at most {_wire.MAX_KEYS} keys, "
+                             f"not {len(keys)}")
         if self._writer is None:
             await self.connect()
         if self._failure is not None:
@@ -278,7 +291,8 @@ class TCPStore(Store):
 
         Raises:
             UsageError: bad key or value type.
-            StoreError: connection failed or closed, or the value exceeds the size limit.
+            StoreError: connection failed or closed, the value exceeds the size limit, or
+                the store's quota is exceeded (the connection stays usable then).
             StoreTimeout: no answer within the store's timeout.
         """
         await self._request("set", check_key(key), check_value(value), keys=[key])
@@ -299,7 +313,8 @@ class TCPStore(Store):
         """Atomically add ``amount`` to the counter ``key``; return the new value.
 
         Raises:
-            StoreError: the existing value is not an integer, or the connection failed.
+            StoreError: the existing value is not an integer, the store's quota is
+                exceeded, or the connection failed.
         """
         payload = await self._request("add", check_key(key), check_amount(amount), keys=[key])
         total: int = self._expect(payload, int, "add")

@@ -3,6 +3,14 @@
 One asyncio server; per connection, one reading loop plus a task per pending ``get``/``wait``,
 all in a TaskGroup owned by that connection. Waits sleep on futures of a :class:`KeyTable`
 with deadlines (no polling). Anything malformed from a client closes that connection only.
+
+What a client can cost the server is bounded: without a secret only this host may connect
+(protected mode, :mod:`aiocollect._protect`); a connection must complete its first frame
+within ``handshake_timeout`` and, once a frame has begun, keep it coming (no pause longer
+than ``idle_timeout``); decoding is bounded (:func:`aiocollect.store._wire.decode`); frames
+above 64 KiB being received at once share ``max_inflight`` bytes; what is stored is capped
+by ``max_bytes`` and ``max_keys`` (a ``set``/``add`` beyond them fails with a clear
+``StoreError`` on that client only); ``max_connections`` caps connections.
 """
 
 from __future__ import annotations
@@ -12,21 +20,36 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
 from collections.abc import Callable
 from typing import Any
 
-from aiocollect import _auth
+from aiocollect import _auth, _protect
 from aiocollect._deadline import Deadline
-from aiocollect.errors import AiocollectError, ProtocolError
+from aiocollect.errors import AiocollectError, ProtocolError, StoreError
 from aiocollect.store import _wire
 from aiocollect.store.memory import KeyTable
 
 log = logging.getLogger("aiocollect.store.tcp")
 
 DEFAULT_PORT = 29500
+#: Defaults of the limits (see :class:`TCPStoreServer`).
+MAX_BYTES = 1024 * 1024 * 1024
+MAX_KEYS = 1024 * 1024
+MAX_INFLIGHT = 256 * 1024 * 1024
+MAX_CONNECTIONS = 4096
+HANDSHAKE_TIMEOUT = 10.0
+IDLE_TIMEOUT = 10.0
+#: Frames up to this size are read without reserving from ``max_inflight`` (rendezvous
+#: traffic, so big transfers can never hold it up).
+SMALL_FRAME = 64 * 1024
+#: Bytes read from the stream at a time while receiving a large frame.
+READ_CHUNK = 1024 * 1024
+#: Longest error text sent back to a client.
+_MAX_REASON = 1024
 
 
 class _Connection:
@@ -36,12 +59,95 @@ class _Connection:
         self.reader = reader
         self.writer = writer
         peer = writer.get_extra_info("peername")
+        self.peername = peer
+        self.sockname = writer.get_extra_info("sockname")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.waits: dict[int, asyncio.Task[None]] = {}
 
     async def send(self, msg: object) -> None:
         self.writer.writelines(_wire.encode(msg))
         await self.writer.drain()
+
+
+class _Budget:
+    """Bytes of large frames being received at once, shared by every connection.
+
+    A frame reserves its announced size before its body is read and releases it once
+    read; a frame that does not fit waits (the stream's buffer then fills and TCP pushes
+    back on that client). One frame alone always fits, so nothing waits for ever; a sender
+    that stalls mid-frame is cut off by the idle timeout, which releases its share.
+    """
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+        self._waiters: list[asyncio.Future[None]] = []
+
+    async def acquire(self, n: int) -> None:
+        while self.used and self.used + n > self.total:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(fut)
+        self.used += n
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:  # each checks again whether it fits now
+            if not fut.done():
+                fut.set_result(None)
+
+
+class _Quota:
+    """What the table holds: bytes (keys and values) and keys, against their limits."""
+
+    def __init__(self, table: KeyTable, max_bytes: int, max_keys: int) -> None:
+        self.table = table
+        self.max_bytes = max_bytes
+        self.max_keys = max_keys
+        self.bytes = 0
+
+    def _exceeded(self, key: str, nbytes: int, nkeys: int) -> StoreError:
+        return StoreError(
+            f"store quota exceeded: storing {key[:80]!r} would make {nbytes} bytes in "
+            f"{nkeys} keys, over the limit of {self.max_bytes} bytes / {self.max_keys} "
+            "keys (delete keys you no longer need, or raise the limits: "
+            "`aiocollect store --max-bytes/--max-keys`, TCPStoreServer(max_bytes=, "
+            "max_keys=))")
+
+    def set(self, key: str, value: bytes) -> None:
+        """Store ``value``, or raise StoreError if that would exceed a limit."""
+        old = self.table.get_now(key)
+        was = 0 if old is None else len(key) + len(old)
+        nbytes = self.bytes - was + len(key) + len(value)
+        nkeys = len(self.table) + (old is None)
+        if nbytes > self.max_bytes or nkeys > self.max_keys:
+            raise self._exceeded(key, nbytes, nkeys)
+        self.table.set(key, value)
+        self.bytes = nbytes
+
+    def add(self, key: str, amount: int) -> int:
+        """Add to the counter, or raise StoreError if a new key would exceed a limit."""
+        old = self.table.get_now(key)
+        was = 0 if old is None else len(key) + len(old)
+        nkeys = len(self.table) + (old is None)
+        if self.bytes - was + len(key) + 24 > self.max_bytes or nkeys > self.max_keys:
+            raise self._exceeded(key, self.bytes - was + len(key) + 24, nkeys)
+        total = self.table.add(key, amount)
+        new = self.table.get_now(key)
+        self.bytes += len(key) + (len(new) if new is not None else 0) - was
+        return total
+
+    def delete(self, key: str) -> bool:
+        old = self.table.get_now(key)
+        existed = self.table.delete(key)
+        if existed and old is not None:
+            self.bytes -= len(key) + len(old)
+        return existed
 
 
 class TCPStoreServer:
@@ -53,8 +159,20 @@ class TCPStoreServer:
         port: port to bind; 0 picks a free one (see :attr:`port`).
         secret: when set, each client must prove it (HMAC challenge-response) before any
             request is read; failures are logged and close that connection only.
-        max_frame: largest accepted message in bytes.
-        handshake_timeout: seconds a new connection has to complete the handshake.
+        insecure: without a secret, accept connections from other hosts too. By default
+            (protected mode) a server with no secret answers a connection from elsewhere
+            with a message saying how to set a secret, and closes it.
+        max_frame: largest accepted message in bytes (also the most one connection
+            buffers).
+        handshake_timeout: seconds a new connection has to complete its first frame (the
+            handshake).
+        idle_timeout: seconds a frame, once begun, may pause before the connection is
+            closed (between frames a client may stay silent as long as it likes).
+        max_inflight: bytes of large frames (over 64 KiB) received at once, all
+            connections together; more wait their turn.
+        max_bytes, max_keys: quota of what is stored (keys and values); a ``set``/``add``
+            beyond it is refused with ``StoreError`` on that client.
+        max_connections: connections served at once; more are told so and closed.
 
     Use ``await server.start()`` (or ``async with``) and ``await server.close()``.
     """
@@ -65,15 +183,26 @@ class TCPStoreServer:
         port: int,
         *,
         secret: bytes | str | None = None,
+        insecure: bool = False,
         max_frame: int = _wire.MAX_FRAME,
-        handshake_timeout: float = 10.0,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        idle_timeout: float = IDLE_TIMEOUT,
+        max_inflight: int = MAX_INFLIGHT,
+        max_bytes: int = MAX_BYTES,
+        max_keys: int = MAX_KEYS,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.host = host or None
         self._requested_port = port
         self._secret = _auth.as_secret(secret)
+        self._insecure = bool(insecure)
         self._max_frame = max_frame
         self._handshake_timeout = handshake_timeout
+        self._idle_timeout = idle_timeout
+        self._budget = _Budget(max_inflight)
+        self._max_connections = max_connections
         self._table = KeyTable()
+        self._quota = _Quota(self._table, max_bytes, max_keys)
         self._servers: list[asyncio.Server] = []
         self._handlers: set[asyncio.Task[Any]] = set()
         self._conns: set[_Connection] = set()
@@ -160,14 +289,15 @@ class TCPStoreServer:
         conn = _Connection(reader, writer)
         self._conns.add(conn)
         try:
-            if await self._handshake(conn):
+            if await self._admit(conn) and await self._handshake(conn):
                 await self._serve(conn)
         except (ConnectionError, asyncio.IncompleteReadError):
             log.debug("store client %s disconnected", conn.peer)
         except AiocollectError as exc:
             log.warning("closing store connection from %s: %s", conn.peer, exc)
         except TimeoutError:
-            log.warning("store client %s did not complete the handshake in time", conn.peer)
+            log.warning("store client %s stalled (handshake or a frame not completed in "
+                        "time); closing", conn.peer)
         except asyncio.CancelledError:
             # Only close() and loop shutdown cancel handlers; nobody awaits this task, and
             # asyncio would log a cancelled connection callback as an error.
@@ -179,14 +309,37 @@ class TCPStoreServer:
                 await writer.wait_closed()
             self._handlers.discard(task)
 
+    async def _admit(self, conn: _Connection) -> bool:
+        """Refuse, with a message, a connection from another host when there is no secret
+        (protected mode) and one beyond ``max_connections``."""
+        reason = None
+        if (self._secret is None and not self._insecure
+                and not _protect.is_local(conn.peername, conn.sockname)):
+            reason = _protect.refusal(f"the aiocollect TCP store at {self.address}",
+                                      conn.peername)
+            _protect.log_refusal(log, f"TCP store {self.address}", conn.peername)
+        elif len(self._conns) > self._max_connections:
+            reason = (f"the aiocollect TCP store at {self.address} serves at most "
+                      f"{self._max_connections} connections at once (max_connections)")
+            log.warning("store refused a connection from %s: %d connections already",
+                        conn.peer, self._max_connections)
+        if reason is None:
+            return True
+        with contextlib.suppress(ConnectionError):
+            await conn.send(_wire.refusal(reason))
+        return False
+
     async def _handshake(self, conn: _Connection) -> bool:
-        """Greet the client and check its proof; False if it failed (already logged)."""
+        """Greet the client and check its first frame (its proof of the secret, or the
+        empty one); False if it failed (already logged)."""
         nonce_s = _auth.new_nonce() if self._secret is not None else None
         await conn.send(_wire.hello(nonce_s))
-        if self._secret is None or nonce_s is None:
-            return True
         async with asyncio.timeout(self._handshake_timeout):
             msg = await _wire.read_frame(conn.reader, _wire.MAX_HANDSHAKE_FRAME)
+        if self._secret is None or nonce_s is None:
+            if msg != _wire.NO_PROOF:
+                raise ProtocolError("malformed store handshake")
+            return True
         nonce_c = _wire.check_client_proof(self._secret, nonce_s, msg)
         if nonce_c is None:
             log.warning("store client %s failed authentication; closing", conn.peer)
@@ -201,7 +354,7 @@ class TCPStoreServer:
         async with asyncio.TaskGroup() as tg:
             try:
                 while True:
-                    msg = await _wire.read_frame(conn.reader, self._max_frame)
+                    msg = await self._read_request(conn)
                     await self._dispatch(conn, _wire.parse_request(msg), tg)
             except (ConnectionError, asyncio.IncompleteReadError, AiocollectError) as exc:
                 error = exc  # raised below: a TaskGroup would wrap it in an ExceptionGroup
@@ -211,6 +364,46 @@ class TCPStoreServer:
                     task.cancel()
         if error is not None:
             raise error
+
+    async def _read_request(self, conn: _Connection) -> Any:
+        """Read and decode one frame: waiting for its first byte has no deadline, the rest
+        must keep coming (``idle_timeout`` per pause), and a large body waits for its share
+        of ``max_inflight`` first.
+
+        Raises:
+            ProtocolError: oversized or malformed. TimeoutError: the sender stalled.
+            asyncio.IncompleteReadError, ConnectionError: the connection ended.
+        """
+        reader = conn.reader
+        first = await reader.readexactly(1)
+        async with asyncio.timeout(self._idle_timeout):
+            rest = await reader.readexactly(_wire.HEADER.size - 1)
+        (size,) = _wire.HEADER.unpack(first + rest)
+        if size > self._max_frame:
+            raise ProtocolError(
+                f"store message of {size} bytes exceeds the limit of {self._max_frame}")
+        if size <= SMALL_FRAME:
+            async with asyncio.timeout(self._idle_timeout):
+                body = await reader.readexactly(size)
+            return _wire.decode(body)
+        await self._budget.acquire(size)
+        try:
+            body = await self._read_body(reader, size)
+        finally:
+            self._budget.release(size)
+        return _wire.decode(body)
+
+    async def _read_body(self, reader: asyncio.StreamReader, size: int) -> bytes:
+        parts: list[bytes] = []
+        left = size
+        while left:
+            async with asyncio.timeout(self._idle_timeout):
+                chunk = await reader.read(min(left, READ_CHUNK))
+            if not chunk:
+                raise asyncio.IncompleteReadError(b"".join(parts), size)
+            parts.append(chunk)
+            left -= len(chunk)
+        return b"".join(parts)
 
     async def _dispatch(
         self, conn: _Connection, req: _wire.Request, tg: asyncio.TaskGroup
@@ -238,15 +431,15 @@ class TCPStoreServer:
         status = _wire.OK
         try:
             if req.op == "set":
-                table.set(req.key, req.value)
+                self._quota.set(req.key, req.value)
             elif req.op == "add":
-                result = table.add(req.key, req.amount)
+                result = self._quota.add(req.key, req.amount)
             elif req.op == "check":
                 result = table.check(req.keys)
             else:  # delete
-                result = table.delete(req.key)
+                result = self._quota.delete(req.key)
         except AiocollectError as exc:
-            status, result = _wire.ERROR, str(exc)
+            status, result = _wire.ERROR, str(exc)[:_MAX_REASON]
         await self._answer(conn, req.rid, status, result)
 
     async def _wait(self, conn: _Connection, req: _wire.Request) -> None:
@@ -282,7 +475,9 @@ async def serve_store(
     port: int,
     secret: bytes | str | None = None,
     *,
+    insecure: bool = False,
     ready: Callable[[TCPStoreServer], object] | None = None,
+    **limits: Any,
 ) -> None:
     """Run a TCP store server until cancelled.
 
@@ -290,12 +485,14 @@ async def serve_store(
         host: address to bind (``None``: every interface).
         port: port to bind (0: a free one).
         secret: shared secret clients must prove, or None.
+        insecure: without a secret, accept other hosts too (see :class:`TCPStoreServer`).
         ready: called with the started server (e.g. to print its address).
+        limits: more :class:`TCPStoreServer` arguments (``max_bytes=``, ...).
 
     Raises:
         OSError: the address could not be bound.
     """
-    server = TCPStoreServer(host, port, secret=secret)
+    server = TCPStoreServer(host, port, secret=secret, insecure=insecure, **limits)
     await server.start()
     try:
         if ready is not None:
@@ -305,48 +502,76 @@ async def serve_store(
         await server.close()
 
 
+def _store_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aiocollect store",
+        description="Standalone TCP store server for multi-node aiocollect jobs. With no "
+                    "secret (--secret or $AIOCOLLECT_SECRET) and no --insecure, it "
+                    "generates a secret and prints the line to export on every node.",
+    )
+    parser.add_argument("--host", default=None, help="address to bind (default: all interfaces)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0: pick a free one)")
+    auth = parser.add_mutually_exclusive_group()
+    auth.add_argument(
+        "--secret",
+        default=None,
+        help="shared secret clients must prove (default: $AIOCOLLECT_SECRET, else a "
+             "generated one; prefer the variable: arguments show in `ps`)",
+    )
+    auth.add_argument(
+        "--insecure", action="store_true",
+        help="no secret: accept any client from any host (also $AIOCOLLECT_INSECURE=1); "
+             "only on a network you trust",
+    )
+    parser.add_argument("--max-bytes", type=int, default=MAX_BYTES, metavar="N",
+                        help=f"quota of stored keys and values in bytes (default {MAX_BYTES})")
+    parser.add_argument("--max-keys", type=int, default=MAX_KEYS, metavar="N",
+                        help=f"quota of stored keys (default {MAX_KEYS})")
+    return parser
+
+
 def store_main(argv: list[str]) -> int:
     """``aiocollect store``: run a standalone TCP store until SIGINT/SIGTERM.
 
     Prints ``aiocollect store listening on HOST:PORT`` once ready. The secret comes from
-    ``--secret`` or else ``AIOCOLLECT_SECRET``. Returns the process exit status.
+    ``--secret``, else ``AIOCOLLECT_SECRET``; with neither, and neither ``--insecure`` nor
+    ``AIOCOLLECT_INSECURE=1``, one is generated and the next line printed is
+    ``export AIOCOLLECT_SECRET=...``, to run on every node before starting the ranks.
+    Returns the process exit status.
     """
-    parser = argparse.ArgumentParser(
-        prog="aiocollect store",
-        description="Standalone TCP store server for multi-node aiocollect jobs.",
-    )
-    parser.add_argument("--host", default=None, help="address to bind (default: all interfaces)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0: pick a free one)")
-    parser.add_argument(
-        "--secret",
-        default=None,
-        help="shared secret clients must prove (default: $AIOCOLLECT_SECRET)",
-    )
-    args = parser.parse_args(argv)
+    args = _store_parser().parse_args(argv)
     secret = args.secret if args.secret is not None else os.environ.get("AIOCOLLECT_SECRET")
+    insecure = not secret and (args.insecure or _protect.insecure_from_env())
+    generated = None
+    if not secret and not insecure:
+        generated = secret = secrets.token_urlsafe(32)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    def ready(srv: TCPStoreServer) -> None:
+        mode = "secret required" if secret else "INSECURE: no secret, any host may connect"
+        print(f"aiocollect store listening on {srv.address} ({mode})", flush=True)
+        if generated is not None:
+            print(f"export AIOCOLLECT_SECRET={generated}", flush=True)
+            print("aiocollect store: generated the secret above (no --secret, no "
+                  "$AIOCOLLECT_SECRET); run that line on every node before starting the "
+                  "ranks, e.g. `aiocollect run` or torchrun, which pass it on", flush=True)
+
+    limits = {"max_bytes": args.max_bytes, "max_keys": args.max_keys}
     try:
-        asyncio.run(_run_until_signal(args.host, args.port, _auth.as_secret(secret)))
+        asyncio.run(_run_until_signal(args.host, args.port, _auth.as_secret(secret),
+                                      insecure, ready, limits))
     except OSError as exc:
         print(f"aiocollect store: cannot listen on port {args.port}: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
-async def _run_until_signal(host: str | None, port: int, secret: bytes | None) -> None:
+async def _run_until_signal(host: str | None, port: int, secret: bytes | None,
+                            insecure: bool, ready: Callable[[TCPStoreServer], object],
+                            limits: dict[str, Any]) -> None:
     loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(
-        serve_store(
-            host,
-            port,
-            secret,
-            ready=lambda srv: print(
-                f"aiocollect store listening on {srv.address}"
-                f" (secret {'required' if secret else 'not required'})",
-                flush=True,
-            ),
-        )
-    )
+        serve_store(host, port, secret, insecure=insecure, ready=ready, **limits))
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)
     with contextlib.suppress(asyncio.CancelledError):

@@ -11,7 +11,7 @@ import time
 import pytest
 from store_helpers import child_env, free_port, settle
 
-from aiocollect.errors import StoreError, StoreTimeout, UsageError
+from aiocollect.errors import AuthenticationError, StoreError, StoreTimeout, UsageError
 from aiocollect.store import TCPStore, TCPStoreServer, connect_tcp_store, tcp
 
 pytestmark = pytest.mark.timeout(30)
@@ -96,20 +96,30 @@ async def test_non_host_timeout_names_address() -> None:
     assert f"127.0.0.1:{port}" in str(info.value)
 
 
-async def _start_command(*args: str) -> tuple[asyncio.subprocess.Process, int]:
+async def _start_command(*args: str) -> tuple[asyncio.subprocess.Process, int, str | None]:
+    """Start `aiocollect store`; its port and the secret it generated (None if given one)."""
+    env = child_env()
+    env.pop("AIOCOLLECT_SECRET", None)
+    env.pop("AIOCOLLECT_INSECURE", None)
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "aiocollect.store", "--host", "127.0.0.1", "--port", "0", *args,
-        stdout=asyncio.subprocess.PIPE, env=child_env(),
+        stdout=asyncio.subprocess.PIPE, env=env,
     )
     assert proc.stdout is not None
     line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
     match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
     assert match, f"unexpected first line from `aiocollect store`: {line!r}"
-    return proc, int(match.group(1))
+    secret = None
+    if "secret required" in line and "--secret" not in args:
+        export = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
+        found = re.fullmatch(r"export AIOCOLLECT_SECRET=(\S+)\n", export)
+        assert found, f"expected the line to export, got {export!r}"
+        secret = found.group(1)
+    return proc, int(match.group(1)), secret
 
 
 async def test_standalone_command_serves_and_stops_on_sigterm() -> None:
-    proc, port = await _start_command("--secret", "cli-secret")
+    proc, port, _ = await _start_command("--secret", "cli-secret")
     try:
         a = await connect_tcp_store("127.0.0.1", port, is_host=False, secret="cli-secret")
         b = await connect_tcp_store("127.0.0.1", port, is_host=True, secret="cli-secret")
@@ -129,7 +139,7 @@ async def test_standalone_command_serves_and_stops_on_sigterm() -> None:
 
 
 async def test_killed_server_fails_pending_requests_promptly() -> None:
-    proc, port = await _start_command()
+    proc, port, _ = await _start_command("--insecure")
     try:
         store = await connect_tcp_store("127.0.0.1", port, is_host=False, timeout=10)
         pending = asyncio.create_task(store.get("never", timeout=25))
@@ -146,6 +156,24 @@ async def test_killed_server_fails_pending_requests_promptly() -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_standalone_command_without_a_secret_generates_one() -> None:
+    """Neither --secret nor --insecure: the command prints a secret to export, and only a
+    client that has it gets in."""
+    proc, port, secret = await _start_command()
+    try:
+        assert secret is not None and len(secret) >= 32
+        with pytest.raises(AuthenticationError, match="requires a secret"):
+            await connect_tcp_store("127.0.0.1", port, is_host=False, timeout=10)
+        store = await connect_tcp_store("127.0.0.1", port, is_host=False, secret=secret,
+                                        timeout=10)
+        await store.set("k", b"v")
+        assert await store.get("k") == b"v"
+        await store.close()
+    finally:
+        proc.kill()
+        await proc.wait()
 
 
 def test_store_main_reports_bind_failure(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,88 @@
+"""Protected mode, shared by the TCP store server and the peer listeners.
+
+Without a secret nothing a connection sends can be trusted, so a server with no secret
+accepts only connections that come from this host (like Redis's protected mode): the peer
+address is loopback (127.0.0.0/8, ::1), or it is the very address the connection arrived
+at (the kernel picks that source address only for connections made on this host, and
+drops packets from outside that claim one of its own addresses). Everything else is
+answered with :func:`refusal` and closed, unless the user opted out explicitly
+(``insecure=True``, ``AIOCOLLECT_INSECURE=1``, ``--insecure``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+
+INSECURE_ENV = "AIOCOLLECT_INSECURE"
+_TRUE = ("1", "true", "yes", "on")
+#: Distinct peer addresses whose refusal is logged as a warning (later ones: debug), so
+#: that a stranger knocking from many addresses cannot flood the log.
+_LOGGED_MAX = 32
+_logged: set[str] = set()
+
+
+def insecure_from_env() -> bool:
+    """Whether ``AIOCOLLECT_INSECURE`` asks to accept remote connections without a secret
+    (``1``, ``true``, ``yes`` or ``on``, any case)."""
+    return os.environ.get(INSECURE_ENV, "").strip().lower() in _TRUE
+
+
+def _address(sockaddr: object) -> str | None:
+    if isinstance(sockaddr, tuple) and sockaddr and isinstance(sockaddr[0], str):
+        return sockaddr[0].split("%", 1)[0]  # drop an IPv6 zone index
+    return None
+
+
+def is_local(peername: object, sockname: object) -> bool:
+    """Whether a connection from ``peername`` that arrived at ``sockname`` (socket
+    addresses as asyncio reports them) comes from this host. Non-IP sockets (Unix) count
+    as local."""
+    peer = _address(peername)
+    if peer is None:
+        return not isinstance(peername, tuple)
+    try:
+        ip = ipaddress.ip_address(peer)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback:
+        return True
+    local = _address(sockname)
+    if local is None:
+        return False
+    try:
+        here = ipaddress.ip_address(local)
+    except ValueError:
+        return False
+    if isinstance(here, ipaddress.IPv6Address) and here.ipv4_mapped is not None:
+        here = here.ipv4_mapped
+    return ip == here and not ip.is_unspecified
+
+
+def refusal(what: str, peername: object) -> str:
+    """The message a refused connection gets: why, and how to set a secret or opt out."""
+    peer = _address(peername) or str(peername)
+    return (
+        f"{what} is in protected mode: it has no secret, so it accepts connections from "
+        f"its own host only, and {peer} is not on it. Give the store and every rank the "
+        "same secret (export AIOCOLLECT_SECRET=<random string> on every node, or pass "
+        "secret=...; `aiocollect store` prints one to export, `aiocollect run --secret` "
+        "passes one to its ranks), or, on a network you trust, opt out with "
+        "AIOCOLLECT_INSECURE=1 (insecure=True, --insecure)."
+    )
+
+
+def log_refusal(log: logging.Logger, what: str, peername: object) -> None:
+    """Log that a connection from ``peername`` was refused: a warning the first time for
+    each of the first few addresses, debug afterwards."""
+    peer = _address(peername) or str(peername)
+    if peer not in _logged and len(_logged) < _LOGGED_MAX:
+        _logged.add(peer)
+        log.warning("%s refused a connection from %s: no secret is set, so only this host "
+                    "may connect (set AIOCOLLECT_SECRET on every rank, or "
+                    "AIOCOLLECT_INSECURE=1 to accept anyone)", what, peer)
+    else:
+        log.debug("%s refused a connection from %s (protected mode)", what, peer)
