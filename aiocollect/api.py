@@ -12,6 +12,7 @@ from typing import Any
 
 from aiocollect import _auth
 from aiocollect._deadline import Deadline
+from aiocollect._protect import insecure_from_env
 from aiocollect.engine.fabric import Fabric
 from aiocollect.errors import UsageError
 from aiocollect.group import Group
@@ -106,7 +107,7 @@ def listen_host(host: str | None, store: Store | str) -> str:
 async def _open(rank: int | None, world_size: int | None, *, store: Store | str | None,
                 transport: str | None, timeout: float | None, secret: bytes | str | None,
                 host: str | None, ssl: SSLArg, name: str,
-                chunk_bytes: int | None) -> Group:
+                chunk_bytes: int | None, insecure: bool = False) -> Group:
     if rank is None:
         rank = _env_int(_ENV_RANK, "rank")
     if world_size is None:
@@ -135,16 +136,20 @@ async def _open(rank: int | None, world_size: int | None, *, store: Store | str 
     if secret is None:
         secret = os.environ.get("AIOCOLLECT_SECRET") or None
     key = _auth.as_secret(secret)
+    if not isinstance(insecure, bool):
+        raise UsageError(f"insecure must be a bool, got {insecure!r}")
+    insecure = insecure or insecure_from_env()
     spec = resolve_store(store)
     if transport == "auto" and isinstance(spec, str) and spec.startswith("memory://"):
         transport = "memory"  # ranks in one process; else auto picks shm or tcp per link
     deadline = Deadline.after(timeout)
-    store_obj, owned = await open_store(spec, rank=rank, secret=key,
+    store_obj, owned = await open_store(spec, rank=rank, secret=key, insecure=insecure,
                                         timeout=300.0 if timeout is None else timeout)
     fabric = Fabric(rank, world_size, max_frame=chunk)
     try:
         cfg = RendezvousConfig(name=name, rank=rank, world_size=world_size, transport=transport,
                                host=listen_host(host, spec), secret=key, ssl=tls,
+                               insecure=insecure,
                                chunk_bytes=chunk, deadline=deadline)
         endpoint, links = await rendezvous(store_obj, cfg, fabric, max_frame=chunk)
     except BaseException:
@@ -156,6 +161,7 @@ async def _open(rank: int | None, world_size: int | None, *, store: Store | str 
                   name=name)
     group.store = store_obj
     group._sync_closers.append(endpoint.close)
+    group._closers.append(endpoint.release)  # before the store closes
     if owned:
         group._closers.append(store_obj.close)
     return group
@@ -192,7 +198,8 @@ def open_group(rank: int | None = None, world_size: int | None = None, *,
                store: Store | str | None = None, transport: str | None = None,
                timeout: float | None = 300.0, secret: bytes | str | None = None,
                host: str | None = None, ssl: SSLArg = None,
-               name: str = "default", chunk_bytes: int | None = None) -> GroupOpener:
+               name: str = "default", chunk_bytes: int | None = None,
+               insecure: bool = False) -> GroupOpener:
     """Form a group of ``world_size`` ranks and return it (awaitable / async with).
 
     Args:
@@ -204,10 +211,15 @@ def open_group(rank: int | None = None, world_size: int | None = None, *,
             to every rank; all must be on one host). Ring size: AIOCOLLECT_SHM_RING_BYTES.
         timeout: default deadline in seconds for rendezvous and every collective.
         secret: shared secret; every store connection and peer link must prove it.
+            Else AIOCOLLECT_SECRET. Without one (protected mode) the embedded store and
+            the peer listeners accept connections from this host only, and tell others
+            how to set a secret.
         host: address to listen on and publish (else AIOCOLLECT_IFNAME, else the address
             that routes to the store).
         name: group name; distinct groups on one store need distinct names.
         chunk_bytes: pipelining chunk size (every rank must use the same).
+        insecure: without a secret, accept store and peer connections from any host
+            (also AIOCOLLECT_INSECURE=1); only on a network you trust.
 
     Raises:
         UsageError: bad arguments. RendezvousTimeout: ranks missing at the deadline (named).
@@ -215,4 +227,4 @@ def open_group(rank: int | None = None, world_size: int | None = None, *,
     """
     return GroupOpener(rank=rank, world_size=world_size, store=store, transport=transport,
                        timeout=timeout, secret=secret, host=host, ssl=ssl, name=name,
-                       chunk_bytes=chunk_bytes)
+                       chunk_bytes=chunk_bytes, insecure=insecure)

@@ -3,13 +3,17 @@
 ::
 
     acceptor -> connector   {t: "challenge", v, nonce_a}
-    connector -> acceptor   {t: "hello", v, group, rank, peer, world, nonce_c, mac_c}
+    connector -> acceptor   {t: "hello", v, group, rank, peer, world, job, nonce_c, mac_c}
     acceptor -> connector   {t: "welcome", rank, mac_a}   or   {t: "reject", kind, error}
 
 ``mac_c = HMAC(secret, "connector" | nonce_c | nonce_a | context)`` and
 ``mac_a = HMAC(secret, "acceptor" | nonce_a | nonce_c | context)`` with the context binding
-the group name, both ranks and the world size. Without a secret the MACs are empty and not
-checked; with one, nothing but the handshake is read before both proofs pass.
+the group name, both ranks, the world size and the job nonce. Without a secret the MACs are
+empty and not checked; with one, nothing but the handshake is read before both proofs pass.
+
+``job`` is the group's job nonce (:mod:`aiocollect.rendezvous.claims`): a connection from a
+rank of another job on the same store, with the same name, ranks and world size, is
+refused with ``kind: "job"`` (that connection only; the acceptor's group is unaffected).
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from aiocollect.transport.base import Rejection
 PROTOCOL_VERSION = 1
 
 
-def _context(group: str, connector: int, acceptor: int, world: int) -> bytes:
-    return f"{group}|{connector}->{acceptor}|{world}|v{PROTOCOL_VERSION}".encode()
+def _context(group: str, connector: int, acceptor: int, world: int, job: bytes) -> bytes:
+    return f"{group}|{connector}->{acceptor}|{world}|v{PROTOCOL_VERSION}|".encode() + job
 
 
 def _field(msg: dict[str, Any], name: str, kind: type) -> Any:
@@ -37,13 +41,14 @@ def _field(msg: dict[str, Any], name: str, kind: type) -> Any:
 
 class AcceptorHandshake:
     """The listening side. ``admit(rank)`` returns an error string to refuse a rank
-    (e.g. a duplicate connection), or None."""
+    (e.g. a duplicate connection), or None. ``job`` is this group's job nonce."""
 
     def __init__(self, group: str, rank: int, world_size: int, secret: bytes | None,
-                 admit: Callable[[int], str | None]) -> None:
+                 admit: Callable[[int], str | None], *, job: bytes = b"") -> None:
         self.group, self.rank, self.world_size = group, rank, world_size
         self.secret = secret
         self.admit = admit
+        self.job = job
         self.nonce = _auth.new_nonce()
 
     def start(self) -> list[dict[str, Any]]:
@@ -59,7 +64,10 @@ class AcceptorHandshake:
         mac = _field(msg, "mac", bytes)
         peer = _field(msg, "rank", int)
         world = _field(msg, "world", int)
-        ctx = _context(str(msg.get("group")), peer, self.rank, world)
+        job = msg.get("job", b"")
+        if not isinstance(job, bytes):
+            raise ProtocolError("handshake field 'job' is not bytes")
+        ctx = _context(str(msg.get("group")), peer, self.rank, world, job)
         if self.secret is not None and not _auth.check(
                 self.secret, mac, b"connector", nonce, self.nonce, ctx):
             raise self._reject("auth", AuthenticationError(
@@ -81,6 +89,11 @@ class AcceptorHandshake:
         refusal = self.admit(peer)
         if refusal is not None:
             raise self._reject("group", RendezvousError(refusal))
+        if job != self.job:
+            raise self._reject("job", RendezvousError(
+                f"rank {peer} belongs to another job (job {job.hex()[:12] or 'none'}, this "
+                f"group's is {self.job.hex()[:12] or 'none'}): another job on the same store "
+                f"with group name {self.group!r}?"))
         reply = {"t": "welcome", "rank": self.rank, "mac": b""}
         if self.secret is not None:
             reply["mac"] = _auth.proof(self.secret, b"acceptor", self.nonce, nonce, ctx)
@@ -91,12 +104,13 @@ class ConnectorHandshake:
     """The connecting side: rank ``rank`` connecting to rank ``peer``."""
 
     def __init__(self, group: str, rank: int, peer: int, world_size: int,
-                 secret: bytes | None) -> None:
+                 secret: bytes | None, *, job: bytes = b"") -> None:
         self.group, self.rank, self.peer, self.world_size = group, rank, peer, world_size
         self.secret = secret
+        self.job = job
         self.nonce = _auth.new_nonce()
         self.peer_nonce: bytes | None = None
-        self.ctx = _context(group, rank, peer, world_size)
+        self.ctx = _context(group, rank, peer, world_size, job)
 
     def start(self) -> list[dict[str, Any]]:
         return []
@@ -115,7 +129,7 @@ class ConnectorHandshake:
                                   self.ctx)
             return [{"t": "hello", "v": PROTOCOL_VERSION, "group": self.group,
                      "rank": self.rank, "peer": self.peer, "world": self.world_size,
-                     "nonce": self.nonce, "mac": mac}], None
+                     "job": self.job, "nonce": self.nonce, "mac": mac}], None
         if kind == "reject":
             text = f"rank {self.peer} refused the link: {msg.get('error')}"
             if msg.get("kind") == "auth":

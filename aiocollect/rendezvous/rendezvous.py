@@ -1,8 +1,10 @@
 """Forming a group: address exchange through the store, then one link per peer pair.
 
-Every rank starts a listener, publishes a record (address, host identity, settings) under
-``aiocollect/<name>/rank/<r>``, waits for every other record, connects to every lower rank
-and accepts every higher one. Handshakes check version, group name, ranks and the secret.
+Every rank first claims its rank (:mod:`aiocollect.rendezvous.claims`: atomic claims and a
+per-job nonce, so two jobs on one store never mix), starts a listener, publishes a record
+(address, host identity, settings, job nonce) under ``aiocollect/<name>/rank/<r>``, waits for
+every other record of its job, connects to every lower rank and accepts every higher one.
+Handshakes check version, group name, ranks, job nonce and the secret.
 
 Transport per link: ``tcp`` and ``tls`` use sockets only; ``shm`` and ``auto`` listen on TCP
 too, and a link between two ranks whose records show the same host (hostname and boot id)
@@ -13,17 +15,17 @@ the upgrade works, else it stays on TCP; ``shm``: every link, or the group fails
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import ssl as ssl_module
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-
-from aiocollect import errors
+from aiocollect import _protect, errors
 from aiocollect._deadline import Deadline
 from aiocollect.errors import RendezvousError, RendezvousTimeout
+from aiocollect.rendezvous import claims
 from aiocollect.rendezvous.handshake import PROTOCOL_VERSION, AcceptorHandshake, ConnectorHandshake
 from aiocollect.store.base import Store
 from aiocollect.tls import TLSConfig
@@ -42,6 +44,8 @@ class RendezvousConfig:
     ssl: TLSConfig | None
     chunk_bytes: int
     deadline: Deadline
+    #: Without a secret, accept peer links from other hosts too (else: protected mode).
+    insecure: bool = False
 
 
 @dataclass
@@ -55,6 +59,8 @@ class Endpoint:
     links: dict[int, Link] = field(default_factory=dict)
     #: Accepted connections still in their handshake (strangers, once rendezvous is over).
     handshaking: set[tcp.TcpLink] = field(default_factory=set)
+    #: This rank's claim in the group (released when the group closes).
+    claim: claims.Claim | None = None
 
     def close(self) -> None:
         if self.server is not None:
@@ -65,6 +71,12 @@ class Endpoint:
         if self.transport == "memory":
             memory.unlisten(self.address)
 
+    async def release(self) -> None:
+        """Give back this rank's claim (rank 0 ends the job's epoch on the store); best
+        effort, never raises."""
+        if self.claim is not None:
+            await self.claim.release()
+
 
 def boot_id() -> str:
     try:
@@ -72,10 +84,6 @@ def boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
-
-
-def _prefix(cfg: RendezvousConfig) -> str:
-    return f"aiocollect/{cfg.name}"
 
 
 async def rendezvous(store: Store, cfg: RendezvousConfig, events: LinkEvents,
@@ -87,8 +95,10 @@ async def rendezvous(store: Store, cfg: RendezvousConfig, events: LinkEvents,
 
     Raises:
         RendezvousTimeout: some ranks did not publish or connect in time (named).
-        RendezvousError: inconsistent settings, refused handshakes.
+        RendezvousError: inconsistent settings, refused handshakes, or this rank is
+            claimed by a live process of another job on the same store (pid, host named).
         AuthenticationError: a peer could not prove the secret to us or we to it.
+        StoreError: the store failed.
     """
     links: dict[int, Link] = {}
     arrived: asyncio.Event = asyncio.Event()
@@ -106,26 +116,34 @@ async def rendezvous(store: Store, cfg: RendezvousConfig, events: LinkEvents,
         if len(links) == expected:
             arrived.set()
 
+    claim = await claims.claim(store, cfg.name, cfg.rank, cfg.world_size, cfg.deadline)
+
     def acceptor() -> AcceptorHandshake:
-        return AcceptorHandshake(cfg.name, cfg.rank, cfg.world_size, cfg.secret, admit)
+        return AcceptorHandshake(cfg.name, cfg.rank, cfg.world_size, cfg.secret, admit,
+                                 job=claim.job)
 
     policy = shm.ShmPolicy()
-    endpoint = await _listen(cfg, events, max_frame, acceptor, on_link, policy)
+    try:
+        endpoint = await _listen(cfg, events, max_frame, acceptor, on_link, policy)
+    except BaseException as exc:
+        await claim.release(f"rendezvous failed on rank 0: {exc!r}")
+        raise
+    endpoint.claim = claim
     try:
         record = {"v": PROTOCOL_VERSION, "rank": cfg.rank, "world_size": cfg.world_size,
                   "transport": cfg_transport_family(cfg.transport), "shm": shm_mode(cfg),
                   "address": endpoint.address,
                   "port": endpoint.port, "hostname": socket.gethostname(),
                   "boot_id": boot_id(), "pid": os.getpid(), "chunk_bytes": cfg.chunk_bytes}
-        prefix = _prefix(cfg)
-        await store.set(f"{prefix}/rank/{cfg.rank}", msgpack.packb(record))
-        peers = await _read_records(store, cfg, prefix)
+        await claim.publish(record)
+        peers = await _read_records(claim, cfg)
         local = sum(1 for rec in peers.values() if same_host(rec))
         policy.spin = shm.spin_budget(local)
         policy.capacity = shm_ring.configured_capacity(local)
         if expected == 0:
             arrived.set()
-        connects = [asyncio.ensure_future(_connect(cfg, peers[r], events, max_frame, policy))
+        connects = [asyncio.ensure_future(_connect(cfg, peers[r], events, max_frame, policy,
+                                                   claim.job))
                     for r in range(cfg.rank)]
         try:
             remaining = cfg.deadline.remaining()
@@ -141,30 +159,23 @@ async def rendezvous(store: Store, cfg: RendezvousConfig, events: LinkEvents,
         finally:
             for fut in connects:
                 fut.cancel()
-    except BaseException:
+    except BaseException as exc:
         endpoint.close()
         for link in links.values():
             link.abort()
+        await claim.release(f"rendezvous failed on rank 0: {exc!r}")
         raise
     endpoint.close()  # every peer is linked: accept nobody else
     return endpoint, links
 
 
-async def _read_records(store: Store, cfg: RendezvousConfig,
-                        prefix: str) -> dict[int, dict[str, Any]]:
-    keys = [f"{prefix}/rank/{r}" for r in range(cfg.world_size)]
-    try:
-        await store.wait(keys, timeout=cfg.deadline.remaining())
-    except errors.StoreTimeout:
-        present = await store.check(keys)
-        missing = [r for r, ok in enumerate(present) if not ok]
-        raise RendezvousTimeout(
-            f"rank {cfg.rank}: ranks {missing} of group {cfg.name!r} never arrived "
-            f"(world size {cfg.world_size})", missing) from None
+async def _read_records(claim: claims.Claim,
+                        cfg: RendezvousConfig) -> dict[int, dict[str, Any]]:
+    await claim.wait_records(cfg.deadline)
     peers: dict[int, dict[str, Any]] = {}
     for r in range(cfg.world_size):
+        rec = await claim.read_record(r)
         try:
-            rec = msgpack.unpackb(await store.get(keys[r], timeout=0), raw=False)
             peers[r] = rec
             bad = [k for k in ("world_size", "chunk_bytes", "v")
                    if rec[k] != {"world_size": cfg.world_size, "chunk_bytes": cfg.chunk_bytes,
@@ -245,9 +256,27 @@ async def _listen(cfg: RendezvousConfig, events: LinkEvents, max_frame: int,
         link.ready.add_done_callback(lambda _: handshaking.discard(link))
         return link
 
-    server = await tcp.listen(host, 0, make_link, on_link, ssl=_server_ssl(cfg))
+    server = await tcp.listen(host, 0, make_link, on_link, ssl=_server_ssl(cfg),
+                              screen=_protected_screen(cfg))
     port = server.sockets[0].getsockname()[1]
     return Endpoint(cfg.transport, host, port, server, handshaking=handshaking)
+
+
+def _protected_screen(cfg: RendezvousConfig) -> tcp.Screen | None:
+    """Protected mode (:mod:`aiocollect._protect`): with no secret and not ``insecure``,
+    a connection from another host is sent a rejection saying how to set a secret."""
+    if cfg.secret is not None or cfg.insecure:
+        return None
+    what = f"rank {cfg.rank} of group {cfg.name!r}"
+    log = logging.getLogger("aiocollect.rendezvous")
+
+    def screen(peername: Any, sockname: Any) -> dict[str, Any] | None:
+        if _protect.is_local(peername, sockname):
+            return None
+        _protect.log_refusal(log, what, peername)
+        return {"t": "reject", "kind": "protected", "error": _protect.refusal(what, peername)}
+
+    return screen
 
 
 def _server_ssl(cfg: RendezvousConfig) -> ssl_module.SSLContext | None:
@@ -259,9 +288,9 @@ def _client_ssl(cfg: RendezvousConfig) -> ssl_module.SSLContext | None:
 
 
 async def _connect(cfg: RendezvousConfig, rec: dict[str, Any], events: LinkEvents,
-                   max_frame: int, policy: shm.ShmPolicy) -> Link:
+                   max_frame: int, policy: shm.ShmPolicy, job: bytes) -> Link:
     peer = int(rec["rank"])
-    hs = ConnectorHandshake(cfg.name, cfg.rank, peer, cfg.world_size, cfg.secret)
+    hs = ConnectorHandshake(cfg.name, cfg.rank, peer, cfg.world_size, cfg.secret, job=job)
     if cfg.transport == "memory":
         return memory.connect(str(rec["address"]), memory.MemoryLink(events, max_frame, hs))
     mode = shm_mode(cfg)

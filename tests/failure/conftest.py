@@ -25,6 +25,8 @@ import msgpack
 import pytest
 import pytest_asyncio
 
+from aiocollect._deadline import Deadline
+from aiocollect.rendezvous import claims
 from aiocollect.rendezvous.handshake import PROTOCOL_VERSION, ConnectorHandshake
 from aiocollect.store import MemoryStore, Store
 from aiocollect.transport.wire import (
@@ -70,9 +72,12 @@ class FakePeer:
                   "transport": "tcp", "address": "127.0.0.1", "port": 9,
                   "hostname": socket.gethostname(), "boot_id": "", "pid": os.getpid(),
                   "chunk_bytes": self.chunk_bytes}
-        prefix = f"aiocollect/{self.name}/rank"
-        await self.store.set(f"{prefix}/{self.rank}", msgpack.packb(record))
-        theirs = msgpack.unpackb(await self.store.get(f"{prefix}/{peer}", timeout=timeout))
+        # Claim the rank and publish like a real rank, so the real ones accept us as theirs.
+        claim = await claims.claim(self.store, self.name, self.rank, self.world_size,
+                                   Deadline.after(timeout))
+        await claim.publish(record)
+        await claim.wait_records(Deadline.after(timeout))
+        theirs = await claim.read_record(peer)
         sock = socket.socket()
         if rcvbuf is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
@@ -84,7 +89,8 @@ class FakePeer:
             sock.close()
             raise
         self.reader, self.writer = await asyncio.open_connection(sock=sock)
-        hs = ConnectorHandshake(self.name, self.rank, peer, self.world_size, self.secret)
+        hs = ConnectorHandshake(self.name, self.rank, peer, self.world_size, self.secret,
+                                job=claim.job)
         async with asyncio.timeout(timeout):
             while True:
                 replies, done = hs.on_message(await self.read_message())

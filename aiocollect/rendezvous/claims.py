@@ -1,0 +1,414 @@
+"""Rank claims and the job nonce: one job at a time per group name on a store.
+
+Two jobs started on the same store with the same group name (two ``aiocollect run`` on one
+``--master-port``, a reused file store) would otherwise overwrite each other's records and
+form mixed groups. Every rank therefore claims its rank atomically with the store's ``add``
+(the caller whose ``add`` returns 1 holds the claim; every backend has it), and every record
+and peer handshake carries the job's random nonce.
+
+Keys, under ``P = aiocollect/<name>``::
+
+    P/epoch                 hint: the latest epoch (ASCII decimal; readers also scan forward)
+    P/claim/<e>             counter: rank 0's claim of epoch e (one epoch per job)
+    P/owner/<e>             who holds epoch e: job nonce, pid, host identity (msgpack)
+    P/done/<e>              epoch e is over (its rank 0 closed, or failed, or died)
+    P/job/<nonce>/claim/<r> counter: rank r's claim in that job (r >= 1)
+    P/job/<nonce>/owner/<r> who holds it
+    P/job/<nonce>/here/<r>  rank r's record ``P/rank/<r>`` is published for that job
+
+Rules:
+
+- Rank 0 claims the latest epoch; if it is held, it moves to the next epoch when the holder
+  is done (``P/done/<e>``) or is a dead process on this host (same hostname, boot id and pid
+  namespace: the pid is gone or belongs to a newer process); else it fails with
+  :class:`RendezvousError` naming the holder's pid and host.
+- Ranks r >= 1 wait for the latest epoch that is not done, take its nonce and claim their
+  rank within that job; a live holder of the same rank is another job: RendezvousError.
+- At close (or when its rendezvous fails) rank 0 writes ``P/done/<e>`` and deletes the
+  job's ``P/job/<nonce>/...`` keys; the three epoch keys stay (a store reused by many jobs
+  grows by three small keys per job). A job whose rank 0 was killed leaves its epoch open:
+  the next rank 0 on the same host takes it over; from another host it cannot tell a dead
+  process from a live one and refuses (use another group name, or a fresh store).
+
+What the claims guarantee: a rank that loses a claim fails, so a job all of whose ranks
+succeed formed its group from its own ranks only. When two jobs start at the same instant,
+a rank of the job whose rank 0 lost can still take a rank in the winner's job before the
+winner's own rank does; that winner's rank then fails with RendezvousError, so neither job
+succeeds (a launcher such as ``aiocollect run`` stops the rest and exits non-zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from aiocollect import errors
+from aiocollect._deadline import Deadline
+from aiocollect.errors import RendezvousError, RendezvousTimeout
+from aiocollect.store.base import Store
+
+log = logging.getLogger(__name__)
+
+JOB_BYTES = 16
+#: Longest wait for a claim holder's owner record (written right after its ``add``).
+OWNER_GRACE = 10.0
+#: Waits for peers' records are cut into slices this long, to notice a job that ended.
+SLICE = 2.0
+#: Bound on the store calls of a release (it runs while closing, maybe during an abort).
+RELEASE_TIMEOUT = 5.0
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot (tells a reused pid apart)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return ""
+    fields = stat.rsplit(")", 1)[-1].split()
+    return fields[19] if len(fields) > 19 else ""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who holds a claim: the job's nonce and the process's identity."""
+
+    job: bytes
+    pid: int
+    hostname: str
+    boot_id: str
+    pidns: str
+    start: str
+
+    @classmethod
+    def me(cls, job: bytes) -> Owner:
+        pid = os.getpid()
+        return cls(job, pid, socket.gethostname(), _boot_id(), _pid_namespace(),
+                   _start_time(pid))
+
+    def pack(self) -> bytes:
+        return bytes(msgpack.packb({"job": self.job, "pid": self.pid, "host": self.hostname,
+                                    "boot_id": self.boot_id, "pidns": self.pidns,
+                                    "start": self.start}, use_bin_type=True))
+
+    @classmethod
+    def unpack(cls, raw: bytes, key: str) -> Owner:
+        """Raises: RendezvousError: not an owner record."""
+        try:
+            d = msgpack.unpackb(raw, raw=False)
+            owner = cls(d["job"], d["pid"], d["host"], d["boot_id"], d["pidns"], d["start"])
+            ok = isinstance(owner.job, bytes) and isinstance(owner.pid, int) and all(
+                isinstance(x, str) for x in (owner.hostname, owner.boot_id, owner.pidns,
+                                             owner.start))
+        except (ValueError, KeyError, TypeError, msgpack.UnpackException):
+            ok = False
+        if not ok:
+            raise RendezvousError(f"malformed claim record at {key!r} in the store")
+        return owner
+
+    def alive(self) -> bool | None:
+        """False: certainly gone (this host and pid namespace, and the pid has exited or
+        now names a newer process, or the host rebooted); True: running here; None: cannot
+        tell (another host or pid namespace)."""
+        if self.hostname != socket.gethostname():
+            return None
+        mine = _boot_id()
+        if mine and self.boot_id and self.boot_id != mine:
+            return False
+        if self.pidns != _pid_namespace():
+            return None
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass  # alive, another user's
+        return not (self.start and _start_time(self.pid) != self.start)
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on host {self.hostname}"
+
+
+class _Keys:
+    def __init__(self, name: str) -> None:
+        self.prefix = f"aiocollect/{name}"
+        self.epoch = f"{self.prefix}/epoch"
+
+    def claim(self, e: int) -> str:
+        return f"{self.prefix}/claim/{e}"
+
+    def owner(self, e: int) -> str:
+        return f"{self.prefix}/owner/{e}"
+
+    def done(self, e: int) -> str:
+        return f"{self.prefix}/done/{e}"
+
+    def job(self, job: bytes, what: str, rank: int) -> str:
+        return f"{self.prefix}/job/{job.hex()}/{what}/{rank}"
+
+    def record(self, rank: int) -> str:
+        return f"{self.prefix}/rank/{rank}"
+
+
+@dataclass
+class Claim:
+    """This rank's claim in group ``name``: ``job`` is the nonce every record and handshake
+    of the group carries; ``holder`` is rank 0's owner record."""
+
+    store: Store
+    name: str
+    rank: int
+    world_size: int
+    epoch: int
+    job: bytes
+    holder: Owner
+    released: bool = False
+
+    @property
+    def keys(self) -> _Keys:
+        return _Keys(self.name)
+
+    async def publish(self, record: dict[str, Any]) -> None:
+        """Publish this rank's rendezvous record (with the job nonce) and mark it present."""
+        k = self.keys
+        await self.store.set(k.record(self.rank), bytes(msgpack.packb(
+            {**record, "job": self.job}, use_bin_type=True)))
+        await self.store.set(k.job(self.job, "here", self.rank), b"1")
+
+    async def wait_records(self, deadline: Deadline) -> None:
+        """Wait until every rank of this job has published its record.
+
+        Raises:
+            RendezvousTimeout: some ranks did not publish in time (``missing`` names them).
+            RendezvousError: (ranks >= 1) rank 0 ended the job before the group formed.
+        """
+        k = self.keys
+        world_size = self.world_size
+        keys = [k.job(self.job, "here", r) for r in range(world_size)]
+        while True:
+            remaining = deadline.remaining()
+            slice_ = SLICE if remaining is None else min(SLICE, remaining)
+            try:
+                await self.store.wait(keys, timeout=slice_)
+                return
+            except errors.StoreTimeout:
+                pass
+            ended = self.rank != 0 and await _exists(self.store, k.done(self.epoch))
+            if not ended and not deadline.expired():
+                continue
+            present = await self.store.check(keys)
+            missing = [r for r, ok in enumerate(present) if not ok]
+            msg = (f"rank {self.rank}: ranks {missing} of group {self.name!r} never arrived "
+                   f"(world size {world_size})")
+            if ended:
+                why = await self.store.get(k.done(self.epoch), timeout=0)
+                msg += (f"; rank 0 ({self.holder.describe()}) ended the job before the group "
+                        f"formed: {why.decode(errors='replace')}")
+            raise RendezvousTimeout(msg, missing)
+
+    async def read_record(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s record of this job.
+
+        Raises:
+            RendezvousError: malformed, or it belongs to another job (the store's key was
+                overwritten by a rank of another job).
+        """
+        key = self.keys.record(rank)
+        try:
+            rec = msgpack.unpackb(await self.store.get(key, timeout=0), raw=False)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise RendezvousError(f"malformed rendezvous record for rank {rank}: {exc}") from None
+        except errors.StoreTimeout:
+            raise RendezvousError(f"the rendezvous record of rank {rank} of group "
+                                  f"{self.name!r} disappeared from the store") from None
+        if not isinstance(rec, dict):
+            raise RendezvousError(f"malformed rendezvous record for rank {rank}")
+        if rec.get("job") != self.job:
+            raise RendezvousError(
+                f"the rendezvous record of rank {rank} of group {self.name!r} belongs to "
+                f"another job (pid {rec.get('pid')} on host {rec.get('hostname')}): "
+                "another job on the same store?")
+        return rec
+
+    async def release(self, reason: str = "closed") -> None:
+        """Give the claim back (rank 0: mark the epoch done with ``reason`` and delete the
+        job's keys; other ranks hold nothing to release). Best effort and idempotent: store
+        failures are logged, never raised; bounded by RELEASE_TIMEOUT."""
+        if self.released or self.rank != 0:
+            self.released = True
+            return
+        self.released = True
+        k = self.keys
+        try:
+            async with asyncio.timeout(RELEASE_TIMEOUT):
+                await self.store.set(k.done(self.epoch), reason.encode(errors="replace"))
+                await self._delete_job_keys()
+        except (errors.AiocollectError, TimeoutError, OSError) as exc:
+            log.debug("group %r: could not release rank 0's claim: %s", self.name, exc)
+
+    async def _delete_job_keys(self) -> None:
+        k = self.keys
+        await asyncio.gather(*(self.store.delete(k.job(self.job, what, r))
+                               for r in range(self.world_size)
+                               for what in ("claim", "owner", "here")))
+
+
+async def _exists(store: Store, key: str) -> bool:
+    return (await store.check([key]))[0]
+
+
+async def _latest(store: Store, k: _Keys) -> int:
+    """The latest epoch that has a claim (0 when none has)."""
+    e = 0
+    if await _exists(store, k.epoch):
+        with contextlib.suppress(ValueError, errors.StoreTimeout):
+            e = max(0, int(await store.get(k.epoch, timeout=0)))
+    while await _exists(store, k.claim(e + 1)):
+        e += 1
+    return e
+
+
+async def _owner(store: Store, key: str, deadline: Deadline, name: str, what: str) -> Owner:
+    """The owner record at ``key`` (written right after its claim), waiting up to
+    OWNER_GRACE.
+
+    Raises:
+        RendezvousError: it never appeared (the claimant died between claim and record).
+    """
+    remaining = deadline.remaining()
+    grace = OWNER_GRACE if remaining is None else min(OWNER_GRACE, max(remaining, 0.1))
+    try:
+        raw = await store.get(key, timeout=grace)
+    except errors.StoreTimeout:
+        raise RendezvousError(
+            f"{what} of group {name!r} is claimed, but its claimant never said who it is "
+            f"(it may have died while claiming): delete the store's keys "
+            f"'aiocollect/{name}/...' or use another group name") from None
+    return Owner.unpack(raw, key)
+
+
+async def _wait_key(store: Store, key: str, deadline: Deadline, rank: int, name: str,
+                    why: str = "") -> None:
+    try:
+        await store.wait([key], timeout=deadline.remaining())
+    except errors.StoreTimeout:
+        raise RendezvousTimeout(
+            f"rank {rank}: rank 0 of group {name!r} never arrived (it claims rank 0 first; "
+            f"the other ranks wait for it){why}", [0]) from None
+
+
+def _conflict(rank: int, name: str, holder: Owner) -> RendezvousError:
+    return RendezvousError(
+        f"rank {rank} of group {name!r} is already claimed by {holder.describe()}: another "
+        f"job on the same store? (give each job its own store or port, or another group "
+        f"name; if that process is gone, a claim from another host is not taken over: "
+        f"use another group name or a fresh store)")
+
+
+async def claim(store: Store, name: str, rank: int, world_size: int,
+                deadline: Deadline) -> Claim:
+    """Claim ``rank`` of group ``name`` on ``store`` for this process (see the module
+    docstring for the rules).
+
+    Returns:
+        The claim; ``release()`` it when the group closes or fails.
+
+    Raises:
+        RendezvousError: the rank is held by a live process of another job (pid and host
+            named), or a claim record is malformed.
+        RendezvousTimeout: (ranks >= 1) rank 0 never claimed before the deadline.
+        StoreError: the store failed.
+
+    Cancellation may leave a claim taken; it stays until its pid is seen dead.
+    """
+    k = _Keys(name)
+    if rank == 0:
+        return await _claim_first(store, k, name, world_size, deadline)
+    e = -1
+    while True:
+        e, holder = await _current_job(store, k, name, rank, deadline, after=e)
+        me = Owner.me(holder.job)
+        n = await store.add(k.job(holder.job, "claim", rank), 1)
+        if n == 1:
+            await store.set(k.job(holder.job, "owner", rank), me.pack())
+            if not await _exists(store, k.done(e)):
+                return Claim(store, name, rank, world_size, e, holder.job, holder)
+            # That job ended (and cleaned up) before we claimed: our claim is an orphan.
+            for what in ("claim", "owner"):
+                await store.delete(k.job(holder.job, what, rank))
+            continue
+        other = await _owner(store, k.job(holder.job, "owner", rank), deadline, name,
+                             f"rank {rank}")
+        if await _exists(store, k.done(e)):
+            continue  # that job is over; wait for the next one
+        if other.alive() is False:
+            # That job lost its rank `rank`; it cannot form. Its rank 0 (or a successor that
+            # takes over) ends the epoch; then look again.
+            log.warning("group %r: rank %d was claimed by %s, which has exited; waiting for "
+                        "rank 0 of its job (%s) to end it", name, rank, other.describe(),
+                        holder.describe())
+            await _wait_key(store, k.claim(e + 1), deadline, rank, name,
+                            f"; the last job's rank {rank} ({other.describe()}) has exited "
+                            f"but its rank 0 ({holder.describe()}) did not end that job")
+            continue
+        raise _conflict(rank, name, other)
+
+
+async def _claim_first(store: Store, k: _Keys, name: str, world_size: int,
+                       deadline: Deadline) -> Claim:
+    me = Owner.me(os.urandom(JOB_BYTES))
+    e = await _latest(store, k)
+    while True:
+        if await store.add(k.claim(e), 1) == 1:
+            await store.set(k.owner(e), me.pack())
+            await store.set(k.epoch, str(e).encode("ascii"))
+            return Claim(store, name, 0, world_size, e, me.job, me)
+        holder = await _owner(store, k.owner(e), deadline, name, "rank 0")
+        if await _exists(store, k.done(e)):
+            e += 1
+            continue
+        if holder.alive() is False:
+            log.warning("group %r: taking over rank 0 from %s, which has exited", name,
+                        holder.describe())
+            await store.set(k.done(e), b"taken over by " + me.describe().encode())
+            e += 1
+            continue
+        raise _conflict(0, name, holder)
+
+
+async def _current_job(store: Store, k: _Keys, name: str, rank: int, deadline: Deadline,
+                       after: int) -> tuple[int, Owner]:
+    """The latest epoch after ``after`` that is not done, and its holder; waits for rank 0
+    to claim one."""
+    e = max(await _latest(store, k), after + 1)
+    while True:
+        await _wait_key(store, k.claim(e), deadline, rank, name)
+        while await _exists(store, k.claim(e + 1)):
+            e += 1
+        holder = await _owner(store, k.owner(e), deadline, name, "rank 0")
+        if await _exists(store, k.done(e)) or holder.alive() is False:
+            e += 1
+            continue
+        return e, holder
