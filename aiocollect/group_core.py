@@ -21,8 +21,8 @@ from aiocollect.engine.fabric import Fabric
 from aiocollect.engine.op import Op
 from aiocollect.engine.small import Schedule, Step
 from aiocollect.errors import (
-    AiocollectError,
     GroupBrokenError,
+    MismatchError,
     PeerTimeout,
     UsageError,
 )
@@ -35,6 +35,18 @@ T = TypeVar("T")
 DEFAULT_CHUNK_BYTES = 1 << 20
 #: Seconds a timed-out operation waits for peers to answer a liveness probe.
 PROBE_SECONDS = 0.5
+#: An operation still waiting after this many seconds asks its peers which operation they
+#: called at its sequence number (a PING, answered by their event loops): ranks that
+#: disagree then raise MismatchError instead of waiting for the deadline. Asked again at
+#: 2, 4, 8 ... seconds (at most every ``CHECK_MAX`` s) while peers have not called it yet.
+CHECK_SECONDS = 1.0
+CHECK_MAX = 30.0
+#: An operation with no byte received or sent on its links for this long logs a WARNING
+#: naming it and the ranks not heard from, again after 2x, 4x ... that interval (at most
+#: every 5 minutes); at most a quarter of its timeout.
+PROGRESS_SECONDS = 30.0
+#: Seconds ``aclose`` waits for the peers' GOODBYE (to compare what every rank called).
+CLOSE_WAIT = 5.0
 
 
 class GroupCore:
@@ -51,7 +63,10 @@ class GroupCore:
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
         self._seq = 0
-        self._tasks: set[asyncio.Future[Any]] = set()  # handles (and helper tasks) in flight
+        # handles (and helper tasks: None) in flight, with what the progress ticker needs
+        self._tasks: dict[asyncio.Future[Any], _Watched | None] = {}
+        self._tick_handle: asyncio.TimerHandle | None = None
+        self._progress: dict[asyncio.Future[Any], _Progress] = {}
         self._children: list[GroupCore] = []
         self._parent = parent
         self._closed = False
@@ -137,15 +152,21 @@ class GroupCore:
         op, timeout = self._new_op(kind, fp, timeout, p2p)
         loop = asyncio.get_running_loop()
         task = loop.create_task(self._run(kind, op, body, timeout, p2p is None))
-        self._track(task)
+        self._tasks[task] = (op, kind, loop.time(), timeout)
+        task.add_done_callback(self._untrack)
+        if self._tick_handle is None:
+            self._tick_handle = loop.call_later(CHECK_SECONDS, self._tick, loop)
         if timeout is not None:
             self._watch(loop, loop.time() + timeout, task, op)
         return task
 
     def _track(self, fut: asyncio.Future[Any]) -> None:
         """Count ``fut`` as in flight (aclose waits for it) until it is done."""
-        self._tasks.add(fut)
-        fut.add_done_callback(self._tasks.discard)
+        self._tasks[fut] = None
+        fut.add_done_callback(self._untrack)
+
+    def _untrack(self, fut: asyncio.Future[Any]) -> None:
+        self._tasks.pop(fut, None)
 
     def _schedule(self, kind: str, fp: tuple[int, int, int, int, int],
                   build: Callable[[Op], list[Step]], result: Any,
@@ -157,8 +178,10 @@ class GroupCore:
         handle: asyncio.Future[Any] = loop.create_future()
         sched = Schedule(self, kind, op, build(op), handle, result, timeout)
         handle.add_done_callback(sched.on_done)  # also drops it from _tasks
-        self._tasks.add(handle)
+        self._tasks[handle] = (op, kind, loop.time(), timeout)
         loop.call_soon(sched.start)
+        if self._tick_handle is None:
+            self._tick_handle = loop.call_later(CHECK_SECONDS, self._tick, loop)
         if timeout is not None:
             self._watch(loop, loop.time() + timeout, handle, sched)
         return handle
@@ -229,30 +252,38 @@ class GroupCore:
                     err = await self._timeout_error(kind, op, timeout)
                     fabric.fail(err)  # no-op if a peer's ABORT arrived while probing
                 assert fabric.failure is not None
-                raise fabric.failure from None
+                raise fabric.failure from fabric.failure.__cause__
             if op.moved_data():
                 fabric.fail(GroupBrokenError(
                     f"{kind} (op #{op.seq}) was cancelled on rank {self.rank} with data "
                     "in flight"))
             raise
-        except AiocollectError as exc:
-            cause = fabric.cause(exc)
-            if cause is not exc:  # the group broke first: report the cause, as every rank does
-                raise cause from None
+        except Exception as exc:
+            # Not an aiocollect error: a bug, wrapped (InternalError) and breaking the group
+            # on every rank all the same.
+            cause = fabric.cause(op.wrap(kind, exc))
+            if cause is not exc:  # the group broke first (or it was wrapped): report that
+                raise cause from cause.__cause__  # keep the cause's own __cause__
             raise
         finally:
             op.abandon()
             if registered:
                 fabric.unregister(self._gid, op.seq)
 
-    async def _timeout_error(self, kind: str, op: Op, timeout: float | None) -> PeerTimeout:
+    async def _timeout_error(self, kind: str, op: Op,
+                             timeout: float | None) -> PeerTimeout | MismatchError:
         """Name the ranks to blame: those that do not answer a liveness probe, else those
-        that have not called this operation, else those it was still waiting for."""
+        that have not called this operation, else those it was still waiting for. A peer
+        that called another operation at this sequence number makes it a MismatchError."""
         waited = op.silent_peers()
         others = [r for r in self._ranks if r != self._fabric.rank]
         absent: list[int] = []
         if op.kind == DATA:
-            dead, absent = await self._fabric.survey(others, PROBE_SECONDS, self._gid, op.seq)
+            dead, absent, fps = await self._fabric.survey(others, PROBE_SECONDS, self._gid,
+                                                          op.seq)
+            mismatch = self._fabric.check_fingerprints(self._gid, op.seq, fps, self._ranks)
+            if mismatch is not None:
+                return mismatch
         else:  # point to point: no operation number to ask about
             dead = await self._fabric.probe(others, PROBE_SECONDS)
         if dead:
@@ -264,6 +295,82 @@ class GroupCore:
         return PeerTimeout(
             f"{kind} (op #{op.seq} of group {self.name!r}) on rank {self.rank} timed out "
             f"after {timeout:g} s: ranks {silent} {how}", silent)
+
+    # -- seeing progress (and mismatches) while an operation waits ------------------------
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Every ``TICK`` s while operations are in flight: operations older than
+        ``CHECK_SECONDS`` ask their peers what they called (:meth:`_check`); operations
+        without progress for their interval log a WARNING."""
+        self._tick_handle = None
+        if self.closed or self._fabric.failure is not None:
+            self._progress.clear()
+            return
+        now = loop.time()
+        live = False
+        for fut, info in list(self._tasks.items()):
+            if info is None or fut.done():
+                continue
+            live = True
+            op, kind, started, timeout = info
+            age = now - started
+            if age < CHECK_SECONDS:
+                continue
+            st = self._progress.get(fut)
+            if st is None:
+                st = self._progress[fut] = _Progress(_progress_token(op), age, timeout)
+            if op.kind == DATA and not st.checking and age >= st.next_check:
+                st.checking = True
+                self._track(loop.create_task(self._check(op, st, loop)))
+            if age >= st.next_warn:
+                token = _progress_token(op)
+                if token == st.token:
+                    self._warn_stalled(kind, op, st, now - st.since, timeout, age)
+                    st.warn_every = min(st.warn_every * 2, 300.0)
+                else:
+                    st.token, st.since = token, now
+                st.next_warn = age + st.warn_every
+        for fut in [f for f in self._progress if f.done()]:
+            del self._progress[fut]
+        if live:
+            self._tick_handle = loop.call_later(TICK, self._tick, loop)
+
+    async def _check(self, op: Op, st: _Progress, loop: asyncio.AbstractEventLoop) -> None:
+        """Ask the peers which operation they called at ``op``'s sequence number; one that
+        called another breaks the group with MismatchError (on every rank, by the ABORT)."""
+        fabric = self._fabric
+        try:
+            others = [r for r in op.ranks if r != fabric.rank]
+            dead, absent, fps = await fabric.survey(others, PROBE_SECONDS, self._gid, op.seq)
+            if fabric.failure is not None:
+                return
+            err = fabric.check_fingerprints(self._gid, op.seq, fps, self._ranks)
+            if err is not None:
+                fabric.fail(err)
+                return
+            st.absent = [self._ranks.index(r) for r in absent]
+            st.dead = [self._ranks.index(r) for r in dead]
+            if dead or absent or len(fps) < len(others):
+                st.check_every = min(st.check_every * 2, CHECK_MAX)
+                st.next_check += st.check_every
+            else:  # every peer called this very operation: nothing to disagree about
+                st.next_check = float("inf")
+        finally:
+            st.checking = False
+
+    def _warn_stalled(self, kind: str, op: Op, st: _Progress, stalled: float,
+                      timeout: float | None, age: float) -> None:
+        what = (f"op #{op.seq} of group {self.name!r}" if op.kind == DATA
+                else f"point to point, group {self.name!r}")
+        parts = [f"waiting for ranks {op.silent_peers()}"]
+        if st.dead:
+            parts.append(f"ranks {st.dead} did not answer a ping")
+        if st.absent:
+            parts.append(f"ranks {st.absent} have not called it")
+        end = ("no timeout" if timeout is None
+               else f"it times out in {max(timeout - age, 0):.0f} s (timeout={timeout:g})")
+        log.warning("%s (%s) on rank %d: no progress for %.0f s; %s; %s", kind, what,
+                    self.rank, stalled, "; ".join(parts), end)
 
     def _next_send(self, dst: int, tag: int) -> int:
         n = self._send_counters[(dst, tag)]
@@ -278,9 +385,16 @@ class GroupCore:
     # -- closing ---------------------------------------------------------------------------
 
     async def aclose(self, timeout: float | None = 30.0) -> None:
-        """Wait for in-flight operations (up to ``timeout``), say goodbye to every peer and
-        release links, listener and owned store. Idempotent; never raises for a clean close.
-        Closing the world group closes its sub-groups."""
+        """Wait for in-flight operations (up to ``timeout``), say goodbye to every peer,
+        wait (up to ``CLOSE_WAIT`` s, at most ``timeout``) for theirs, and release links,
+        listener and owned store. Idempotent; never raises for a clean close. Closing the
+        world group closes its sub-groups.
+
+        Raises:
+            MismatchError: the ranks called different operations and no operation of this
+                rank has reported it yet (its operations all succeeded): found by the close
+                handshake, or relayed by a peer while this rank waited.
+        """
         if self._closed:
             return
         if self._tasks and self._fabric.failure is None:
@@ -296,8 +410,17 @@ class GroupCore:
             child._unwatch()
         if self._parent is not None:
             return
-        if self._fabric.failure is None:
-            self._fabric.goodbye()
+        fabric = self._fabric
+        if fabric.failure is None:
+            # Close handshake: every rank's GOODBYE carries a digest of the operations it
+            # called; a difference is a mismatch no frame revealed (e.g. a root mixed up
+            # on a rank that only sends).
+            fabric.goodbye()
+            wait = CLOSE_WAIT if timeout is None else min(CLOSE_WAIT, timeout)
+            mismatch = await fabric.farewell(wait)
+            if mismatch is not None:
+                fabric.fail(mismatch)
+        fabric.close_links()
         for fn in self._sync_closers:
             fn()
         for closer in self._closers:
@@ -305,16 +428,32 @@ class GroupCore:
                 await closer()
             except Exception as exc:
                 log.debug("error while closing group %r: %s", self.name, exc)
+        failure = fabric.failure
+        if isinstance(failure, MismatchError) and not fabric.reported:
+            # this rank's operations all succeeded, but the ranks disagreed about one
+            fabric.reported = True
+            raise failure
 
-    def abort(self) -> None:
+    def abort(self, reason: BaseException | None = None) -> None:
         """Break the group now on every rank (peers get GroupBrokenError promptly) and
-        release its links. Never blocks; pending handles fail with GroupBrokenError."""
+        release its links. Never blocks; pending handles fail with GroupBrokenError.
+
+        Args:
+            reason: the exception that made this rank give up, if any: its type and
+                message go to the peers ("rank 2 raised KeyError: 'missing'")."""
         root = self
         while root._parent is not None:
             root = root._parent
         if root._closed and self._closed:
             return
-        self._fabric.fail(GroupBrokenError(f"group {self.name!r} aborted on rank {self.rank}"))
+        if reason is None:
+            exc = GroupBrokenError(f"group {self.name!r} aborted on rank {self.rank}")
+        else:
+            exc = GroupBrokenError(f"rank {self.rank} raised {_describe(reason)} (group "
+                                   f"{self.name!r} aborted)")
+            exc.raised = True  # type: ignore[attr-defined]
+            exc.__cause__ = reason
+        self._fabric.fail(exc)
         root._closed = True
         root._unwatch()
         for child in root._children:
@@ -327,3 +466,38 @@ class GroupCore:
             task = loop.create_task(closer())
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
         root._closers.clear()
+
+
+#: Seconds between two looks of the progress ticker at the operations in flight.
+TICK = 0.5
+
+_Watched = tuple[Op, str, float, "float | None"]
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _progress_token(op: Op) -> tuple[int, int]:
+    """Changes whenever ``op`` posts or completes a receive (for stall warnings)."""
+    return len(op.pending), sum(1 for _, _, fut in op.pending if fut.done())
+
+
+class _Progress:
+    """What the ticker knows of one operation in flight for more than CHECK_SECONDS."""
+
+    __slots__ = ("absent", "check_every", "checking", "dead", "next_check", "next_warn",
+                 "since", "token", "warn_every")
+
+    def __init__(self, token: tuple[int, int], age: float, timeout: float | None) -> None:
+        self.token = token
+        self.since = asyncio.get_running_loop().time() - age
+        self.checking = False
+        self.check_every = CHECK_SECONDS
+        self.next_check = CHECK_SECONDS
+        every = PROGRESS_SECONDS if timeout is None else min(PROGRESS_SECONDS, timeout / 4)
+        self.warn_every = max(every, TICK)
+        self.next_warn = self.warn_every
+        self.absent: list[int] = []
+        self.dead: list[int] = []

@@ -36,10 +36,15 @@ DONE_MEMORY = 4096
 #: PINGs and never reads cannot make this rank queue PONGs without bound.
 PONG_BACKLOG = 16 * 1024 * 1024
 #: A PING's payload: an 8-byte token, optionally followed by this question, "have you
-#: called operation ``seq`` of group ``gid``?" — its PONG echoes the payload and appends
-#: one byte, 1 (yes) or 0 (no). The token alone is just echoed.
+#: called operation ``seq`` of group ``gid``, and with which fingerprint?" — its PONG echoes
+#: the payload and appends one byte, 1 (yes) or 0 (no), after a yes the fingerprint
+#: (``_FINGERPRINT``) when this rank still remembers it. The token alone is just echoed.
 _CALLED_QUERY = struct.Struct("<IQ")
+_FINGERPRINT = struct.Struct("<qqqqq")
 _TOKEN = 8
+#: Fingerprints of the last operations per group a GOODBYE carries (to name the operation
+#: when the close handshake finds that ranks disagreed).
+GOODBYE_RECENT = 16
 
 
 def describe_fingerprint(fp: Fingerprint) -> str:
@@ -65,7 +70,17 @@ class Fabric:
         self.closing = False
         self._active: dict[tuple[int, int], Fingerprint] = {}
         self._started: dict[int, int] = {}
-        self._early: dict[tuple[int, int], list[tuple[int, Fingerprint]]] = {}
+        # (gid, seq) -> {peer: fingerprint} of frames that came before this rank's call: one
+        # entry per peer however many frames it sends (every frame of an op carries its
+        # fingerprint), counted in the link's staging cap (transport.base.STAGED_FRAME_COST)
+        self._early: dict[tuple[int, int], dict[int, Fingerprint]] = {}
+        # running digest of the fingerprints registered per group, in sequence order: the
+        # close handshake compares them (a mismatch no frame revealed, see aclose)
+        self._digests: dict[int, int] = {}
+        #: Whether the first failure has been raised to the user on this rank (aclose
+        #: raises a MismatchError nobody has seen yet).
+        self.reported = False
+        self._close_waiters: list[asyncio.Future[None]] = []
         self._done: OrderedDict[tuple[int, int], Fingerprint] = OrderedDict()
         self._p2p_waiters: list[asyncio.Future[None]] = []
         self._pongs: dict[tuple[int, bytes], asyncio.Future[bytes]] = {}
@@ -78,7 +93,11 @@ class Fabric:
         """Record this rank's operation at (gid, seq) and check frames that came early."""
         self._active[(gid, seq)] = fp
         self._started[gid] = max(seq, self._started.get(gid, -1))
-        for peer, theirs in self._early.pop((gid, seq), ()):
+        self._digests[gid] = hash((self._digests.get(gid, 0), fp))
+        early = self._early.pop((gid, seq), None)
+        if early is None:
+            return
+        for peer, theirs in early.items():
             if theirs != fp:
                 self.fail(self._mismatch(gid, seq, fp, peer, theirs, ranks))
                 return
@@ -91,6 +110,12 @@ class Fabric:
             self._done[(gid, seq)] = fp
             if len(self._done) > DONE_MEMORY:
                 self._done.popitem(last=False)
+
+    def fingerprint(self, gid: int, seq: int) -> Fingerprint | None:
+        """This rank's fingerprint of operation ``seq`` of group ``gid``, if it is in
+        flight or among the last ``DONE_MEMORY`` finished."""
+        key = (gid, seq)
+        return self._active.get(key) or self._done.get(key)
 
     def _mismatch(self, gid: int, seq: int, mine: Fingerprint, peer: int, theirs: Fingerprint,
                   ranks: list[int] | None = None) -> MismatchError:
@@ -116,7 +141,17 @@ class Fabric:
             if h.seq <= self._started.get(h.gid, -1):
                 raise ProtocolError(
                     f"rank {link.peer} sent a frame for finished operation #{h.seq}")
-            self._early.setdefault(key, []).append((link.peer, h.fingerprint))
+            early = self._early.get(key)
+            if early is None:
+                self._early[key] = {link.peer: h.fingerprint}
+                return
+            seen = early.get(link.peer)
+            if seen is None:
+                early[link.peer] = h.fingerprint
+            elif seen != h.fingerprint:
+                raise ProtocolError(
+                    f"{link.describe()} sent frames of operation #{h.seq} with different "
+                    "fingerprints")
             return
         if mine != h.fingerprint:
             raise self._mismatch(h.gid, h.seq, mine, link.peer, h.fingerprint)
@@ -124,6 +159,10 @@ class Fabric:
     def on_control(self, link: Link, kind: int, payload: bytes) -> None:
         if kind == GOODBYE:
             link.goodbye_received = True
+            link.goodbye_digests = _decode_goodbye(payload)
+            # The peer sends no more frames: what still waits for one from it never gets it.
+            link.fail(GroupBrokenError(f"rank {link.peer} closed the group"), drop_early=False)
+            self._wake_closers()
             return
         if kind == PING:
             if not link.closed and link.write_buffer_size() < PONG_BACKLOG:
@@ -143,6 +182,7 @@ class Fabric:
         self.fail(exc)
 
     def on_lost(self, link: Link, exc: BaseException | None) -> None:
+        self._wake_closers()
         if self.failure is not None or self.closing:
             return
         if link.goodbye_received:
@@ -164,14 +204,33 @@ class Fabric:
         return sorted(p for p, reply in replies.items() if reply is None)
 
     async def survey(self, peers: list[int], timeout: float, gid: int,
-                     seq: int) -> tuple[list[int], list[int]]:
+                     seq: int) -> tuple[list[int], list[int], dict[int, Fingerprint]]:
         """Like :meth:`probe`, also asking whether each peer has called operation ``seq``
-        of group ``gid``. Returns (peers that did not answer, peers that answered no)."""
+        of group ``gid``, and with which fingerprint. Returns (peers that did not answer,
+        peers that answered no, the fingerprints of the peers that called it and still
+        remember it)."""
         query = _CALLED_QUERY.pack(gid, seq)
         replies = await self._ping(peers, timeout, query)
         dead = sorted(p for p, reply in replies.items() if reply is None)
         absent = sorted(p for p, reply in replies.items() if reply == b"\x00")
-        return dead, absent
+        fps: dict[int, Fingerprint] = {}
+        for p, reply in replies.items():
+            if reply is not None and len(reply) == 1 + _FINGERPRINT.size and reply[0] == 1:
+                coll, dtype, count, op, root = _FINGERPRINT.unpack_from(reply, 1)
+                fps[p] = (coll, dtype, count, op, root)
+        return dead, absent, fps
+
+    def check_fingerprints(self, gid: int, seq: int, fps: dict[int, Fingerprint],
+                           ranks: list[int]) -> MismatchError | None:
+        """The MismatchError naming this rank's operation ``seq`` and the first peer (world
+        rank) in ``fps`` that called another one, if any."""
+        mine = self.fingerprint(gid, seq)
+        if mine is None:
+            return None
+        for peer in sorted(fps):
+            if fps[peer] != mine:
+                return self._mismatch(gid, seq, mine, peer, fps[peer], ranks)
+        return None
 
     async def _ping(self, peers: list[int], timeout: float,
                     query: bytes) -> dict[int, bytes | None]:
@@ -204,7 +263,10 @@ class Fabric:
         if len(ping) != _TOKEN + _CALLED_QUERY.size:
             return b""
         gid, seq = _CALLED_QUERY.unpack_from(ping, _TOKEN)
-        return b"\x01" if self._started.get(gid, -1) >= seq else b"\x00"
+        if self._started.get(gid, -1) < seq:
+            return b"\x00"
+        fp = self.fingerprint(gid, seq)
+        return b"\x01" if fp is None else b"\x01" + _FINGERPRINT.pack(*fp)
 
     # -- any-source receives ---------------------------------------------------------------
 
@@ -232,6 +294,7 @@ class Fabric:
         consequence, such as a link closed under the operation)."""
         self.fail(exc)
         assert self.failure is not None
+        self.reported = True
         return self.failure
 
     def fail(self, exc: BaseException, notify: bool = True) -> None:
@@ -240,6 +303,9 @@ class Fabric:
         if self.failure is not None:
             return
         self.failure = exc
+        # release what only a healthy group needs (a flood of early frames leaves no trace)
+        self._early.clear()
+        self._done.clear()
         level = logging.INFO if isinstance(exc, GroupBrokenError) else logging.WARNING
         log.log(level, "group broken on rank %d: %s: %s", self.rank, type(exc).__name__, exc)
         payload = _encode_abort(self.rank, exc) if notify else b""
@@ -260,22 +326,114 @@ class Fabric:
         self._p2p_waiters.clear()
         for callback in list(self.on_break):
             callback(exc)
+        self._wake_closers()
 
     def check(self) -> None:
         """Raise GroupBrokenError (caused by the first failure) if the fabric is broken."""
         if self.failure is not None:
+            self.reported = True
             raise GroupBrokenError(
                 f"the group is broken: {type(self.failure).__name__}: {self.failure}"
             ) from self.failure
 
     def goodbye(self) -> None:
-        """Tell every peer this rank closes cleanly, then close the links."""
+        """Tell every peer this rank closes cleanly: a GOODBYE carrying the digest of the
+        operations this rank called (links stay open: see :meth:`farewell`)."""
         self.closing = True
+        payload = self._goodbye_payload()
         for link in list(self.links.values()):
             if not link.closed:
                 with contextlib.suppress(errors.AiocollectError):
-                    link.send(control_header(GOODBYE, 0), b"")
+                    link.send(control_header(GOODBYE, len(payload)), payload)
+
+    async def farewell(self, timeout: float) -> MismatchError | None:
+        """After :meth:`goodbye`: wait up to ``timeout`` seconds until every peer said
+        goodbye too, disconnected, or the fabric broke (an ABORT), then compare the peers'
+        digests with this rank's. Returns the MismatchError if two ranks called different
+        operations (the caller breaks the fabric with it), else None; peers still silent
+        at the timeout are not compared (they compare ours when they close)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while self.failure is None and not all(
+                link.goodbye_received or link.closed for link in self.links.values()):
+            left = end - loop.time()
+            if left <= 0:
+                break
+            fut: asyncio.Future[None] = loop.create_future()
+            self._close_waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, left)
+            except TimeoutError:
+                break
+            finally:
+                if fut in self._close_waiters:
+                    self._close_waiters.remove(fut)
+        if self.failure is not None:
+            return None
+        for peer, link in sorted(self.links.items()):
+            theirs = link.goodbye_digests
+            if theirs is not None:
+                err = self._compare_digests(peer, theirs)
+                if err is not None:
+                    return err
+        return None
+
+    def close_links(self) -> None:
+        """Close every link gracefully (flush, half-close)."""
+        self.closing = True
+        for link in list(self.links.values()):
             link.close()
+
+    def _wake_closers(self) -> None:
+        waiters, self._close_waiters = self._close_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _goodbye_payload(self) -> bytes:
+        recent: dict[int, list[list[int]]] = {}
+        for (gid, seq) in reversed(self._done):
+            entries = recent.setdefault(gid, [])
+            if len(entries) < GOODBYE_RECENT:
+                entries.append([seq, *self._done[(gid, seq)]])
+        groups = {gid: [self._started[gid] + 1, digest, recent.get(gid, [])]
+                  for gid, digest in self._digests.items()}
+        return bytes(msgpack.packb(groups, use_bin_type=True))
+
+    def _compare_digests(self, peer: int, theirs: dict[int, tuple[int, int, list[Any]]]
+                         ) -> MismatchError | None:
+        """The MismatchError if ``peer``'s GOODBYE shows other operations than this rank
+        called, in a group both are members of (the world group, and sub-groups both have
+        used)."""
+        for gid in sorted(set(theirs) | {0}):
+            if gid not in self._digests and gid != 0:
+                continue
+            count, digest, recent = theirs.get(gid, (0, 0, []))
+            mine_count = self._started.get(gid, -1) + 1
+            if (count, digest) == (mine_count, self._digests.get(gid, 0)):
+                continue
+            where = "" if gid == 0 else f" of sub-group {gid:#x}"
+            for entry in recent:
+                try:
+                    seq, theirs_fp = int(entry[0]), tuple(int(x) for x in entry[1:6])
+                except (TypeError, ValueError, IndexError):
+                    continue
+                mine = self._done.get((gid, seq))
+                if mine is not None and len(theirs_fp) == 5 and mine != theirs_fp:
+                    return MismatchError(
+                        f"operation #{seq}{where}: rank {self.rank} called "
+                        f"{describe_fingerprint(mine)} but rank {peer} called "
+                        f"{describe_fingerprint(theirs_fp)}"
+                        " (found when the group closed)")
+            if count != mine_count:
+                return MismatchError(
+                    f"the group closed{where} after rank {self.rank} called {mine_count} "
+                    f"collective operations but rank {peer} called {count}")
+            return MismatchError(
+                f"the group closed{where} after {count} collective operations, but ranks "
+                f"{self.rank} and {peer} called different ones (the operation is older than "
+                f"the last {GOODBYE_RECENT} each remembers)")
+        return None
 
     def abort_links(self) -> None:
         self.closing = True
@@ -291,11 +449,25 @@ _ABORT_CLASSES: dict[str, type[errors.AiocollectError]] = {
 }
 
 
+def _decode_goodbye(payload: bytes) -> dict[int, tuple[int, int, list[Any]]] | None:
+    """A GOODBYE's digests by group id (None if it carries none or is malformed: the
+    close then compares nothing with that peer)."""
+    if not payload:
+        return None
+    try:
+        groups = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        return {int(gid): (int(v[0]), int(v[1]), list(v[2])) for gid, v in groups.items()}
+    except Exception:
+        return None
+
+
 def _encode_abort(rank: int, exc: BaseException) -> bytes:
     relayed = getattr(exc, "abort_info", None)
     if isinstance(relayed, dict):
         return bytes(msgpack.packb(relayed, use_bin_type=True))
     info: dict[str, Any] = {"rank": rank, "type": type(exc).__name__, "message": str(exc)}
+    if getattr(exc, "raised", None):
+        info["raised"] = True  # the message names the user's exception: relay it as is
     if isinstance(exc, errors.PeerTimeout):
         info["ranks"] = list(exc.ranks)
     elif isinstance(exc, errors.PeerError) and exc.rank is not None:
@@ -312,7 +484,8 @@ def _decode_abort(peer: int, payload: bytes) -> BaseException:
         ranks = [int(r) for r in info.get("ranks", [])]
     except Exception:
         return ProtocolError(f"rank {peer} sent a malformed ABORT frame")
-    text = f"rank {origin} aborted the group: {message}"
+    text = message if info.get("raised") is True and message.startswith(f"rank {origin} ") \
+        else f"rank {origin} aborted the group: {message}"
     cls = _ABORT_CLASSES.get(kind, GroupBrokenError)
     exc: errors.AiocollectError
     if cls is errors.PeerTimeout:

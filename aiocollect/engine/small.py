@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiocollect._buffers import Array
 from aiocollect.engine.op import Op
-from aiocollect.errors import AiocollectError, GroupBrokenError
+from aiocollect.errors import GroupBrokenError
 
 if TYPE_CHECKING:
     from aiocollect.group_core import GroupCore
@@ -94,7 +94,7 @@ class Schedule:
                     return
                 if not self._after(fut):
                     return
-        except AiocollectError as exc:
+        except Exception as exc:
             self._fail(exc)
             return
         if op.unsent():  # rare for one-frame messages: let a task wait for the socket
@@ -116,15 +116,20 @@ class Schedule:
             # The callback may rewrite the buffer still queued for sending: wait first.
             self._spawn(self._drain())
             return False
-        self._next()
-        return True
+        return self._next()
 
-    def _next(self) -> None:
-        """Run the current step's callback and move to the next step."""
+    def _next(self) -> bool:
+        """Run the current step's callback and move to the next step. False if the
+        callback raised (the schedule failed)."""
         then = self.steps[self._i].then
         self._i += 1
         if then is not None:
-            then()
+            try:
+                then()
+            except Exception as exc:
+                self._fail(exc)
+                return False
+        return True
 
     def _landed(self, fut: asyncio.Future[None]) -> None:
         if fut is not self._waiting:
@@ -142,14 +147,14 @@ class Schedule:
         """Wait until this op's frames left user space, then go on."""
         try:
             await self.op.finish()
-        except AiocollectError as exc:
+        except Exception as exc:
             self._fail(exc)
             return
         if self.handle.done() or self._timing_out:
             return
         if self._i < len(self.steps):  # stopped before a step's callback
-            self._next()
-            self._advance()
+            if self._next():
+                self._advance()
         else:
             self._succeed()
 
@@ -162,8 +167,8 @@ class Schedule:
             self.handle.set_result(self.result)
 
     def _fail(self, exc: BaseException) -> None:
-        if isinstance(exc, AiocollectError):
-            exc = self.core._fabric.cause(exc)  # as _run does
+        # As _run does: anything but an aiocollect error is wrapped, and breaks the group.
+        exc = self.core._fabric.cause(self.op.wrap(self.kind, exc))
         self._release()
         if not self.handle.done():
             self.handle.set_exception(exc)
@@ -171,7 +176,7 @@ class Schedule:
     def on_done(self, handle: asyncio.Future[Any]) -> None:
         """The handle's done callback: it leaves the group's in-flight set, and a caller's
         cancellation after data moved breaks the group."""
-        self.core._tasks.discard(handle)
+        self.core._tasks.pop(handle, None)
         if handle.cancelled() and not self._timing_out:
             op = self.op
             if op.moved_data():

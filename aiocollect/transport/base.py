@@ -111,6 +111,9 @@ class Link(abc.ABC):
         self.frames_sent = 0
         self.frames_received = 0
         self.goodbye_received = False
+        #: What the peer's GOODBYE reported: (operations called, digest, recent
+        #: fingerprints) per group id, for the close handshake (engine.fabric).
+        self.goodbye_digests: dict[int, tuple[int, int, list[Any]]] | None = None
         self.closed = False
         self._failure: BaseException | None = None
         self._posted: dict[Key, _Recv] = {}
