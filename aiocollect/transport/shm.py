@@ -261,6 +261,12 @@ class ShmLink(RingReader):
                                 f"{before}, with {self._refs_sent} references sent")
         for _ in range(done - before):
             self._ref_bytes -= refs.popleft()[1]
+        if not refs and not self._queue:
+            # Whoever reaps the last reference wakes the drain: another in-flight operation
+            # may reap here (write_buffer_size) before the doorbell that the drain awaits.
+            drain = self._drain
+            if drain is not None and not drain.done():
+                drain.set_result(None)
 
     def _all_pulled(self) -> bool:
         """Whether every payload sent by reference has been pulled; if not, the writer's
@@ -299,7 +305,7 @@ class ShmLink(RingReader):
     def _write_pending(self) -> None:
         if self._queue:
             self._pump()
-        elif self._refs:
+        else:
             self._flushed()
 
     def write_buffer_size(self) -> int:
