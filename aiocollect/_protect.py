@@ -14,6 +14,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+from collections.abc import Mapping
 
 INSECURE_ENV = "AIOCOLLECT_INSECURE"
 _TRUE = ("1", "true", "yes", "on")
@@ -23,10 +24,11 @@ _LOGGED_MAX = 32
 _logged: set[str] = set()
 
 
-def insecure_from_env() -> bool:
-    """Whether ``AIOCOLLECT_INSECURE`` asks to accept remote connections without a secret
-    (``1``, ``true``, ``yes`` or ``on``, any case)."""
-    return os.environ.get(INSECURE_ENV, "").strip().lower() in _TRUE
+def insecure_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``AIOCOLLECT_INSECURE`` (in ``environ``, default ours) asks to accept remote
+    connections without a secret (``1``, ``true``, ``yes`` or ``on``, any case)."""
+    env = os.environ if environ is None else environ
+    return env.get(INSECURE_ENV, "").strip().lower() in _TRUE
 
 
 def _address(sockaddr: object) -> str | None:

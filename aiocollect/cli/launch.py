@@ -3,7 +3,8 @@
 Usage::
 
     aiocollect run -n N [--nnodes K --node-rank I --master-addr A --master-port P]
-                   [--transport T] [--timeout S] [--grace S] script.py ARGS...
+                   [--transport T] [--timeout S] [--grace S] [--secret S | --insecure]
+                   script.py ARGS...
     aiocollect run -n N ... -m package.module ARGS...
 
 Each rank runs ``sys.executable script.py ARGS`` with, in its environment:
@@ -14,7 +15,17 @@ Each rank runs ``sys.executable script.py ARGS`` with, in its environment:
   needs no arguments; rank 0 hosts the TCP store on A:P;
 - torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
   ``GROUP_RANK`` (the node rank), ``MASTER_ADDR=A`` and ``MASTER_PORT=P``;
-- ``PYTHONUNBUFFERED=1``.
+- ``AIOCOLLECT_SECRET`` (from ``--secret``, else inherited) or ``AIOCOLLECT_INSECURE=1``
+  (``--insecure``);
+- ``PYTHONUNBUFFERED=1``;
+- ``AIOCOLLECT_JOB_ID``, fresh per launch with ``--nnodes 1`` (inherited otherwise: give
+  every node of a job the same one), so ranks never join another job on the same port.
+
+Protected by default: without a secret the ranks accept store and peer connections from
+their own host only, so a job whose store is on another host (``--nnodes`` > 1 with a
+``--master-addr`` that is not loopback) needs ``--secret`` or ``AIOCOLLECT_SECRET`` (the
+same on every node), or an explicit ``--insecure``; :func:`run_main` refuses to start it
+otherwise, saying so, instead of letting the ranks fail one by one.
 
 Global rank = node_rank * nproc_per_node + local_rank; world size = nnodes * nproc_per_node.
 Every output line of a rank is prefixed with ``[rank R] `` (stdout to stdout, stderr to
@@ -27,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import os
 import signal
 import socket
@@ -34,6 +46,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from aiocollect._protect import INSECURE_ENV, insecure_from_env
 from aiocollect.cli.supervise import FORWARDED_SIGNALS, Job, supervise
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -58,6 +71,11 @@ class LaunchConfig:
     transport: str | None = None
     timeout: float | None = None
     grace: float = DEFAULT_GRACE
+    secret: str | None = None
+    insecure: bool = False
+    #: Given to the ranks as AIOCOLLECT_JOB_ID when this launcher is the whole job, so
+    #: they never join another job's ranks on the same store (aiocollect.rendezvous.claims).
+    job_id: str = field(default_factory=lambda: os.urandom(8).hex())
 
     @property
     def world_size(self) -> int:
@@ -102,6 +120,15 @@ def _parser() -> argparse.ArgumentParser:
     add("--grace", type=float, default=DEFAULT_GRACE, metavar="S",
         help="seconds between SIGTERM and SIGKILL when stopping ranks "
              f"(default: {DEFAULT_GRACE:g})")
+    auth = parser.add_mutually_exclusive_group()
+    auth.add_argument(
+        "--secret", default=None, metavar="S",
+        help="shared secret, passed to the ranks as AIOCOLLECT_SECRET (default: "
+             "$AIOCOLLECT_SECRET; needed across nodes; prefer the variable: arguments show "
+             "in `ps`)")
+    auth.add_argument("--insecure", action="store_true",
+                      help="no secret across nodes: the ranks accept connections from any "
+                           "host (sets AIOCOLLECT_INSECURE=1); only on a trusted network")
     add("-m", "--module", action="store_true",
         help="run the target as a module (python -m), like torchrun")
     add("script", metavar="script.py | module", help="the program every rank runs")
@@ -165,7 +192,31 @@ def parse_run_args(argv: Sequence[str]) -> LaunchConfig:
     return LaunchConfig(nproc=ns.nproc, script=ns.script, args=ns.args, module=ns.module,
                         nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=addr,
                         master_port=port, transport=ns.transport, timeout=ns.timeout,
-                        grace=ns.grace)
+                        grace=ns.grace, secret=ns.secret or None, insecure=ns.insecure)
+
+
+def unprotected(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> str | None:
+    """Why ``cfg`` would start ranks that other nodes cannot reach (protected mode: no
+    secret, store on another host, not ``--insecure``), or None if it is fine."""
+    env = os.environ if environ is None else environ
+    if cfg.secret or env.get("AIOCOLLECT_SECRET") or cfg.insecure or insecure_from_env(env):
+        return None
+    if cfg.nnodes == 1 or _is_loopback(cfg.master_addr):
+        return None
+    return (f"a job across {cfg.nnodes} nodes needs a shared secret: without one the ranks "
+            "accept connections from their own host only (protected mode). Run, on every "
+            "node, `export AIOCOLLECT_SECRET=<the same random string>` (e.g. from "
+            "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`), or pass "
+            "--secret; on a network you trust, --insecure opts out.")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def free_port(host: str) -> int:
@@ -200,8 +251,14 @@ def rank_env(cfg: LaunchConfig, local_rank: int,
         "MASTER_PORT": str(cfg.master_port),
         "PYTHONUNBUFFERED": "1",
     })
+    if cfg.nnodes == 1:  # across nodes, AIOCOLLECT_JOB_ID (if any) comes from the user
+        env["AIOCOLLECT_JOB_ID"] = cfg.job_id
     if cfg.transport is not None:
         env["AIOCOLLECT_TRANSPORT"] = cfg.transport
+    if cfg.secret:
+        env["AIOCOLLECT_SECRET"] = cfg.secret
+    elif cfg.insecure:
+        env[INSECURE_ENV] = "1"
     # Like torchrun: one BLAS thread per rank unless the user chose otherwise, since
     # several ranks per machine oversubscribe the cores otherwise.
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -265,10 +322,15 @@ async def launch(cfg: LaunchConfig) -> int:
 
 
 def run_main(argv: Sequence[str]) -> int:
-    """``aiocollect run ARGS``: parse, launch, return the exit status.
+    """``aiocollect run ARGS``: parse, launch, return the exit status (2, with the reason,
+    for a job across nodes that has no secret and is not ``--insecure``).
 
     Raises:
         SystemExit: status 2 on bad arguments.
     """
     cfg = parse_run_args(argv)
+    reason = unprotected(cfg)
+    if reason is not None:
+        print(f"{PROG}: error: {reason}", file=sys.stderr)
+        return 2
     return asyncio.run(launch(cfg))

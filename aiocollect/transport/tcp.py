@@ -44,6 +44,14 @@ READ_AHEAD = 64 * 1024
 #: payload each), which would stall every other task for tens of milliseconds.
 READ_BUDGET = 2 * 1024 * 1024
 
+#: Given an accepted connection's peer and local socket addresses: None to go on with the
+#: handshake, or a handshake message to send before closing it (see :func:`listen`).
+Screen = Callable[[Any, Any], "dict[str, Any] | None"]
+
+
+class _Screened(Exception):
+    """An accepted connection refused by the listener's screen (which logged it)."""
+
 
 class TcpLink(Link, asyncio.BufferedProtocol):
     """A peer link over one TCP (or TLS) connection."""
@@ -72,6 +80,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         self._read_run = 0  # payload bytes read since the last such pause
         self._transport_paused = False  # what the transport was last told
         self._linger: asyncio.TimerHandle | None = None
+        self.screen: Screen | None = None
 
     # -- connection lifecycle --------------------------------------------------------------
 
@@ -88,6 +97,12 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         peername = transport.get_extra_info("peername")
         if peername:
             self.address = f"{peername[0]}:{peername[1]}"
+        if self.screen is not None:
+            reply = self.screen(peername, transport.get_extra_info("sockname"))
+            if reply is not None:  # refused before a byte is read from it
+                self._send_handshake(reply)
+                self._handshake_failed(_Screened(str(reply.get("error", "refused"))))
+                return
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
@@ -366,12 +381,16 @@ async def listen(
     make_link: Callable[[], TcpLink],
     on_link: Callable[[TcpLink], None],
     ssl: ssl_module.SSLContext | None = None,
+    screen: Screen | None = None,
 ) -> asyncio.Server:
     """Accept peer connections; ``on_link`` gets each link whose handshake succeeded.
-    Failed handshakes are logged and closed; they never disturb the listener."""
+    Failed handshakes are logged and closed; they never disturb the listener. ``screen``,
+    when given, sees each connection first and may refuse it (its reply is sent, then the
+    connection closed; the screen does its own logging)."""
 
     def factory() -> TcpLink:
         link = make_link()
+        link.screen = screen
         link.ready.add_done_callback(_accepted)
         return link
 
@@ -379,6 +398,8 @@ async def listen(
         if fut.cancelled():
             return
         exc = fut.exception()
+        if isinstance(exc, _Screened):
+            return
         if exc is not None:
             log.warning("rejected an incoming connection: %s", exc)
             return

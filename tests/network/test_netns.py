@@ -21,6 +21,7 @@ from tests.network import netns
 
 ROOT = Path(__file__).resolve().parents[2]
 STORE_PORT = 29577  # each namespace has its own port space: no clash possible
+JOB_SECRET = "netns-job-secret"
 
 _why_not = netns.unavailable()
 pytestmark = [pytest.mark.timeout(60)]
@@ -90,9 +91,13 @@ async def launch(topology: netns.Topology) -> AsyncIterator[Any]:
     async def start(rank: int, env: dict[str, str]) -> Rank:
         # transport tcp: "auto" would move links between ranks of one host (namespaces
         # share /dev/shm and the boot id) to shared memory, off the network under test.
-        full = {**os.environ, "AIOCOLLECT_RANK": str(rank), "AIOCOLLECT_TRANSPORT": "tcp",
-                "AIOCOLLECT_WORLD_SIZE": str(len(topology.ns)), **env}
-        full.pop("AIOCOLLECT_SECRET", None)
+        # A job across hosts needs a secret (protected mode): every rank gets the same one
+        # unless the test passes its own AIOCOLLECT_SECRET ("" for none).
+        base = {k: v for k, v in os.environ.items()
+                if k not in ("AIOCOLLECT_SECRET", "AIOCOLLECT_INSECURE")}
+        full = {**base, "AIOCOLLECT_RANK": str(rank), "AIOCOLLECT_TRANSPORT": "tcp",
+                "AIOCOLLECT_WORLD_SIZE": str(len(topology.ns)),
+                "AIOCOLLECT_SECRET": JOB_SECRET, **env}
         proc = await asyncio.create_subprocess_exec(
             "ip", "netns", "exec", topology.ns[rank], sys.executable, "-m",
             "tests.network.netns_rank", cwd=ROOT, env=full,
