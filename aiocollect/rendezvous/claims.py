@@ -30,11 +30,23 @@ Rules:
   the next rank 0 on the same host takes it over; from another host it cannot tell a dead
   process from a live one and refuses (use another group name, or a fresh store).
 
-What the claims guarantee: a rank that loses a claim fails, so a job all of whose ranks
-succeed formed its group from its own ranks only. When two jobs start at the same instant,
-a rank of the job whose rank 0 lost can still take a rank in the winner's job before the
-winner's own rank does; that winner's rank then fails with RendezvousError, so neither job
-succeeds (a launcher such as ``aiocollect run`` stops the rest and exits non-zero).
+Job ids. Claims alone cannot tell which job a rank belongs to: of two jobs started
+together, rank 1 of the second may join the first job's rank 0, and after that group is
+done, the first job's rank 1 may form a group with the second job's rank 0 (both "succeed"
+with mixed data). So every rank also carries the job id its launcher gave it, when there is
+one: ``AIOCOLLECT_JOB_ID`` (``aiocollect run`` sets a fresh one per single-node launch;
+set the same value on every node of a multi-node job), else torchrun's
+``TORCHELASTIC_RUN_ID`` (unless it is ``none``). Rank 0 records it; a rank whose job id
+differs from the one of the rank 0 holding the group refuses to join (RendezvousError).
+Without a job id, the claims still make every collision that they see fail, but ranks of
+two jobs started at the same moment can form groups that contain both.
+
+The embedded TCP store (rank 0 hosts it; it lives as long as that rank's group) belongs to
+the hosting rank's job: that rank records itself under ``aiocollect/store-host``, and a
+rank with another job id refuses to use the store (RendezvousError) instead of forming a
+group on a store that is about to vanish. A claim that a rank of another job made in that
+store before the host could claim is taken over by the host (that job could not outlive the
+store anyway); the other job's ranks then fail with RendezvousError.
 """
 
 from __future__ import annotations
@@ -57,6 +69,17 @@ from aiocollect.store.base import Store
 log = logging.getLogger(__name__)
 
 JOB_BYTES = 16
+JOB_ID_ENV = "AIOCOLLECT_JOB_ID"
+
+
+def job_id() -> str:
+    """This rank's job id from its launcher (see the module docstring), or ``""``."""
+    value = os.environ.get(JOB_ID_ENV, "")
+    if not value:
+        value = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        if value == "none":
+            value = ""
+    return value
 #: Longest wait for a claim holder's owner record (written right after its ``add``).
 OWNER_GRACE = 10.0
 #: Waits for peers' records are cut into slices this long, to notice a job that ended.
@@ -101,27 +124,31 @@ class Owner:
     boot_id: str
     pidns: str
     start: str
+    #: The launcher's job id (``""``: none).
+    job_id: str = ""
 
     @classmethod
     def me(cls, job: bytes) -> Owner:
         pid = os.getpid()
         return cls(job, pid, socket.gethostname(), _boot_id(), _pid_namespace(),
-                   _start_time(pid))
+                   _start_time(pid), job_id())
 
     def pack(self) -> bytes:
         return bytes(msgpack.packb({"job": self.job, "pid": self.pid, "host": self.hostname,
                                     "boot_id": self.boot_id, "pidns": self.pidns,
-                                    "start": self.start}, use_bin_type=True))
+                                    "start": self.start, "job_id": self.job_id},
+                                   use_bin_type=True))
 
     @classmethod
     def unpack(cls, raw: bytes, key: str) -> Owner:
         """Raises: RendezvousError: not an owner record."""
         try:
             d = msgpack.unpackb(raw, raw=False)
-            owner = cls(d["job"], d["pid"], d["host"], d["boot_id"], d["pidns"], d["start"])
+            owner = cls(d["job"], d["pid"], d["host"], d["boot_id"], d["pidns"], d["start"],
+                        d.get("job_id", ""))
             ok = isinstance(owner.job, bytes) and isinstance(owner.pid, int) and all(
                 isinstance(x, str) for x in (owner.hostname, owner.boot_id, owner.pidns,
-                                             owner.start))
+                                             owner.start, owner.job_id))
         except (ValueError, KeyError, TypeError, msgpack.UnpackException):
             ok = False
         if not ok:
@@ -148,7 +175,28 @@ class Owner:
         return not (self.start and _start_time(self.pid) != self.start)
 
     def describe(self) -> str:
-        return f"pid {self.pid} on host {self.hostname}"
+        job = f" (job id {self.job_id!r})" if self.job_id else ""
+        return f"pid {self.pid} on host {self.hostname}{job}"
+
+
+HOST_KEY = "aiocollect/store-host"
+
+
+def _hosts(store: Store) -> bool:
+    """Whether this process hosts ``store`` (the embedded TCP store server)."""
+    return getattr(store, "server", None) is not None
+
+
+async def _check_host(store: Store, mine: str) -> None:
+    """Raises: RendezvousError: the store is embedded in a rank of another job."""
+    if not mine or _hosts(store) or not await _exists(store, HOST_KEY):
+        return
+    host = Owner.unpack(await store.get(HOST_KEY, timeout=0), HOST_KEY)
+    if host.job_id != mine:
+        raise RendezvousError(
+            f"the store {store!r} is hosted by rank 0 of another job ({host.describe()}), "
+            f"not by this rank's job (job id {mine!r}): another job on the same store? "
+            "(give each job its own store or port)")
 
 
 class _Keys:
@@ -215,17 +263,22 @@ class Claim:
                 return
             except errors.StoreTimeout:
                 pass
-            ended = self.rank != 0 and await _exists(self.store, k.done(self.epoch))
+            ended = await _exists(self.store, k.done(self.epoch))
             if not ended and not deadline.expired():
+                await _check_host(self.store, job_id())
                 continue
             present = await self.store.check(keys)
             missing = [r for r, ok in enumerate(present) if not ok]
             msg = (f"rank {self.rank}: ranks {missing} of group {self.name!r} never arrived "
                    f"(world size {world_size})")
             if ended:
-                why = await self.store.get(k.done(self.epoch), timeout=0)
+                why = (await self.store.get(k.done(self.epoch), timeout=0)).decode(
+                    errors="replace")
+                if self.rank == 0:
+                    raise RendezvousError(f"rank 0 of group {self.name!r}: its claim was "
+                                          f"ended before the group formed: {why}")
                 msg += (f"; rank 0 ({self.holder.describe()}) ended the job before the group "
-                        f"formed: {why.decode(errors='replace')}")
+                        f"formed: {why}")
             raise RendezvousTimeout(msg, missing)
 
     async def read_record(self, rank: int) -> dict[str, Any]:
@@ -344,12 +397,20 @@ async def claim(store: Store, name: str, rank: int, world_size: int,
     Cancellation may leave a claim taken; it stays until its pid is seen dead.
     """
     k = _Keys(name)
+    if rank == 0 and _hosts(store):
+        await store.set(HOST_KEY, Owner.me(b"").pack())
+    await _check_host(store, job_id())
     if rank == 0:
         return await _claim_first(store, k, name, world_size, deadline)
     e = -1
     while True:
         e, holder = await _current_job(store, k, name, rank, deadline, after=e)
         me = Owner.me(holder.job)
+        if me.job_id and holder.job_id != me.job_id:
+            raise RendezvousError(
+                f"rank 0 of group {name!r} is held by {holder.describe()}, not by this "
+                f"rank's job (job id {me.job_id!r}): another job on the same store? (give "
+                f"each job its own store or port, or another group name)")
         n = await store.add(k.job(holder.job, "claim", rank), 1)
         if n == 1:
             await store.set(k.job(holder.job, "owner", rank), me.pack())
@@ -395,6 +456,14 @@ async def _claim_first(store: Store, k: _Keys, name: str, world_size: int,
             await store.set(k.done(e), b"taken over by " + me.describe().encode())
             e += 1
             continue
+        if _hosts(store) and me.job_id and holder.job_id != me.job_id:
+            log.warning("group %r: taking over rank 0 from %s of another job, in the store "
+                        "this rank hosts", name, holder.describe())
+            await store.set(k.done(e), (f"taken over by the host of this store, "
+                                        f"{me.describe()}: another job on the same store?"
+                                        ).encode())
+            e += 1
+            continue
         raise _conflict(0, name, holder)
 
 
@@ -403,8 +472,10 @@ async def _current_job(store: Store, k: _Keys, name: str, rank: int, deadline: D
     """The latest epoch after ``after`` that is not done, and its holder; waits for rank 0
     to claim one."""
     e = max(await _latest(store, k), after + 1)
+    mine = job_id()
     while True:
         await _wait_key(store, k.claim(e), deadline, rank, name)
+        await _check_host(store, mine)
         while await _exists(store, k.claim(e + 1)):
             e += 1
         holder = await _owner(store, k.owner(e), deadline, name, "rank 0")

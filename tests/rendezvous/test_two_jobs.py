@@ -1,0 +1,96 @@
+"""Two ``aiocollect run`` jobs started together on one ``--master-port`` never mix.
+
+Issue 15: ranks of the two jobs formed mixed groups (both jobs "succeeded" with 301 instead
+of 201 and 401). Here real launchers with real rank processes race, many times: every job
+either succeeds with its own sum or fails with a RendezvousError naming the other job, and
+no rank of either job ever computes a mixed sum.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from aiocollect.cli.launch import free_port
+
+SCRIPT = """\
+    import asyncio, sys
+    import numpy as np
+    import aiocollect
+
+    async def main() -> None:
+        base = int(sys.argv[1])
+        async with aiocollect.open_group(timeout=20) as group:
+            data = np.full(4, base + group.rank, dtype=np.int64)
+            await group.allreduce(data)
+            print("result", int(data[0]))
+
+    asyncio.run(main())
+"""
+
+BASES = (100, 200)  # 2 ranks each: 100 + 101 = 201, 200 + 201 = 401, mixed 301
+ITERATIONS = 24
+PAIRS_AT_ONCE = 2
+BUDGET_S = 40.0  # no new iteration starts after this
+RESULT = re.compile(r"^\[rank (\d)\] result (\d+)$", re.MULTILINE)
+#: What a job that lost the race says: its rank found the other job's claims or store
+#: (RendezvousError), or it reached the embedded store of the other job just as that job
+#: ended and took its store with it (StoreError).
+LOST = ("another job on the same store", "lost: the server closed the connection")
+
+
+def _start(script: Path, port: int, base: int, cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "aiocollect", "run", "-n", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(port), "--timeout", "40", str(script), str(base)],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+        text=True)
+
+
+def _check(base: int, rc: int, out: str, err: str) -> str:
+    """Assert the job's outcome is one of the two allowed ones; return which."""
+    want = 2 * base + 1
+    sums = {int(rank): int(total) for rank, total in RESULT.findall(out)}
+    assert all(total == want for total in sums.values()), (
+        f"job {base}: a rank computed a mixed sum {sums} (want {want})\n{out}\n{err}")
+    if rc == 0:
+        assert sums == {0: want, 1: want}, (base, out, err)
+        return "ok"
+    assert any(text in err for text in LOST), f"job {base} failed otherwise (rc {rc}):\n{err}"
+    return "lost" if LOST[0] in err else "store lost"
+
+
+@pytest.mark.timeout(120)
+def test_two_jobs_on_one_port_never_mix(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    outcomes: dict[str, int] = {}
+    started = time.monotonic()
+    done = 0
+    while done < ITERATIONS and time.monotonic() - started < BUDGET_S:
+        batch = []
+        for _ in range(PAIRS_AT_ONCE):
+            port = free_port("127.0.0.1")
+            batch.append([(base, _start(script, port, base, tmp_path)) for base in BASES])
+        try:
+            for pair in batch:
+                for base, proc in pair:
+                    out, err = proc.communicate(timeout=60)
+                    kind = _check(base, proc.returncode, out, err)
+                    outcomes[kind] = outcomes.get(kind, 0) + 1
+                done += 1
+        finally:
+            for pair in batch:
+                for _, proc in pair:
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.communicate()
+    print(f"{done} races: {outcomes}")
+    assert done >= 8, f"only {done} races ran within {BUDGET_S} s"
+    assert outcomes.get("ok", 0) >= done, outcomes  # at least one job of each race succeeds
