@@ -25,7 +25,11 @@ log = logging.getLogger("aiocollect.transport")
 #: step) is cut off with ProtocolError instead of exhausting memory. Read when a link is
 #: created.
 MAX_EARLY_BYTES = 1 << 30
-STAGED_FRAME_COST = 512
+#: What staging one frame costs besides its payload, measured (tests/failure/test_flood.py):
+#: the link's key, header, buffer and dict entry (~520 bytes), and when the frame is the
+#: first of an operation not called yet, the fabric's entry for it (~300 more), dict
+#: growth included.
+STAGED_FRAME_COST = 1024
 
 #: Bytes of early frames (no receive posted yet) a link holds before it stops reading from
 #: its peer; the peer's sends then wait in TCP flow control instead of growing our memory.

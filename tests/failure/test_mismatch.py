@@ -94,3 +94,65 @@ async def _p2p_size(g: ac.Group) -> str:
 
 async def test_send_recv_size_mismatch() -> None:
     assert await run_ranks(2, _p2p_size, timeout=10) == ["MismatchError"] * 2
+
+
+# -- mismatches no frame reveals (real processes, world size 3) -----------------------------
+
+from tests.failure import mismatch_targets  # noqa: E402
+
+TRANSPORTS = ["tcp", "auto"]
+
+
+def _learned(outcome: tuple[Any, ...]) -> tuple[str, str, float | None]:
+    """(error class, message, seconds) a rank reported, from its op or from aclose."""
+    if outcome[0] == "error":  # the op succeeded; aclose raised
+        return outcome[1], outcome[2], None
+    assert outcome[0] == "ok", outcome
+    res = outcome[1]
+    if res["error"] == "GroupBrokenError" and res.get("cause") == "MismatchError":
+        return "MismatchError", res["message"], res["elapsed"]
+    return str(res["error"]), res.get("message", ""), res["elapsed"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_root_mixed_up_on_the_root_itself(transport: str) -> None:
+    """Rank 0 thinks rank 1 is the root, ranks 1 and 2 think rank 0 is: nobody sends, so no
+    frame can reveal it. With the default timeout (300 s) every rank still raises
+    MismatchError within about 2 s, naming both sides."""
+    ranks = spawn_ranks(3, mismatch_targets.wrong_root, 0, 1, 8, timeout=40,
+                        transport=transport)
+    outcomes = await ranks.outcomes()
+    for rank, outcome in enumerate(outcomes):
+        kind, message, elapsed = _learned(outcome)
+        assert kind == "MismatchError", (rank, outcome)
+        assert elapsed is not None and elapsed < 2.5, (rank, elapsed)
+        assert "root=1" in message and "root=0" in message, message
+        assert "but rank" in message
+
+
+@pytest.mark.parametrize("count", [8, 300_000])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_root_mixed_up_on_a_leaf(transport: str, count: int) -> None:
+    """Rank 2 thinks it is the root: the others' broadcasts may succeed before any frame
+    shows the disagreement. Every rank learns it: from its broadcast, or (having returned
+    success) from aclose — never a GroupBrokenError that does not name the mismatch."""
+    ranks = spawn_ranks(3, mismatch_targets.wrong_root, 2, 2, count, timeout=40,
+                        transport=transport)
+    outcomes = await ranks.outcomes()
+    for rank, outcome in enumerate(outcomes):
+        kind, message, elapsed = _learned(outcome)
+        assert kind == "MismatchError", (rank, outcome)
+        assert elapsed is None or elapsed < 2.5, (rank, elapsed)
+        assert "root=2" in message and "root=0" in message, message
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_leaf_mixup_learned_at_next_operation(transport: str) -> None:
+    """A rank whose broadcast succeeded learns of the mismatch at its next operation."""
+    ranks = spawn_ranks(3, mismatch_targets.wrong_root_then_barrier, 1, 1, 8, timeout=40,
+                        transport=transport)
+    outcomes = await ranks.outcomes()
+    for rank, outcome in enumerate(outcomes):
+        kind, message, elapsed = _learned(outcome)
+        assert kind == "MismatchError", (rank, outcome)
+        assert elapsed is None or elapsed < 2.5, (rank, elapsed)
