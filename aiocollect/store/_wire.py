@@ -97,14 +97,16 @@ _LENGTH_BYTES = {0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC4: 1, 0xC5: 2, 0xC6: 4, 0xDC: 2, 
 MAX_DEPTH = 2
 
 
-def check_shape(body: bytes, max_items: int = MAX_ITEMS) -> None:
+def check_shape(body: bytes, max_items: int = MAX_ITEMS, *, partial: bool = False) -> None:
     """Check, without building any object, that ``body`` is one msgpack value of the shape
     the store speaks: scalars (nil, bool, int, float, str, bin) and arrays nested at most
     :data:`MAX_DEPTH` deep, with at most ``max_items`` values in all.
 
     Its cost is proportional to the number of values, not to the bytes; each array's
     length is checked against what is left of ``max_items`` before any of its items is
-    looked at, so a hostile frame is refused after reading a few bytes of it.
+    looked at, so a hostile frame is refused after reading a few bytes of it. With
+    ``partial``, ``body`` is the beginning of a frame still arriving: running out of bytes
+    is not an error (so a frame can be refused before the rest of it is buffered).
 
     Raises:
         ProtocolError: anything else (maps, extension types, deeper nesting, too many
@@ -121,6 +123,8 @@ def check_shape(body: bytes, max_items: int = MAX_ITEMS) -> None:
             continue
         left[-1] -= 1
         if pos >= end:
+            if partial:
+                return
             raise ProtocolError("malformed store message: truncated")
         b = body[pos]
         n = size[b]
@@ -148,7 +152,7 @@ def check_shape(body: bytes, max_items: int = MAX_ITEMS) -> None:
         if budget < 0:
             raise ProtocolError(f"malformed store message: more than {max_items} values")
         left.append(count)
-    if pos != end:
+    if pos != end and not (partial and pos > end):
         raise ProtocolError("malformed store message: "
                             + ("truncated" if pos > end else "trailing bytes"))
 

@@ -296,8 +296,9 @@ class TCPStoreServer:
         except AiocollectError as exc:
             log.warning("closing store connection from %s: %s", conn.peer, exc)
         except TimeoutError:
-            log.warning("store client %s stalled (handshake or a frame not completed in "
-                        "time); closing", conn.peer)
+            # info, not warning: a peer that opens many connections must not flood the log
+            log.info("store client %s stalled (handshake or a frame not completed in time); "
+                     "closing", conn.peer)
         except asyncio.CancelledError:
             # Only close() and loop shutdown cancel handlers; nobody awaits this task, and
             # asyncio would log a cancelled connection callback as an error.
@@ -356,7 +357,8 @@ class TCPStoreServer:
                 while True:
                     msg = await self._read_request(conn)
                     await self._dispatch(conn, _wire.parse_request(msg), tg)
-            except (ConnectionError, asyncio.IncompleteReadError, AiocollectError) as exc:
+            except (ConnectionError, asyncio.IncompleteReadError, AiocollectError,
+                    TimeoutError) as exc:
                 error = exc  # raised below: a TaskGroup would wrap it in an ExceptionGroup
             finally:
                 # Whatever ended the loop ends the pending waits too (no answers owed).
@@ -391,6 +393,7 @@ class TCPStoreServer:
             body = await self._read_body(reader, size)
         finally:
             self._budget.release(size)
+        await asyncio.sleep(0)  # a large frame took a while to gather: let the loop run
         return _wire.decode(body)
 
     async def _read_body(self, reader: asyncio.StreamReader, size: int) -> bytes:
@@ -401,6 +404,8 @@ class TCPStoreServer:
                 chunk = await reader.read(min(left, READ_CHUNK))
             if not chunk:
                 raise asyncio.IncompleteReadError(b"".join(parts), size)
+            if not parts:  # refuse a hostile frame before buffering the rest of it
+                _wire.check_shape(chunk, partial=True)
             parts.append(chunk)
             left -= len(chunk)
         return b"".join(parts)

@@ -1,0 +1,164 @@
+"""What hostile input costs the TCP store server's event loop: run a server in this process,
+attack it over a real socket from the same loop, and report the longest stall of the loop
+(a 1 ms ticker) and the growth of this process's resident memory.
+
+    .venv/bin/python scripts/store_limits_probe.py [--attack NAME] [--json]
+
+Attacks: ``bomb`` (one 8 MiB msgpack frame holding 8 Mi empty arrays), ``nested`` (the
+same bytes as 128 arrays of 65535 empty arrays), ``keys`` (a legitimate wait naming 16384
+keys, for comparison), ``slow`` (1,000 connections that send 2 bytes of a header, then
+nothing: how many are still open after the idle timeout).
+The attacker runs in a thread with blocking sockets, so the loop bears only the server's
+work. Works against older versions of the server too (to measure "before").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import time
+from typing import Any
+
+from aiocollect.store import TCPStore, TCPStoreServer, _wire
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def ticker(stop: asyncio.Event, worst: list[float]) -> None:
+    """worst[0]: longest wall-clock gap between ticks; worst[1]: most CPU the loop's
+    thread spent between two ticks (the part of a gap that is work, not preemption by
+    other processes on a busy machine)."""
+    last, last_cpu = time.perf_counter(), time.thread_time()
+    while not stop.is_set():
+        await asyncio.sleep(0.001)
+        now, cpu = time.perf_counter(), time.thread_time()
+        worst[0] = max(worst[0], now - last)
+        worst[1] = max(worst[1], cpu - last_cpu)
+        last, last_cpu = now, cpu
+
+
+async def connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    await _wire.read_frame(reader, _wire.MAX_HANDSHAKE_FRAME)
+    if getattr(_wire, "NO_PROOF", None) is not None:  # protocol 2: the client speaks first
+        writer.writelines(_wire.encode(_wire.NO_PROOF))
+    return reader, writer
+
+
+def frame(body: bytes) -> bytes:
+    return _wire.HEADER.pack(len(body)) + body
+
+
+def bomb() -> bytes:
+    n = 8 * 1024 * 1024
+    return frame(b"\xdd" + n.to_bytes(4, "big") + b"\x90" * n)
+
+
+def nested() -> bytes:
+    inner = b"\xdc" + (65535).to_bytes(2, "big") + b"\x90" * 65535
+    return frame(b"\xdc" + (128).to_bytes(2, "big") + inner * 128)
+
+
+def keys() -> bytes:
+    import msgpack
+
+    names = [f"aiocollect/default/rank/{i}" for i in range(16384)]
+    return frame(msgpack.packb([1, "wait", names, 0.0], use_bin_type=True))
+
+
+def _blocking_connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    (size,) = _wire.HEADER.unpack(_recv_exactly(sock, _wire.HEADER.size))
+    _recv_exactly(sock, size)  # the hello
+    if getattr(_wire, "NO_PROOF", None) is not None:  # protocol 2: the client speaks first
+        sock.sendall(b"".join(_wire.encode(_wire.NO_PROOF)))
+    return sock
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
+
+
+def _attack(port: int, data: bytes) -> str:
+    sock = _blocking_connect(port)
+    sock.settimeout(30)
+    try:
+        sock.sendall(data)
+        head = sock.recv(64)
+        return "answered" if head else "closed by the server"
+    except OSError as exc:
+        return type(exc).__name__
+    finally:
+        sock.close()
+
+
+async def send_one(port: int, data: bytes) -> str:
+    return await asyncio.to_thread(_attack, port, data)
+
+
+async def slow(port: int, server: TCPStoreServer) -> dict[str, Any]:
+    conns = []
+    for _ in range(1000):
+        reader, writer = await connect(port)
+        writer.write(b"\x00\x00")
+        conns.append((reader, writer))
+    await asyncio.sleep(12)  # past the default 10 s idle timeout, if there is one
+    still = sum(1 for r, _ in conns if not r.at_eof())
+    for _, w in conns:
+        w.close()
+    return {"open_after_12s": still}
+
+
+async def main(attack: str) -> dict[str, Any]:
+    server = TCPStoreServer("127.0.0.1", 0)
+    await server.start()
+    good = TCPStore("127.0.0.1", server.port, timeout=30)
+    await good.set("k", b"v")
+    stop, worst = asyncio.Event(), [0.0, 0.0]
+    data = {"bomb": bomb, "nested": nested, "keys": keys}.get(attack, lambda: b"")()
+    before = rss_mib()
+    tick = asyncio.create_task(ticker(stop, worst))
+    await asyncio.sleep(0.05)
+    worst[0] = worst[1] = 0.0
+    started = time.perf_counter()
+    result: dict[str, Any] = {"attack": attack}
+    if attack == "slow":
+        result.update(await slow(server.port, server))
+    else:
+        result["outcome"] = await send_one(server.port, data)
+    result["seconds"] = round(time.perf_counter() - started, 3)
+    result["rss_growth_mib"] = round(rss_mib() - before, 1)
+    stop.set()
+    await tick
+    result["worst_loop_stall_ms"] = round(worst[0] * 1000, 1)
+    result["worst_loop_cpu_ms"] = round(worst[1] * 1000, 1)
+    result["store_still_serves"] = await good.get("k", timeout=5) == b"v"
+    await good.close()
+    await server.close()
+    return result
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--attack", choices=("bomb", "nested", "keys", "slow"),
+                        default=None, help="one attack (default: all but slow)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    for name in [args.attack] if args.attack else ["bomb", "nested", "keys"]:
+        out = asyncio.run(main(name))
+        print(json.dumps(out) if args.json else
+              "  ".join(f"{k}={v}" for k, v in out.items()), flush=True)
