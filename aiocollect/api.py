@@ -44,6 +44,37 @@ def _env_int(names: tuple[str, ...], what: str) -> int | None:
     return None
 
 
+class _DefaultTimeout(float):
+    """The type of open_group's default ``timeout`` (300 s), told apart from an explicit
+    300.0 so that AIOCOLLECT_TIMEOUT applies only when the caller gave none."""
+
+    def __repr__(self) -> str:
+        return f"{float(self)!r}"
+
+
+DEFAULT_TIMEOUT = _DefaultTimeout(300.0)
+
+
+def resolve_timeout(timeout: float | None) -> float | None:
+    """``timeout`` if given, else AIOCOLLECT_TIMEOUT (seconds, or ``none`` for no deadline),
+    else 300 s."""
+    if timeout is not DEFAULT_TIMEOUT:
+        return timeout
+    value = os.environ.get("AIOCOLLECT_TIMEOUT", "").strip()
+    if not value:
+        return float(DEFAULT_TIMEOUT)
+    if value.lower() == "none":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise UsageError(f"environment variable AIOCOLLECT_TIMEOUT={value!r} is not a "
+                         "positive number of seconds (or 'none')")
+    return seconds
+
+
 def resolve_store(store: Store | str | None) -> Store | str:
     """The store argument, else AIOCOLLECT_STORE, else torchrun's MASTER_ADDR/PORT."""
     if store is not None:
@@ -128,6 +159,7 @@ async def _open(rank: int | None, world_size: int | None, *, store: Store | str 
     if transport == "shm" and (reason := shm_unavailable()) is not None:
         raise UsageError(f"transport='shm' is not available here: {reason}")
     tls = None if ssl is None else as_config(ssl)
+    timeout = resolve_timeout(timeout)
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise UsageError(f"timeout must be a positive number, got {timeout!r}")
     chunk = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
@@ -178,6 +210,14 @@ class GroupOpener:
     def __await__(self) -> Generator[Any, None, Group]:
         return _open(**self._kwargs).__await__()
 
+    def __getattr__(self, name: str) -> Any:
+        if hasattr(Group, name):
+            raise AttributeError(
+                f"open_group() returns an opener, not a Group: use `group = await "
+                f"open_group(...)` or `async with open_group(...) as group:` before calling "
+                f".{name}") from None
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     async def __aenter__(self) -> Group:
         self._group = await _open(**self._kwargs)
         return self._group
@@ -190,13 +230,13 @@ class GroupOpener:
         if exc is None:
             await group.aclose()
         else:
-            group.abort()
+            group.abort(exc)  # the peers learn what this rank raised
             await asyncio.sleep(0)
 
 
 def open_group(rank: int | None = None, world_size: int | None = None, *,
                store: Store | str | None = None, transport: str | None = None,
-               timeout: float | None = 300.0, secret: bytes | str | None = None,
+               timeout: float | None = DEFAULT_TIMEOUT, secret: bytes | str | None = None,
                host: str | None = None, ssl: SSLArg = None,
                name: str = "default", chunk_bytes: int | None = None,
                insecure: bool = False) -> GroupOpener:
@@ -209,7 +249,8 @@ def open_group(rank: int | None = None, world_size: int | None = None, *,
         transport: ``auto`` (default: shared memory to ranks on this host, TCP to the
             others), ``tcp``, ``tls`` (needs ``ssl``), ``memory``, ``shm`` (shared memory
             to every rank; all must be on one host). Ring size: AIOCOLLECT_SHM_RING_BYTES.
-        timeout: default deadline in seconds for rendezvous and every collective.
+        timeout: default deadline in seconds for rendezvous and every collective
+            (None: none). Left out: AIOCOLLECT_TIMEOUT (seconds or ``none``), else 300.
         secret: shared secret; every store connection and peer link must prove it.
             Else AIOCOLLECT_SECRET. Without one (protected mode) the embedded store and
             the peer listeners accept connections from this host only, and tell others

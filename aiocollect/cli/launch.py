@@ -3,7 +3,8 @@
 Usage::
 
     aiocollect run -n N [--nnodes K --node-rank I --master-addr A --master-port P]
-                   [--transport T] [--timeout S] [--grace S] [--secret S | --insecure]
+                   [--transport T] [--group-timeout S] [--timeout S] [--grace S]
+                   [--secret S | --insecure]
                    script.py ARGS...
     aiocollect run -n N ... -m package.module ARGS...
 
@@ -17,6 +18,8 @@ Each rank runs ``sys.executable script.py ARGS`` with, in its environment:
   ``GROUP_RANK`` (the node rank), ``MASTER_ADDR=A`` and ``MASTER_PORT=P``;
 - ``AIOCOLLECT_SECRET`` (from ``--secret``, else inherited) or ``AIOCOLLECT_INSECURE=1``
   (``--insecure``);
+- ``AIOCOLLECT_TIMEOUT`` with ``--group-timeout`` (the deadline of rendezvous and of each
+  collective, open_group's ``timeout``; ``--timeout`` is the whole job's wall-clock limit);
 - ``PYTHONUNBUFFERED=1``;
 - ``AIOCOLLECT_JOB_ID``, fresh per launch with ``--nnodes 1`` (inherited otherwise: give
   every node of a job the same one), so ranks never join another job on the same port.
@@ -70,6 +73,7 @@ class LaunchConfig:
     master_port: int = 0
     transport: str | None = None
     timeout: float | None = None
+    group_timeout: float | None = None
     grace: float = DEFAULT_GRACE
     secret: str | None = None
     insecure: bool = False
@@ -115,8 +119,12 @@ def _parser() -> argparse.ArgumentParser:
                           f"{DEFAULT_MULTINODE_PORT} with several nodes)")
     add("--transport", choices=TRANSPORT_CHOICES, default=None,
         help="sets AIOCOLLECT_TRANSPORT for the ranks")
+    add("--group-timeout", type=float, default=None, metavar="S",
+        help="deadline in seconds of rendezvous and of each collective (sets "
+             "AIOCOLLECT_TIMEOUT for the ranks; default: 300)")
     add("--timeout", type=float, default=None, metavar="S",
-        help="stop the job after S seconds (exit status 124)")
+        help="wall-clock limit of the whole job: stop every rank after S seconds (exit "
+             "status 124); not the deadline of a collective (--group-timeout)")
     add("--grace", type=float, default=DEFAULT_GRACE, metavar="S",
         help="seconds between SIGTERM and SIGKILL when stopping ranks "
              f"(default: {DEFAULT_GRACE:g})")
@@ -181,6 +189,8 @@ def parse_run_args(argv: Sequence[str]) -> LaunchConfig:
         parser.error(f"--master-port must be in [1, 65535], got {ns.master_port}")
     if ns.timeout is not None and ns.timeout <= 0:
         parser.error(f"--timeout must be > 0, got {ns.timeout:g}")
+    if ns.group_timeout is not None and not 0 < ns.group_timeout < float("inf"):
+        parser.error(f"--group-timeout must be > 0, got {ns.group_timeout:g}")
     if ns.grace < 0:
         parser.error(f"--grace must be >= 0, got {ns.grace:g}")
     if not ns.module and not os.path.isfile(ns.script):
@@ -192,7 +202,8 @@ def parse_run_args(argv: Sequence[str]) -> LaunchConfig:
     return LaunchConfig(nproc=ns.nproc, script=ns.script, args=ns.args, module=ns.module,
                         nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=addr,
                         master_port=port, transport=ns.transport, timeout=ns.timeout,
-                        grace=ns.grace, secret=ns.secret or None, insecure=ns.insecure)
+                        group_timeout=ns.group_timeout, grace=ns.grace,
+                        secret=ns.secret or None, insecure=ns.insecure)
 
 
 def unprotected(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> str | None:
@@ -255,6 +266,8 @@ def rank_env(cfg: LaunchConfig, local_rank: int,
         env["AIOCOLLECT_JOB_ID"] = cfg.job_id
     if cfg.transport is not None:
         env["AIOCOLLECT_TRANSPORT"] = cfg.transport
+    if cfg.group_timeout is not None:
+        env["AIOCOLLECT_TIMEOUT"] = repr(cfg.group_timeout)
     if cfg.secret:
         env["AIOCOLLECT_SECRET"] = cfg.secret
     elif cfg.insecure:

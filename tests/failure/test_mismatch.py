@@ -153,6 +153,6 @@ async def test_leaf_mixup_learned_at_next_operation(transport: str) -> None:
                         transport=transport)
     outcomes = await ranks.outcomes()
     for rank, outcome in enumerate(outcomes):
-        kind, message, elapsed = _learned(outcome)
+        kind, _message, elapsed = _learned(outcome)
         assert kind == "MismatchError", (rank, outcome)
         assert elapsed is None or elapsed < 2.5, (rank, elapsed)
