@@ -1,11 +1,12 @@
-"""Shared-memory links between ranks on one host: frames through rings in ``/dev/shm``,
-wake-ups and liveness through the TCP connection that carried the handshake.
+"""Shared-memory links between ranks on one host: frames through rings in a sealed memfd
+segment, wake-ups and liveness through the TCP connection that carried the handshake.
 
 A link starts as a :class:`~aiocollect.transport.tcp.TcpLink`. The connecting rank asks for
 shared memory in its hello; the accepting rank creates a segment (two rings, see
-:mod:`aiocollect.transport.shm_ring`) and names it in its welcome; the connecting rank maps
-it, unlinks the name and answers ``shm-ok`` (or ``shm-fail``, and both sides stay on TCP when
-the transport was ``auto``). From then on the socket carries only doorbell bytes:
+:mod:`aiocollect.transport.shm_ring`) and offers its descriptor in its welcome; the
+connecting rank opens it through ``/proc``, checks and maps it and answers ``shm-ok`` (or
+``shm-fail``, and both sides stay on TCP when the transport was ``auto``). From then on the
+socket carries only doorbell bytes:
 
 - Frames (the same headers as on TCP) are copied into the outgoing ring by ``send`` and out
   of the incoming ring straight into the posted receive's memory (or a staging buffer).
@@ -24,6 +25,9 @@ the transport was ``auto``). From then on the socket carries only doorbell bytes
   operation's end) waits for that, exactly as for bytes still queued.
 - The socket closing (a SIGKILLed peer's kernel closes it) is the loss of the peer; what
   the peer put in the ring before is still read first, so an ABORT frame is never lost.
+- A rank that finds a ring corrupt (either direction) sends its ABORT on the socket
+  instead, after an escape byte (:mod:`aiocollect.transport.shm_reader`), so that the peer
+  hears who failed and why even when the ring it would read is the broken one.
 
 Modules: ``shm_setup`` (the handshake upgrade), ``shm_ring`` (segments and rings, no event
 loop), ``shm_reader`` (the receiving half: parking, spinning, backpressure) and this one
@@ -40,6 +44,7 @@ from aiocollect.errors import PeerDisconnected, ProtocolError
 from aiocollect.transport import cma
 from aiocollect.transport.base import Handshaker, LinkEvents
 from aiocollect.transport.shm_reader import (
+    ESCAPE,
     PUBLISH_EVERY,
     SPIN_ENV,
     SPIN_SECONDS,
@@ -50,6 +55,7 @@ from aiocollect.transport.shm_reader import (
 from aiocollect.transport.shm_ring import REF_DESC, REF_MAGIC_BYTES, Ring, Segment, fence
 from aiocollect.transport.shm_setup import ShmSetup
 from aiocollect.transport.tcp import LINGER
+from aiocollect.transport.wire import ABORT
 
 
 class ShmLink(RingReader):
@@ -129,6 +135,9 @@ class ShmLink(RingReader):
         if not self.shm:
             super().send(header, payload)
             return
+        if self._ring_broken and header[2] == ABORT and not (self._lost or self.closed):
+            self._send_escaped(header, payload)
+            return
         if self._lost or self.closed or self._tx_dead or self._tx is None:
             raise self._failure or PeerDisconnected(
                 f"link to {self.describe()} is closed", self.peer)
@@ -164,6 +173,16 @@ class ShmLink(RingReader):
         self._queued += len(header) + n
         if idle:
             self._pump()
+
+    def _send_escaped(self, header: bytes, payload: memoryview | bytes) -> None:
+        """Send an ABORT on the socket, behind an escape byte (the rings are broken)."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise self._failure or PeerDisconnected(
+                f"link to {self.describe()} is closed", self.peer)
+        transport.write(ESCAPE + header + bytes(payload))
+        self.bytes_sent += len(payload)
+        self.frames_sent += 1
 
     @property
     def frames_by_reference(self) -> int:
@@ -291,7 +310,12 @@ class ShmLink(RingReader):
         self._ref_bytes = 0
 
     def _tx_failed(self, exc: ProtocolError) -> None:
+        """The outgoing ring is corrupt (the reader's counters are implausible): write
+        nothing more into it, report ``exc`` (the ABORT that causes goes on the socket,
+        escaped) and close the link; the socket is closed, not reset, so the ABORT
+        arrives."""
         self._tx_dead = True
+        self._ring_broken = True
         self._queue.clear()
         self._queued = 0
         self._drop_refs()
@@ -299,8 +323,7 @@ class ShmLink(RingReader):
             self._drain.set_exception(exc)
             self._drain.exception()
         self._raise_error(exc)
-        if self.transport is not None:
-            self.transport.abort()
+        self.close()  # (the fabric's failure has closed it already, as a rule)
 
     def _write_pending(self) -> None:
         if self._queue:
@@ -367,7 +390,7 @@ class ShmLink(RingReader):
             self._rx_paused = False
             self._unpark()
             asyncio.get_running_loop().call_soon(self._service)
-        if self._queue and not self._tx_dead:
+        if self._queue and not self._tx_dead and not self._ring_broken:
             self._close_pending = True
             self._linger = asyncio.get_running_loop().call_later(LINGER, transport.abort)
         else:

@@ -1,6 +1,12 @@
 """The receiving half of a shared-memory link: doorbells, reading frames out of the
 incoming ring, parking, spinning and backpressure (see :mod:`aiocollect.transport.shm`).
 
+The socket carries doorbell bytes (``0x01``) and, once, possibly an *escape*: a rank that
+found the link's rings corrupt sends ``0x02`` followed by one ABORT frame (header and
+payload, as on TCP) on the socket, since the rings can no longer be trusted to carry it,
+and closes. The receiving side then stops reading its ring and takes the ABORT from the
+socket; any other frame after an escape is a ProtocolError.
+
 :class:`RingReader` is the base of :class:`~aiocollect.transport.shm.ShmLink`, which adds
 the link's setup, its sending half (``_write_pending``) and its closing.
 """
@@ -25,6 +31,7 @@ from aiocollect.transport.shm_ring import (
 )
 from aiocollect.transport.tcp import TcpLink
 from aiocollect.transport.wire import (
+    ABORT,
     DATA,
     HEADER_SIZE,
     MAGIC,
@@ -36,8 +43,14 @@ from aiocollect.transport.wire import (
 
 log = logging.getLogger("aiocollect.transport.shm")
 
-_BELLS = memoryview(bytearray(4096))
+_BELL_BYTES = bytearray(4096)
+_BELLS = memoryview(_BELL_BYTES)
 _BELL = b"\x01"
+#: On the socket of a link in shared-memory mode: what follows is one ABORT frame (the
+#: rings are corrupt, see the module's docstring).
+ESCAPE = b"\x02"
+#: The largest ABORT payload taken after an escape (its message and origin).
+MAX_ESCAPED = 64 * 1024
 #: A write at least this large is published (and the reader woken) before the next one, so
 #: the reader copies out while the writer copies in.
 PUBLISH_EVERY = 64 * 1024
@@ -120,6 +133,8 @@ class RingReader(TcpLink):
         self._resume: asyncio.Handle | None = None  # reading goes on at the loop's next turn
         self._desc = bytearray(REF_DESC.size)
         self._desc_view = memoryview(self._desc)
+        self._ring_broken = False  # a ring failed: an ABORT goes on the socket (escaped)
+        self._escaped: bytearray | None = None  # the peer's escaped ABORT, as it arrives
 
     def _write_pending(self) -> None:
         """Continue queued writes (the sending half)."""
@@ -135,10 +150,44 @@ class RingReader(TcpLink):
         return super().get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self.shm:
-            self._service()
-        else:
+        if not self.shm:
             super().buffer_updated(nbytes)
+        elif self._escaped is not None:
+            self._escaped_bytes(_BELLS[:nbytes])
+        elif (at := _BELL_BYTES.find(ESCAPE, 0, nbytes)) >= 0:
+            self._escaped = bytearray()
+            self._rx_dead = True  # the peer says the rings are broken: never read them again
+            self._spin_until = None
+            self._unpark()
+            self._escaped_bytes(_BELLS[at + 1:nbytes])
+        else:
+            self._service()
+
+    def _escaped_bytes(self, data: memoryview) -> None:
+        """Collect the ABORT frame that follows an escape; hand it up once complete."""
+        buf = self._escaped
+        if buf is None or self._discard or self._lost:
+            return
+        buf += data
+        if len(buf) < HEADER_SIZE:
+            return
+        try:
+            h = parse_header(buf, self.max_frame)
+            if h.kind != ABORT or h.length > MAX_ESCAPED:
+                raise ProtocolError(f"a frame of kind {h.kind} and {h.length} bytes after "
+                                    "an escape (only an ABORT may follow)")
+        except ProtocolError as exc:
+            self._escaped = None
+            self._raise_error(ProtocolError(
+                f"{self.describe()} sent a malformed frame on its socket: {exc}"))
+            return
+        if len(buf) < HEADER_SIZE + h.length:
+            return
+        self._escaped = None
+        self._discard = True  # nothing may follow the ABORT
+        self.frames_received += 1
+        self.bytes_received += h.length
+        self.events.on_control(self, ABORT, bytes(buf[HEADER_SIZE:HEADER_SIZE + h.length]))
 
     def _service(self) -> None:
         """A doorbell rang (or reading may resume): read what arrived, then write what
@@ -402,6 +451,8 @@ class RingReader(TcpLink):
             self._bell()
 
     def _rx_failed(self, exc: ProtocolError) -> None:
-        """The incoming ring or frame stream is corrupt: never read it again."""
+        """The incoming ring or frame stream is corrupt: never read it again, and send the
+        ABORT that reporting it causes on the socket, not through the rings."""
         self._rx_dead = True
+        self._ring_broken = True
         self._raise_error(exc)

@@ -1,13 +1,22 @@
 """Shared-memory segments and single-producer/single-consumer byte rings (no event loop).
 
-A *segment* is one file in ``/dev/shm`` (``aiocollect-<pid>-<random>``, mode 0600) holding
-two rings, one per direction of a link. It exists by name only while the link is being set
-up: the rank that accepts the connection creates it, the connecting rank maps it and unlinks
-it at once, so nothing stays in ``/dev/shm`` whatever happens to either process later.
+A *segment* is an anonymous file (``memfd_create``, named ``aiocollect-<pid>-<random>``
+for ``/proc/<pid>/maps`` only: it is never in a file system) holding two rings, one per
+direction of a link. The rank that accepts the connection creates it, sizes it and
+*seals* it (``F_SEAL_SHRINK``, ``F_SEAL_GROW``, ``F_SEAL_SEAL``): from then on nobody, not
+even a process of the same user holding a descriptor, can change its size, so the
+mappings can never lose their pages under the ranks (a truncated shared mapping raises
+SIGBUS in every process that touches it). The connecting rank opens the acceptor's
+descriptor through ``/proc/<pid>/fd/<n>`` (the kernel allows it to processes that may
+inspect the acceptor: same user, dumpable), checks that it is a sealed memfd of ours of
+the announced size, carrying the announced token in its header, maps it and closes its
+descriptor; the acceptor closes its own once the connector says it has mapped it. After
+setup the segment exists only as the two mappings, and goes away with the last of them
+whatever happens to either process: there is nothing to clean up and nothing to leak.
 
 Layout (all offsets in bytes, counters native u64)::
 
-    0     magic "AIOCSHM1", version, capacity
+    0     magic "AIOCSHM1", version, capacity, token (16 random bytes)
     1024  ring 0 control  (acceptor -> connector)
     1536  ring 1 control  (connector -> acceptor)
     4096  ring 0 data     (capacity bytes)
@@ -38,6 +47,8 @@ which pure Python cannot issue, so :func:`unavailable` reports them as unsupport
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import functools
 import mmap
 import os
 import platform
@@ -46,15 +57,13 @@ import stat
 import struct
 import sys
 import threading
-import time
 
 from aiocollect.errors import ProtocolError
 from aiocollect.transport import cma
 
-SEGMENT_DIR = "/dev/shm"
 PREFIX = "aiocollect-"
 MAGIC = b"AIOCSHM1"
-VERSION = 1
+VERSION = 2
 DATA_OFFSET = 4096
 MIN_CAPACITY = 64 * 1024
 MAX_CAPACITY = 1 << 30
@@ -62,11 +71,12 @@ DEFAULT_CAPACITY = 8 * 1024 * 1024
 CAPACITY_ENV = "AIOCOLLECT_SHM_RING_BYTES"
 #: Most ring memory one rank maps by default, over all its local peers (both directions).
 RING_BUDGET = 256 * 1024 * 1024
-#: Seconds after which a segment of a dead process counts as leaked (a rank killed between
-#: creating a segment and its peer mapping it) and may be removed by the next rank.
-STALE_AFTER = 60.0
+#: Bytes of the random token that ties a segment to the welcome that offered it.
+TOKEN_BYTES = 16
+#: The seals every segment carries: its size is fixed for good (no SIGBUS by truncation).
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
-_SEG_HEADER = struct.Struct("=8sQQ")
+_SEG_HEADER = struct.Struct(f"=8sQQ{TOKEN_BYTES}s")
 PROBE_BYTES = _SEG_HEADER.size
 _CTL_OFFSET = (1024, 1536)
 _CTL_BYTES = 512
@@ -95,9 +105,49 @@ def unavailable() -> str | None:
     machine = platform.machine().lower()
     if machine not in ("x86_64", "amd64"):
         return f"shared-memory links need x86-64 memory ordering (this is {machine})"
-    if not os.path.isdir(SEGMENT_DIR) or not os.access(SEGMENT_DIR, os.W_OK | os.X_OK):
-        return f"{SEGMENT_DIR} is missing or not writable"
+    return _memfd_unavailable()
+
+
+@functools.cache
+def _memfd_unavailable() -> str | None:
+    """Try once what every link setup does: a sealed memfd, reopened through /proc."""
+    try:
+        fd = _new_memfd(DATA_OFFSET)
+    except (OSError, AttributeError) as exc:
+        return f"cannot create a sealed memfd (memfd_create, F_ADD_SEALS): {exc}"
+    try:
+        os.close(_reopen(os.getpid(), fd))
+    except OSError as exc:
+        return f"cannot reopen a memfd through /proc/self/fd: {exc}"
+    finally:
+        os.close(fd)
     return None
+
+
+def _new_memfd(size: int) -> int:
+    """A new memfd of ``size`` bytes, sealed against any change of size.
+
+    Raises:
+        OSError: no memfd_create or sealing here, or out of memory.
+    """
+    name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _reopen(pid: int, fd: int) -> int:
+    """Open the file that process ``pid`` holds as descriptor ``fd`` (a new descriptor).
+
+    Raises:
+        OSError: no such process or descriptor here, or no permission to look.
+    """
+    return os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
 
 
 def configured_capacity(local_ranks: int = 2) -> int:
@@ -226,12 +276,15 @@ class Ring:
 
 
 class Segment:
-    """A mapped segment; ``rings[0]`` carries acceptor -> connector, ``rings[1]`` back."""
+    """A mapped segment; ``rings[0]`` carries acceptor -> connector, ``rings[1]`` back.
 
-    def __init__(self, name: str, capacity: int, mm: mmap.mmap) -> None:
-        self.name = name
+    ``fd`` is the creator's descriptor, kept open only until the peer has opened its own
+    (:meth:`handed_over`); an attached segment holds none."""
+
+    def __init__(self, capacity: int, mm: mmap.mmap, token: bytes, fd: int | None) -> None:
         self.capacity = capacity
-        self.unlinked = False
+        self.token = token
+        self.fd = fd
         self._mmap: mmap.mmap | None = mm
         self._view: memoryview | None = memoryview(mm)
         self.rings = (Ring(self._view, 0, capacity), Ring(self._view, 1, capacity))
@@ -251,77 +304,79 @@ class Segment:
     def size_for(capacity: int) -> int:
         return DATA_OFFSET + 2 * capacity
 
-    @property
-    def path(self) -> str:
-        return os.path.join(SEGMENT_DIR, self.name)
-
     @classmethod
     def create(cls, capacity: int) -> Segment:
-        """Create, size and map a new segment (both readers start out waiting).
+        """Create, size, seal and map a new segment (both readers start out waiting); its
+        descriptor stays open (``fd``) for the peer to open until :meth:`handed_over`.
 
         Raises:
-            OSError: /dev/shm is full, missing or not writable.
+            OSError: no sealed memfds here, or out of memory.
         """
-        _reap_once()
-        name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        path = os.path.join(SEGMENT_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
+        size = cls.size_for(capacity)
+        fd = _new_memfd(size)
         try:
-            os.ftruncate(fd, cls.size_for(capacity))
-            mm = mmap.mmap(fd, cls.size_for(capacity))
+            mm = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
             raise
-        os.close(fd)
-        _SEG_HEADER.pack_into(mm, 0, MAGIC, VERSION, capacity)
-        seg = cls(name, capacity, mm)
+        token = secrets.token_bytes(TOKEN_BYTES)
+        _SEG_HEADER.pack_into(mm, 0, MAGIC, VERSION, capacity, token)
+        seg = cls(capacity, mm, token, fd)
         for ring in seg.rings:
             ring.arm_reader(1)  # the first write rings the doorbell
         return seg
 
     @classmethod
-    def attach(cls, name: str, capacity: int) -> Segment:
-        """Map the segment ``name`` created by the peer and check that it is what the peer
-        announced (name pattern, owner, size, magic, version, capacity).
+    def attach(cls, pid: int, fd: int, capacity: int, token: bytes) -> Segment:
+        """Map the segment that process ``pid`` offered as its descriptor ``fd`` and check
+        that it is what the peer announced: a memfd of ours, of this user, sealed against
+        changes of size, of the size for ``capacity``, with our magic, version, capacity
+        and ``token`` in its header.
 
         Raises:
-            OSError: it does not exist here (another /dev/shm) or cannot be opened.
-            ProtocolError: it is not a segment of this shape.
+            OSError: it cannot be opened here (another pid namespace, no permission to
+                look at the peer's descriptors, the peer closed it).
+            ProtocolError: the offer is malformed, or what it names is not such a segment.
         """
-        if (not name.startswith(PREFIX) or "/" in name or len(name) > 128
+        if (not 0 < pid < 1 << 31 or not 0 <= fd < 1 << 31 or len(token) != TOKEN_BYTES
                 or not MIN_CAPACITY <= capacity <= MAX_CAPACITY):
-            raise ProtocolError(f"bad shared-memory offer {name!r} of {capacity} bytes")
-        path = os.path.join(SEGMENT_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            raise ProtocolError(f"bad shared-memory offer: descriptor {fd} of process {pid}, "
+                                f"{capacity} bytes per ring")
+        size = cls.size_for(capacity)
+        mine = _reopen(pid, fd)
         try:
-            st = os.fstat(fd)
-            size = cls.size_for(capacity)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size != size:
-                raise ProtocolError(f"shared-memory segment {name} is not a {size}-byte file "
-                                    f"of this user")
-            mm = mmap.mmap(fd, size)
+            what = os.readlink(f"/proc/self/fd/{mine}")
+            st = os.fstat(mine)
+            try:
+                seals = fcntl.fcntl(mine, fcntl.F_GET_SEALS)
+            except OSError:  # not a file that can be sealed
+                seals = 0
+            if (not what.startswith(f"/memfd:{PREFIX}") or not stat.S_ISREG(st.st_mode)
+                    or st.st_uid != os.geteuid() or st.st_size != size
+                    or seals & SEALS != SEALS):
+                raise ProtocolError(
+                    f"descriptor {fd} of process {pid} is not a sealed {size}-byte "
+                    f"aiocollect segment of this user ({what}, {st.st_size} bytes, "
+                    f"seals {seals:#x})")
+            mm = mmap.mmap(mine, size)
         finally:
-            os.close(fd)
-        magic, version, cap = _SEG_HEADER.unpack_from(mm, 0)
-        if (magic, version, cap) != (MAGIC, VERSION, capacity):
+            os.close(mine)
+        header = _SEG_HEADER.unpack_from(mm, 0)
+        if header != (MAGIC, VERSION, capacity, token):
             mm.close()
-            raise ProtocolError(f"shared-memory segment {name} has header "
-                                f"{(magic, version, cap)!r}")
-        return cls(name, capacity, mm)
+            raise ProtocolError(f"shared-memory segment of process {pid} has header "
+                                f"{header[:3]!r} and another token than offered")
+        return cls(capacity, mm, token, None)
 
-    def unlink(self) -> None:
-        """Remove the name (idempotent; mappings stay valid until closed)."""
-        if not self.unlinked:
-            self.unlinked = True
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
+    def handed_over(self) -> None:
+        """The peer has mapped the segment: close the creator's descriptor (idempotent)."""
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
 
     def close(self) -> None:
-        """Unlink if still named and unmap (idempotent)."""
-        self.unlink()
+        """Close the descriptor if still open and unmap (idempotent)."""
+        self.handed_over()
         mm, self._mmap = self._mmap, None
         if mm is None:
             return
@@ -332,51 +387,6 @@ class Segment:
             self._view = None
         with contextlib.suppress(BufferError):  # a view still exported: the GC unmaps it
             mm.close()
-
-
-_reaped = False
-
-
-def _reap_once() -> None:
-    global _reaped
-    if not _reaped:
-        _reaped = True
-        reap_stale()
-
-
-def reap_stale(max_age: float = STALE_AFTER) -> list[str]:
-    """Remove this user's segments whose creating process is gone and that are older than
-    ``max_age`` seconds (left by a rank killed during link setup). Returns their names."""
-    removed: list[str] = []
-    try:
-        names = os.listdir(SEGMENT_DIR)
-    except OSError:
-        return removed
-    now = time.time()
-    for name in names:
-        pid = segment_pid(name)
-        if pid is None or pid_alive(pid):
-            continue
-        path = os.path.join(SEGMENT_DIR, name)
-        try:
-            st = os.lstat(path)
-            if st.st_uid != os.geteuid() or now - st.st_mtime < max_age:
-                continue
-            os.unlink(path)
-        except OSError:
-            continue
-        removed.append(name)
-    return removed
-
-
-def segment_pid(name: str) -> int | None:
-    """The creating pid encoded in a segment name, or None if it is not one of ours."""
-    if not name.startswith(PREFIX):
-        return None
-    pid, _, rest = name[len(PREFIX):].partition("-")
-    if not pid.isdigit() or not rest:
-        return None
-    return int(pid)
 
 
 def pid_alive(pid: int) -> bool:

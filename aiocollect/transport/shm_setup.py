@@ -1,23 +1,27 @@
-"""The shared-memory upgrade of a link's handshake (sans-IO apart from creating and mapping
-the segment).
+"""The shared-memory upgrade of a link's handshake (sans-IO apart from creating, opening
+and mapping the segment).
 
 ::
 
     connector -> acceptor   hello   + {shm: true}                 (after the challenge)
-    acceptor -> connector   welcome + {shm: {name, capacity, pid, addr}}   (segment created)
+    acceptor -> connector   welcome + {shm: {pid, fd, token, capacity, addr}}  (created)
                          or welcome + {shm_error: "..."}          (auto: stay on TCP)
-    connector -> acceptor   {t: "shm-ok", pid, addr}   segment mapped and its name unlinked
+    connector -> acceptor   {t: "shm-ok", pid, addr}   segment opened, checked and mapped
                          or {t: "shm-fail", error}   (auto: both stay on TCP)
 
-``pid`` and ``addr`` (where that process maps the segment) let each side probe whether it
-can read the other's memory (:func:`aiocollect.transport.cma.probe`, reading the segment
-header there); a side whose probe works marks the ring it reads as *pulls* enabled, and
-the peer then sends large payloads by reference (see :mod:`aiocollect.transport.shm_ring`).
-A failed probe only means ring copies: it is logged, never fatal.
+The segment is a sealed memfd (:mod:`aiocollect.transport.shm_ring`): the acceptor keeps
+its descriptor ``fd`` open until ``shm-ok`` or ``shm-fail``, and the connector opens it as
+``/proc/<pid>/fd/<fd>`` (a process of the same user may; the kernel's seals travel with the
+file, so the connector checks them, the size and the ``token`` that the acceptor wrote into
+the header and sent in the (authenticated) welcome). The segment never has a name in a
+file system, so nothing can be left behind by a rank killed at any point.
 
-The connector unlinks the name as soon as it has mapped the segment, and the acceptor
-removes it on every other outcome (shm-fail, a refused or broken handshake), so a segment
-is named in ``/dev/shm`` only for the duration of one round trip.
+``pid`` and ``addr`` (where that process maps the segment) also let each side probe
+whether it can read the other's memory (:func:`aiocollect.transport.cma.probe`, reading the
+segment header there); a side whose probe works marks the ring it reads as *pulls* enabled,
+and the peer then sends large payloads by reference (see
+:mod:`aiocollect.transport.shm_ring`). A failed probe only means ring copies: it is logged,
+never fatal.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ class ShmSetup:
         return self._acceptor(msg)
 
     def discard(self) -> None:
-        """Remove a segment that was created but never handed over (setup failed)."""
+        """Close a segment that was created but never handed over (setup failed)."""
         segment, self.segment = self.segment, None
         if segment is not None:
             segment.close()
@@ -82,17 +86,18 @@ class ShmSetup:
             log.info("link to rank %d stays on TCP: %s", peer, why)
             return replies, peer
         try:
-            name, capacity = offer.get("name"), offer.get("capacity")
-            if not isinstance(name, str) or not isinstance(capacity, int):
+            pid, fd, capacity, token = (offer.get(k) for k in ("pid", "fd", "capacity",
+                                                               "token"))
+            if not (isinstance(pid, int) and isinstance(fd, int)
+                    and isinstance(capacity, int) and isinstance(token, bytes)):
                 raise ProtocolError(f"malformed shared-memory offer from rank {peer}")
-            segment = Segment.attach(name, capacity)
+            segment = Segment.attach(pid, fd, capacity, token)
         except (OSError, ProtocolError) as exc:
             if self.required:
                 raise RendezvousError(
                     f"no shared-memory link to rank {peer}: {exc}") from None
             log.info("link to rank %d stays on TCP: %s", peer, exc)
             return [*replies, {"t": "shm-fail", "error": str(exc)}], peer
-        segment.unlink()  # both sides have it mapped: the name is no longer needed
         pid = _enable_pulls(segment, 0, offer, peer)
         self.activate(segment, 0, pid)
         return [*replies, {"t": "shm-ok", "pid": os.getpid(), "addr": segment.address}], peer
@@ -119,8 +124,9 @@ class ShmSetup:
                 log.warning("cannot create a shared-memory segment: %s", exc)
                 extra = {"shm_error": str(exc)}
             else:
-                extra = {"shm": {"name": self.segment.name, "capacity": size,
-                                 "pid": os.getpid(), "addr": self.segment.address}}
+                extra = {"shm": {"pid": os.getpid(), "fd": self.segment.fd,
+                                 "token": self.segment.token, "capacity": size,
+                                 "addr": self.segment.address}}
             replies = [dict(r, **extra) if r.get("t") == "welcome" else r for r in replies]
             if self.segment is None:
                 return replies, peer
@@ -132,7 +138,7 @@ class ShmSetup:
             raise ProtocolError(f"expected shm-ok or shm-fail, got {kind!r}")
         self.segment = None
         if kind == "shm-ok":
-            segment.unlink()
+            segment.handed_over()  # the connector has its own mapping now
             pid = _enable_pulls(segment, 1, msg, self.peer)
             self.activate(segment, 1, pid)
             return [], self.peer

@@ -63,6 +63,8 @@ def test_pull_copies_another_process_memory() -> None:
         proc.stdin.write("\n")
         proc.stdin.close()
         proc.wait(10)
+        assert proc.stdout is not None
+        proc.stdout.close()
     with pytest.raises(ProcessLookupError):
         cma.pull(proc.pid, memoryview(bytearray(16)), addr)
     assert "failed" in (cma.probe(proc.pid, addr, b"x" * 16) or "")

@@ -1,14 +1,11 @@
-"""The ring and segment layer without an event loop: wrap-around, bounds checks, creation,
-attachment checks, unlinking and the reaping of segments left by dead processes."""
+"""The ring and segment layer without an event loop: wrap-around, bounds checks, creation
+(a sealed memfd) and the checks made when attaching to a peer's offer."""
 
 from __future__ import annotations
 
-import contextlib
+import fcntl
 import os
 import random
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -16,10 +13,8 @@ import pytest
 from aiocollect.errors import ProtocolError
 from aiocollect.transport.shm_ring import (
     MIN_CAPACITY,
-    SEGMENT_DIR,
+    SEALS,
     Segment,
-    reap_stale,
-    segment_pid,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -32,12 +27,22 @@ def segment() -> Iterator[Segment]:
     seg.close()
 
 
-def test_create_attach_unlink(segment: Segment) -> None:
-    assert os.path.exists(segment.path)
-    assert os.stat(segment.path).st_mode & 0o777 == 0o600
-    other = Segment.attach(segment.name, segment.capacity)
-    other.unlink()
-    assert not os.path.exists(segment.path)
+def _attach(seg: Segment) -> Segment:
+    assert seg.fd is not None
+    return Segment.attach(os.getpid(), seg.fd, seg.capacity, seg.token)
+
+
+def test_create_attach_hand_over(segment: Segment) -> None:
+    assert segment.fd is not None
+    assert fcntl.fcntl(segment.fd, fcntl.F_GET_SEALS) & SEALS == SEALS
+    assert os.readlink(f"/proc/self/fd/{segment.fd}").startswith("/memfd:aiocollect-")
+    other = _attach(segment)
+    assert other.fd is None  # the attaching side keeps only its mapping
+    fd = segment.fd
+    segment.handed_over()
+    assert segment.fd is None
+    with pytest.raises(OSError):
+        os.fstat(fd)
     writer, reader = segment.rings[0], other.rings[0]
     writer.write(memoryview(b"hello"))
     assert reader.available() == 0  # not published yet
@@ -47,7 +52,7 @@ def test_create_attach_unlink(segment: Segment) -> None:
     reader.read(memoryview(out))
     assert out == b"hello"
     other.close()
-    segment.unlink()  # idempotent
+    segment.handed_over()  # idempotent
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -56,7 +61,8 @@ def test_stream_through_wrap_around(segment: Segment, seed: int) -> None:
     rng = random.Random(seed)
     cap = segment.capacity
     data = rng.randbytes(cap * 7 + 123)
-    writer, reader = segment.rings[1], Segment.attach(segment.name, cap).rings[1]
+    peer = _attach(segment)
+    writer, reader = segment.rings[1], peer.rings[1]
     out = bytearray()
     sent = 0
     while len(out) < len(data):
@@ -72,10 +78,11 @@ def test_stream_through_wrap_around(segment: Segment, seed: int) -> None:
         out += buf
         assert writer.free() == cap - (sent - len(out))
     assert out == data
+    peer.close()
 
 
 def test_positions_out_of_range_are_protocol_errors(segment: Segment) -> None:
-    other = Segment.attach(segment.name, segment.capacity)
+    other = _attach(segment)
     writer, reader = segment.rings[0], other.rings[0]
     writer.pos = segment.capacity + 1
     writer.publish_head()
@@ -91,49 +98,31 @@ def test_positions_out_of_range_are_protocol_errors(segment: Segment) -> None:
 
 
 def test_attach_checks_the_offer(segment: Segment) -> None:
-    with pytest.raises(ProtocolError):
-        Segment.attach("../etc/passwd", segment.capacity)
-    with pytest.raises(ProtocolError):
-        Segment.attach("not-ours", segment.capacity)
-    with pytest.raises(ProtocolError):
-        Segment.attach(segment.name, segment.capacity * 2)  # size does not match
+    assert segment.fd is not None
+    pid, fd, cap, token = os.getpid(), segment.fd, segment.capacity, segment.token
+    with pytest.raises(ProtocolError, match="bad shared-memory offer"):
+        Segment.attach(0, fd, cap, token)
+    with pytest.raises(ProtocolError, match="bad shared-memory offer"):
+        Segment.attach(pid, fd, cap, b"short")
+    with pytest.raises(ProtocolError, match="not a sealed"):
+        Segment.attach(pid, fd, cap * 2, token)  # size does not match
+    with pytest.raises(ProtocolError, match="token"):
+        Segment.attach(pid, fd, cap, bytes(len(token)))
     with pytest.raises(FileNotFoundError):
-        Segment.attach(segment.name + "0", segment.capacity)
-    with open(segment.path, "r+b") as f:
-        f.write(b"XXXXXXXX")
-    with pytest.raises(ProtocolError, match="header"):
-        Segment.attach(segment.name, segment.capacity)
-
-
-def test_reap_removes_only_old_segments_of_dead_processes() -> None:
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    names = {
-        "old-dead": f"aiocollect-{dead.pid}-{os.urandom(4).hex()}",
-        "young-dead": f"aiocollect-{dead.pid}-{os.urandom(4).hex()}",
-        "old-alive": f"aiocollect-{os.getpid()}-{os.urandom(4).hex()}",
-    }
-    for label, name in names.items():
-        path = os.path.join(SEGMENT_DIR, name)
-        with open(path, "wb"):
-            pass
-        if label.startswith("old"):
-            old = time.time() - 3600
-            os.utime(path, (old, old))
+        Segment.attach(pid, 1 << 30, cap, token)  # no such descriptor
+    with open(__file__, "rb") as f, pytest.raises(ProtocolError, match="not a sealed"):
+        Segment.attach(pid, f.fileno(), cap, token)  # a descriptor, but no memfd
+    unsealed = os.memfd_create("aiocollect-unsealed", os.MFD_CLOEXEC)
     try:
-        removed = reap_stale()
-        assert names["old-dead"] in removed
-        assert names["young-dead"] not in removed and names["old-alive"] not in removed
+        os.ftruncate(unsealed, Segment.size_for(cap))
+        with pytest.raises(ProtocolError, match="seals 0x"):
+            Segment.attach(pid, unsealed, cap, token)
     finally:
-        for name in names.values():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SEGMENT_DIR, name))
-
-
-def test_segment_pid() -> None:
-    assert segment_pid("aiocollect-123-abcd") == 123
-    assert segment_pid("aiocollect-x-abcd") is None
-    assert segment_pid("other-123-abcd") is None
+        os.close(unsealed)
+    assert segment.fd is not None
+    os.pwrite(segment.fd, b"XXXXXXXX", 0)
+    with pytest.raises(ProtocolError, match="header"):
+        Segment.attach(pid, fd, cap, token)
 
 
 def test_capacity_shrinks_with_many_local_ranks(monkeypatch: pytest.MonkeyPatch) -> None:

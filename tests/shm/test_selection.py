@@ -84,10 +84,11 @@ async def test_forced_shm_with_a_tcp_peer_fails() -> None:
 
 @pytest.mark.parametrize("transport", ["auto", "shm"])
 async def test_unmappable_segment(monkeypatch: pytest.MonkeyPatch, transport: str) -> None:
-    """The peer's segment cannot be mapped here (e.g. another /dev/shm in a container):
-    auto stays on TCP, shm fails to form; nothing is left in /dev/shm either way."""
-    def attach(name: str, capacity: int) -> shm_ring.Segment:
-        raise FileNotFoundError(f"no {name} here")
+    """The peer's segment cannot be opened here (e.g. the peer runs in another pid
+    namespace, so /proc/<pid>/fd is not its): auto stays on TCP, shm fails to form; no
+    segment stays open or mapped either way."""
+    def attach(pid: int, fd: int, capacity: int, token: bytes) -> shm_ring.Segment:
+        raise FileNotFoundError(f"no /proc/{pid}/fd/{fd} here")
 
     monkeypatch.setattr(shm_ring.Segment, "attach", staticmethod(attach))
     res = await _open_all([transport] * 2, timeout=3)
