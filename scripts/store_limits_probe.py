@@ -7,7 +7,9 @@ attack it over a real socket from the same loop, and report the longest stall of
 Attacks: ``bomb`` (one 8 MiB msgpack frame holding 8 Mi empty arrays), ``nested`` (the
 same bytes as 128 arrays of 65535 empty arrays), ``keys`` (a legitimate wait naming 16384
 keys, for comparison), ``slow`` (1,000 connections that send 2 bytes of a header, then
-nothing: how many are still open after the idle timeout).
+nothing: how many are still open after the idle timeout), ``halfsent`` (8 connections that
+each announce a 64 MiB frame and send half of it: memory held, and how many are open after
+the idle timeout).
 The attacker runs in a thread with blocking sockets, so the loop bears only the server's
 work. Works against older versions of the server too (to measure "before").
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -123,6 +126,35 @@ async def slow(port: int, server: TCPStoreServer) -> dict[str, Any]:
     return {"open_after_12s": still}
 
 
+def _half_send(port: int, socks: list[socket.socket]) -> None:
+    sock = _blocking_connect(port)
+    socks.append(sock)
+    sock.settimeout(3)  # a server that stops reading leaves the rest in the socket buffers
+    with contextlib.suppress(OSError):
+        sock.sendall(_wire.HEADER.pack(64 << 20) + b"\x94\x01\xa3set\xa1k\xc6"
+                     + (64 << 20).to_bytes(4, "big") + b"\x00" * (32 << 20))
+
+
+async def halfsent(port: int) -> dict[str, Any]:
+    socks: list[socket.socket] = []
+    before = rss_mib()
+    await asyncio.gather(*(asyncio.to_thread(_half_send, port, socks) for _ in range(8)))
+    await asyncio.sleep(1)
+    held = rss_mib() - before
+    await asyncio.sleep(11)
+    still = 0
+    for sock in socks:
+        sock.setblocking(False)
+        try:
+            still += sock.recv(1) != b""  # b"": closed by the server
+        except BlockingIOError:
+            still += 1
+        except OSError:
+            pass
+        sock.close()
+    return {"held_mib_after_1s": round(held, 1), "open_after_12s": still}
+
+
 async def main(attack: str) -> dict[str, Any]:
     server = TCPStoreServer("127.0.0.1", 0)
     await server.start()
@@ -138,6 +170,8 @@ async def main(attack: str) -> dict[str, Any]:
     result: dict[str, Any] = {"attack": attack}
     if attack == "slow":
         result.update(await slow(server.port, server))
+    elif attack == "halfsent":
+        result.update(await halfsent(server.port))
     else:
         result["outcome"] = await send_one(server.port, data)
     result["seconds"] = round(time.perf_counter() - started, 3)
@@ -154,7 +188,7 @@ async def main(attack: str) -> dict[str, Any]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--attack", choices=("bomb", "nested", "keys", "slow"),
+    parser.add_argument("--attack", choices=("bomb", "nested", "keys", "slow", "halfsent"),
                         default=None, help="one attack (default: all but slow)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
