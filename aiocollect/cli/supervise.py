@@ -3,6 +3,9 @@
 A :class:`Job` owns the rank processes of one node. It reaps them, and on the first rank that
 exits non-zero or dies by a signal it stops every other rank (SIGTERM to the rank's process
 group, SIGKILL after a grace period). Signals sent to the launcher are forwarded the same way.
+A rank that exits 0 while others still run ``EARLY_EXIT_NOTICE`` seconds later is reported
+(peers waiting for it in a collective would hang until their group timeout), and marked in
+the summary.
 :func:`pump_lines` copies a rank's output line by line, each line prefixed with the rank.
 
 Every rank is started in its own session (``start_new_session=True``), so a signal aimed at
@@ -17,6 +20,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
@@ -26,6 +30,9 @@ LINE_LIMIT = 64 * 1024
 each with its own prefix (so memory stays bounded whatever a rank prints)."""
 
 _READ_SIZE = 64 * 1024
+#: Seconds after a rank exited 0 at which ranks still running get it reported (the
+#: launcher's AIOCOLLECT_EARLY_EXIT_NOTICE overrides it).
+EARLY_EXIT_NOTICE = 10.0
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -105,6 +112,10 @@ class RankProcess:
     proc: asyncio.subprocess.Process
     stopped: bool = False
     """True once the launcher signalled it (its exit is then not a failure of its own)."""
+    exited_at: float | None = None
+    """When it was reaped (time.monotonic)."""
+    early: bool = False
+    """True if it exited 0 while other ranks still ran ``EARLY_EXIT_NOTICE`` s later."""
 
 
 class Job:
@@ -114,10 +125,14 @@ class Job:
         grace: seconds between SIGTERM (or a forwarded signal) and SIGKILL.
         timeout: seconds the whole job may run before it is stopped; None: no limit.
         report: writes one message line for the user (the launcher's stderr).
+        early_exit_notice: seconds after a rank exited 0 at which the ranks still running
+            get it reported (once per job); default AIOCOLLECT_EARLY_EXIT_NOTICE, else
+            ``EARLY_EXIT_NOTICE``.
     """
 
     def __init__(self, *, grace: float, timeout: float | None,
-                 report: Callable[[str], None]) -> None:
+                 report: Callable[[str], None],
+                 early_exit_notice: float | None = None) -> None:
         self.ranks: list[RankProcess] = []
         self.failure: RankProcess | None = None
         self.signalled: int | None = None
@@ -126,6 +141,13 @@ class Job:
         self.timeout = timeout
         self._report = report
         self._stop_requested = asyncio.Event()
+        if early_exit_notice is None:
+            try:
+                early_exit_notice = float(os.environ.get("AIOCOLLECT_EARLY_EXIT_NOTICE", ""))
+            except ValueError:
+                early_exit_notice = EARLY_EXIT_NOTICE
+        self.early_exit_notice = early_exit_notice
+        self._early_check: asyncio.TimerHandle | None = None
 
     @property
     def stopping(self) -> bool:
@@ -180,10 +202,17 @@ class Job:
             if reapers:
                 await asyncio.wait(reapers)
             watchdog.cancel()
+        if self._early_check is not None:
+            self._early_check.cancel()
         return self.exit_status()
 
     async def _reap(self, entry: RankProcess) -> None:
         returncode = await entry.proc.wait()
+        entry.exited_at = time.monotonic()
+        if returncode == 0 and not self.stopping and self._early_check is None and any(
+                e.proc.returncode is None for e in self.ranks):
+            self._early_check = asyncio.get_running_loop().call_later(
+                self.early_exit_notice, self._flag_early, entry)
         if returncode == 0 or self.stopping:
             return
         self.failure = entry
@@ -191,6 +220,17 @@ class Job:
         self._report(f"rank {entry.rank} (pid {entry.proc.pid}) failed: "
                      f"{describe_exit(returncode)}; stopping {others} other rank(s)")
         self.stop(signal.SIGTERM)
+
+    def _flag_early(self, entry: RankProcess) -> None:
+        """``entry`` exited 0 ``early_exit_notice`` s ago: report it if others still run."""
+        running = sorted(e.rank for e in self.ranks if e.proc.returncode is None)
+        if self.stopping or not running:
+            return
+        entry.early = True
+        self._report(
+            f"rank {entry.rank} exited 0 but rank(s) {_ranks(running)} are still running "
+            f"{self.early_exit_notice:g} s later: if they wait for rank {entry.rank} in a "
+            "collective, they hang until their group timeout (--group-timeout)")
 
     async def _watchdog(self, reapers: list[asyncio.Task[None]]) -> None:
         try:
@@ -228,6 +268,9 @@ class Job:
             state = "still running" if code is None else describe_exit(code)
             if entry is not self.failure and entry.stopped:
                 state += " after being stopped"
+            if entry.early and entry.exited_at is not None:
+                last = max((e.exited_at or time.monotonic()) for e in self.ranks)
+                state += f" early ({last - entry.exited_at:.0f} s before the last rank)"
             parts.append(f"{entry.rank} {state}")
         if self.failure is not None and self.failure.proc.returncode is not None:
             cause = (f"job failed: rank {self.failure.rank} failed first, "

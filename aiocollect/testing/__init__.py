@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiocollect.api import open_group
 from aiocollect.errors import AiocollectError
 from aiocollect.group import Group
-from aiocollect.testing.spawn import RankFailed, SpawnedRanks, spawn_ranks
+from aiocollect.testing.spawn import RankFailed, SpawnedRanks, headline, spawn_ranks
 
 _names = itertools.count()
 
@@ -36,23 +37,31 @@ async def run_ranks(world_size: int, fn: Callable[..., Awaitable[Any]], *args: A
 
     Raises:
         ExceptionGroup: one or more ranks failed; each exception is annotated with its rank
-            (``RankFailed`` wrapping the original as ``__cause__``).
+            (``RankFailed`` wrapping the original as ``__cause__``). Its message names the
+            rank that failed first and what it raised (usually the root cause: the others
+            fail because of it).
     """
     name = name or f"run-ranks-{os.getpid()}-{next(_names)}"
     spec = store if store is not None else f"memory://{name}"
+    failed_at: dict[int, float] = {}
 
     async def one(rank: int) -> Any:
-        mine = spec(rank) if callable(spec) else spec
-        group = await open_group(rank, world_size, store=mine, transport=transport,
-                                 timeout=timeout, name=name, chunk_bytes=chunk_bytes,
-                                 **options)
         try:
-            result = await fn(group, *args)
+            mine = spec(rank) if callable(spec) else spec
+            group = await open_group(rank, world_size, store=mine, transport=transport,
+                                     timeout=timeout, name=name, chunk_bytes=chunk_bytes,
+                                     **options)
+            try:
+                result = await fn(group, *args)
+            except BaseException as exc:
+                failed_at[rank] = time.monotonic()
+                group.abort(exc)
+                raise
+            await group.aclose()
+            return result
         except BaseException:
-            group.abort()
+            failed_at.setdefault(rank, time.monotonic())
             raise
-        await group.aclose()
-        return result
 
     tasks = [asyncio.ensure_future(one(r)) for r in range(world_size)]
     await asyncio.wait(tasks)
@@ -64,9 +73,11 @@ async def run_ranks(world_size: int, fn: Callable[..., Awaitable[Any]], *args: A
             err.__cause__ = exc
             failures.append(err)
     if failures:
-        raise ExceptionGroup(
-            f"{len(failures)} of {world_size} ranks failed "
-            f"(ranks {[f.rank for f in failures]})", failures)
+        first = min(failures, key=lambda f: failed_at.get(f.rank, float("inf")))
+        cause = first.__cause__
+        assert cause is not None
+        raise ExceptionGroup(headline(first.rank, f"{type(cause).__name__}: {cause}",
+                                      [f.rank for f in failures], world_size), failures)
     return [t.result() for t in tasks]
 
 

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import time
 import traceback
 from collections.abc import Awaitable, Callable, Generator
 from multiprocessing.connection import Connection
@@ -50,12 +51,14 @@ def _child(rank: int, world_size: int, store: str, conn: Connection,
         group = await open_group(rank, world_size, store=store, **options)
         try:
             result = await target(group, *args)
-        except BaseException:
-            group.abort()
+        except BaseException as exc:
+            failed[0] = time.time()  # before the abort makes the others fail
+            group.abort(exc)
             raise
         await group.aclose()
         return result
 
+    failed = [0.0]
     try:
         if options.pop("uvloop", False):
             import uvloop
@@ -65,7 +68,8 @@ def _child(rank: int, world_size: int, store: str, conn: Connection,
             result = asyncio.run(main())
         conn.send(("ok", result))
     except BaseException as exc:
-        conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
+        conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc(),
+                   failed[0] or time.time()))
     finally:
         conn.close()
 
@@ -81,6 +85,7 @@ class SpawnedRanks:
         self.store = f"tcp://127.0.0.1:{free_port()}"
         self.processes: list[Any] = []
         self._conns: list[Connection] = []
+        self._failed_at: dict[int, float] = {}  # when a rank failed (time.time)
         for rank in range(world_size):
             parent, child = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_child, name=f"aiocollect-rank-{rank}", daemon=True,
@@ -120,10 +125,15 @@ class SpawnedRanks:
             await ready
         finally:
             loop.remove_reader(fd)
+        seen = time.time()
         try:
             msg: tuple[Any, ...] = conn.recv()
+            if msg[0] == "error" and len(msg) > 4:
+                self._failed_at[rank] = float(msg[4])
+                msg = msg[:4]
             return msg
         except (EOFError, OSError):
+            self._failed_at[rank] = seen
             proc = self.processes[rank]
             await asyncio.to_thread(proc.join, 5)
             code = proc.exitcode
@@ -174,8 +184,11 @@ class SpawnedRanks:
             elif out[0] == "died":
                 failures.append(RankFailed(rank, f"rank {rank} died ({out[1]})", "", "died"))
         if failures:
-            raise ExceptionGroup(f"{len(failures)} of {self.world_size} ranks failed "
-                                 f"(ranks {[f.rank for f in failures]})", failures)
+            first = min(failures, key=lambda f: self._failed_at.get(f.rank, float("inf")))
+            what = outcomes[first.rank]
+            detail = f"{what[1]}: {what[2]}" if what[0] == "error" else f"died ({what[1]})"
+            raise ExceptionGroup(headline(first.rank, detail, [f.rank for f in failures],
+                                          self.world_size), failures)
         return [out[1] for out in outcomes]
 
     def terminate(self) -> None:
@@ -194,6 +207,16 @@ class SpawnedRanks:
 
     def __await__(self) -> Generator[Any, None, list[Any]]:
         return self.results().__await__()
+
+
+def headline(rank: int, detail: str, failed: list[int], world_size: int) -> str:
+    """The message of the ExceptionGroup of ``run_ranks``/``spawn_ranks``: the rank that
+    failed first and its exception (first line), then how many failed."""
+    first_line = detail.splitlines()[0] if detail else ""
+    if len(first_line) > 300:
+        first_line = first_line[:297] + "..."
+    return (f"rank {rank} failed first: {first_line} ({len(failed)} of {world_size} ranks "
+            f"failed: ranks {failed})")
 
 
 def spawn_ranks(world_size: int, target: Callable[..., Awaitable[Any]], *args: Any,
