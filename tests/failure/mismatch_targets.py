@@ -45,3 +45,11 @@ async def wrong_root_then_barrier(g: ac.Group, wrong: int, root: int,
         return {"error": "GroupBrokenError", "message": str(exc), "at": "barrier",
                 "cause": type(exc.__cause__).__name__, "elapsed": time.monotonic() - t0}
     return {"error": None, "elapsed": time.monotonic() - t0}
+
+
+async def raise_on_rank(g: ac.Group, bad: int) -> None:
+    """Every rank joins an allreduce, except ``bad``, which raises KeyError('missing')."""
+    await g.barrier()
+    if g.rank == bad:
+        raise KeyError("missing")
+    await g.allreduce(np.ones(1000, np.float32))
