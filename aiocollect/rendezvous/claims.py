@@ -30,6 +30,11 @@ Rules:
   the next rank 0 on the same host takes it over; from another host it cannot tell a dead
   process from a live one and refuses (use another group name, or a fresh store).
 
+What claims and nonce guarantee: a group holds one process per rank; a rank never reads a
+record or opens a link of another epoch (stale records of an earlier or crashed job
+included); a job that arrives while a live group holds the name fails with RendezvousError
+naming the holder.
+
 Job ids. Claims alone cannot tell which job a rank belongs to: of two jobs started
 together, rank 1 of the second may join the first job's rank 0, and after that group is
 done, the first job's rank 1 may form a group with the second job's rank 0 (both "succeed"
@@ -82,8 +87,9 @@ def job_id() -> str:
     return value
 #: Longest wait for a claim holder's owner record (written right after its ``add``).
 OWNER_GRACE = 10.0
-#: Waits for peers' records are cut into slices this long, to notice a job that ended.
-SLICE = 2.0
+#: Waits for peers' records are cut into slices (growing from the first to the last) to
+#: notice a job that ended meanwhile.
+SLICES = (1.0, 16.0)
 #: Bound on the store calls of a release (it runs while closing, maybe during an abort).
 RELEASE_TIMEOUT = 5.0
 
@@ -255,9 +261,11 @@ class Claim:
         k = self.keys
         world_size = self.world_size
         keys = [k.job(self.job, "here", r) for r in range(world_size)]
+        step = SLICES[0]
         while True:
             remaining = deadline.remaining()
-            slice_ = SLICE if remaining is None else min(SLICE, remaining)
+            slice_ = step if remaining is None else min(step, remaining)
+            step = min(2 * step, SLICES[1])
             try:
                 await self.store.wait(keys, timeout=slice_)
                 return
