@@ -12,6 +12,7 @@ from aiocollect.errors import (
     AiocollectError,
     AuthenticationError,
     GroupBrokenError,
+    InternalError,
     MismatchError,
     PeerDisconnected,
     PeerError,
@@ -40,8 +41,8 @@ BXOR = ReduceOp.BXOR
 
 __all__ = [
     "AVG", "BAND", "BOR", "BXOR", "MAX", "MIN", "PROD", "SUM",
-    "AiocollectError", "AuthenticationError", "Group", "GroupBrokenError", "MismatchError",
-    "PeerDisconnected", "PeerError", "PeerTimeout", "ProtocolError", "ReduceOp",
+    "AiocollectError", "AuthenticationError", "Group", "GroupBrokenError", "InternalError",
+    "MismatchError", "PeerDisconnected", "PeerError", "PeerTimeout", "ProtocolError", "ReduceOp",
     "RendezvousError", "RendezvousTimeout", "Store", "StoreError", "StoreTimeout",
     "UsageError", "__version__", "open_group",
 ]

@@ -91,10 +91,18 @@ class ProtocolError(AiocollectError):
     if it belonged to a group, the group is broken."""
 
 
+class InternalError(AiocollectError):
+    """An exception that is not an aiocollect error escaped an operation: a bug in
+    aiocollect (or the process ran out of memory). ``__cause__`` is the original. The group
+    is broken on every rank, as after any failure (the peers get GroupBrokenError); please
+    report it with the traceback."""
+
+
 __all__ = [
     "AiocollectError",
     "AuthenticationError",
     "GroupBrokenError",
+    "InternalError",
     "MismatchError",
     "PeerDisconnected",
     "PeerError",

@@ -9,6 +9,7 @@ driven by a callback schedule (engine/small.py).
 from __future__ import annotations
 
 import asyncio
+import os
 import zlib
 from typing import Any
 
@@ -29,7 +30,7 @@ from aiocollect.collectives.checks import (
 from aiocollect.collectives.select import choose
 from aiocollect.engine.op import Op, flat_blocks, split_even
 from aiocollect.engine.reduce import copy_into
-from aiocollect.errors import MismatchError, UsageError
+from aiocollect.errors import MismatchError, ProtocolError, UsageError
 from aiocollect.group_core import GroupCore
 from aiocollect.types import Collective, ReduceOp
 
@@ -47,6 +48,50 @@ def _pulled(op: Op, peer: int, block_bytes: int) -> bool:
 
 def _flat(arr: Array) -> Array:
     return arr.reshape(-1)
+
+
+def _host_memory() -> int:
+    """Bytes one rank may declare in allgatherv: this host's physical memory (no block
+    larger could be received here), at most 2**56 so that sizes cannot overflow int64."""
+    try:
+        return min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), 1 << 56)
+    except (ValueError, OSError, AttributeError):
+        return 1 << 56
+
+
+async def _gather_v(o: Op, arr: Array, kind: str,
+                    limit: int | None = None) -> list[tuple[int, Array]]:
+    """The two phases of allgatherv: every rank's (rows, row size), then the rows, by ring.
+    Returns (rows, flat block) per rank, in rank order. Each rank's declared size is checked
+    before anything is allocated: negative, or above ``limit`` bytes (default: this host's
+    memory), is a ProtocolError (no real rank sends that); rows of another size than this
+    rank's are a MismatchError."""
+    limit = _host_memory() if limit is None else limit
+    n = o.size
+    row = int(np.prod(arr.shape[1:]))
+    sizes = np.zeros((n, 2), dtype=_I64)
+    sizes[o.rank] = (arr.shape[0], row)
+    await ring.allgather(o, list(sizes), slot0=0)
+    await o.finish()
+    declared = sizes.tolist()
+    for r, (rows, rrow) in enumerate(declared):
+        if rows < 0 or rrow < 0 or rows * max(rrow, 1) * arr.itemsize > limit:
+            raise ProtocolError(
+                f"{kind} (op #{o.seq}): rank {r} declared {rows} rows of {rrow} elements of "
+                f"{arr.itemsize} bytes (at most {limit} bytes; received from rank "
+                f"{(o.rank - 1) % n})")
+    for r, (_, rrow) in enumerate(declared):
+        if rrow != row:
+            raise MismatchError(
+                f"{kind}: rank {r} sent rows of {rrow} elements, rank {o.rank} "
+                f"rows of {row} (shape {arr.shape})")
+    bounds = np.concatenate([[0], np.cumsum(sizes[:, 0] * row)])
+    total = np.empty(int(bounds[-1]), dtype=arr.dtype)
+    blocks = [total[bounds[i]:bounds[i + 1]] for i in range(n)]
+    blocks[o.rank][...] = _flat(arr)
+    await ring.allgather(o, blocks, slot0=ring.AG_SLOT)
+    await o.finish()  # the last receives land after ring.allgather returns
+    return [(rows, block) for (rows, _), block in zip(declared, blocks, strict=True)]
 
 
 class Group(GroupCore):
@@ -328,27 +373,12 @@ class Group(GroupCore):
         arr = as_array(send, "send", writable=False)
         if arr.ndim == 0:
             arr = arr.reshape(1)
-        n = self.world_size
         choose("allgatherv", algorithm, 0, self.world_size)
         fp = fingerprint(Collective.ALLGATHERV, arr, count=0)
-        row = int(np.prod(arr.shape[1:]))
 
         async def body(o: Op) -> list[Any]:
-            sizes = np.zeros((n, 2), dtype=_I64)
-            sizes[o.rank] = (arr.shape[0], row)
-            await ring.allgather(o, list(sizes), slot0=0)
-            await o.finish()
-            for r, (_, rrow) in enumerate(sizes):
-                if rrow != row:
-                    raise MismatchError(
-                        f"allgatherv: rank {r} sent rows of {rrow} elements, rank {o.rank} "
-                        f"rows of {row} (shape {arr.shape})")
-            total = np.empty(int(sizes[:, 0].sum()) * row, dtype=arr.dtype)
-            bounds = np.concatenate([[0], np.cumsum(sizes[:, 0] * row)])
-            blocks = [total[bounds[i]:bounds[i + 1]] for i in range(n)]
-            blocks[o.rank][...] = _flat(arr)
-            await ring.allgather(o, blocks, slot0=ring.AG_SLOT)
-            return [b.reshape(int(sizes[i, 0]), *arr.shape[1:]) for i, b in enumerate(blocks)]
+            blocks = await _gather_v(o, arr, "allgatherv")
+            return [b.reshape(rows, *arr.shape[1:]) for rows, b in blocks]
 
         return self._start("allgatherv", fp, body, timeout)
 
@@ -356,7 +386,16 @@ class Group(GroupCore):
 
     def broadcast_object(self, obj: Any = None, *, root: int = 0, allow_pickle: bool = False,
                          timeout: float | None = None) -> asyncio.Task[Any]:
-        """Send a msgpack-serialisable value (numpy arrays allowed) from ``root`` to all."""
+        """Send ``root``'s value to every rank; every rank gets an equal value of the same
+        types (see :mod:`aiocollect.objects` for what travels without pickle).
+
+        Raises:
+            UsageError: on the root, from the call, before anything is sent: the value
+                cannot travel exactly without pickle (and ``allow_pickle`` is False), or it
+                is larger than ``objects.MAX_OBJECT_BYTES`` serialised.
+            ProtocolError: (the handle, on a receiving rank) the bytes that arrived are not
+                a value a real rank could have sent; the group is then broken everywhere.
+        """
         root = check_rank(root, self.world_size, "root")
         payload = objects.dumps(obj, allow_pickle) if self.rank == root else b""
         fp = fingerprint(Collective.OBJECT, None, count=0, root=root)
@@ -365,36 +404,61 @@ class Group(GroupCore):
             size = np.array([len(payload)], dtype=_I64)
             await tree.broadcast(o, size, root, slot=0)
             await o.finish()
-            data = np.frombuffer(bytearray(payload), np.uint8) if o.rank == root else \
-                np.empty(int(size[0]), np.uint8)
+            if o.rank == root:
+                data = np.frombuffer(bytearray(payload), np.uint8)
+            else:
+                parent = ((tree.tree_links((o.rank - root) % o.size, o.size)[0] or 0)
+                          + root) % o.size
+                source = f"rank {root}" + ("" if parent == root else f" (through rank {parent})")
+                declared = int(size[0])
+                if not 0 <= declared <= objects.MAX_OBJECT_BYTES:
+                    raise ProtocolError(
+                        f"broadcast_object (op #{o.seq}): {source} declared a value of "
+                        f"{declared} bytes (at most {objects.MAX_OBJECT_BYTES})")
+                data = np.empty(declared, np.uint8)
             await tree.broadcast(o, data, root, slot=1)
             await o.finish()
-            return obj if o.rank == root else objects.loads(data.tobytes(), allow_pickle)
+            if o.rank == root:
+                return obj
+            return objects.loads(data.tobytes(), allow_pickle,
+                                 f"broadcast_object (op #{o.seq}): {source}")
 
         return self._start("broadcast_object", fp, body, timeout)
 
     def allgather_object(self, obj: Any, *, allow_pickle: bool = False,
                          timeout: float | None = None) -> asyncio.Task[list[Any]]:
-        """Every rank's value, in rank order, on every rank."""
-        payload = np.frombuffer(objects.dumps(obj, allow_pickle), np.uint8)
-        task = self.allgatherv(payload, timeout=timeout)
+        """Every rank's value, in rank order, on every rank (each an equal value of the
+        same types as the one sent).
 
-        async def decode() -> list[Any]:
-            return [objects.loads(b.tobytes(), allow_pickle) for b in await task]
-
-        return asyncio.get_running_loop().create_task(decode())
+        Raises:
+            UsageError: from the call, before anything is sent (see broadcast_object).
+            ProtocolError: (the handle) a rank's bytes are not a value a real rank could
+                have sent; the group is then broken everywhere.
+        """
+        return self._objects("allgather_object", obj, None, allow_pickle, timeout)
 
     def gather_object(self, obj: Any, *, root: int = 0, allow_pickle: bool = False,
                       timeout: float | None = None) -> asyncio.Task[list[Any] | None]:
-        """Every rank's value, in rank order, on ``root`` (None elsewhere)."""
+        """Every rank's value, in rank order, on ``root`` (None elsewhere). Raises as
+        allgather_object (the root decodes, so a malformed value fails there)."""
         root = check_rank(root, self.world_size, "root")
-        task = self.allgather_object(obj, allow_pickle=allow_pickle, timeout=timeout)
+        return self._objects("gather_object", obj, root, allow_pickle, timeout)
 
-        async def pick() -> list[Any] | None:
-            values = await task
-            return values if self.rank == root else None
+    def _objects(self, kind: str, obj: Any, root: int | None, allow_pickle: bool,
+                 timeout: float | None) -> asyncio.Task[Any]:
+        """allgatherv of the serialised values (sizes checked against MAX_OBJECT_BYTES),
+        decoded on every rank (``root`` None) or on ``root`` only."""
+        payload = np.frombuffer(objects.dumps(obj, allow_pickle), np.uint8)
+        fp = fingerprint(Collective.OBJECT, payload, count=0, root=-1 if root is None else root)
 
-        return asyncio.get_running_loop().create_task(pick())
+        async def body(o: Op) -> list[Any] | None:
+            blocks = await _gather_v(o, payload, kind, objects.MAX_OBJECT_BYTES)
+            if root is not None and o.rank != root:
+                return None
+            return [objects.loads(b.tobytes(), allow_pickle, f"{kind} (op #{o.seq}): rank {r}")
+                    for r, (_, b) in enumerate(blocks)]
+
+        return self._start(kind, fp, body, timeout)
 
     # -- variable-size exchange and sub-groups ---------------------------------------------
 

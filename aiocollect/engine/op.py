@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from aiocollect._buffers import Array, byte_view
 from aiocollect.engine.fabric import Fabric
+from aiocollect.errors import AiocollectError, InternalError
 from aiocollect.transport.base import Fingerprint, Hook, Link
 from aiocollect.transport.wire import DATA, HEADER, MAGIC, Key
 
@@ -129,6 +130,17 @@ class Op:
         waiting.update(self.ranks.index(link.peer) for link in self._sent
                        if link.write_buffer_size() and link.peer in self.ranks)
         return sorted(waiting)
+
+    def wrap(self, kind: str, exc: BaseException) -> BaseException:
+        """What this operation (a ``kind``) fails with when ``exc`` escaped it: ``exc``
+        itself if it is an aiocollect error (or not an Exception), else an InternalError
+        caused by it: anything else is a bug, and still breaks the group on every rank."""
+        if isinstance(exc, AiocollectError) or not isinstance(exc, Exception):
+            return exc
+        err = InternalError(f"{kind} (op #{self.seq}) on rank {self.rank} failed on an "
+                            f"unexpected {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        return err
 
     def abandon(self) -> None:
         """Withdraw receives that have not landed (after cancellation or failure)."""
