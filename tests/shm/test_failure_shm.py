@@ -118,11 +118,14 @@ def _corrupt(link: ShmLink, how: str) -> None:
 
 async def _corrupt_then_allreduce(g: ac.Group, how: str) -> tuple[str, str]:
     """Rank 0 corrupts its ring to rank 1, then both allreduce until the group fails."""
-    if g.rank == 0:
-        link = g._fabric.links[1]
-        assert isinstance(link, ShmLink) and link.shm
-        _corrupt(link, how)
     try:
+        # (every rank's group formed first: a link error before its fabric knows the link
+        # breaks that rank alone, and the peer then sees only the link closing)
+        await g.barrier()
+        if g.rank == 0:
+            link = g._fabric.links[1]
+            assert isinstance(link, ShmLink) and link.shm
+            _corrupt(link, how)
         for _ in range(100):  # rank 0's first allreduce may complete before rank 1 reports
             await g.allreduce(np.ones(4, np.float32))
     except ac.AiocollectError as exc:
@@ -131,29 +134,44 @@ async def _corrupt_then_allreduce(g: ac.Group, how: str) -> tuple[str, str]:
     return "no error", ""
 
 
+def _check_told(res: list[tuple[str, str]], detector: int | None) -> None:
+    """Of two ranks, the detector failed with the ProtocolError (``detector``, or either
+    one if None, or both at once); the other got GroupBrokenError naming the detector and
+    carrying its message, not a disconnection or a timeout."""
+    own = [detail.startswith("ProtocolError: ") for _, detail in res]
+    assert any(own) and (detector is None or own[detector]), res
+    for rank, (kind, detail) in enumerate(res):
+        if not own[rank]:
+            other = 1 - rank
+            why = res[other][1].split(": ", 1)[1]
+            assert kind == "GroupBrokenError", res
+            assert f"rank {other} aborted the group: {why}" in detail, res
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("how", ["magic", "length", "kind", "head"])
 async def test_corrupt_ring_is_a_protocol_error(how: str,
                                                 caplog: pytest.LogCaptureFixture) -> None:
     res = await run_ranks(2, _corrupt_then_allreduce, how, transport="shm", timeout=10)
-    kind, detail = res[1]
-    assert "ProtocolError" in kind + detail, res
-    # rank 0 hears about it through rank 1's ABORT (or the closed link): never a hang
-    assert res[0][0] != "no error", res
+    # rank 1 finds it (with "head", rank 0's writer may find it first: its position is
+    # the implausible one); the other hears who and why through the detector's ABORT
+    # (sent on the socket: rings are not trusted once one is corrupt), never a hang
+    _check_told(res, detector=None if how == "head" else 1)
     assert not [r for r in caplog.records if r.name == "asyncio" and r.levelname == "ERROR"]
 
 
 async def _corrupt_tail(g: ac.Group) -> str:
-    if g.rank == 1:  # rank 1 claims to have read more than rank 0 ever wrote
-        link = g._fabric.links[0]
-        assert isinstance(link, ShmLink) and link._rx is not None
-        link._rx.pos += 1 << 40
-        link._rx.publish_tail()
     try:
+        await g.barrier()  # every rank's group formed (see _corrupt_then_allreduce)
+        if g.rank == 1:  # rank 1 claims to have read more than rank 0 ever wrote
+            link = g._fabric.links[0]
+            assert isinstance(link, ShmLink) and link._rx is not None
+            link._rx.pos += 1 << 40
+            link._rx.publish_tail()
         for _ in range(100):
             await g.allreduce(np.ones(1 << 12, np.float32))
     except ac.AiocollectError as exc:
-        cause = exc.__cause__ if isinstance(exc, ac.GroupBrokenError) else exc
+        cause = exc.__cause__ or exc if isinstance(exc, ac.GroupBrokenError) else exc
         return f"{type(exc).__name__}: {type(cause).__name__}: {cause}"
     return "no error"
 
@@ -164,8 +182,39 @@ async def test_corrupt_reader_position_is_a_protocol_error() -> None:
     copy is corrupt too): whichever looks first fails with ProtocolError, the other rank
     hears of it through the ABORT or the closed link."""
     res = await run_ranks(2, _corrupt_tail, transport="shm", timeout=10)
+    _check_corrupt_tail(res)
+
+
+def _check_corrupt_tail(res: list[str]) -> None:
+    """Each rank found the corruption itself or was told by the other who did and why;
+    neither is told that a live peer disconnected."""
     assert any("ProtocolError: corrupt shared-memory ring" in r for r in res), res
-    assert "no error" not in res, res
+    for rank, r in enumerate(res):
+        other = 1 - rank
+        assert "ProtocolError: corrupt shared-memory ring" in r or (
+            f"rank {other} aborted the group: corrupt shared-memory ring" in r), res
+        assert "PeerDisconnected" not in r and "disconnected" not in r, res
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("uvloop", [False, True])
+async def test_corrupt_reader_position_in_processes(uvloop: bool) -> None:
+    """The same in real processes: rank 0's writer (which finds the reader's position
+    implausible and can no longer write its ring) reports it on the socket."""
+    res = await spawn_ranks(2, _corrupt_tail, timeout=60, uvloop=uvloop, transport="shm")
+    _check_corrupt_tail(res)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("uvloop", [False, True])
+@pytest.mark.parametrize("how", ["magic", "head"])
+async def test_corrupt_ring_in_processes(how: str, uvloop: bool) -> None:
+    """Rank 0 writes garbage into its ring to rank 1 (real processes): the rank that finds
+    it fails with the ProtocolError, the other gets GroupBrokenError naming it and the
+    cause."""
+    res = await spawn_ranks(2, _corrupt_then_allreduce, how, timeout=60, uvloop=uvloop,
+                            transport="shm")
+    _check_told(res, detector=None if how == "head" else 1)
 
 
 @pytest.mark.timeout(30)

@@ -227,6 +227,9 @@ async def test_corrupt_pull_count_is_a_protocol_error() -> None:
                           chunk_bytes=1 << 20)
     assert all(r != "no error" for r in res), res
     assert any("corrupt shared-memory ring" in r for r in res), res
+    # rank 1 is told who failed and why, not that rank 0 disconnected
+    assert res[1].startswith("GroupBrokenError: ") and \
+        "rank 0 aborted the group: corrupt shared-memory ring" in res[1], res
 
 
 @pytest.mark.timeout(30)
@@ -276,3 +279,23 @@ async def test_ring_reduce_scatter_and_allgather_over_pulls(
     monkeypatch.setenv(cma.ENV, "4096")
     refs = await run_ranks(n, _scatter_gather, 5000 + 3, transport="shm", chunk_bytes=16384)
     assert all(r > 0 for r in refs), refs
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("uvloop", [False, True])
+async def test_corrupt_pull_count_in_processes_peer_hears_who_and_why(uvloop: bool) -> None:
+    """Real processes: rank 1 publishes an impossible pull count; rank 0, whose outgoing
+    ring it is, fails with the ProtocolError. Rank 1 is alive and must not be told that
+    rank 0 disconnected: it gets GroupBrokenError naming rank 0 and the cause, from the
+    ABORT that rank 0 sent on the socket (the ring it would have used is the broken one)."""
+    res = await spawn_ranks(2, targets.corrupt_pull_count, 1 << 18, timeout=60,
+                            uvloop=uvloop, transport="shm", chunk_bytes=1 << 20)
+    detector, peer = res
+    assert detector["error"] in ("ProtocolError", "GroupBrokenError"), detector
+    why = detector["message"] if detector["error"] == "ProtocolError" else detector["cause"]
+    assert "corrupt shared-memory ring" in why and "pulls reported" in why, detector
+    assert peer["error"] == "GroupBrokenError", peer
+    text = peer["message"] + " / " + str(peer["cause"])
+    assert "rank 0 aborted the group: corrupt shared-memory ring" in text, peer
+    assert "pulls reported" in text and "disconnected" not in text, peer
+    assert peer["abort"]["rank"] == 0 and peer["abort"]["type"] == "ProtocolError", peer
