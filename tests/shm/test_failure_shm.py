@@ -4,6 +4,7 @@ get MismatchError, and corrupt bytes in a ring are a ProtocolError, never a cras
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -11,9 +12,18 @@ import numpy as np
 import pytest
 
 import aiocollect as ac
+from aiocollect.engine.fabric import _encode_abort
 from aiocollect.testing import run_ranks, spawn_ranks
 from aiocollect.transport.shm import ShmLink
-from aiocollect.transport.wire import HEADER_SIZE, Header, pack_header
+from aiocollect.transport.shm_reader import ESCAPE, MAX_ESCAPED
+from aiocollect.transport.wire import (
+    ABORT,
+    HEADER_SIZE,
+    PING,
+    Header,
+    control_header,
+    pack_header,
+)
 from tests.failure import targets as failure_targets
 from tests.failure.test_kill_stop import _wait_ready, check_killed
 from tests.failure.test_mismatch import CASES, _body
@@ -230,4 +240,52 @@ async def test_garbage_after_close_does_not_crash(caplog: pytest.LogCaptureFixtu
         return os.getpid()
 
     await run_ranks(2, body, transport="shm")
+    assert not [r for r in caplog.records if r.name == "asyncio" and r.levelname == "ERROR"]
+
+
+async def _escape_by_hand(g: ac.Group, how: str) -> tuple[str, str]:
+    """Rank 0 writes an escape and a frame on its link's socket by hand, in three pieces
+    (one loop turn apart, so that they tend to arrive in separate reads); both ranks then
+    allreduce until the group fails."""
+    try:
+        await g.barrier()
+        if g.rank == 0:
+            link = g._fabric.links[1]
+            assert isinstance(link, ShmLink) and link.shm and link.transport is not None
+            payload = _encode_abort(0, ac.ProtocolError("injected by hand"))
+            if how == "abort":
+                frame = control_header(ABORT, len(payload)) + payload
+            elif how == "ping":
+                frame = control_header(PING, 0)
+            else:  # an ABORT too long to be one
+                frame = control_header(ABORT, MAX_ESCAPED + 1) + bytes(MAX_ESCAPED + 1)
+            data = ESCAPE + frame
+            for piece in (data[:1], data[1:20], data[20:]):
+                link.transport.write(piece)
+                await asyncio.sleep(0)
+        for _ in range(100):
+            await g.allreduce(np.ones(4, np.float32))
+    except ac.AiocollectError as exc:
+        cause = exc.__cause__ or exc if isinstance(exc, ac.GroupBrokenError) else exc
+        return type(exc).__name__, f"{type(cause).__name__}: {cause}"
+    return "no error", ""
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("how", ["abort", "ping", "huge"])
+async def test_escaped_frames_on_the_socket(how: str,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    """An ABORT after an escape byte, arriving in pieces, breaks the group with the
+    sender's failure; anything else after an escape (a PING, an ABORT longer than
+    MAX_ESCAPED) is a ProtocolError naming the link, and never an exception escaping into
+    the event loop."""
+    res = await run_ranks(2, _escape_by_hand, how, transport="shm", timeout=10)
+    kind, detail = res[1]
+    if how == "abort":
+        assert kind == "GroupBrokenError", res
+        assert "rank 0 aborted the group: injected by hand" in detail, res
+    else:
+        assert detail.startswith("ProtocolError: "), res
+        assert "rank 0" in detail and "malformed frame on its socket" in detail, res
+    assert res[0][0] != "no error", res
     assert not [r for r in caplog.records if r.name == "asyncio" and r.levelname == "ERROR"]
