@@ -137,6 +137,8 @@ class ShmLink(RingReader):
             return
         if self._ring_broken and header[2] == ABORT and not (self._lost or self.closed):
             self._send_escaped(header, payload)
+            self.bytes_sent += len(payload)
+            self.frames_sent += 1
             return
         if self._lost or self.closed or self._tx_dead or self._tx is None:
             raise self._failure or PeerDisconnected(
@@ -165,6 +167,9 @@ class ShmLink(RingReader):
                     self._publish(tx)
                     return
             except ProtocolError as exc:
+                if header[2] == ABORT:  # the group is failing: this must still reach the peer
+                    self._ring_broken = True
+                    self._send_escaped(header, payload)
                 self._tx_failed(exc)
                 return
         self._queue.append(memoryview(header))
@@ -181,8 +186,6 @@ class ShmLink(RingReader):
             raise self._failure or PeerDisconnected(
                 f"link to {self.describe()} is closed", self.peer)
         transport.write(ESCAPE + header + bytes(payload))
-        self.bytes_sent += len(payload)
-        self.frames_sent += 1
 
     @property
     def frames_by_reference(self) -> int:

@@ -1,5 +1,5 @@
 """The collective sweeps of tests/collectives and tests/multiprocess, over shared memory:
-the same bodies, in one process (every link a pair of rings in /dev/shm) and in real
+the same bodies, in one process (every link a pair of rings in a memfd) and in real
 processes (transport="shm" forced, and "auto" on one host)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Failures over shared memory: a SIGKILLed rank is named on every survivor within a second
-and leaves nothing in /dev/shm, a frozen rank is named at the deadline, ranks that disagree
+and leaves nothing behind, a frozen rank is named at the deadline, ranks that disagree
 get MismatchError, and corrupt bytes in a ring are a ProtocolError, never a crash."""
 
 from __future__ import annotations
@@ -289,3 +289,38 @@ async def test_escaped_frames_on_the_socket(how: str,
         assert "rank 0" in detail and "malformed frame on its socket" in detail, res
     assert res[0][0] != "no error", res
     assert not [r for r in caplog.records if r.name == "asyncio" and r.levelname == "ERROR"]
+
+
+_corrupted: dict[str, asyncio.Event] = {}
+
+
+async def _abort_over_corrupt_ring(g: ac.Group, key: str) -> str:
+    """Rank 1 publishes an impossible reader position (rank 0 does not look at it until
+    it writes again); then rank 0 aborts the group, so the ring its ABORT would go into
+    is found corrupt while it is being sent."""
+    event = _corrupted.setdefault(key, asyncio.Event())
+    await g.barrier()
+    if g.rank == 1:
+        link = g._fabric.links[0]
+        assert isinstance(link, ShmLink) and link._rx is not None
+        link._rx.ctl[32] = 1 << 40  # the ring's tail word (shm_ring._TAIL)
+        event.set()
+        try:
+            await g.recv(np.empty(4, np.float32), 0)
+        except ac.AiocollectError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+    await event.wait()
+    g.abort()
+    return "aborted"
+
+
+@pytest.mark.timeout(30)
+async def test_abort_into_a_corrupt_ring_still_reaches_the_peer() -> None:
+    """The group fails for another reason (abort) and the ring the ABORT would go into
+    turns out corrupt as it is written: the ABORT goes on the socket, and the peer is
+    told that rank 0 aborted, not that it disconnected."""
+    res = await run_ranks(2, _abort_over_corrupt_ring, "abort", transport="shm", timeout=10)
+    assert res[0] == "aborted", res
+    assert res[1].startswith("GroupBrokenError: ") and "rank 0 aborted the group" in res[1] \
+        and "aborted on rank 0" in res[1], res

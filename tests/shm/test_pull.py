@@ -121,7 +121,7 @@ async def _allreduce_counting(g: ac.Group, count: int, rounds: int) -> dict[str,
 async def test_processes_pull_large_frames(setting: str,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Two and three real processes: frames of 1 MiB go by reference unless pulls are off
-    (AIOCOLLECT_SHM_PULL=0); results are exact either way and /dev/shm stays clean."""
+    (AIOCOLLECT_SHM_PULL=0); results are exact either way and nothing is left behind."""
     if setting:
         monkeypatch.setenv(cma.ENV, setting)  # the children inherit it
     else:
