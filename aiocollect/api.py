@@ -186,6 +186,7 @@ async def _open(rank: int | None, world_size: int | None, *, store: Store | str 
         endpoint, links = await rendezvous(store_obj, cfg, fabric, max_frame=chunk)
     except BaseException:
         if owned:
+            await _linger(store_obj, world_size)
             await store_obj.close()
         raise
     fabric.links.update(links)
@@ -197,6 +198,27 @@ async def _open(rank: int | None, world_size: int | None, *, store: Store | str 
     if owned:
         group._closers.append(store_obj.close)
     return group
+
+
+#: Seconds at most a rank whose rendezvous failed keeps the embedded store it hosts, until
+#: every other rank has connected to it and left: they then read why (RendezvousError)
+#: instead of losing the store under them (StoreError).
+FAILED_STORE_LINGER = 5.0
+
+
+async def _linger(store: Store, world_size: int) -> None:
+    server = getattr(store, "server", None)
+    clients = getattr(server, "_conns", None)
+    if clients is None:
+        return
+    loop = asyncio.get_running_loop()
+    end = loop.time() + FAILED_STORE_LINGER
+    seen: set[int] = set()
+    while loop.time() < end:
+        seen.update(id(c) for c in clients)
+        if len(seen) >= world_size and len(clients) <= 1:  # this rank's own connection
+            return
+        await asyncio.sleep(0.05)
 
 
 class GroupOpener:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import weakref
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -155,7 +156,7 @@ class GroupCore:
         self._tasks[task] = (op, kind, loop.time(), timeout)
         task.add_done_callback(self._untrack)
         if self._tick_handle is None:
-            self._tick_handle = loop.call_later(CHECK_SECONDS, self._tick, loop)
+            self._tick_handle = loop.call_later(CHECK_SECONDS, _tick, weakref.ref(self), loop)
         if timeout is not None:
             self._watch(loop, loop.time() + timeout, task, op)
         return task
@@ -181,7 +182,7 @@ class GroupCore:
         self._tasks[handle] = (op, kind, loop.time(), timeout)
         loop.call_soon(sched.start)
         if self._tick_handle is None:
-            self._tick_handle = loop.call_later(CHECK_SECONDS, self._tick, loop)
+            self._tick_handle = loop.call_later(CHECK_SECONDS, _tick, weakref.ref(self), loop)
         if timeout is not None:
             self._watch(loop, loop.time() + timeout, handle, sched)
         return handle
@@ -333,7 +334,7 @@ class GroupCore:
         for fut in [f for f in self._progress if f.done()]:
             del self._progress[fut]
         if live:
-            self._tick_handle = loop.call_later(TICK, self._tick, loop)
+            self._tick_handle = loop.call_later(TICK, _tick, weakref.ref(self), loop)
 
     async def _check(self, op: Op, st: _Progress, loop: asyncio.AbstractEventLoop) -> None:
         """Ask the peers which operation they called at ``op``'s sequence number; one that
@@ -472,6 +473,14 @@ class GroupCore:
 TICK = 0.5
 
 _Watched = tuple[Op, str, float, "float | None"]
+
+
+def _tick(ref: weakref.ref[GroupCore], loop: asyncio.AbstractEventLoop) -> None:
+    """The ticker holds its group weakly: a group dropped with operations in flight is
+    collected (its pending handles then warn, see engine.small), not kept by the loop."""
+    core = ref()
+    if core is not None:
+        core._tick(loop)
 
 
 def _describe(exc: BaseException) -> str:

@@ -16,6 +16,7 @@ through the group's probe.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 from aiocollect._buffers import Array
 from aiocollect.engine.op import Op
 from aiocollect.errors import GroupBrokenError
+
+log = logging.getLogger("aiocollect")
 
 if TYPE_CHECKING:
     from aiocollect.group_core import GroupCore
@@ -59,6 +62,13 @@ class Schedule:
         self._timing_out = False
         self._released = False
         self._waiting: asyncio.Future[None] | None = None  # the receive the schedule awaits
+
+    def __del__(self) -> None:
+        # As asyncio does for a pending Task (the Task path gets asyncio's own warning).
+        handle = getattr(self, "handle", None)
+        if handle is not None and not handle.done():
+            log.warning("%s (op #%d) was garbage-collected while pending: its handle was "
+                        "never awaited and its group was dropped", self.kind, self.op.seq)
 
     # -- running ---------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ the upgrade works, else it stays on TCP; ``shm``: every link, or the group fails
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -169,25 +170,73 @@ async def rendezvous(store: Store, cfg: RendezvousConfig, events: LinkEvents,
     return endpoint, links
 
 
+#: Records are checked one by one as they arrive, in rank order (waits cut in slices of this
+#: many seconds to notice a job rank 0 ended), before the wait for all of them: a rank whose
+#: settings differ (world size above all) then fails every rank at once, instead of leaving
+#: a rank waiting for a rank number that will never come.
+EARLY_CHECK_SLICE = 1.0
+
+
+async def _check_early(claim: claims.Claim, cfg: RendezvousConfig) -> None:
+    """Check the other ranks' records as they arrive, lowest rank first. Returns early
+    when the job ended (rank 0 gave up) or at the deadline: ``claim.wait_records`` then
+    raises saying so."""
+    store, keys = claim.store, claim.keys
+    for r in range(cfg.world_size):
+        if r == cfg.rank:
+            continue
+        while True:
+            remaining = cfg.deadline.remaining()
+            if remaining is not None and remaining <= 0:
+                return
+            slice_ = EARLY_CHECK_SLICE if remaining is None else min(EARLY_CHECK_SLICE,
+                                                                      remaining)
+            try:
+                await store.wait([keys.job(claim.job, "here", r)], timeout=slice_)
+                break
+            except errors.StoreTimeout:
+                if (await store.check([keys.done(claim.epoch)]))[0]:
+                    return
+        rec = await claim.read_record(r)
+        try:
+            _check_settings(cfg, r, rec)
+        except RendezvousError:
+            if cfg.rank == 0:
+                # Giving up ends the job for the ranks that claimed; one that claims later
+                # waits for a new job instead (a restart): let the others arrive first.
+                theirs = rec.get("world_size") if isinstance(rec, dict) else None
+                n = max(cfg.world_size, theirs if isinstance(theirs, int) else 0)
+                with contextlib.suppress(errors.StoreTimeout):
+                    await store.wait([keys.job(claim.job, "here", q) for q in range(n)],
+                                     timeout=min(EARLY_CHECK_SLICE * 2,
+                                                 cfg.deadline.remaining() or 2.0))
+            raise
+
+
+def _check_settings(cfg: RendezvousConfig, r: int, rec: dict[str, Any]) -> None:
+    try:
+        bad = [k for k in ("world_size", "chunk_bytes", "v")
+               if rec[k] != {"world_size": cfg.world_size, "chunk_bytes": cfg.chunk_bytes,
+                             "v": PROTOCOL_VERSION}[k]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RendezvousError(f"malformed rendezvous record for rank {r}: {exc}") from None
+    if bad:
+        raise RendezvousError(
+            f"rank {r} joined group {cfg.name!r} with "
+            + ", ".join(f"{k}={rec[k]!r}" for k in bad)
+            + f" but rank {cfg.rank} has world_size={cfg.world_size}, "
+            f"chunk_bytes={cfg.chunk_bytes}, protocol {PROTOCOL_VERSION}")
+
+
 async def _read_records(claim: claims.Claim,
                         cfg: RendezvousConfig) -> dict[int, dict[str, Any]]:
+    await _check_early(claim, cfg)
     await claim.wait_records(cfg.deadline)
     peers: dict[int, dict[str, Any]] = {}
     for r in range(cfg.world_size):
         rec = await claim.read_record(r)
-        try:
-            peers[r] = rec
-            bad = [k for k in ("world_size", "chunk_bytes", "v")
-                   if rec[k] != {"world_size": cfg.world_size, "chunk_bytes": cfg.chunk_bytes,
-                                 "v": PROTOCOL_VERSION}[k]]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise RendezvousError(f"malformed rendezvous record for rank {r}: {exc}") from None
-        if bad:
-            raise RendezvousError(
-                f"rank {r} joined group {cfg.name!r} with "
-                + ", ".join(f"{k}={rec[k]!r}" for k in bad)
-                + f" but rank {cfg.rank} has world_size={cfg.world_size}, "
-                f"chunk_bytes={cfg.chunk_bytes}, protocol {PROTOCOL_VERSION}")
+        peers[r] = rec
+        _check_settings(cfg, r, rec)
         if rec["transport"] != cfg_transport_family(cfg.transport):
             raise RendezvousError(
                 f"rank {r} uses transport {rec['transport']!r}, rank {cfg.rank} uses "

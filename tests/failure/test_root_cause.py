@@ -51,3 +51,87 @@ async def test_open_group_without_await_says_so() -> None:
         opener.nonsense  # type: ignore[attr-defined]  # noqa: B018
     group = await opener
     await group.aclose()
+
+
+WS_SCRIPT = """
+import asyncio, sys
+import aiocollect as ac
+
+async def main() -> None:
+    print("up", flush=True)
+    try:
+        g = await ac.open_group(int(sys.argv[1]), int(sys.argv[2]), store=sys.argv[3],
+                                name="ws", timeout=30)
+        await g.aclose()
+        print("ok")
+    except Exception as exc:
+        print(type(exc).__name__, exc)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("sizes", [[4, 4, 4, 5], [5, 4, 4, 4], [3, 4, 4, 4]],
+                         ids=["last-says-5", "first-says-5", "first-says-3"])
+async def test_world_size_mismatch_is_a_rendezvous_error_on_every_rank(
+        sizes: list[int]) -> None:
+    """One process of four was started with another world size: every rank gets
+    RendezvousError naming the disagreement, promptly (not StoreError when rank 0, which
+    hosts the store, gives up first; not a timeout waiting for a rank that never comes)."""
+    import asyncio
+    import sys
+    import time
+
+    from aiocollect.testing.spawn import free_port
+
+    url = f"tcp://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    odd = next(r for r, ws in enumerate(sizes) if sizes.count(ws) == 1)
+    procs: dict[int, asyncio.subprocess.Process] = {}
+
+    async def start(rank: int) -> None:
+        procs[rank] = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", WS_SCRIPT, str(rank), str(sizes[rank]), url,
+            stdout=asyncio.subprocess.PIPE)
+        assert procs[rank].stdout is not None
+        assert await procs[rank].stdout.readline() == b"up\n"
+
+    # the odd rank comes last (a rank arriving after rank 0 gave up waits for a new job,
+    # as after a restart: that race is not what this test is about)
+    await asyncio.gather(*(start(r) for r in range(len(sizes)) if r != odd))
+    await start(odd)
+    try:
+        outs = [(await asyncio.wait_for(procs[r].communicate(), 40))[0].decode()
+                for r in range(len(sizes))]
+    finally:
+        for p in procs.values():
+            if p.returncode is None:
+                p.kill()
+                await p.wait()
+    elapsed = time.monotonic() - started
+    for rank, out in enumerate(outs):
+        # RendezvousTimeout is a RendezvousError: a rank that came after rank 0 gave up
+        # finds the job ended, and the message says why
+        assert out.startswith(("RendezvousError", "RendezvousTimeout")), (rank, out)
+        assert "world_size=" in out, (rank, out)
+    assert elapsed < 20, elapsed
+
+
+async def test_pending_handle_collected_with_its_group_warns(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A small allreduce called on one rank only, never awaited, its groups dropped: when
+    the garbage is collected, the pending handle warns (as asyncio does for a Task)."""
+    import asyncio
+    import gc
+
+    name = "dropped-handle"
+    groups = await asyncio.gather(*(ac.open_group(r, 2, store=f"memory://{name}", name=name,
+                                                  timeout=None) for r in range(2)))
+    groups[0].allreduce(np.ones(2, np.float32))  # rank 1 never calls it
+    for _ in range(3):  # its first step runs, its frame is delivered: it waits for rank 1
+        await asyncio.sleep(0)
+    del groups
+    with caplog.at_level("WARNING", logger="aiocollect"):
+        gc.collect()
+    assert any("garbage-collected while pending" in r.getMessage() and "allreduce (op #0)"
+               in r.getMessage() for r in caplog.records), caplog.text
