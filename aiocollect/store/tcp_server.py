@@ -10,7 +10,8 @@ within ``handshake_timeout`` and, once a frame has begun, keep it coming (no pau
 than ``idle_timeout``); decoding is bounded (:func:`aiocollect.store._wire.decode`); frames
 above 64 KiB being received at once share ``max_inflight`` bytes; what is stored is capped
 by ``max_bytes`` and ``max_keys`` (a ``set``/``add`` beyond them fails with a clear
-``StoreError`` on that client only); ``max_connections`` caps connections.
+``StoreError`` on that client only); ``max_connections`` caps connections, and a
+connection may have at most 4096 waits pending (naming 1 Mi keys in all).
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ IDLE_TIMEOUT = 10.0
 SMALL_FRAME = 64 * 1024
 #: Bytes read from the stream at a time while receiving a large frame.
 READ_CHUNK = 1024 * 1024
+#: Pending get/wait requests one connection may have, and keys they may name in all (each
+#: costs a task and a waiter per key).
+MAX_PENDING_WAITS = 4096
+MAX_PENDING_WAIT_KEYS = 1024 * 1024
 #: Longest error text sent back to a client.
 _MAX_REASON = 1024
 
@@ -63,6 +68,7 @@ class _Connection:
         self.sockname = writer.get_extra_info("sockname")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.waits: dict[int, asyncio.Task[None]] = {}
+        self.wait_keys = 0  # keys named by the pending waits
 
     async def send(self, msg: object) -> None:
         self.writer.writelines(_wire.encode(msg))
@@ -428,9 +434,22 @@ class TCPStoreServer:
             if req.op == "wait" and not table.missing(req.keys):
                 await self._answer(conn, req.rid, _wire.OK, None)
                 return
+            nkeys = max(1, len(req.keys))
+            if (len(conn.waits) >= MAX_PENDING_WAITS
+                    or conn.wait_keys + nkeys > MAX_PENDING_WAIT_KEYS):
+                await self._answer(conn, req.rid, _wire.ERROR, (
+                    f"too many waits pending on this connection (at most {MAX_PENDING_WAITS}"
+                    f" waits naming {MAX_PENDING_WAIT_KEYS} keys in all)"))
+                return
             task = tg.create_task(self._wait(conn, req))
             conn.waits[req.rid] = task
-            task.add_done_callback(lambda _: conn.waits.pop(req.rid, None))
+            conn.wait_keys += nkeys
+
+            def done(_: object, rid: int = req.rid, n: int = nkeys) -> None:
+                conn.waits.pop(rid, None)
+                conn.wait_keys -= n
+
+            task.add_done_callback(done)
             return
         result: object = None
         status = _wire.OK

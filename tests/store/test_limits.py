@@ -256,3 +256,28 @@ async def test_stranger_address_is_refused_and_told_how_to_fix(
         await store.set("k", b"v")
         await store.close()
 
+
+
+async def test_pending_waits_per_connection_are_bounded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiocollect.store import tcp_server
+
+    monkeypatch.setattr(tcp_server, "MAX_PENDING_WAITS", 3)
+    async with TCPStoreServer("127.0.0.1", 0) as server:
+        store = await _client(server)
+        waits = [asyncio.create_task(store.get(f"later-{i}", timeout=20)) for i in range(3)]
+        await settle(store)
+        with pytest.raises(StoreError, match="too many waits pending"):
+            await store.get("one-more", timeout=20)
+        await store.set("later-0", b"x")
+        assert await waits[0] == b"x"
+        await store.set("now", b"y")
+        assert await store.get("now") == b"y"  # answered at once, no wait needed
+        again = asyncio.create_task(store.get("later-3", timeout=20))  # a slot is free
+        await settle(store)
+        await store.set("later-3", b"z")
+        assert await again == b"z"
+        for task in waits[1:]:
+            task.cancel()
+        await asyncio.gather(*waits[1:], return_exceptions=True)
+        await store.close()
