@@ -3,7 +3,8 @@
 Subcommands:
 
 - ``run`` — start the ranks of a job on this node (:mod:`aiocollect.cli.launch`);
-- ``store`` — a standalone TCP store server (:func:`aiocollect.store.tcp.store_main`);
+- ``store`` — a standalone TCP store server (:func:`aiocollect.store.tcp.store_main`); with
+  no secret and no ``--insecure`` it generates a secret and prints the line to export;
 - ``info`` — version, event loop, transports, devices (:mod:`aiocollect.cli.info`);
 - ``bench`` — collective benchmarks (:mod:`aiocollect.cli.bench`, when present).
 
@@ -25,7 +26,7 @@ SubMain = Callable[[list[str]], int]
 
 _COMMANDS = {
     "run": "start N local ranks of a job, prefix their output, stop all when one fails",
-    "store": "run a standalone TCP store server for multi-node jobs",
+    "store": "run a standalone TCP store server for multi-node jobs (prints a secret)",
     "info": "show version, event loop, transports, extras and RDMA devices",
     "bench": "measure collective latency and bandwidth",
 }
