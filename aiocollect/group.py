@@ -75,11 +75,12 @@ async def _gather_v(o: Op, arr: Array, kind: str,
     await o.finish()
     declared = sizes.tolist()
     for r, (rows, rrow) in enumerate(declared):
-        if rows < 0 or rrow < 0 or rows * max(rrow, 1) * arr.itemsize > limit:
+        if r != o.rank and (rows < 0 or rrow < 0 or rows * max(rrow, 1) * arr.itemsize > limit):
+            via = (o.rank - 1) % n
             raise ProtocolError(
                 f"{kind} (op #{o.seq}): rank {r} declared {rows} rows of {rrow} elements of "
-                f"{arr.itemsize} bytes (at most {limit} bytes; received from rank "
-                f"{(o.rank - 1) % n})")
+                f"{arr.itemsize} bytes (at most {limit} bytes"
+                + ("" if via == r else f"; received from rank {via}") + ")")
     for r, (_, rrow) in enumerate(declared):
         if rrow != row:
             raise MismatchError(
@@ -530,6 +531,12 @@ class Group(GroupCore):
 
         async def make() -> Group | None:
             entries = await task
+            for r, entry in enumerate(entries):
+                if not (type(entry) is list and len(entry) == 2 and type(entry[1]) is int
+                        and (entry[0] is None or type(entry[0]) is int)):
+                    # a malformed (color, key) from a peer: break the group like in an op
+                    raise self._fabric.cause(ProtocolError(
+                        f"split (op #{split_seq}): rank {r} sent a malformed color and key"))
             if color is None:
                 return None
             members = sorted((k, r) for r, (c, k) in enumerate(entries) if c == color)

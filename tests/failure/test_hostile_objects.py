@@ -416,3 +416,28 @@ async def test_unexpected_exception_in_a_schedule_is_wrapped_and_breaks_the_grou
         lambda g: g.allreduce(np.ones(4, np.float32), algorithm="recursive_doubling"),
         transport="tcp", timeout=GROUP_TIMEOUT)
     _check_wrapped(res, [1], ZeroDivisionError, "allreduce")
+
+
+async def _split_with_hostile_rank(g: ac.Group, crafted: bytes) -> list[Any]:
+    if g.rank == 2:
+        with mock.patch.object(objects, "dumps", return_value=crafted):
+            handle = g.split(0)
+    else:
+        handle = g.split(0)
+    return await _two_calls(g, lambda _g: handle)
+
+
+async def test_hostile_split_entry_breaks_the_group(loop_errors: list[Any]) -> None:
+    """split's (color, key) pairs travel by allgather_object: a rank sending something
+    else is a ProtocolError where it is read, and the group breaks everywhere."""
+    crafted = objects.dumps(["not a color", 0], False)
+    res = await run_ranks(3, _split_with_hostile_rank, crafted, transport="tcp",
+                          timeout=GROUP_TIMEOUT)
+    firsts = [first for first, _, _ in res]
+    assert any(isinstance(f, errors.ProtocolError) for f in firsts), firsts
+    for first, later, took in res:
+        assert isinstance(first, errors.ProtocolError | ac.GroupBrokenError), first
+        if isinstance(first, errors.ProtocolError):
+            assert "split (op #0): rank 2 sent a malformed color and key" in str(first)
+        assert isinstance(later, ac.GroupBrokenError), later
+        assert took < PROMPT, f"took {took:.2f} s"
