@@ -1,10 +1,11 @@
 """``Work``: the handle torch gets back from every collective of the aiocollect backend.
 
-A Work is completed on the loop thread when its aiocollect operation ends. Its torch
-future is *always* completed with a value, even when the operation failed: torch 2.13's
-DistributedDataParallel crashes the process (SIGSEGV) when a gradient future completes
-with an exception. The failure is kept instead and raised by :meth:`Work.wait` (and,
-through the process group, by the next collective call).
+A Work is completed on the loop thread when its aiocollect operation ends. A failure is
+raised by :meth:`Work.wait` and completes its torch future with the same exception, except
+for the Works of DistributedDataParallel (``fail_future=False``): torch 2.13's reducer
+crashes the process (SIGSEGV) when a gradient future completes with an exception, so those
+futures complete with a value and the failure surfaces through :meth:`Work.wait`,
+:meth:`Work.exception` and, through the process group, the next collective call.
 """
 
 from __future__ import annotations
@@ -30,10 +31,14 @@ class Work(dist.Work):
         result: the tensors the collective writes (the torch future's value).
         thread: the loop thread that completes this work.
         kind: the collective's name, for messages.
+        fail_future: complete the torch future with the error when the collective fails
+            (False: with the output tensors, for DistributedDataParallel).
     """
 
-    def __init__(self, result: list[torch.Tensor], thread: LoopThread, kind: str) -> None:
+    def __init__(self, result: list[torch.Tensor], thread: LoopThread, kind: str, *,
+                 fail_future: bool = True) -> None:
         super().__init__()
+        self._fail_future = fail_future
         self._result = result
         self._thread = thread
         self._kind = kind
@@ -58,7 +63,10 @@ class Work(dist.Work):
             self._source = source
         self._finished = True
         try:
-            self._future.set_result(self._result)
+            if exc is not None and self._fail_future:
+                self._future.set_exception(exc)  # type: ignore[arg-type]
+            else:
+                self._future.set_result(self._result)
         except Exception as err:  # a then() callback of the user failed; keep the loop alive
             log.warning("aiocollect.torch: completing the future of %s raised %r", self, err)
         self._done.set()
@@ -109,10 +117,9 @@ class Work(dist.Work):
         return self._exc
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-        """A future completed (with the output tensors) when the collective finishes.
-
-        It never completes with an exception (see the module docstring); check
-        :meth:`exception` or call :meth:`wait` to learn about failures.
+        """A future completed with the output tensors when the collective finishes, or
+        with its error when it fails (for DistributedDataParallel's calls: always with the
+        tensors; see the module docstring).
         """
         return self._future
 

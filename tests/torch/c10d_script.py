@@ -393,7 +393,12 @@ def errors() -> None:
     check("work state", work.is_completed() and not work.is_success()
           and is_mismatch(work.exception()))
     fut = work.get_future()
-    check("future completed normally", fut.done() and fut.value()[0] is t)
+    try:
+        fut.wait()
+    except aiocollect.AiocollectError as exc:
+        check("future failed with the error", fut.done() and is_mismatch(exc))
+    else:
+        raise AssertionError("the future of a failed collective completed normally")
     try:
         dist.all_reduce(t, group=bad)
     except aiocollect.GroupBrokenError as exc:

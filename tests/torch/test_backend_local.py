@@ -103,7 +103,13 @@ def test_work_states() -> None:
     with pytest.raises(aiocollect.MismatchError):
         work.wait()
     assert work.is_completed() and not work.is_success() and work.exception() is err
-    assert work.get_future().wait()[0] is t  # completed normally, not with the error
+    with pytest.raises(aiocollect.MismatchError):  # the future fails with the error too
+        work.get_future().wait()
+    ddp_work = Work([t], thread, "test", fail_future=False)  # DDP's: completed normally
+    thread.call(lambda: ddp_work._complete(err))
+    with pytest.raises(aiocollect.MismatchError):
+        ddp_work.wait()
+    assert ddp_work.get_future().wait()[0] is t
 
 
 # -- a world of one ---------------------------------------------------------------------------
