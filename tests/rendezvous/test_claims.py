@@ -241,6 +241,25 @@ async def test_a_killed_jobs_claim_is_taken_over_and_its_records_ignored(
     assert job
 
 
+async def test_a_rank_whose_holder_died_waits_for_the_next_job(
+        backend: Backend, caplog: pytest.LogCaptureFixture) -> None:
+    if backend.spec is None:
+        pytest.skip("a memory store is not shared with another process")
+    name = _name()
+    s1, s2 = await backend.make(), await backend.make()
+    first = await claims.claim(s1, name, 0, 2, _deadline())
+    await _claim_in_child_and_kill_it(backend.spec, name, 1)  # joins `first`, then dies
+    caplog.set_level(logging.WARNING, "aiocollect")
+    waiting = asyncio.ensure_future(claims.claim(s2, name, 1, 2, _deadline()))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()  # not an error: that job is broken, the next one will come
+    await first.release()
+    nxt = await claims.claim(s1, name, 0, 2, _deadline())
+    assert (await waiting).job == nxt.job != first.job
+    assert "which has exited; waiting for rank 0 of its job" in caplog.text
+    await nxt.release()
+
+
 async def test_a_live_group_keeps_a_second_job_out(backend: Backend) -> None:
     name = _name()
     stores = [await backend.make() for _ in range(3)]
@@ -259,6 +278,18 @@ async def test_a_live_group_keeps_a_second_job_out(backend: Backend) -> None:
     finally:
         await asyncio.gather(g0.aclose(), g1.aclose())
     assert await _form(stores[1:], name, 5) == [11, 11]  # the name is free again
+
+
+async def test_a_claim_without_its_holder_record_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(claims, "OWNER_GRACE", 0.2)
+    name, store = _name(), MemoryStore(_name())
+    await store.add(f"aiocollect/{name}/claim/0", 1)  # a claimant that died right after
+    with pytest.raises(ac.RendezvousError, match="never said who it is"):
+        await claims.claim(store, name, 0, 2, _deadline())
+    await store.set(f"aiocollect/{name}/owner/0", b"\xc1garbage")
+    with pytest.raises(ac.RendezvousError, match="malformed claim record"):
+        await claims.claim(store, name, 0, 2, _deadline())
 
 
 # -- job ids ----------------------------------------------------------------------------------
