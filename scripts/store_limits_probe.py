@@ -6,10 +6,12 @@ attack it over a real socket from the same loop, and report the longest stall of
 
 Attacks: ``bomb`` (one 8 MiB msgpack frame holding 8 Mi empty arrays), ``nested`` (the
 same bytes as 128 arrays of 65535 empty arrays), ``keys`` (a legitimate wait naming 16384
-keys, for comparison), ``slow`` (1,000 connections that send 2 bytes of a header, then
-nothing: how many are still open after the idle timeout), ``halfsent`` (8 connections that
-each announce a 64 MiB frame and send half of it: memory held, and how many are open after
-the idle timeout).
+keys, for comparison), ``bigset`` (a legitimate ``set`` of a value of almost 64 MiB),
+``slow`` (1,000 connections that send 2 bytes of a header, then nothing: how many are
+still open after the idle timeout), ``halfsent`` (8 connections that each announce a
+64 MiB frame and send half of it: memory held, and how many are open after the idle
+timeout). A report line holds the longest wall-clock stall of the loop and the most CPU
+its thread spent without returning to the loop.
 The attacker runs in a thread with blocking sockets, so the loop bears only the server's
 work. Works against older versions of the server too (to measure "before").
 """
@@ -68,6 +70,12 @@ def bomb() -> bytes:
 def nested() -> bytes:
     inner = b"\xdc" + (65535).to_bytes(2, "big") + b"\x90" * 65535
     return frame(b"\xdc" + (128).to_bytes(2, "big") + inner * 128)
+
+
+def bigset() -> bytes:
+    import msgpack
+
+    return frame(msgpack.packb([1, "set", "big", b"\x01" * ((64 << 20) - 64)], use_bin_type=True))
 
 
 def keys() -> bytes:
@@ -161,7 +169,8 @@ async def main(attack: str) -> dict[str, Any]:
     good = TCPStore("127.0.0.1", server.port, timeout=30)
     await good.set("k", b"v")
     stop, worst = asyncio.Event(), [0.0, 0.0]
-    data = {"bomb": bomb, "nested": nested, "keys": keys}.get(attack, lambda: b"")()
+    data = {"bomb": bomb, "nested": nested, "keys": keys, "bigset": bigset}.get(
+        attack, lambda: b"")()
     before = rss_mib()
     tick = asyncio.create_task(ticker(stop, worst))
     await asyncio.sleep(0.05)
@@ -188,7 +197,8 @@ async def main(attack: str) -> dict[str, Any]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--attack", choices=("bomb", "nested", "keys", "slow", "halfsent"),
+    parser.add_argument("--attack",
+                        choices=("bomb", "nested", "keys", "bigset", "slow", "halfsent"),
                         default=None, help="one attack (default: all but slow)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
