@@ -156,3 +156,24 @@ async def test_leaf_mixup_learned_at_next_operation(transport: str) -> None:
         kind, _message, elapsed = _learned(outcome)
         assert kind == "MismatchError", (rank, outcome)
         assert elapsed is None or elapsed < 2.5, (rank, elapsed)
+
+
+async def _extra_broadcast(g: ac.Group) -> None:
+    await g.barrier()
+    if g.rank == 1:  # only sends: it succeeds at once, the others never call it
+        await g.broadcast(np.ones(4, np.float32), root=1)
+
+
+@pytest.mark.parametrize("transport", ["memory", "tcp"])
+async def test_close_handshake_finds_an_operation_only_one_rank_called(
+        transport: str) -> None:
+    """No frame and no waiting operation can show it: aclose() compares how many operations
+    each rank called, and raises MismatchError on every rank."""
+    with pytest.raises(ExceptionGroup) as info:
+        await run_ranks(3, _extra_broadcast, transport=transport, timeout=20)
+    assert len(info.value.exceptions) == 3, info.value
+    for failed in info.value.exceptions:
+        cause = failed.__cause__
+        assert isinstance(cause, ac.MismatchError), repr(cause)
+        assert "called 2 collective operations" in str(cause) or \
+            "called 1 collective operations" in str(cause), str(cause)
