@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from aiocollect.store.tcp_server import store_main
+from aiocollect.store.tcp_command import store_main
 
 if __name__ == "__main__":
     sys.exit(store_main(sys.argv[1:]))

@@ -2,8 +2,9 @@
 
 The host rank starts a :class:`TCPStoreServer` when nothing listens at the address yet; the
 others retry connecting until it is up. The client (:class:`TCPStore`) lives in
-:mod:`aiocollect.store.tcp_client`, the server and the ``aiocollect store`` command in
-:mod:`aiocollect.store.tcp_server`; both are re-exported here.
+:mod:`aiocollect.store.tcp_client`, the server in :mod:`aiocollect.store.tcp_server`, the
+``aiocollect store`` command in :mod:`aiocollect.store.tcp_command`; all are re-exported
+here.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from aiocollect._deadline import Deadline
 from aiocollect.errors import StoreError, StoreTimeout, UsageError
 from aiocollect.store.base import DEFAULT_TIMEOUT
 from aiocollect.store.tcp_client import TCPStore, describe_error, format_address
-from aiocollect.store.tcp_server import DEFAULT_PORT, TCPStoreServer, serve_store, store_main
+from aiocollect.store.tcp_command import serve_store, store_main
+from aiocollect.store.tcp_server import DEFAULT_PORT, TCPStoreServer
 
 #: Longest single connection attempt (connect + handshake) while retrying.
 ATTEMPT_TIMEOUT = 10.0

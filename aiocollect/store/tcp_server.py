@@ -1,4 +1,4 @@
-"""The TCP store server and the standalone ``aiocollect store`` command.
+"""The TCP store server (its command line: :mod:`aiocollect.store.tcp_command`).
 
 One asyncio server; per connection, one reading loop plus a task per pending ``get``/``wait``,
 all in a TaskGroup owned by that connection. Waits sleep on futures of a :class:`KeyTable`
@@ -16,22 +16,17 @@ connection may have at most 4096 waits pending (naming 1 Mi keys in all).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
-import os
-import secrets
-import signal
 import socket
-import sys
-from collections.abc import Callable
 from typing import Any
 
 from aiocollect import _auth, _protect
 from aiocollect._deadline import Deadline
-from aiocollect.errors import AiocollectError, ProtocolError, StoreError
+from aiocollect.errors import AiocollectError, ProtocolError
 from aiocollect.store import _wire
+from aiocollect.store._limits import Budget, Quota
 from aiocollect.store.memory import KeyTable
 
 log = logging.getLogger("aiocollect.store.tcp")
@@ -73,87 +68,6 @@ class _Connection:
     async def send(self, msg: object) -> None:
         self.writer.writelines(_wire.encode(msg))
         await self.writer.drain()
-
-
-class _Budget:
-    """Bytes of large frames being received at once, shared by every connection.
-
-    A frame reserves its announced size before its body is read and releases it once
-    read; a frame that does not fit waits (the stream's buffer then fills and TCP pushes
-    back on that client). One frame alone always fits, so nothing waits for ever; a sender
-    that stalls mid-frame is cut off by the idle timeout, which releases its share.
-    """
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.used = 0
-        self._waiters: list[asyncio.Future[None]] = []
-
-    async def acquire(self, n: int) -> None:
-        while self.used and self.used + n > self.total:
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
-            try:
-                await fut
-            finally:
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(fut)
-        self.used += n
-
-    def release(self, n: int) -> None:
-        self.used -= n
-        waiters, self._waiters = self._waiters, []
-        for fut in waiters:  # each checks again whether it fits now
-            if not fut.done():
-                fut.set_result(None)
-
-
-class _Quota:
-    """What the table holds: bytes (keys and values) and keys, against their limits."""
-
-    def __init__(self, table: KeyTable, max_bytes: int, max_keys: int) -> None:
-        self.table = table
-        self.max_bytes = max_bytes
-        self.max_keys = max_keys
-        self.bytes = 0
-
-    def _exceeded(self, key: str, nbytes: int, nkeys: int) -> StoreError:
-        return StoreError(
-            f"store quota exceeded: storing {key[:80]!r} would make {nbytes} bytes in "
-            f"{nkeys} keys, over the limit of {self.max_bytes} bytes / {self.max_keys} "
-            "keys (delete keys you no longer need, or raise the limits: "
-            "`aiocollect store --max-bytes/--max-keys`, TCPStoreServer(max_bytes=, "
-            "max_keys=))")
-
-    def set(self, key: str, value: bytes) -> None:
-        """Store ``value``, or raise StoreError if that would exceed a limit."""
-        old = self.table.get_now(key)
-        was = 0 if old is None else len(key) + len(old)
-        nbytes = self.bytes - was + len(key) + len(value)
-        nkeys = len(self.table) + (old is None)
-        if nbytes > self.max_bytes or nkeys > self.max_keys:
-            raise self._exceeded(key, nbytes, nkeys)
-        self.table.set(key, value)
-        self.bytes = nbytes
-
-    def add(self, key: str, amount: int) -> int:
-        """Add to the counter, or raise StoreError if a new key would exceed a limit."""
-        old = self.table.get_now(key)
-        was = 0 if old is None else len(key) + len(old)
-        nkeys = len(self.table) + (old is None)
-        if self.bytes - was + len(key) + 24 > self.max_bytes or nkeys > self.max_keys:
-            raise self._exceeded(key, self.bytes - was + len(key) + 24, nkeys)
-        total = self.table.add(key, amount)
-        new = self.table.get_now(key)
-        self.bytes += len(key) + (len(new) if new is not None else 0) - was
-        return total
-
-    def delete(self, key: str) -> bool:
-        old = self.table.get_now(key)
-        existed = self.table.delete(key)
-        if existed and old is not None:
-            self.bytes -= len(key) + len(old)
-        return existed
 
 
 class TCPStoreServer:
@@ -205,10 +119,10 @@ class TCPStoreServer:
         self._max_frame = max_frame
         self._handshake_timeout = handshake_timeout
         self._idle_timeout = idle_timeout
-        self._budget = _Budget(max_inflight)
+        self._budget = Budget(max_inflight)
         self._max_connections = max_connections
         self._table = KeyTable()
-        self._quota = _Quota(self._table, max_bytes, max_keys)
+        self._quota = Quota(self._table, max_bytes, max_keys)
         self._servers: list[asyncio.Server] = []
         self._handlers: set[asyncio.Task[Any]] = set()
         self._conns: set[_Connection] = set()
@@ -494,112 +408,4 @@ class TCPStoreServer:
         await conn.writer.drain()
 
 
-async def serve_store(
-    host: str | None,
-    port: int,
-    secret: bytes | str | None = None,
-    *,
-    insecure: bool = False,
-    ready: Callable[[TCPStoreServer], object] | None = None,
-    **limits: Any,
-) -> None:
-    """Run a TCP store server until cancelled.
-
-    Args:
-        host: address to bind (``None``: every interface).
-        port: port to bind (0: a free one).
-        secret: shared secret clients must prove, or None.
-        insecure: without a secret, accept other hosts too (see :class:`TCPStoreServer`).
-        ready: called with the started server (e.g. to print its address).
-        limits: more :class:`TCPStoreServer` arguments (``max_bytes=``, ...).
-
-    Raises:
-        OSError: the address could not be bound.
-    """
-    server = TCPStoreServer(host, port, secret=secret, insecure=insecure, **limits)
-    await server.start()
-    try:
-        if ready is not None:
-            ready(server)
-        await server.serve_forever()
-    finally:
-        await server.close()
-
-
-def _store_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="aiocollect store",
-        description="Standalone TCP store server for multi-node aiocollect jobs. With no "
-                    "secret (--secret or $AIOCOLLECT_SECRET) and no --insecure, it "
-                    "generates a secret and prints the line to export on every node.",
-    )
-    parser.add_argument("--host", default=None, help="address to bind (default: all interfaces)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0: pick a free one)")
-    auth = parser.add_mutually_exclusive_group()
-    auth.add_argument(
-        "--secret",
-        default=None,
-        help="shared secret clients must prove (default: $AIOCOLLECT_SECRET, else a "
-             "generated one; prefer the variable: arguments show in `ps`)",
-    )
-    auth.add_argument(
-        "--insecure", action="store_true",
-        help="no secret: accept any client from any host (also $AIOCOLLECT_INSECURE=1); "
-             "only on a network you trust",
-    )
-    parser.add_argument("--max-bytes", type=int, default=MAX_BYTES, metavar="N",
-                        help=f"quota of stored keys and values in bytes (default {MAX_BYTES})")
-    parser.add_argument("--max-keys", type=int, default=MAX_KEYS, metavar="N",
-                        help=f"quota of stored keys (default {MAX_KEYS})")
-    return parser
-
-
-def store_main(argv: list[str]) -> int:
-    """``aiocollect store``: run a standalone TCP store until SIGINT/SIGTERM.
-
-    Prints ``aiocollect store listening on HOST:PORT`` once ready. The secret comes from
-    ``--secret``, else ``AIOCOLLECT_SECRET``; with neither, and neither ``--insecure`` nor
-    ``AIOCOLLECT_INSECURE=1``, one is generated and the next line printed is
-    ``export AIOCOLLECT_SECRET=...``, to run on every node before starting the ranks.
-    Returns the process exit status.
-    """
-    args = _store_parser().parse_args(argv)
-    secret = args.secret if args.secret is not None else os.environ.get("AIOCOLLECT_SECRET")
-    insecure = not secret and (args.insecure or _protect.insecure_from_env())
-    generated = None
-    if not secret and not insecure:
-        generated = secret = secrets.token_urlsafe(32)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-
-    def ready(srv: TCPStoreServer) -> None:
-        mode = "secret required" if secret else "INSECURE: no secret, any host may connect"
-        print(f"aiocollect store listening on {srv.address} ({mode})", flush=True)
-        if generated is not None:
-            print(f"export AIOCOLLECT_SECRET={generated}", flush=True)
-            print("aiocollect store: generated the secret above (no --secret, no "
-                  "$AIOCOLLECT_SECRET); run that line on every node before starting the "
-                  "ranks, e.g. `aiocollect run` or torchrun, which pass it on", flush=True)
-
-    limits = {"max_bytes": args.max_bytes, "max_keys": args.max_keys}
-    try:
-        asyncio.run(_run_until_signal(args.host, args.port, _auth.as_secret(secret),
-                                      insecure, ready, limits))
-    except OSError as exc:
-        print(f"aiocollect store: cannot listen on port {args.port}: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-async def _run_until_signal(host: str | None, port: int, secret: bytes | None,
-                            insecure: bool, ready: Callable[[TCPStoreServer], object],
-                            limits: dict[str, Any]) -> None:
-    loop = asyncio.get_running_loop()
-    task = asyncio.ensure_future(
-        serve_store(host, port, secret, insecure=insecure, ready=ready, **limits))
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, task.cancel)
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-
-
-__all__ = ["DEFAULT_PORT", "TCPStoreServer", "serve_store", "store_main"]
+__all__ = ["DEFAULT_PORT", "TCPStoreServer"]
