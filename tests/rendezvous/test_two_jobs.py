@@ -1,9 +1,12 @@
-"""Two ``aiocollect run`` jobs started together on one ``--master-port`` never mix.
+"""Two ``aiocollect run`` jobs on one ``--master-port`` never mix.
 
-Issue 15: ranks of the two jobs formed mixed groups (both jobs "succeeded" with 301 instead
-of 201 and 401). Here real launchers with real rank processes race, many times: every job
-either succeeds with its own sum or fails with a RendezvousError naming the other job, and
-no rank of either job ever computes a mixed sum.
+Issue 15: ranks of two jobs started together formed mixed groups (both jobs "succeeded"
+with 301 instead of 201 and 401); started 2 s apart, the second failed with a misleading
+"could not connect to rank 0" (it read the first job's address). Here real launchers with
+real rank processes race, many times: every job either succeeds with its own sum or fails
+with a RendezvousError naming the other job, and no rank ever computes a mixed sum. A job
+started while another runs fails at once saying so, and the running one is unaffected; a
+standalone store serves one job after another under the same group name.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ SCRIPT = """\
             data = np.full(4, base + group.rank, dtype=np.int64)
             await group.allreduce(data)
             print("result", int(data[0]))
+            if "--hold" in sys.argv:  # stay in the group until a line arrives on stdin
+                if group.rank == 0:
+                    print("holding", flush=True)
+                    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+                await group.barrier()
 
     asyncio.run(main())
 """
@@ -46,12 +54,12 @@ LOST = re.compile(r"another job on the same store|StoreError: connection to the 
                   r"\S+ lost: ")
 
 
-def _start(script: Path, port: int, base: int, cwd: Path) -> subprocess.Popen[str]:
+def _start(script: Path, port: int, base: int, cwd: Path, *extra: str,
+           stdin: int = subprocess.DEVNULL) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "aiocollect", "run", "-n", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(port), "--timeout", "40", str(script), str(base)],
-        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-        text=True)
+         "--master-port", str(port), "--timeout", "40", str(script), str(base), *extra],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin, text=True)
 
 
 def _check(base: int, rc: int, out: str, err: str) -> str:
@@ -95,3 +103,53 @@ def test_two_jobs_on_one_port_never_mix(tmp_path: Path) -> None:
     print(f"{done} races: {outcomes}")
     assert done >= 8, f"only {done} races ran within {BUDGET_S} s"
     assert outcomes.get("ok", 0) >= done, outcomes  # at least one job of each race succeeds
+
+
+@pytest.mark.timeout(90)
+def test_a_job_started_while_another_runs_fails_at_once(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    port = free_port("127.0.0.1")
+    with _start(script, port, 100, tmp_path, "--hold", stdin=subprocess.PIPE) as first:
+        try:
+            assert first.stdout is not None and first.stdin is not None
+            seen = []
+            for line in first.stdout:  # bounded by pytest-timeout
+                seen.append(line)
+                if line.strip() == "[rank 0] holding":
+                    break
+            second = _start(script, port, 200, tmp_path)
+            out, err = second.communicate(timeout=60)
+            assert second.returncode != 0, out
+            assert "RendezvousError" in err and "another job on the same store" in err, err
+            assert "could not connect" not in err, err
+            first.stdin.write("go\n")
+            first.stdin.close()
+            seen.append(first.stdout.read())
+            assert first.wait(timeout=60) == 0, first.stderr.read() if first.stderr else ""
+            assert sorted(RESULT.findall("".join(seen))) == [("0", "201"), ("1", "201")], seen
+        finally:
+            if first.poll() is None:
+                first.kill()
+
+
+@pytest.mark.timeout(90)
+def test_a_standalone_store_serves_one_job_after_another(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    port = free_port("127.0.0.1")
+    with subprocess.Popen(
+            [sys.executable, "-m", "aiocollect", "store", "--host", "127.0.0.1", "--port",
+             str(port), "--insecure"], cwd=tmp_path, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True) as store:
+        try:
+            assert store.stdout is not None
+            assert "listening" in store.stdout.readline()  # bounded by pytest-timeout
+            for base in (100, 200, 300):  # the same group name ("default") each time
+                job = _start(script, port, base, tmp_path)
+                out, err = job.communicate(timeout=60)
+                assert job.returncode == 0, err
+                assert sorted(RESULT.findall(out)) == [("0", str(2 * base + 1)),
+                                                       ("1", str(2 * base + 1))], out
+        finally:
+            store.terminate()
