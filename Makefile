@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench clean system-deps
+.PHONY: install demo test lint bench clean system-deps torch-suite
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH"; exit 1; }
@@ -29,6 +29,13 @@ test: install system-deps
 lint: install
 	$(VENV)/bin/ruff check aiocollect tests examples
 	$(VENV)/bin/mypy
+
+# torch's own DistributedTest suite (from the installed wheel) against "aiocollect" and "gloo"
+# in the same run; prints passed/failed/skipped for each (docs/torch.md). ~5 min.
+TORCH_SUITE_LOGS ?= /tmp/aiocollect-torch-suite
+torch-suite: install
+	$(PY) -c "import expecttest" 2>/dev/null || $(PY) -m pip install -q expecttest
+	$(PY) scripts/torch_dist_suite.py --log-dir $(TORCH_SUITE_LOGS) $(TORCH_SUITE_ARGS)
 
 bench: install
 	$(VENV)/bin/aiocollect bench allreduce -n 2 --sizes 4..16M --transport tcp

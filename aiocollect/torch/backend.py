@@ -489,14 +489,17 @@ class AiocollectProcessGroup(dist.ProcessGroup):
 
         Raises:
             MonitoredBarrierError: on rank 0, the first rank that did not arrive within
-                ``timeout`` (every such rank with ``wait_all_ranks``); on the others, rank 0
-                did not release them in time.
+                ``timeout`` (every such rank with ``wait_all_ranks``), or ``Rank 0 timed out``
+                when the time was up before it could look (a zero ``timeout``); on the
+                others, rank 0 did not release them in time.
         """
-        seconds = timeout_seconds(timeout)
-        if seconds is None:
-            seconds = self._default_timeout or self._group.timeout or 1800.0
+        if isinstance(timeout, timedelta) and timeout.total_seconds() <= 0:
+            seconds = 0.0  # gloo's meaning: no time at all
+        else:
+            given = timeout_seconds(timeout)
+            seconds = given or self._default_timeout or self._group.timeout or 1800.0
         deadline = time.monotonic() + seconds
-        self.barrier_local(seconds)
+        self.barrier_local(seconds or None)
         n = self._monitored
         self._monitored += 1
         prefix = f"aiocollect/monitored/{n}"
@@ -508,13 +511,17 @@ class AiocollectProcessGroup(dist.ProcessGroup):
                                  timedelta(seconds=max(0.001, deadline - time.monotonic())))
             except Exception as exc:
                 raise MonitoredBarrierError(
-                    f"Rank {self._rank} timed out in monitoredBarrier after {ms}: rank 0 "
-                    f"did not release it ({exc})", [0]) from exc
+                    f"Rank {self._rank} successfully reached monitoredBarrier, but received "
+                    f"errors while waiting for rank 0 to release it within {ms} ({exc}). "
+                    "Please check rank 0 logs for faulty rank.", [0]) from exc
             return
         missing: list[int] = []
         for peer in range(1, self._world):
             key = f"{prefix}/{peer}"
             left = deadline - time.monotonic()
+            if left <= 0 and not missing and not self._store.check([key]):
+                raise MonitoredBarrierError(f"Rank 0 timed out in monitoredBarrier after "
+                                            f"{ms}", [peer])
             try:
                 if left <= 0 or missing:
                     if not self._store.check([key]):

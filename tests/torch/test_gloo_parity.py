@@ -396,6 +396,8 @@ def test_monitored_barrier_names_the_missing_ranks() -> None:
     for t in threads:
         t.join(20)
     assert results == {r: None for r in range(world)}
+    with pytest.raises(MonitoredBarrierError, match="Rank 0 timed out in monitoredBarrier"):
+        pgs[0].monitored_barrier(timedelta(0))  # gloo's zero timeout: no time to wait
     close(pgs)
 
 
