@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("torch", reason="torch is not installed (pip install 'aiocollect[torch]')")
 
-from tests.torch.launch import FOREIGN, ROOT  # noqa: E402
+from tests.torch.launch import FOREIGN, ROOT
 
 
 @pytest.mark.timeout(150)

@@ -79,6 +79,40 @@ def _coalescing(group: dist.ProcessGroup, members: list[int], rank: int) -> None
     assert c.tolist() == [float(members[0])] * 4, c
 
 
+def _ddp_sparse(rank: int) -> None:
+    """DistributedDataParallel with sparse gradients (a sparse allreduce per bucket)."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(WORLD + 2, 4, sparse=True)
+    model = torch.nn.parallel.DistributedDataParallel(emb)
+    model(torch.tensor([rank, WORLD])).sum().backward()  # row WORLD: every rank's
+    grad = emb.weight.grad
+    assert grad is not None and grad.is_sparse, grad
+    expected = torch.zeros(WORLD + 2, 4)
+    expected[:WORLD] = 1.0 / WORLD  # DDP averages: each rank's own row, once
+    expected[WORLD] = 1.0
+    assert torch.allclose(grad.to_dense(), expected), grad.to_dense()
+
+
+def _ddp_no_sync_with_hook(rank: int) -> None:
+    """Gradient accumulation under ``no_sync`` with a Python comm hook (what DistributedTest's
+    ``test_accumulate_gradients_no_sync*`` cover, which build their model only when the
+    backend is named gloo)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    lin = torch.nn.Linear(4, 1, bias=False)
+    torch.nn.init.ones_(lin.weight)
+    model = torch.nn.parallel.DistributedDataParallel(lin)
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    x = torch.full((1, 4), float(rank + 1))
+    with model.no_sync():
+        model(x).sum().backward()  # local only: grad = x
+    model(x).sum().backward()  # synced: the mean over ranks of 2 x
+    grad = lin.weight.grad
+    assert grad is not None
+    mean = sum(r + 1 for r in range(WORLD)) / WORLD
+    assert torch.allclose(grad, torch.full((1, 4), 2 * mean)), grad
+
+
 def rank_main(rank: int, path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("aiocollect", store=dist.FileStore(path, WORLD), rank=rank,
@@ -92,6 +126,8 @@ def rank_main(rank: int, path: str) -> None:
     world = torch.tensor([1.0])
     dist.all_reduce(world)
     assert world.item() == WORLD
+    _ddp_sparse(rank)
+    _ddp_no_sync_with_hook(rank)
     dist.barrier()
     dist.destroy_process_group()
     print(f"RANK {rank} OK", flush=True)
