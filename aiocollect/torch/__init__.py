@@ -94,6 +94,22 @@ def check(group: Any = None) -> None:
     get_process_group(group).check()
 
 
+def monitored_barrier(group: Any = None, timeout: Any = None,
+                      wait_all_ranks: bool = False) -> None:
+    """gloo's ``monitored_barrier`` for an aiocollect group (default: the world), which
+    ``torch.distributed.monitored_barrier`` refuses for any backend but gloo.
+
+    Args:
+        timeout: a ``timedelta`` (default: the group's default timeout).
+        wait_all_ranks: rank 0 names every rank that did not arrive, not only the first.
+
+    Raises:
+        MonitoredBarrierError: ranks did not arrive in time (a RuntimeError; ``ranks``).
+        UsageError: ``group`` is not served by the aiocollect backend.
+    """
+    get_process_group(group).monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
@@ -110,4 +126,4 @@ def _register_on_import() -> None:
 _register_on_import()
 
 __all__ = ["BACKEND_NAME", "AiocollectProcessGroup", "TorchStore", "Work", "check",
-           "create_process_group", "get_process_group", "register"]
+           "create_process_group", "get_process_group", "monitored_barrier", "register"]

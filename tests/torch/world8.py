@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import aiocollect.torch  # noqa: F401  (registers the backend)
+import aiocollect.torch  # registers the backend
 
 WORLD = 8
 SUBSET = [1, 2, 5]  # not a prefix, not contiguous
@@ -123,6 +123,9 @@ def rank_main(rank: int, path: str) -> None:
     assert subset == dist.GroupMember.NON_GROUP_MEMBER or rank in SUBSET
     _subset_checks(group, members, rank)
     _coalescing(group, members, rank)
+    aiocollect.torch.monitored_barrier(timeout=timedelta(seconds=30), wait_all_ranks=True)
+    if rank in SUBSET:
+        aiocollect.torch.monitored_barrier(subset, timedelta(seconds=30))
     world = torch.tensor([1.0])
     dist.all_reduce(world)
     assert world.item() == WORLD
