@@ -437,7 +437,9 @@ class GroupCore:
 
     def abort(self, reason: BaseException | None = None) -> None:
         """Break the group now on every rank (peers get GroupBrokenError promptly) and
-        release its links. Never blocks; pending handles fail with GroupBrokenError.
+        release its links. Never blocks; pending handles fail with GroupBrokenError. On a
+        group that is already broken it resets every link still flushing (its ABORT was
+        sent when the group broke), so no socket outlives the call.
 
         Args:
             reason: the exception that made this rank give up, if any: its type and
@@ -454,6 +456,10 @@ class GroupCore:
                                    f"{self.name!r} aborted)")
             exc.raised = True  # type: ignore[attr-defined]
             exc.__cause__ = reason
+        if self._fabric.failure is not None:
+            # Broken before: the ABORT went out then, and links still flushing to peers
+            # that stopped reading would otherwise linger past the loop's end.
+            self._fabric.abort_links()
         self._fabric.fail(exc)
         root._closed = True
         root._unwatch()

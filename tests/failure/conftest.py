@@ -299,24 +299,3 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
 
 def u32(n: int) -> bytes:
     return struct.pack("<I", n)
-
-
-# -- event loops ----------------------------------------------------------------------------
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "both_loops: run this async test on the default loop and on uvloop")
-
-
-def pytest_asyncio_loop_factories(config: pytest.Config,
-                                  item: pytest.Item) -> dict[str, Callable[[], Any]]:
-    """Tests marked ``both_loops`` run on asyncio's loop and on uvloop (whose transports
-    drive BufferedProtocol differently); every other test keeps the default loop."""
-    factories: dict[str, Callable[[], Any]] = {"asyncio": asyncio.new_event_loop}
-    if item.get_closest_marker("both_loops") is not None:
-        try:
-            import uvloop
-        except ImportError:
-            return factories
-        factories["uvloop"] = uvloop.new_event_loop
-    return factories

@@ -60,6 +60,7 @@ from aiocollect.transport.wire import (
 )
 from aiocollect.types import Collective
 from tests.failure.conftest import FakePeer, echo_header, header, u32
+from tests.helpers import links_settled
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -447,6 +448,7 @@ async def _group_is_broken_by(g: ac.Group, cause: BaseException) -> None:
         g.barrier()
     assert info.value.__cause__ is cause
     g.abort()
+    await links_settled([g])
 
 
 async def _process_still_healthy() -> None:

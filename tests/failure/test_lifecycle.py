@@ -23,6 +23,7 @@ import aiocollect as ac
 from aiocollect.store import MemoryStore, Store, TCPStoreServer, open_store
 from aiocollect.testing import run_ranks, spawn_ranks
 from aiocollect.testing.spawn import free_port
+from tests.helpers import links_settled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,15 +74,20 @@ async def _run(n: int, body: Callable[[ac.Group, Store], Awaitable[Any]], *,
     store = store or MemoryStore(name)
     options.setdefault("timeout", GROUP_TIMEOUT)
 
+    groups: list[ac.Group] = []
+
     async def one(rank: int) -> Any:
         g = await ac.open_group(rank, n, store=store, transport="tcp", name=name, **options)
+        groups.append(g)
         try:
             return await body(g, store)
         finally:
             if not g.closed:
                 g.abort()
 
-    return list(await asyncio.gather(*(one(r) for r in range(n)), return_exceptions=True))
+    out = list(await asyncio.gather(*(one(r) for r in range(n)), return_exceptions=True))
+    await links_settled(groups)
+    return out
 
 
 # == no leaks ================================================================================

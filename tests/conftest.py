@@ -1,0 +1,94 @@
+"""Suite-wide strictness: every test's event loop traps unhandled errors, and the in-process
+collective, stress and failure suites run on both asyncio and uvloop.
+
+- The loop-error trap: whatever reaches an event loop's exception handler during a test (an
+  exception escaping a protocol callback, a Task whose exception nobody retrieved, a callback
+  that raised) fails that test. Tests that expect such reports install their own handler
+  (``loop_errors`` in tests/failure/conftest.py) and restore this one after.
+- Loops: ``pytest_asyncio_loop_factories`` gives the tests under ``LOOP_SUITES`` two loop
+  factories, so each of their async tests runs once per loop (test ids ``[asyncio]`` and
+  ``[uvloop]``). Tests there that start rank processes themselves (whose ranks choose their
+  own loop with ``uvloop=True``), or are marked ``one_loop``, run on asyncio alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is a core dependency on Linux
+    uvloop = None
+
+LOOP_SUITES = ("collectives", "failure", "stress")
+_ROOT = Path(__file__).parent
+
+_unhandled: list[dict[str, Any]] = []
+
+
+def _trap(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    _unhandled.append(context)
+    loop.default_exception_handler(context)
+
+
+def _trapped(factory: Callable[[], asyncio.AbstractEventLoop]) -> Callable[
+        [], asyncio.AbstractEventLoop]:
+    def make() -> asyncio.AbstractEventLoop:
+        loop = factory()
+        loop.set_exception_handler(_trap)
+        return loop
+
+    return make
+
+
+_ASYNCIO = _trapped(asyncio.new_event_loop)
+_UVLOOP = None if uvloop is None else _trapped(uvloop.new_event_loop)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "one_loop: run on asyncio only (the test drives spawned processes, "
+        "which pick their own loop)")
+    config.addinivalue_line(
+        "markers", "both_loops: run this async test on asyncio and uvloop, in any suite")
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[
+        str, Callable[[], asyncio.AbstractEventLoop]]:
+    try:
+        suite = Path(str(item.path)).relative_to(_ROOT).parts[0]
+    except ValueError:
+        suite = ""
+    both = item.get_closest_marker("both_loops") is not None or (
+        suite in LOOP_SUITES and not _drives_processes(item)
+        and item.get_closest_marker("one_loop") is None)
+    if both and _UVLOOP is not None:
+        return {"asyncio": _ASYNCIO, "uvloop": _UVLOOP}
+    return {"asyncio": _ASYNCIO}
+
+
+def _drives_processes(item: pytest.Item) -> bool:
+    """Whether the test body starts rank processes itself (their loop is theirs to pick)."""
+    code = getattr(getattr(item, "obj", None), "__code__", None)
+    names = set(code.co_names) if code is not None else set()
+    return bool(names & {"spawn_ranks", "SpawnedRanks"}) or "spawned" in getattr(
+        item, "fixturenames", ())
+
+
+@pytest.fixture(autouse=True)
+def loop_error_trap() -> Iterator[None]:
+    """Fail the test if anything reached an event loop's exception handler during it."""
+    _unhandled.clear()
+    yield
+    gc.collect()  # a Task that failed unobserved reports when it is collected
+    seen, _unhandled[:] = list(_unhandled), []
+    if seen:
+        lines = [f"{c.get('message')}: {c.get('exception')!r}" for c in seen]
+        pytest.fail("unhandled errors reached the event loop:\n  " + "\n  ".join(lines),
+                    pytrace=False)
