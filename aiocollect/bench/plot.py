@@ -1,5 +1,17 @@
-"""Bus bandwidth and p50 latency versus size (log-log), aiocollect against gloo and, with
-``--compare``, against aiocollect over the compared transport."""
+"""The figure of ``aiocollect bench --plot``: four panels from the summary rows.
+
+- top left, the headline: the same-run ratio, aiocollect bus bandwidth / the baseline's
+  (gloo; else the ``--compare`` transport), per size, on a linear axis with the line at 1;
+- top right: bus bandwidth on a linear axis (large sizes are what it is about; a log axis
+  let the 4-byte points squash them into a sliver);
+- bottom: p50 latency split at 256 KiB, each half on its own axis (small sizes linear in
+  µs, large sizes in ms), so neither range flattens the other;
+- a footer with the date, the load average (start, peak, end, against the cores) and the
+  load warning when the machine was busy.
+
+Every series (a collective and a backend) has its own colour; the backend also sets the line
+style and marker.
+"""
 
 from __future__ import annotations
 
@@ -12,20 +24,48 @@ from aiocollect.bench.spec import format_size
 MISSING = ("--plot needs matplotlib, which is not installed "
            "(pip install matplotlib, or pip install 'aiocollect[plot]')")
 
+#: Where the latency panels split.
+SPLIT = 256 * 1024
+
 
 def available() -> bool:
     """Whether matplotlib can be imported."""
     return importlib.util.find_spec("matplotlib") is not None
 
 
+def footer(date: str, load: dict[str, Any]) -> str:
+    """The line printed under the figure: date and load averages (``report.LoadWatch``'s
+    summary; empty means unknown)."""
+    def fmt(key: str) -> str:
+        value = load.get(key)
+        return "?" if value is None else f"{value:.2f}"
+
+    text = (f"measured {date}; 1-min load average start {fmt('start')}, max {fmt('max')}, "
+            f"end {fmt('end')} on {load.get('cores', '?')} cores")
+    if load.get("warning"):
+        text += "\nWARNING: " + str(load["warning"])
+    return text
+
+
+def _series(rows: list[dict[str, Any]], transport: str | None) -> list[tuple[str, str, str,
+                                                                             str]]:
+    compare = next((r["compare_transport"] for r in rows if "compare_transport" in r), None)
+    out = [("aiocollect", "-", "o",
+            f"aiocollect/{transport}" if compare is not None and transport else "aiocollect")]
+    if compare is not None:
+        out.append(("compare", ":", "s", f"aiocollect/{compare}"))
+    out.append(("gloo", "--", "x", "gloo"))
+    return out
+
+
 def plot(rows: list[dict[str, Any]], path: Path, title: str,
-         transport: str | None = None) -> None:
-    """Draw one PNG with two panels (bandwidth, latency) from :func:`report.aggregate` rows.
+         transport: str | None = None, footer: str = "") -> None:
+    """Draw one PNG (the panels above) from :func:`report.aggregate` rows.
 
     Concurrent cases are left out (their times are for K collectives at once). Rows
     aggregated with ``compare`` add a dotted series per collective for the compared
     transport; the series are then labelled ``aiocollect/TRANSPORT`` (``transport``: the
-    ``--transport`` one) and ``aiocollect/COMPARED``.
+    ``--transport`` one) and ``aiocollect/COMPARED``. ``footer`` goes under the panels.
 
     Raises:
         RuntimeError: matplotlib is not installed.
@@ -38,44 +78,73 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str,
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullLocator
 
-    fig, (ax_bw, ax_lat) = plt.subplots(1, 2, figsize=(13, 5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    (ax_ratio, ax_bw), (ax_small, ax_large) = axes
+    palette = (list(plt.get_cmap("tab10").colors)  # type: ignore[attr-defined]
+               + list(plt.get_cmap("Dark2").colors))  # type: ignore[attr-defined]
     names = list(dict.fromkeys(r["name"] for r in rows if r["concurrency"] == 1))
+    series = _series(rows, transport)
+    has_gloo = any(r.get("gloo") is not None for r in rows)
+    ref_key, ref_tag = ("bw_ratio", "gloo") if has_gloo else ("compare_bw_ratio",
+                                                              series[-2][3])
     ticks: set[int] = set()
-    compare = next((r["compare_transport"] for r in rows if "compare_transport" in r), None)
-    series = [("aiocollect", "-", "o",
-               f"aiocollect/{transport}" if compare is not None and transport
-               else "aiocollect")]
-    if compare is not None:
-        series.append(("compare", ":", "s", f"aiocollect/{compare}"))
-    series.append(("gloo", "--", "x", "gloo"))
-    for i, name in enumerate(names):
-        color = colors[i % len(colors)]
-        mine = [r for r in rows if r["name"] == name]
+    n = 0
+    for name in names:
+        mine = [r for r in rows if r["name"] == name and r["concurrency"] == 1]
+        ratio = [(r["size"], r[ref_key]) for r in mine
+                 if r.get(ref_key) is not None and r[ref_key] == r[ref_key]]
         for backend, style, marker, tag in series:
             # Requested sizes on the x axis: the bytes moved differ from them only by
             # rounding to whole elements per rank (see spec.shape).
             pts = [(r["size"], r[backend]) for r in mine if r.get(backend) is not None]
             if not pts:
                 continue
-            sizes = [p[0] for p in pts]
-            ticks.update(sizes)
+            color = palette[n % len(palette)]
+            n += 1
+            ticks.update(p[0] for p in pts)
             label = f"{name} ({tag})"
-            ax_bw.plot(sizes, [p[1]["busbw_gbps"] for p in pts], style, marker=marker,
-                       color=color, label=label)
-            ax_lat.plot(sizes, [p[1]["p50_us"] for p in pts], style, marker=marker,
-                        color=color, label=label)
-    for ax, ylabel in ((ax_bw, "bus bandwidth (GB/s)"), (ax_lat, "p50 latency (µs)")):
+            kw = {"marker": marker, "color": color, "label": label}
+            ax_bw.plot([p[0] for p in pts], [p[1]["busbw_gbps"] for p in pts], style, **kw)
+            small = [p for p in pts if p[0] < SPLIT]
+            large = [p for p in pts if p[0] >= SPLIT]
+            if small:
+                ax_small.plot([p[0] for p in small], [p[1]["p50_us"] for p in small], style,
+                              **kw)
+            if large:
+                ax_large.plot([p[0] for p in large], [p[1]["p50_us"] / 1000 for p in large],
+                              style, **kw)
+            if backend == "aiocollect" and ratio:
+                ax_ratio.plot([p[0] for p in ratio], [p[1] for p in ratio], style,
+                              marker=marker, color=color, label=f"{name}: {tag} / {ref_tag}")
+    ax_ratio.axhline(1.0, color="black", linewidth=0.8)
+    ax_ratio.set_ylim(bottom=0)
+    if not ax_ratio.get_lines()[:-1]:
+        ax_ratio.text(0.5, 0.5, "no baseline in this run", ha="center",
+                      transform=ax_ratio.transAxes)
+    panels = ((ax_ratio, f"busbw ratio vs {ref_tag} (>1: aiocollect faster)", ticks),
+              (ax_bw, "bus bandwidth (GB/s)", ticks),
+              (ax_small, f"p50 latency (µs), sizes < {format_size(SPLIT)}",
+               {t for t in ticks if t < SPLIT}),
+              (ax_large, f"p50 latency (ms), sizes ≥ {format_size(SPLIT)}",
+               {t for t in ticks if t >= SPLIT}))
+    for ax, ylabel, own in panels:
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
         ax.set_xlabel("size (bytes, NCCL-tests convention)")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
-        shown = sorted(ticks)[:: max(1, (len(ticks) + 7) // 8)]
-        ax.set_xticks(shown, [format_size(s) for s in shown])
+        if own:
+            shown = sorted(own)[:: max(1, (len(own) + 7) // 8)]
+            ax.set_xticks(shown, [format_size(s) for s in shown])
         ax.xaxis.set_minor_locator(NullLocator())
-    ax_bw.legend(fontsize="small")
+        if ax is not ax_ratio:
+            ax.set_ylim(bottom=0)
+    for ax in (ax_ratio, ax_bw):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
     fig.suptitle(title)
-    fig.tight_layout()
+    if footer:
+        fig.text(0.01, 0.005, footer, fontsize="small", va="bottom",
+                 color="darkred" if "WARNING" in footer else "black")
+    fig.tight_layout(rect=(0, 0.05 if footer else 0, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import threading
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -51,6 +52,8 @@ def _combine(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, An
         "correct": all(s["correct"] for s in sums),
         "wrong_ranks": sorted({r for rec, _ in pairs for r in rec.get("wrong_ranks", [])}),
     }
+    if any("sync_p50_us" in s for s in sums):
+        out["sync_p50_us"] = med("sync_p50_us")
     if any("concurrent_ratio" in s for s in sums):
         out["seq_p50_us"] = med("seq_p50_us")
         out["concurrent_ratio"] = med("concurrent_ratio")
@@ -217,8 +220,16 @@ def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         out.append("bw ratio: aiocollect/gloo busbw (>1 favours aiocollect); lat ratio: "
                    "aiocollect/gloo p50 (<1 favours aiocollect); conc/seq: K in flight / K "
                    "in sequence.")
+    synced = [r for r in rows if r["aiocollect"] and "sync_p50_us" in r["aiocollect"]]
+    if synced:
+        names = ", ".join(dict.fromkeys(r["name"] for r in synced))
+        floor = median([r["aiocollect"]["sync_p50_us"] for r in synced])
+        out.append(f"{names}: every iteration ends with a barrier, so the root waits for "
+                   f"the receivers (aiocollect's barrier alone: p50 {format_time(floor)}).")
     if meta.get("baseline_note"):
         out.append(meta["baseline_note"])
+    if meta.get("load_warning"):
+        out.append(f"WARNING: {meta['load_warning']}")
     return "\n".join(out)
 
 
@@ -248,6 +259,73 @@ def load_average() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
+
+
+def cores() -> int:
+    """The CPUs this process may run on (its affinity mask, else ``os.cpu_count()``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class LoadWatch:
+    """Samples the 1-minute load average every ``period`` seconds on a daemon thread
+    while a run lasts, so that a run measured on a busy machine says so.
+
+    :meth:`summary` gives ``cores``, ``start``, ``end`` and ``max`` (1-minute load
+    averages; None where the platform has none) and ``warning``: a sentence when the
+    load average exceeded the cores at any sample, else None.
+    """
+
+    def __init__(self, period: float = 1.0) -> None:
+        self.period = period
+        self.cores = cores()
+        self.start_load = load_average()
+        self.samples: list[float] = [self.start_load[0]] if self.start_load else []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-load-watch",
+                                        daemon=True)
+
+    def __enter__(self) -> LoadWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            now = load_average()
+            if now:
+                self.samples.append(now[0])
+
+    def stop(self) -> None:
+        """Stop sampling (idempotent); takes a last sample."""
+        if not self._stop.is_set():
+            self._stop.set()
+            if self._thread.is_alive():
+                self._thread.join()
+            now = load_average()
+            if now:
+                self.samples.append(now[0])
+
+    def summary(self) -> dict[str, Any]:
+        end = self.samples[-1] if self.samples else None
+        peak = max(self.samples) if self.samples else None
+        return {"cores": self.cores, "start": self.start_load[0] if self.start_load else None,
+                "end": end, "max": peak, "samples": len(self.samples),
+                "warning": load_warning(peak, self.cores)}
+
+
+def load_warning(peak: float | None, ncores: int) -> str | None:
+    """The warning for a run whose 1-minute load average reached ``peak`` on ``ncores``
+    CPUs, or None when it stayed at or below the cores."""
+    if peak is None or peak <= ncores:
+        return None
+    return (f"the load average reached {peak:.2f} on {ncores} cores during this run: "
+            "the machine was busy, so these figures are taken under load (compare "
+            "same-run ratios, not absolute times)")
 
 
 def machine_info(loop: str) -> dict[str, Any]:

@@ -52,6 +52,8 @@ def summarize(record: dict[str, Any], world_size: int) -> dict[str, Any]:
     lag = record.get("lag_us")
     if lag and lag.get("samples"):
         out["lag_p99_ms"] = lag["p99"] / 1000.0
+    if record.get("sync_p50_us") is not None:
+        out["sync_p50_us"] = float(record["sync_p50_us"])
     seq = record.get("seq_times_us")
     if seq:
         seq50 = percentile(seq, 50)

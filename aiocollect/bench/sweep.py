@@ -12,6 +12,12 @@ total time divided by the iterations (NCCL-tests' time, for bandwidth: with coll
 whose ranks can run ahead of each other, like a broadcast root, per-iteration times alone
 would flatter). On rank 0 a probe task sleeps 1 ms
 in a loop during the timed iterations and records how late it wakes (event-loop lag).
+
+Collectives whose root finishes before its receivers (broadcast: the root's sends leave
+and it returns) end every timed iteration with the backend's barrier, so the root waits
+for the receivers and the next iteration cannot overlap this one; the barrier's own p50
+(timed alone afterwards, ``SYNC_ITERS`` times) is recorded as ``sync_p50_us`` so a reader
+can see what it adds.
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ from aiocollect.bench.stats import MIB, percentile
 #: Bounds of the adaptive iteration count.
 MIN_ITERS = 5
 MAX_ITERS = 20_000
+#: Collectives timed with a barrier after each iteration (the root would not wait).
+SYNCED = frozenset({"broadcast"})
+#: Barriers timed alone for ``sync_p50_us``.
+SYNC_ITERS = 50
 #: Period of the event-loop lag probe.
 PROBE_PERIOD = 0.001
 
@@ -169,6 +179,7 @@ async def measure(backend: Backend, case: Case, cfg: SweepConfig) -> dict[str, A
     n, k, coll = backend.world_size, case.concurrency, case.collective
     shp = shape(coll, case.size, dtype.itemsize, n)
     sets = [backend.allocate(shp, dtype) for _ in range(k)]
+    synced = coll in SYNCED
 
     async def together() -> float:
         t0 = time.perf_counter()
@@ -176,12 +187,16 @@ async def measure(backend: Backend, case: Case, cfg: SweepConfig) -> dict[str, A
             await backend.run(coll, sets[0])
         else:
             await backend.run_many(coll, sets)
+        if synced:
+            await backend.barrier()
         return time.perf_counter() - t0
 
     async def in_sequence() -> float:
         t0 = time.perf_counter()
         for bufs in sets:
             await backend.run(coll, bufs)
+        if synced:
+            await backend.barrier()
         return time.perf_counter() - t0
 
     steps: list[Callable[[], Any]] = [together] if k == 1 else [together, in_sequence]
@@ -199,12 +214,18 @@ async def measure(backend: Backend, case: Case, cfg: SweepConfig) -> dict[str, A
     lag = await probe.stop()
     growth = (peak_rss() - base) / MIB
     ok = await _check(backend, coll, sets)
+    sync = await _time_barriers(backend) if synced else np.empty(0)
     tail = np.array([growth, 1.0 if ok else 0.0])
-    gathered = await backend.gather(np.concatenate([times.reshape(-1), tail]))
+    gathered = await backend.gather(np.concatenate([times.reshape(-1), sync, tail]))
     if backend.rank != 0:
         return None
-    per_rank = gathered[:, :-2].reshape(n, len(steps), iters) * 1e6
+    body = len(steps) * iters
+    per_rank = gathered[:, :body].reshape(n, len(steps), iters) * 1e6
     worst = per_rank.max(axis=0)
+    extra: dict[str, Any] = {}
+    if synced:
+        barriers = gathered[:, body:body + len(sync)].max(axis=0) * 1e6
+        extra = {"sync": "barrier", "sync_p50_us": round(float(np.median(barriers)), 1)}
     return {
         "collective": coll, "name": case.name, "concurrency": k, "size": case.size,
         "bytes": shp.total_bytes, "count": shp.count, "dtype": cfg.dtype, "iters": iters,
@@ -217,7 +238,19 @@ async def measure(backend: Backend, case: Case, cfg: SweepConfig) -> dict[str, A
         "rss_growth_mib": [round(float(g), 3) for g in gathered[:, -2]],
         "correct": bool(gathered[:, -1].min() == 1.0),
         "wrong_ranks": [int(r) for r in np.flatnonzero(gathered[:, -1] != 1.0)],
+        **extra,
     }
+
+
+async def _time_barriers(backend: Backend) -> Array:
+    """``SYNC_ITERS`` barriers timed one by one (seconds)."""
+    out = np.empty(SYNC_ITERS, dtype=np.float64)
+    await backend.barrier()
+    for i in range(SYNC_ITERS):
+        t0 = time.perf_counter()
+        await backend.barrier()
+        out[i] = time.perf_counter() - t0
+    return out
 
 
 async def _check(backend: Backend, coll: str, sets: list[Buffers]) -> bool:

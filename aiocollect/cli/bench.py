@@ -175,15 +175,18 @@ def _measure(ns: argparse.Namespace, plan: Plan) -> list[dict[str, Any]] | None:
 
 def _publish(ns: argparse.Namespace, argv: Sequence[str], plan: Plan, cases: list[Case],
              rounds: list[dict[str, Any]], note: str | None,
-             load_start: list[float] | None) -> bool:
+             load_start: list[float] | None, load: dict[str, Any] | None = None) -> bool:
     """Print the table, write JSON and plot; True when every result was correct."""
     rows = report.aggregate(rounds, cases, plan.world_size, plan.compare)
     idle = [r["aiocollect"]["idle_lag_us"]["p99"] for r in rounds
             if r.get("aiocollect", {}).get("idle_lag_us")]
     meta = {"world_size": plan.world_size, "transport": ns.transport, "dtype": ns.dtype,
             "rounds": plan.rounds, "baseline_note": note,
-            "idle_lag_p99_ms": median(idle) / 1000 if idle else float("nan")}
+            "idle_lag_p99_ms": median(idle) / 1000 if idle else float("nan"),
+            "load_warning": load["warning"] if load else None}
     print(report.format_tables(rows, meta), flush=True)
+    if meta["load_warning"]:
+        print(f"{PROG}: WARNING: {meta['load_warning']}", file=sys.stderr)
     ok = report.all_correct(rows)
     loop = rounds[0].get("aiocollect", {}).get("loop", ns.loop) if rounds else ns.loop
     if ns.json is not None:
@@ -198,6 +201,7 @@ def _publish(ns: argparse.Namespace, argv: Sequence[str], plan: Plan, cases: lis
                           "baseline": ns.baseline, "baseline_used": plan.baseline,
                           "baseline_note": note, "multi_node": ns.store is not None,
                           **({"compare": plan.compare} if plan.compare else {})},
+               "load": load, "load_warning": meta["load_warning"],
                "ok": ok, "summary": rows, "rounds": rounds}
         ns.json.write_text(json.dumps(report.clean(doc), separators=(",", ":")))
         print(f"{PROG}: wrote {ns.json}", file=sys.stderr)
@@ -205,7 +209,9 @@ def _publish(ns: argparse.Namespace, argv: Sequence[str], plan: Plan, cases: lis
         title = (f"aiocollect bench: {plan.world_size} ranks, "
                  f"{report.over(ns.transport, plan.compare)}, {ns.dtype}, "
                  f"median of {plan.rounds} rounds")
-        plotting.plot(rows, ns.plot, title, ns.transport)
+        loads = load or {}
+        plotting.plot(rows, ns.plot, title, ns.transport,
+                      footer=plotting.footer(report.machine_info(loop)["date"], loads))
         print(f"{PROG}: wrote {ns.plot}", file=sys.stderr)
     if not ok:
         print(f"{PROG}: WRONG RESULTS (see the check column)", file=sys.stderr)
@@ -241,10 +247,12 @@ def bench_main(argv: list[str]) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         load_start = report.load_average()
-        rounds = _measure(ns, plan)
+        with report.LoadWatch() as watch:
+            rounds = _measure(ns, plan)
         if rounds is None:
             return 0
-        return 0 if _publish(ns, argv, plan, cases, rounds, note, load_start) else 1
+        return 0 if _publish(ns, argv, plan, cases, rounds, note, load_start,
+                             watch.summary()) else 1
     except KeyboardInterrupt:
         print(f"\n{PROG}: interrupted; rank processes stopped", file=sys.stderr)
         return 130
