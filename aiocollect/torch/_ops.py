@@ -40,6 +40,8 @@ class Plan:
     result: list[torch.Tensor]
     start: Callable[[Group], Handles]
     finish: Callable[[list[Any]], int | None] = field(default=_no_result)
+    #: the future's value when it is not ``result`` (gloo's nested lists)
+    value: list[Any] | None = None
 
 
 def user_tag(tag: int) -> int:
@@ -416,7 +418,9 @@ def allgather_multi(outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor
             _copy_blocks(buf, out)
         return None
 
-    return Plan("allgather", [t for o in outputs for t in o], plan.start, finish)
+    # gloo's future value: the nested output lists when there are several
+    return Plan("allgather", [t for o in outputs for t in o], plan.start, finish,
+                value=[list(o) for o in outputs])
 
 
 def allgather_coalesced(outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
@@ -452,7 +456,8 @@ def allgather_coalesced(outputs: list[list[torch.Tensor]], inputs: list[torch.Te
                     offset += numel(o)
         return None
 
-    return Plan(call, [t for o in outputs for t in o], plan.start, finish)
+    return Plan(call, [t for o in outputs for t in o], plan.start, finish,
+                value=[list(o) for o in outputs] if len(outputs) > 1 else None)
 
 
 def _allgatherv(outputs: list[torch.Tensor], input_: torch.Tensor,

@@ -208,7 +208,8 @@ class AiocollectProcessGroup(dist.ProcessGroup):
         self.check()
         seq = self._seq
         self._seq += 1
-        work = Work(plan.result, self._thread, plan.kind, fail_future=not _called_by_autograd())
+        work = Work(plan.result if plan.value is None else plan.value, self._thread,
+                    plan.kind, fail_future=not _called_by_autograd())
         group = self._group
         profile = _profile_start(f"{BACKEND_NAME}:{title or plan.kind}",
                                  plan.result if inputs is None else inputs)

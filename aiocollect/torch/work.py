@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,14 +29,15 @@ class Work(dist.Work):
     """The result of one collective call (possibly several aiocollect operations).
 
     Args:
-        result: the tensors the collective writes (the torch future's value).
+        result: the tensors the collective writes (the torch future's value; nested lists
+            for an allgather of several inputs).
         thread: the loop thread that completes this work.
         kind: the collective's name, for messages.
         fail_future: complete the torch future with the error when the collective fails
             (False: with the output tensors, for DistributedDataParallel).
     """
 
-    def __init__(self, result: list[torch.Tensor], thread: LoopThread, kind: str, *,
+    def __init__(self, result: list[Any], thread: LoopThread, kind: str, *,
                  fail_future: bool = True) -> None:
         super().__init__()
         self._fail_future = fail_future
@@ -46,7 +48,7 @@ class Work(dist.Work):
         self._finished = False
         self._exc: BaseException | None = None
         self._source = -1
-        self._future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        self._future: torch.futures.Future[list[Any]] = torch.futures.Future()
 
     def __repr__(self) -> str:
         state = "pending" if not self._finished else (
@@ -116,15 +118,16 @@ class Work(dist.Work):
         """The collective's error, or None."""
         return self._exc
 
-    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+    def get_future(self) -> torch.futures.Future[list[Any]]:
         """A future completed with the output tensors when the collective finishes, or
         with its error when it fails (for DistributedDataParallel's calls: always with the
         tensors; see the module docstring).
         """
         return self._future
 
-    def result(self) -> list[torch.Tensor]:
-        """The output tensors."""
+    def result(self) -> list[Any]:
+        """The output tensors (for an allgather of several inputs per rank, one list per
+        input, as gloo gives them)."""
         return self._result
 
     def source_rank(self) -> int:

@@ -65,8 +65,9 @@ def test_several_tensors_are_several_inputs() -> None:
         for n in (1, 2, 3):  # allgather: N inputs, N x world outputs per list
             inputs = [torch.tensor([n * r + i]) for i in range(n)]
             outputs = [[torch.tensor([-1]) for _ in range(n * W)] for _ in range(n)]
-            pg.allgather(outputs, inputs).wait()
+            value = pg.allgather(outputs, inputs).get_future().wait()
             assert [[t.item() for t in o] for o in outputs] == [list(range(n * W))] * n
+            assert value == (outputs if n > 1 else outputs[0])  # gloo's future value
 
     run_ranks(W, body)
 
