@@ -85,17 +85,3 @@ def assert_close(got: np.ndarray[Any, Any], want: np.ndarray[Any, Any], what: st
     else:
         np.testing.assert_array_equal(got, want.astype(dtype), err_msg=what)
 
-
-async def links_settled(groups: list[ac.Group], timeout: float = 10.0) -> None:
-    """Wait until every link of ``groups`` has seen its connection end (a broken group's
-    links flush their ABORT before closing, for up to the transport's linger time), so a
-    test's loop does not end with sockets still open. Polls the links' state: no peer is
-    waited for, only this process's own event loop."""
-    import asyncio
-
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while loop.time() < deadline and any(
-            not getattr(link, "_lost", True) and getattr(link, "transport", None) is not None
-            for g in groups for link in g._fabric.links.values()):
-        await asyncio.sleep(0.005)

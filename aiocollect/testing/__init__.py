@@ -19,6 +19,7 @@ from aiocollect.api import open_group
 from aiocollect.errors import AiocollectError
 from aiocollect.group import Group
 from aiocollect.testing.spawn import RankFailed, SpawnedRanks, headline, spawn_ranks
+from aiocollect.transport.tcp import LINGER
 
 _names = itertools.count()
 
@@ -44,6 +45,7 @@ async def run_ranks(world_size: int, fn: Callable[..., Awaitable[Any]], *args: A
     name = name or f"run-ranks-{os.getpid()}-{next(_names)}"
     spec = store if store is not None else f"memory://{name}"
     failed_at: dict[int, float] = {}
+    groups: list[Group] = []
 
     async def one(rank: int) -> Any:
         try:
@@ -51,6 +53,7 @@ async def run_ranks(world_size: int, fn: Callable[..., Awaitable[Any]], *args: A
             group = await open_group(rank, world_size, store=mine, transport=transport,
                                      timeout=timeout, name=name, chunk_bytes=chunk_bytes,
                                      **options)
+            groups.append(group)
             try:
                 result = await fn(group, *args)
             except BaseException as exc:
@@ -65,6 +68,7 @@ async def run_ranks(world_size: int, fn: Callable[..., Awaitable[Any]], *args: A
 
     tasks = [asyncio.ensure_future(one(r)) for r in range(world_size)]
     await asyncio.wait(tasks)
+    await links_settled(groups)
     failures = []
     for rank, task in enumerate(tasks):
         exc = task.exception()
@@ -81,5 +85,22 @@ async def run_ranks(world_size: int, fn: Callable[..., Awaitable[Any]], *args: A
     return [t.result() for t in tasks]
 
 
-__all__ = ["AiocollectError", "Group", "RankFailed", "SpawnedRanks", "run_ranks",
-           "spawn_ranks"]
+async def links_settled(groups: list[Group], timeout: float = LINGER + 1.0) -> None:
+    """Wait (at most ``timeout`` s) until every link of ``groups`` has seen its connection
+    end. A broken group's links flush their ABORT before closing, for up to the transport's
+    linger time; a test whose loop ends before that leaves sockets open. Only this
+    process's own loop is waited on, never a peer."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+
+    def open_links() -> bool:
+        return any(getattr(link, "transport", None) is not None
+                   and not getattr(link, "_lost", True)
+                   for g in groups for link in g._fabric.links.values())
+
+    while open_links() and loop.time() < deadline:
+        await asyncio.sleep(0.005)
+
+
+__all__ = ["AiocollectError", "Group", "RankFailed", "SpawnedRanks", "links_settled",
+           "run_ranks", "spawn_ranks"]

@@ -36,7 +36,7 @@ from aiocollect.rendezvous.handshake import (
     ConnectorHandshake,
 )
 from aiocollect.store import MemoryStore
-from aiocollect.testing import run_ranks
+from aiocollect.testing import links_settled, run_ranks
 from aiocollect.transport import base as link_base
 from aiocollect.transport.base import Rejection
 from aiocollect.transport.tcp import TcpLink
@@ -60,7 +60,6 @@ from aiocollect.transport.wire import (
 )
 from aiocollect.types import Collective
 from tests.failure.conftest import FakePeer, echo_header, header, u32
-from tests.helpers import links_settled
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,9 +21,8 @@ import pytest
 
 import aiocollect as ac
 from aiocollect.store import MemoryStore, Store, TCPStoreServer, open_store
-from aiocollect.testing import run_ranks, spawn_ranks
+from aiocollect.testing import links_settled, run_ranks, spawn_ranks
 from aiocollect.testing.spawn import free_port
-from tests.helpers import links_settled
 
 pytestmark = pytest.mark.timeout(120)
 
