@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench clean system-deps torch-suite
+.PHONY: install demo test lint bench clean system-deps torch-suite stress
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH"; exit 1; }
@@ -25,6 +25,11 @@ demo: install
 
 test: install system-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The whole stress matrix (every transport and mode x both loops x worlds 2-4, 8 rounds);
+# make test runs a subset of it (docs/testing.md).
+stress: install
+	AIOCOLLECT_STRESS=full $(PY) -m pytest -q tests/stress $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check aiocollect tests examples

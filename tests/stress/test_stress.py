@@ -2,15 +2,17 @@
 mode, on asyncio and uvloop, at world sizes 2-4, with sizes straddling every threshold, and
 every result compared exactly with numpy (tests/stress/plan.py).
 
-Modes: ``memory`` (ranks in one process), and in real processes ``tcp``, ``tls``, ``shm``
-with single-copy pulls, ``shm`` without them (``AIOCOLLECT_SHM_PULL=0``) and ``auto`` (the
-default a same-host user gets: shared memory with pulls where the kernel allows it).
+Modes: ``memory`` (ranks in one process, on both loops), and in real processes ``tcp``,
+``tls``, ``shm`` with single-copy pulls, ``shm`` without them (``AIOCOLLECT_SHM_PULL=0``)
+and ``auto`` (the default a same-host user gets: shared memory with pulls where the kernel
+allows it).
 
 A stall shows as a PeerTimeout after ``OP_TIMEOUT`` seconds, well inside the test's bound.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +53,20 @@ async def tls_stress(g: Any, certs: Any, seed: int) -> dict[str, int]:
         return await targets.stress(t, seed, ROUNDS, OPS)
 
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("uvloop", [False, True], ids=["asyncio", "uvloop"])
-@pytest.mark.parametrize("mode", PROCESS_MODES)
+#: ``make test`` runs every mode on both loops, the default path (``auto``) at every world
+#: size and the others at fewer; ``make stress`` (AIOCOLLECT_STRESS=full) runs every
+#: combination with more rounds.
+FULL = os.environ.get("AIOCOLLECT_STRESS") == "full"
+if FULL:
+    ROUNDS = 8
+QUICK_WORLDS = {"auto": WORLDS, "shm": [2, 4], "shm-nopull": [3], "tcp": [3], "tls": [4]}
+CASES = [(mode, uv, world) for mode in PROCESS_MODES for uv in (False, True)
+         for world in (WORLDS if FULL else QUICK_WORLDS[mode])]
+
+
+@pytest.mark.parametrize(
+    "mode, uvloop, world", CASES,
+    ids=[f"{m}-{'uvloop' if u else 'asyncio'}-{w}" for m, u, w in CASES])
 async def test_stress_in_processes(mode: str, uvloop: bool, world: int, tmp_path: Path,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     seed = 100 * world + PROCESS_MODES.index(mode) * 10 + uvloop
@@ -74,20 +87,9 @@ async def test_stress_in_processes(mode: str, uvloop: bool, world: int, tmp_path
 
 
 @pytest.mark.parametrize("world", WORLDS)
-async def test_stress_memory_asyncio(world: int) -> None:
+async def test_stress_memory(world: int) -> None:
+    """Ranks in one process (memory links); run on asyncio and uvloop (tests/conftest.py)."""
     res = await run_ranks(world, targets.stress, 7 * world, ROUNDS, OPS, timeout=OP_TIMEOUT)
-    _check(res, world)
-
-
-@pytest.mark.parametrize("world", WORLDS)
-def test_stress_memory_uvloop(world: int) -> None:
-    import uvloop
-
-    async def main() -> list[Any]:
-        return await run_ranks(world, targets.stress, 11 * world, ROUNDS, OPS,
-                               timeout=OP_TIMEOUT)
-
-    res = uvloop.run(main())
     _check(res, world)
 
 
