@@ -7,7 +7,7 @@ in flight at once on one event loop.
 
 from __future__ import annotations
 
-from aiocollect.api import open_group
+from aiocollect.api import join_group, open_group
 from aiocollect.errors import (
     AiocollectError,
     AuthenticationError,
@@ -44,5 +44,5 @@ __all__ = [
     "AiocollectError", "AuthenticationError", "Group", "GroupBrokenError", "InternalError",
     "MismatchError", "PeerDisconnected", "PeerError", "PeerTimeout", "ProtocolError", "ReduceOp",
     "RendezvousError", "RendezvousTimeout", "Store", "StoreError", "StoreTimeout",
-    "UsageError", "__version__", "open_group",
+    "UsageError", "__version__", "join_group", "open_group",
 ]

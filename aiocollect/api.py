@@ -11,6 +11,7 @@ from types import TracebackType
 from typing import Any
 
 from aiocollect import _auth
+from aiocollect import elastic as _elastic
 from aiocollect._deadline import Deadline
 from aiocollect._protect import insecure_from_env
 from aiocollect.engine.fabric import Fabric
@@ -138,7 +139,8 @@ def listen_host(host: str | None, store: Store | str) -> str:
 async def _open(rank: int | None, world_size: int | None, *, store: Store | str | None,
                 transport: str | None, timeout: float | None, secret: bytes | str | None,
                 host: str | None, ssl: SSLArg, name: str,
-                chunk_bytes: int | None, insecure: bool = False) -> Group:
+                chunk_bytes: int | None, insecure: bool = False,
+                elastic: bool = False) -> Group:
     if rank is None:
         rank = _env_int(_ENV_RANK, "rank")
     if world_size is None:
@@ -171,12 +173,18 @@ async def _open(rank: int | None, world_size: int | None, *, store: Store | str 
     if not isinstance(insecure, bool):
         raise UsageError(f"insecure must be a bool, got {insecure!r}")
     insecure = insecure or insecure_from_env()
+    if not isinstance(elastic, bool):
+        raise UsageError(f"elastic must be a bool, got {elastic!r}")
     spec = resolve_store(store)
     if transport == "auto" and isinstance(spec, str) and spec.startswith("memory://"):
         transport = "memory"  # ranks in one process; else auto picks shm or tcp per link
     deadline = Deadline.after(timeout)
-    store_obj, owned = await open_store(spec, rank=rank, secret=key, insecure=insecure,
-                                        timeout=300.0 if timeout is None else timeout)
+    if elastic:  # a store that outlives every member: never the embedded one
+        store_obj, owned = await _elastic.open_elastic_store(spec, secret=key,
+                                                             insecure=insecure, timeout=timeout)
+    else:
+        store_obj, owned = await open_store(spec, rank=rank, secret=key, insecure=insecure,
+                                            timeout=300.0 if timeout is None else timeout)
     fabric = Fabric(rank, world_size, max_frame=chunk)
     try:
         cfg = RendezvousConfig(name=name, rank=rank, world_size=world_size, transport=transport,
@@ -186,7 +194,8 @@ async def _open(rank: int | None, world_size: int | None, *, store: Store | str 
         endpoint, links = await rendezvous(store_obj, cfg, fabric, max_frame=chunk)
     except BaseException:
         if owned:
-            await _linger(store_obj, world_size)
+            if not elastic:
+                await _linger(store_obj, world_size)
             await store_obj.close()
         raise
     fabric.links.update(links)
@@ -195,6 +204,10 @@ async def _open(rank: int | None, world_size: int | None, *, store: Store | str 
     group.store = store_obj
     group._sync_closers.append(endpoint.close)
     group._closers.append(endpoint.release)  # before the store closes
+    if elastic:  # the store is closed by whichever generation is the last
+        return await _elastic.start(group, _elastic.ElasticState(
+            _elastic.Shared(store_obj, owned), name, transport, key, cfg.host or "127.0.0.1",
+            tls, insecure, chunk, timeout))
     if owned:
         group._closers.append(store_obj.close)
     return group
@@ -261,7 +274,7 @@ def open_group(rank: int | None = None, world_size: int | None = None, *,
                timeout: float | None = DEFAULT_TIMEOUT, secret: bytes | str | None = None,
                host: str | None = None, ssl: SSLArg = None,
                name: str = "default", chunk_bytes: int | None = None,
-               insecure: bool = False) -> GroupOpener:
+               insecure: bool = False, elastic: bool = False) -> GroupOpener:
     """Form a group of ``world_size`` ranks and return it (awaitable / async with).
 
     Args:
@@ -283,6 +296,10 @@ def open_group(rank: int | None = None, world_size: int | None = None, *,
         chunk_bytes: pipelining chunk size (every rank must use the same).
         insecure: without a secret, accept store and peer connections from any host
             (also AIOCOLLECT_INSECURE=1); only on a network you trust.
+        elastic: membership may change at ``group.regroup()`` points (survivors go on,
+            processes in ``join_group`` are admitted). The store must outlive every member:
+            the embedded TCP store is refused (UsageError); use ``aiocollect store``,
+            Redis or a file store.
 
     Raises:
         UsageError: bad arguments. RendezvousTimeout: ranks missing at the deadline (named).
@@ -290,4 +307,55 @@ def open_group(rank: int | None = None, world_size: int | None = None, *,
     """
     return GroupOpener(rank=rank, world_size=world_size, store=store, transport=transport,
                        timeout=timeout, secret=secret, host=host, ssl=ssl, name=name,
-                       chunk_bytes=chunk_bytes, insecure=insecure)
+                       chunk_bytes=chunk_bytes, insecure=insecure, elastic=elastic)
+
+
+async def join_group(store: Store | str | None = None, *, name: str = "default",
+                     secret: bytes | str | None = None, transport: str = "auto",
+                     timeout: float | None = 300.0, host: str | None = None,
+                     ssl: SSLArg = None, insecure: bool = False) -> Group:
+    """Join a running elastic group as a new process: wait until the members' next
+    ``regroup()`` admits it and return that generation's Group (this process's rank
+    follows the survivors', in arrival order among joiners). Members can see how many wait
+    with ``group.joiners()``. Chunk size and default timeout are the group's.
+
+    Args:
+        store: the elastic group's store (a standalone TCP store, Redis, or file).
+        name: the group's name. secret: its shared secret (else AIOCOLLECT_SECRET).
+        transport, host, ssl, insecure: as in :func:`open_group`.
+        timeout: seconds to wait for admission (None: 300 s), then as long again to form.
+
+    Raises:
+        UsageError: bad arguments, or an embedded store. RendezvousTimeout: no regroup
+        admitted this process in time. RendezvousError, AuthenticationError, StoreError:
+        as in :func:`open_group`.
+    """
+    transport = transport or os.environ.get("AIOCOLLECT_TRANSPORT") or "auto"
+    if transport not in TRANSPORTS:
+        raise UsageError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if transport == "tls" and ssl is None:
+        raise UsageError("transport='tls' needs ssl= (aiocollect.tls.contexts(...) or an "
+                         "ssl.SSLContext)")
+    if timeout is not None and (isinstance(timeout, bool)
+                                or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise UsageError(f"timeout must be a positive number, got {timeout!r}")
+    if not isinstance(name, str) or not name:
+        raise UsageError(f"name must be a non-empty str, got {name!r}")
+    if secret is None:
+        secret = os.environ.get("AIOCOLLECT_SECRET") or None
+    key = _auth.as_secret(secret)
+    insecure = insecure or insecure_from_env()
+    spec = resolve_store(store)
+    if transport == "auto" and isinstance(spec, str) and spec.startswith("memory://"):
+        transport = "memory"
+    store_obj, owned = await _elastic.open_elastic_store(spec, secret=key, insecure=insecure,
+                                                         timeout=timeout)
+    state = _elastic.ElasticState(_elastic.Shared(store_obj, owned), name, transport, key,
+                                  listen_host(host, spec), None if ssl is None else as_config(ssl),
+                                  insecure, DEFAULT_CHUNK_BYTES, timeout)
+    try:
+        return await _elastic.join(state, timeout)
+    except BaseException:
+        if owned:
+            await store_obj.close()
+        raise

@@ -98,6 +98,40 @@ async def _gather_v(o: Op, arr: Array, kind: str,
 class Group(GroupCore):
     """A set of ranks that run collectives together. Obtain one with ``open_group``."""
 
+    #: The elastic settings (``aiocollect.elastic.ElasticState``) of an elastic group.
+    _elastic: Any = None
+
+    # -- elastic groups (aiocollect.elastic) -----------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        """How many regroups formed this group (0: the group ``open_group`` formed)."""
+        return 0 if self._elastic is None else int(self._elastic.generation)
+
+    async def regroup(self, *, min_size: int = 1, timeout: float | None = None) -> Group:
+        """Collective of the live members of an elastic group (healthy or broken): form
+        and return the next generation, of the members that call it (relative order kept)
+        and the processes waiting in ``join_group`` (in arrival order). Members known dead
+        are not waited for; silent ones are dropped after ``timeout`` (default: the
+        group's). This generation, its sub-groups and in-flight handles end with
+        GroupBrokenError.
+
+        Raises:
+            UsageError: not an elastic world group, or already regrouped.
+            RendezvousError: fewer than ``min_size`` members, or this rank was left out.
+            StoreError: the store failed.
+        """
+        from aiocollect import elastic
+
+        return await elastic.regroup(self, min_size=min_size, timeout=timeout)
+
+    async def joiners(self) -> int:
+        """How many processes wait in ``join_group`` for this elastic group (not a
+        collective: reads the store). Raises UsageError on a non-elastic group."""
+        from aiocollect import elastic
+
+        return await elastic.joiners(self)
+
     # -- point to point --------------------------------------------------------------------
 
     def send(self, buf: Any, dst: int, *, tag: int = 0,

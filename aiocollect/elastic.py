@@ -1,0 +1,463 @@
+"""Elastic groups: survivors regroup and go on, new processes join, nobody restarts.
+
+A generation is an ordinary group formed by an ordinary rendezvous; ``regroup()`` ends the
+current one and forms the next under its own name on the store
+(``<name>/gen/<k>/a<attempt>``: its own claims, job nonce and handshake name, so a late
+frame or record of generation k can never reach generation k+1). Membership is agreed
+through the store, under ``E = aiocollect/<name>/elastic``::
+
+    E/g<k>/owner/<r>          who is rank r of generation k (pid and host: liveness)
+    E/g<k>/a<a>/member/<id>   participant <id> (``m<old rank>`` or ``j<ticket>``) called in
+    E/g<k>/a<a>/decided       counter: the first proposer writes the decision
+    E/g<k>/a<a>/decision      the participants of attempt a, in new-rank order
+    E/tickets                 counter: join tickets taken
+    E/ticket/<t>              who holds ticket t
+    E/admit/<t>               (k, a): the attempt that admits ticket t
+    E/served                  tickets below this have been admitted or skipped
+
+Rules: a caller of ``regroup()`` registers first, then aborts its old generation (the
+peers' in-flight handles fail with GroupBrokenError and they see an ABORT, not a death).
+Each participant waits until every candidate has registered or is known dead (the old
+generation's PeerDisconnected names it, or its pid is gone on this host), or the timeout
+passes; then it proposes the registered ones (old-rank order) plus the live waiting
+joiners (ticket order); the first proposal written wins and every participant follows it.
+If forming that generation fails (a participant died meanwhile), the same participants
+try again as attempt a+1; the generation number stays k.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import msgpack
+
+from aiocollect import _auth, errors
+from aiocollect._deadline import Deadline
+from aiocollect.engine.fabric import Fabric
+from aiocollect.errors import GroupBrokenError, RendezvousError, RendezvousTimeout, UsageError
+from aiocollect.group import Group
+from aiocollect.rendezvous.owner import Owner
+from aiocollect.rendezvous.rendezvous import RendezvousConfig, rendezvous
+from aiocollect.store import Store, open_store
+from aiocollect.tls import TLSConfig
+
+log = logging.getLogger(__name__)
+
+#: Store waits are cut into slices this long, to look again at who is known dead.
+POLL = 0.05
+#: How long a proposer waits for the record of a ticket already counted.
+TICKET_GRACE = 0.5
+#: Longest wait for the decision once a proposer has claimed to write it.
+DECISION_GRACE = 5.0
+#: A participant still missing after this many seconds may be stuck in an operation of the
+#: old generation that its peers will not join: the old generation is then aborted (else
+#: only once the decision is known, so that the last operation before regroup() completes
+#: on every rank).
+ABORT_GRACE = 0.3
+#: Seconds at most to reach a TCP store (it must already run: nobody hosts one).
+STORE_CONNECT = 10.0
+_ALTERNATIVES = ("run a standalone store (`aiocollect store`, then tcp://HOST:PORT), or use "
+                 "redis://HOST:PORT/DB or file:///shared/dir")
+
+
+@dataclass
+class Shared:
+    """What every generation of one member shares: the store and who closes it."""
+
+    store: Store
+    owned: bool
+    current: Group | None = None
+    store_closed: bool = False
+
+    async def close_store(self, group: Group) -> None:
+        if self.owned and self.current is group and not self.store_closed:
+            self.store_closed = True
+            await self.store.close()
+
+
+def _nothing() -> None:
+    pass
+
+
+@dataclass
+class ElasticState:
+    """The settings a member keeps across generations (``group._elastic``)."""
+
+    shared: Shared
+    name: str
+    transport: str
+    secret: bytes | None
+    host: str
+    tls: TLSConfig | None
+    insecure: bool
+    chunk_bytes: int
+    timeout: float | None
+    generation: int = 0
+    owners: dict[int, Owner] = field(default_factory=dict)
+    #: Ends the old generation (set while a regroup runs; idempotent).
+    end_old: Callable[[], None] = _nothing
+
+    @property
+    def prefix(self) -> str:
+        return f"aiocollect/{self.name}/elastic"
+
+
+def _dead(owner: Owner) -> bool:
+    """Whether ``owner``'s process is certainly gone: exited, or a zombie nobody has reaped
+    yet (its pid still answers a signal)."""
+    if owner.alive() is not True:
+        return owner.alive() is False
+    try:
+        with open(f"/proc/{owner.pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
+def _pack(value: Any) -> bytes:
+    return bytes(msgpack.packb(value, use_bin_type=True))
+
+
+def _unpack(raw: bytes, what: str) -> Any:
+    try:
+        return msgpack.unpackb(raw, raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        raise RendezvousError(f"malformed elastic record {what!r} in the store") from None
+
+
+async def open_elastic_store(spec: Store | str, *, secret: bytes | None, insecure: bool,
+                             timeout: float | None) -> tuple[Store, bool]:
+    """Open the store of an elastic group: one that outlives every member.
+
+    Raises:
+        UsageError: the store is (or would be) embedded in a member; the message names the
+            alternatives. StoreError, AuthenticationError: the store could not be reached.
+    """
+    if isinstance(spec, Store):
+        if getattr(spec, "server", None) is not None:
+            raise UsageError("elastic groups cannot use a store embedded in a member (it "
+                             f"dies with that member): {_ALTERNATIVES}")
+        return spec, False
+    full = 300.0 if timeout is None else timeout
+    if isinstance(spec, str) and spec.lower().startswith("tcp://"):
+        try:  # rank=1: never host the embedded server
+            store, owned = await open_store(spec, rank=1, secret=secret, insecure=insecure,
+                                            timeout=min(STORE_CONNECT, full))
+        except errors.StoreTimeout:
+            raise UsageError(
+                f"elastic groups refuse the embedded store (rank 0 may die) and nothing "
+                f"serves {spec}: {_ALTERNATIVES}") from None
+        store.timeout = full
+        return store, owned
+    return await open_store(spec, rank=1, secret=secret, insecure=insecure, timeout=full)
+
+
+async def start(group: Group, state: ElasticState) -> Group:
+    """Make ``group`` (generation ``state.generation``, just formed) elastic: remember the
+    settings and publish who holds each rank (peers use it to tell the dead)."""
+    group._elastic = state
+    state.shared.current = group
+    group._closers.append(lambda: state.shared.close_store(group))
+    key = f"{state.prefix}/g{state.generation}/owner/{group.rank}"
+    await state.shared.store.set(key, Owner.me(b"").pack())
+    return group
+
+
+async def _form(state: ElasticState, gen: int, attempt: int, rank: int, size: int,
+                deadline: Deadline, watch: dict[str, Owner]) -> Group:
+    """Rendezvous of one attempt; cancelled (``_Retry``) as soon as a participant is seen
+    dead."""
+    store = state.shared.store
+    fabric = Fabric(rank, size, max_frame=state.chunk_bytes)
+    cfg = RendezvousConfig(name=f"{state.name}/gen/{gen}/a{attempt}", rank=rank,
+                           world_size=size, transport=state.transport, host=state.host,
+                           secret=state.secret, ssl=state.tls, insecure=state.insecure,
+                           chunk_bytes=state.chunk_bytes, deadline=deadline)
+    task = asyncio.ensure_future(rendezvous(store, cfg, fabric, max_frame=state.chunk_bytes))
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=POLL * 2)
+            dead = [i for i, o in watch.items() if _dead(o)]
+            if dead and not task.done():
+                raise _Retry(f"participants {dead} died while generation {gen} formed")
+        endpoint, links = task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    fabric.links.update(links)
+    group = Group(fabric, 0, list(range(size)), timeout=state.timeout,
+                  chunk_bytes=state.chunk_bytes, name=state.name)
+    group.store = store
+    group._sync_closers.append(endpoint.close)
+    group._closers.append(endpoint.release)
+    return await start(group, replace(state, generation=gen, owners={}, end_old=_nothing))
+
+
+class _Retry(Exception):
+    """This attempt cannot form; the same participants try the next one."""
+
+
+async def _owner(store: Store, key: str) -> Owner | None:
+    if not (await store.check([key]))[0]:
+        return None
+    return Owner.unpack(await store.get(key, timeout=0), key)
+
+
+async def _propose(state: ElasticState, base: str, candidates: list[str],
+                   dead: set[str], old: dict[str, str], deadline: Deadline,
+                   admit_joiners: bool) -> dict[str, Any]:
+    """Wait for the candidates (registered, known dead, or the deadline), then read the
+    joiners and return this participant's proposal."""
+    store = state.shared.store
+    keys = {i: f"{base}/member/{i}" for i in candidates}
+    grace = Deadline.after(ABORT_GRACE)
+    while True:
+        present = await store.check(list(keys.values()))
+        missing = [i for i, ok in zip(keys, present, strict=True) if not ok and i not in dead]
+        for i in missing:
+            owner = await _owner(store, old[i]) if i in old else None
+            if owner is not None and _dead(owner):
+                dead.add(i)
+        missing = [i for i in missing if i not in dead]
+        if not missing or deadline.expired():
+            break
+        if grace.expired():
+            state.end_old()
+        remaining = deadline.remaining()
+        with contextlib.suppress(errors.StoreTimeout):
+            await store.wait([keys[i] for i in missing],
+                             timeout=POLL if remaining is None else min(POLL, remaining))
+    present = await store.check(list(keys.values()))
+    members = [i for i, ok in zip(keys, present, strict=True) if ok]
+    served = int(await _counter(store, f"{state.prefix}/served"))
+    tickets = served
+    if admit_joiners:
+        tickets = int(await _counter(store, f"{state.prefix}/tickets"))
+        for t in range(served, tickets):
+            key = f"{state.prefix}/ticket/{t}"
+            with contextlib.suppress(errors.StoreTimeout):
+                await store.wait([key], timeout=TICKET_GRACE)
+            owner = await _owner(store, key)
+            if owner is not None and not _dead(owner) and await _proven(state, t):
+                members.append(f"j{t}")
+    return {"members": members, "served": tickets, "chunk_bytes": state.chunk_bytes,
+            "timeout": state.timeout}
+
+
+def _ticket_mac(secret: bytes, name: str, t: int, owner: bytes) -> bytes:
+    return _auth.proof(secret, b"elastic-join", name.encode(), str(t).encode(), owner)
+
+
+async def _proven(state: ElasticState, t: int) -> bool:
+    """Whether joiner ``t`` proved the group's secret (always, in a group without one): a
+    process without it is never admitted."""
+    if state.secret is None:
+        return True
+    store, key = state.shared.store, f"{state.prefix}/ticket/{t}"
+    owner = await store.get(key, timeout=0)
+    if not (await store.check([f"{key}/mac"]))[0]:
+        ok = False
+    else:
+        mac = await store.get(f"{key}/mac", timeout=0)
+        ok = hmac.compare_digest(mac, _ticket_mac(state.secret, state.name, t, owner))
+    if not ok:
+        log.warning("elastic group %r: joiner #%d did not prove the group's secret; not "
+                    "admitted", state.name, t)
+    return ok
+
+
+async def _counter(store: Store, key: str) -> int:
+    if not (await store.check([key]))[0]:
+        return 0
+    try:
+        return int(await store.get(key, timeout=0))
+    except ValueError:
+        raise RendezvousError(f"malformed elastic counter {key!r} in the store") from None
+
+
+async def _decide(state: ElasticState, gen: int, attempt: int, me: str,
+                  candidates: list[str], dead: set[str], old: dict[str, str],
+                  deadline: Deadline, min_size: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """Register ``me`` in attempt ``attempt`` of generation ``gen`` (if not registered)
+    and return the agreed decision, and where each participant's owner record lies."""
+    store = state.shared.store
+    base = f"{state.prefix}/g{gen}/a{attempt}"
+    if me in candidates:
+        await store.set(f"{base}/member/{me}", Owner.me(b"").pack())
+    decision_key = f"{base}/decision"
+    if not (await store.check([decision_key]))[0]:
+        proposal = await _propose(state, base, candidates, dead, old, deadline,
+                                  admit_joiners=attempt == 0)
+        proposal["ok"] = len(proposal["members"]) >= min_size
+        if not proposal["ok"]:  # joiners stay waiting for a generation that forms
+            proposal["members"] = [i for i in proposal["members"] if not i.startswith("j")
+                                   or i in candidates]
+        if await store.add(f"{base}/decided", 1) == 1:
+            await store.set(decision_key, _pack(proposal))
+    rem = deadline.remaining()
+    try:
+        raw = await store.get(decision_key, timeout=DECISION_GRACE + (rem or 0.0))
+    except errors.StoreTimeout:
+        raise _Retry(f"no decision for attempt {attempt} of generation {gen}") from None
+    state.end_old()
+    decision = _unpack(raw, decision_key)
+    if not isinstance(decision, dict) or not isinstance(decision.get("members"), list):
+        raise RendezvousError(f"malformed elastic record {decision_key!r} in the store")
+    where = {i: f"{base}/member/{i}" for i in decision["members"]}
+    if decision.get("ok"):
+        for i in decision["members"]:  # any participant may write these (same values)
+            if i.startswith("j") and i not in candidates:
+                where[i] = f"{state.prefix}/ticket/{i[1:]}"
+                await store.set(f"{state.prefix}/admit/{i[1:]}", _pack([gen, attempt]))
+        await store.set(f"{state.prefix}/served", str(int(decision["served"])).encode())
+    return decision, where
+
+
+async def _generation(state: ElasticState, gen: int, me: str, candidates: list[str],
+                      dead: set[str], old: dict[str, str], min_size: int,
+                      timeout: float | None, attempt: int = 0) -> Group:
+    """Agree on generation ``gen`` and form it, retrying with later attempts."""
+    last: BaseException | None = None
+    for _ in range(len(candidates) + 8):
+        deadline = Deadline.after(timeout)
+        decision: dict[str, Any] | None = None
+        where: dict[str, str] = {}
+        try:
+            decision, where = await _decide(state, gen, attempt, me, candidates, dead, old,
+                                            deadline, min_size)
+            members: list[str] = [str(i) for i in decision["members"]]
+            if me not in members:
+                raise RendezvousError(
+                    f"{_who(me)} was left out of generation {gen} of elastic group "
+                    f"{state.name!r} (it called regroup() after the others had formed it, "
+                    f"or they took it for dead)")
+            if not decision.get("ok"):
+                raise RendezvousError(
+                    f"generation {gen} of elastic group {state.name!r} would have "
+                    f"{len(members)} members ({', '.join(_who(i) for i in members)}), "
+                    f"fewer than min_size={min_size}")
+            watch = {}
+            for i in members:
+                if i != me and (owner := await _owner(state.shared.store, where[i])):
+                    watch[i] = owner
+            state = replace(state, chunk_bytes=int(decision["chunk_bytes"]),
+                            timeout=decision["timeout"])
+            return await _form(state, gen, attempt, members.index(me), len(members),
+                               Deadline.after(timeout), watch)
+        except (_Retry, RendezvousTimeout, errors.PeerError, errors.GroupBrokenError) as exc:
+            last = exc
+        except RendezvousError as exc:
+            if "left out" in str(exc) or "min_size" in str(exc):
+                raise
+            last = exc
+        log.info("elastic group %r: attempt %d of generation %d failed (%s); trying again",
+                 state.name, attempt, gen, last)
+        if decision is not None:  # the participants of the failed attempt try again
+            old, candidates = where, [str(i) for i in decision["members"]]
+        attempt += 1
+    raise RendezvousError(f"generation {gen} of elastic group {state.name!r} could not form: "
+                          f"{last}") from last
+
+
+def _who(ident: str) -> str:
+    return f"rank {ident[1:]}" if ident.startswith("m") else f"joiner #{ident[1:]}"
+
+
+async def regroup(group: Group, *, min_size: int = 1, timeout: float | None = None) -> Group:
+    """See :meth:`aiocollect.Group.regroup`."""
+    state: ElasticState | None = group._elastic
+    if state is None or group._parent is not None:
+        raise UsageError("regroup() needs the world group of open_group(..., elastic=True)"
+                         if state is None else "regroup() is called on the world group, "
+                         "not on a sub-group")
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
+        raise UsageError(f"min_size must be an int >= 1, got {min_size!r}")
+    if state.shared.current is not group:
+        raise UsageError(f"generation {state.generation} of group {state.name!r} has "
+                         "already been regrouped or closed")
+    if timeout is None:
+        timeout = state.timeout
+    elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise UsageError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    gen = state.generation + 1
+    me = f"m{group.rank}"
+    candidates = [f"m{r}" for r in range(group.world_size)]
+    failure = group._fabric.failure
+    dead = set()
+    if isinstance(failure, errors.PeerDisconnected) and failure.rank is not None:
+        dead.add(f"m{failure.rank}")
+    dead.discard(me)
+    old = {f"m{r}": f"{state.prefix}/g{state.generation}/owner/{r}"
+           for r in range(group.world_size)}
+    state.shared.current = None
+    store = state.shared.store
+    state = replace(state, end_old=lambda: group.abort(
+        GroupBrokenError(f"regroup() to generation {gen}")))
+    try:
+        return await _generation(state, gen, me, candidates, dead, old, min_size, timeout)
+    except BaseException:
+        group.abort(GroupBrokenError(f"regroup() to generation {gen} failed"))
+        if state.shared.owned and not state.shared.store_closed:
+            state.shared.store_closed = True
+            with contextlib.suppress(Exception):
+                await store.close()
+        raise
+
+
+async def joiners(group: Group) -> int:
+    """See :meth:`aiocollect.Group.joiners`."""
+    state: ElasticState | None = group._elastic
+    if state is None:
+        raise UsageError("joiners() needs a group of open_group(..., elastic=True)")
+    store = state.shared.store
+    return max(0, await _counter(store, f"{state.prefix}/tickets")
+               - await _counter(store, f"{state.prefix}/served"))
+
+
+async def join(state: ElasticState, timeout: float | None) -> Group:
+    """Take a ticket, wait for the regroup that admits it, form that generation."""
+    store = state.shared.store
+    t = await store.add(f"{state.prefix}/tickets", 1) - 1
+    ticket = f"{state.prefix}/ticket/{t}"
+    me_owner = Owner.me(b"").pack()
+    if state.secret is not None:
+        await store.set(f"{ticket}/mac", _ticket_mac(state.secret, state.name, t, me_owner))
+    await store.set(ticket, me_owner)
+    try:
+        raw = await store.get(f"{state.prefix}/admit/{t}",
+                              timeout=300.0 if timeout is None else timeout)
+    except errors.StoreTimeout:
+        await store.delete(ticket)
+        raise RendezvousTimeout(
+            f"no regroup() of elastic group {state.name!r} admitted this process within "
+            f"{timeout}s (joiner #{t})", []) from None
+    admit = _unpack(raw, f"admit/{t}")
+    gen, attempt = int(admit[0]), int(admit[1])
+    base = f"{state.prefix}/g{gen}/a{attempt}"
+    decision = _unpack(await store.get(f"{base}/decision", timeout=DECISION_GRACE), base)
+    me = f"j{t}"
+    members = [str(i) for i in decision["members"]]
+    # Admitted: the participants of this attempt are fixed; a retry starts at attempt+1.
+    old = {i: f"{base}/member/{i}" for i in members}
+    old[me] = ticket
+    state = replace(state, chunk_bytes=int(decision["chunk_bytes"]),
+                    timeout=decision["timeout"])
+    watch = {}
+    for i in members:
+        if i != me and (owner := await _owner(store, old[i])):
+            watch[i] = owner
+    try:
+        return await _form(state, gen, attempt, members.index(me), len(members),
+                           Deadline.after(timeout), watch)
+    except (_Retry, RendezvousTimeout, errors.PeerError, errors.GroupBrokenError) as exc:
+        log.info("joiner #%d: generation %d attempt %d failed (%s)", t, gen, attempt, exc)
+    return await _generation(state, gen, me, members, set(), old, 1, timeout,
+                             attempt=attempt + 1)
