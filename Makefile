@@ -34,6 +34,7 @@ stress: install
 lint: install
 	$(VENV)/bin/ruff check aiocollect tests examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 # torch's own DistributedTest suite (from the installed wheel) against "aiocollect" and "gloo"
 # in the same run; prints passed/failed/skipped for each (docs/torch.md). ~5 min.
@@ -46,4 +47,4 @@ bench: install
 	$(VENV)/bin/aiocollect bench allreduce -n 2 --sizes 4..16M --transport tcp
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache build dist *.egg-info

@@ -77,5 +77,3 @@ def byte_view(arr: Array) -> memoryview:
         view: memoryview = arr.reshape(-1).view(np.uint8).data
         return view
 
-
-EMPTY = memoryview(bytearray(0))

@@ -62,7 +62,7 @@ class Collective(enum.IntEnum):
     ALLTOALL = 10
     ALLTOALLV = 11
     SEND = 12
-    SPLIT = 13
+    # 13 was SPLIT (never sent): reserved, so old fingerprints never decode as another.
     OBJECT = 14
 
 

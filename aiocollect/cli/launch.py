@@ -44,11 +44,11 @@ import contextlib
 import ipaddress
 import os
 import signal
-import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from aiocollect._net import free_port
 from aiocollect._protect import INSECURE_ENV, insecure_from_env
 from aiocollect.cli.supervise import FORWARDED_SIGNALS, Job, supervise
 
@@ -228,17 +228,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on ``host`` a moment ago (any interface if ``host`` is not local)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host.strip("[]"), 0))
-        except OSError:
-            s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def rank_env(cfg: LaunchConfig, local_rank: int,

@@ -13,7 +13,6 @@ import contextlib
 import logging
 import struct
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -85,7 +84,6 @@ class Fabric:
         self._p2p_waiters: list[asyncio.Future[None]] = []
         self._pongs: dict[tuple[int, bytes], asyncio.Future[bytes]] = {}
         self._probes = 0
-        self.on_break: list[Callable[[BaseException], None]] = []
 
     # -- operation registry ----------------------------------------------------------------
 
@@ -324,8 +322,6 @@ class Fabric:
             if not waiter.done():
                 waiter.set_exception(exc)
         self._p2p_waiters.clear()
-        for callback in list(self.on_break):
-            callback(exc)
         self._wake_closers()
 
     def check(self) -> None:

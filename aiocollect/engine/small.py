@@ -17,18 +17,41 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiocollect._buffers import Array
+from aiocollect.engine.fabric import Fabric
 from aiocollect.engine.op import Op
 from aiocollect.errors import GroupBrokenError
 
 log = logging.getLogger("aiocollect")
 
-if TYPE_CHECKING:
-    from aiocollect.group_core import GroupCore
+
+
+class GroupCore(Protocol):
+    """What a schedule needs of the group running it (group_core.GroupCore): its fabric,
+    its rank, its bookkeeping of live and done operations, and its deadline probe. A
+    protocol, so that the engine never imports the group layer above it."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def _fabric(self) -> Fabric: ...
+
+    @property
+    def _done(self) -> Counter[str]: ...
+
+    @property
+    def _tasks(self) -> MutableMapping[asyncio.Future[Any], Any]: ...
+
+    def _track(self, fut: asyncio.Future[Any]) -> None: ...
+
+    def _timeout_error(self, kind: str, op: Op,
+                       timeout: float | None) -> Awaitable[BaseException]: ...
 
 
 @dataclass(slots=True)

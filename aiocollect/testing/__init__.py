@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from aiocollect._net import free_port
 from aiocollect.api import open_group
 from aiocollect.errors import AiocollectError
 from aiocollect.group import Group
@@ -102,5 +103,5 @@ async def links_settled(groups: list[Group], timeout: float = LINGER + 1.0) -> N
         await asyncio.sleep(0.005)
 
 
-__all__ = ["AiocollectError", "Group", "RankFailed", "SpawnedRanks", "links_settled",
-           "run_ranks", "spawn_ranks"]
+__all__ = ["AiocollectError", "Group", "RankFailed", "SpawnedRanks", "free_port",
+           "links_settled", "run_ranks", "spawn_ranks"]

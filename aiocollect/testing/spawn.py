@@ -12,13 +12,13 @@ import asyncio
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Generator
 from multiprocessing.connection import Connection
 from typing import Any
 
+from aiocollect._net import free_port as free_port  # re-exported: callers import it here
 from aiocollect.errors import AiocollectError
 
 
@@ -31,13 +31,6 @@ class RankFailed(AiocollectError):
         self.rank = rank
         self.traceback = tb
         self.exc_type = exc_type
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (for the store URL of spawned ranks)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _child(rank: int, world_size: int, store: str, conn: Connection,

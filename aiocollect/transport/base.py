@@ -286,10 +286,6 @@ class Link(abc.ABC):
         """Staged frames fell below half the limit: reading may resume."""
 
     @property
-    def pending_receives(self) -> int:
-        return len(self._posted)
-
-    @property
     def early_bytes(self) -> int:
         return self._early_bytes
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from cli_helpers import PID_LINE, RunCli, WriteScript, assert_all_gone, cli_command, rank_pids
 
-from aiocollect.cli.launch import free_port
+from aiocollect.testing import free_port
 
 ENV_SCRIPT = """\
     import os, sys

@@ -9,13 +9,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from aiocollect.testing import free_port
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "data_parallel.py"
 WORLD = 2
@@ -38,12 +39,6 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(FOREIGN)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _have_launcher() -> bool:
     try:
         return importlib.util.find_spec("aiocollect.cli.main") is not None
@@ -60,7 +55,7 @@ def _run_with_launcher() -> Run:
 
 
 def _run_by_hand() -> Run:
-    store = f"tcp://127.0.0.1:{_free_port()}"
+    store = f"tcp://127.0.0.1:{free_port()}"
     procs = []
     for rank in range(WORLD):
         env = _clean_env() | {"AIOCOLLECT_RANK": str(rank), "AIOCOLLECT_WORLD_SIZE": str(WORLD),

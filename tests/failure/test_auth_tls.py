@@ -24,8 +24,7 @@ import aiocollect as ac
 from aiocollect import tls
 from aiocollect.rendezvous.handshake import PROTOCOL_VERSION, ConnectorHandshake
 from aiocollect.store import MemoryStore, TCPStoreServer, connect_tcp_store
-from aiocollect.testing import run_ranks, spawn_ranks
-from aiocollect.testing.spawn import free_port
+from aiocollect.testing import free_port, run_ranks, spawn_ranks
 from aiocollect.transport.wire import ABORT, LENGTH_PREFIX
 from tests.failure.conftest import Certs, header, u32
 

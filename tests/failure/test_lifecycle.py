@@ -21,8 +21,7 @@ import pytest
 
 import aiocollect as ac
 from aiocollect.store import MemoryStore, Store, TCPStoreServer, open_store
-from aiocollect.testing import links_settled, run_ranks, spawn_ranks
-from aiocollect.testing.spawn import free_port
+from aiocollect.testing import free_port, links_settled, run_ranks, spawn_ranks
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -82,7 +82,7 @@ async def test_world_size_mismatch_is_a_rendezvous_error_on_every_rank(
     import sys
     import time
 
-    from aiocollect.testing.spawn import free_port
+    from aiocollect.testing import free_port
 
     url = f"tcp://127.0.0.1:{free_port()}"
     started = time.monotonic()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from aiocollect.testing.spawn import free_port
+from aiocollect.testing import free_port
 
 SCRIPT = str(Path(__file__).with_name("env_rank.py"))
 ROOT = Path(__file__).resolve().parents[2]

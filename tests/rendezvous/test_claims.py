@@ -29,6 +29,7 @@ from aiocollect.rendezvous import claims
 from aiocollect.rendezvous.handshake import AcceptorHandshake, ConnectorHandshake
 from aiocollect.store import FileStore, MemoryStore, RedisStore, Store, TCPStore, TCPStoreServer
 from aiocollect.store.tcp import connect_tcp_store
+from aiocollect.testing import free_port
 from aiocollect.transport.base import Rejection
 from aiocollect.transport.wire import LENGTH_PREFIX
 
@@ -37,19 +38,13 @@ REPO = Path(__file__).resolve().parents[2]
 HERE = f"pid {os.getpid()} on host {socket.gethostname()}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A private redis-server on a free port; skips visibly when the binary is missing."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server not installed: redis skipped")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
          "no", "--dir", str(tmp_path_factory.mktemp("redis")), "--logfile", ""],

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from aiocollect.cli.launch import free_port
+from aiocollect.testing import free_port
 
 SCRIPT = """\
     import asyncio, sys

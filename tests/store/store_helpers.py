@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiocollect.store import Store
+from aiocollect.testing import free_port as free_port  # re-exported for the store tests
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET = b"conformance-secret"
-
-
-def free_port() -> int:
-    """A port that was free a moment ago (for tests that need a fixed address)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def child_env() -> dict[str, str]:
