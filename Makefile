@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench clean system-deps torch-suite stress
+.PHONY: install demo test lint bench clean system-deps torch-suite stress soak-elastic
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH"; exit 1; }
@@ -42,6 +42,11 @@ TORCH_SUITE_LOGS ?= /tmp/aiocollect-torch-suite
 torch-suite: install
 	$(PY) -c "import expecttest" 2>/dev/null || $(PY) -m pip install -q expecttest
 	$(PY) scripts/torch_dist_suite.py --log-dir $(TORCH_SUITE_LOGS) $(TORCH_SUITE_ARGS)
+
+# Elastic groups: SIGKILL a random member 20 times, a replacement joins each time; prints
+# regroup time p50/p99 (docs/failures.md, "Elastic groups"). Not part of make test (~1 min).
+soak-elastic: install
+	$(PY) scripts/soak_elastic.py --kills 20 $(SOAK_ARGS)
 
 bench: install
 	$(VENV)/bin/aiocollect bench allreduce -n 2 --sizes 4..16M --transport tcp
