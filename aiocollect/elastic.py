@@ -380,6 +380,8 @@ async def regroup(group: Group, *, min_size: int = 1, timeout: float | None = No
                          "not on a sub-group")
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
         raise UsageError(f"min_size must be an int >= 1, got {min_size!r}")
+    if group.closed and group._fabric.failure is None:
+        raise UsageError(f"group {state.name!r} is closed (aclose): nothing to regroup")
     if state.shared.current is not group:
         raise UsageError(f"generation {state.generation} of group {state.name!r} has "
                          "already been regrouped or closed")

@@ -55,11 +55,12 @@ async def _report_regroup(group: ac.Group, q: Any, me: int, t0: float) -> None:
 
 
 async def _member(url: str, rank: int, world: int, secret: str | None, q: Any,
-                  rounds: int, min_size: int, regroup_timeout: float) -> None:
+                  rounds: int, min_size: int, regroup_timeout: float,
+                  group_timeout: float) -> None:
     """Kill scenario: loop allreduces until a peer dies, regroup, repeat ``rounds`` times,
     then a few checked sums and a clean close."""
     group = await ac.open_group(rank, world, store=url, secret=secret, elastic=True,
-                                transport=TRANSPORT, timeout=30.0)
+                                transport=TRANSPORT, timeout=group_timeout)
     q.put(("up", rank, os.getpid()))
     for _ in range(rounds):
         q.put(("looping", rank, group.generation))
@@ -81,8 +82,10 @@ async def _member(url: str, rank: int, world: int, secret: str | None, q: Any,
 
 
 def member(url: str, rank: int, world: int, secret: str | None, q: Any, rounds: int = 1,
-           min_size: int = 1, regroup_timeout: float = 10.0) -> None:
-    asyncio.run(_member(url, rank, world, secret, q, rounds, min_size, regroup_timeout))
+           min_size: int = 1, regroup_timeout: float = 10.0,
+           group_timeout: float = 30.0) -> None:
+    asyncio.run(_member(url, rank, world, secret, q, rounds, min_size, regroup_timeout,
+                        group_timeout))
 
 
 async def _admitting(url: str, rank: int, world: int, secret: str | None, q: Any,

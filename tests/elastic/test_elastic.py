@@ -5,6 +5,8 @@ down to min_size; kills inside regroup(); a joiner that dies while waiting; secr
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import numpy as np
@@ -36,6 +38,23 @@ def test_kill_mid_allreduce_survivors_regroup_and_sum(procs: Procs, store_url: s
     assert max(m[5] for m in got) - killed_at < REGROUP_BOUND
     assert {m[3] for m in procs.wait("summed", 3)} == {3}
     procs.wait("closed", 3)
+
+
+def test_silent_member_dropped_at_the_timeout(procs: Procs, store_url: str) -> None:
+    """A frozen member (SIGSTOP) is not known dead: the others wait for it until regroup's
+    timeout, then form without it; resumed, it learns it was left out."""
+    _members(procs, store_url, 3, group_timeout=2.0, regroup_timeout=1.5)
+    procs.wait("looping", 3)
+    os.kill(procs.procs[2].pid, signal.SIGSTOP)
+    try:
+        got = procs.wait("regrouped", 2)
+    finally:
+        os.kill(procs.procs[2].pid, signal.SIGCONT)
+    assert sorted((m[1], m[3], m[4]) for m in got) == [(0, 0, 2), (1, 1, 2)]
+    assert min(m[6] for m in got) >= 1.4  # waited for the silent one until the timeout
+    (refused,) = procs.wait("refused", 1)
+    assert refused[1] == 2 and "left out of generation 1" in refused[3]
+    assert {m[3] for m in procs.wait("summed", 2)} == {2}
 
 
 def test_repeated_kills_down_to_min_size(procs: Procs, store_url: str) -> None:
