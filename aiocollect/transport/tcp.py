@@ -6,6 +6,16 @@ into a 64 KiB read-ahead buffer and parsed from there, so a burst of small frame
 ``recv`` and one callback, not two per frame; the part of a payload that does not fit in
 the read-ahead buffer is read straight into its destination (the receiver's array when the
 receive was posted in time), so large payloads are not copied in user space.
+
+Sending keeps small frames from waiting behind bulk ones (head-of-line blocking). A frame
+whose payload is at least ``BULK_MIN`` bytes is *bulk*: it is handed to the transport only
+while the transport's write buffer holds less than ``BULK_CAP`` bytes (or is empty);
+otherwise it waits in the link's own queue, in order, and goes out as the transport
+drains (``resume_writing``). Every other frame (control frames, point-to-point messages
+and small collectives) goes to the transport at once, ahead of the queued bulk frames,
+unless a bulk frame of the same stream ``(kind, gid, seq, slot)`` is still queued: the
+frames of one stream keep their order. Receivers match frames by key, so reordering
+across streams changes nothing they rely on. ``write_buffer_size`` counts both queues.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import contextlib
 import logging
 import socket
 import ssl as ssl_module
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -43,6 +54,11 @@ READ_AHEAD = 64 * 1024
 #: callbacks: libuv keeps reading while data keeps coming (up to 32 reads of a whole
 #: payload each), which would stall every other task for tens of milliseconds.
 READ_BUDGET = 2 * 1024 * 1024
+#: Payload size from which a frame is bulk (queued behind at most ``BULK_CAP`` bytes).
+BULK_MIN = 64 * 1024
+#: Bytes in the transport's write buffer above which bulk frames wait in the link's queue:
+#: what a small frame may find queued ahead of it in user space.
+BULK_CAP = 1024 * 1024
 
 #: Given an accepted connection's peer and local socket addresses: None to go on with the
 #: handshake, or a handshake message to send before closing it (see :func:`listen`).
@@ -81,6 +97,11 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         self._transport_paused = False  # what the transport was last told
         self._linger: asyncio.TimerHandle | None = None
         self.screen: Screen | None = None
+        #: Bulk frames waiting for the transport's buffer to drain below BULK_CAP:
+        #: (header, payload, stream), with the bytes and the streams they hold.
+        self._bulk: deque[tuple[bytes, memoryview | bytes, bytes]] = deque()
+        self._bulk_bytes = 0
+        self._bulk_streams: Counter[bytes] = Counter()
 
     # -- connection lifecycle --------------------------------------------------------------
 
@@ -118,6 +139,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
         self.closed = True
+        self._drop_bulk()
         if self._linger is not None:
             self._linger.cancel()
         if self._drain is not None and not self._drain.done():
@@ -138,6 +160,8 @@ class TcpLink(Link, asyncio.BufferedProtocol):
             self._drain = asyncio.get_running_loop().create_future()
 
     def resume_writing(self) -> None:
+        if self._bulk:
+            self._pump_bulk()
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
 
@@ -323,18 +347,79 @@ class TcpLink(Link, asyncio.BufferedProtocol):
     # -- sending ---------------------------------------------------------------------------
 
     def send(self, header: bytes, payload: memoryview | bytes) -> None:
-        if self.transport is None or self._lost or self.closed:
+        transport = self.transport
+        if transport is None or self._lost or self.closed:
             raise self._failure or PeerDisconnected(
                 f"link to {self.describe()} is closed", self.peer)
-        if len(payload):
-            self.transport.writelines((header, payload))
-        else:
-            self.transport.write(header)
-        self.bytes_sent += len(payload)
+        n = len(payload)
+        self.bytes_sent += n
         self.frames_sent += 1
+        if n >= BULK_MIN:
+            if self._bulk or self._must_wait(transport, n):
+                self._queue_bulk(header, payload, _stream(header))
+                return
+        elif self._bulk:
+            stream = _stream(header)
+            if stream in self._bulk_streams:  # behind its stream's queued frames
+                self._queue_bulk(header, payload, stream)
+                return
+        if n:
+            transport.writelines((header, payload))
+        else:
+            transport.write(header)
+
+    def _queue_bulk(self, header: bytes, payload: memoryview | bytes, stream: bytes) -> None:
+        self._bulk.append((header, payload, stream))
+        self._bulk_bytes += len(header) + len(payload)
+        self._bulk_streams[stream] += 1
+
+    @staticmethod
+    def _must_wait(transport: asyncio.Transport, n: int) -> bool:
+        """Whether a bulk frame of ``n`` bytes must wait: the transport holds bytes and
+        would then hold more than BULK_CAP."""
+        queued = transport.get_write_buffer_size()
+        return queued > 0 and queued + n > BULK_CAP
+
+    def _pump_bulk(self) -> None:
+        """Hand queued bulk frames to the transport while its buffer allows. Afterwards
+        the queue is empty or the transport holds bytes (so ``resume_writing`` comes)."""
+        transport, bulk = self.transport, self._bulk
+        if transport is None or self._lost:
+            return
+        while bulk:
+            header, payload, stream = bulk[0]
+            n = len(payload)
+            if self._must_wait(transport, n):
+                return
+            bulk.popleft()
+            self._bulk_bytes -= len(header) + n
+            left = self._bulk_streams[stream] - 1
+            if left:
+                self._bulk_streams[stream] = left
+            else:
+                del self._bulk_streams[stream]
+            if n:
+                transport.writelines((header, payload))
+            else:
+                transport.write(header)
+
+    def _flush_bulk(self) -> None:
+        """Hand every queued bulk frame to the transport (closing: they go before EOF)."""
+        transport, bulk = self.transport, self._bulk
+        if transport is not None and not self._lost and not transport.is_closing():
+            for header, payload, _ in bulk:
+                transport.writelines((header, payload))
+        self._drop_bulk()
+
+    def _drop_bulk(self) -> None:
+        self._bulk.clear()
+        self._bulk_bytes = 0
+        self._bulk_streams.clear()
 
     def write_buffer_size(self) -> int:
-        return 0 if self.transport is None else self.transport.get_write_buffer_size()
+        if self.transport is None:
+            return 0
+        return self.transport.get_write_buffer_size() + self._bulk_bytes
 
     async def drained(self) -> None:
         while self.write_buffer_size() > 0:
@@ -356,6 +441,8 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         transport = self.transport
         if transport is None or self._lost:
             return
+        if self._bulk:
+            self._flush_bulk()
         if transport.can_write_eof():
             try:
                 transport.write_eof()
@@ -368,11 +455,18 @@ class TcpLink(Link, asyncio.BufferedProtocol):
 
     def abort(self) -> None:
         self.closed = True
+        self._drop_bulk()
         if self.transport is not None:
             self.transport.abort()
 
     def describe(self) -> str:
         return f"rank {self.peer} ({self.address})" if self.peer >= 0 else self.address
+
+
+def _stream(header: bytes) -> bytes:
+    """The ``(kind, gid, seq, slot)`` bytes of a frame header (see wire.HEADER): frames of
+    one stream keep their order."""
+    return header[2:3] + header[6:10] + header[14:30]
 
 
 async def listen(

@@ -1,0 +1,142 @@
+"""Head-of-line blocking: a small send/recv round trip while bulk allreduces run.
+
+``python -m aiocollect.bench.hol -n 2 --transport tcp --size 64M --allreduces 8``
+
+Every rank runs ``--allreduces`` back-to-back allreduces of ``--size`` bytes; meanwhile
+rank 0 sends ``--ping`` bytes to rank 1 and waits for them back, over and over, on the
+same group (so on the same links). Before that it times the same round trip with the
+group idle, and the allreduces alone, so the report has, from one run: the round trip's
+p50/p99 idle and under load, and bulk bandwidth with and without the pings. Prints one
+JSON line (``--json F`` also writes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from aiocollect.bench.report import load_average
+from aiocollect.bench.spec import parse_size
+from aiocollect.bench.stats import percentile
+
+if TYPE_CHECKING:
+    from aiocollect.group import Group
+
+#: Tag of the round trips; a first element of -1 ends them.
+TAG = 7
+
+
+async def _allreduces(group: Group, data: np.ndarray[Any, Any], count: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(count):
+        await group.allreduce(data)
+    return time.perf_counter() - t0
+
+
+async def _pinger(group: Group, nbytes: int, until: asyncio.Future[Any] | None,
+                  count: int) -> list[float]:
+    """Rank 0's round trips (µs): ``count`` of them, or until ``until`` is done."""
+    msg = np.zeros(max(1, nbytes // 4), dtype=np.float32)
+    back = np.empty_like(msg)
+    rtts: list[float] = []
+    while (until is None and len(rtts) < count) or (until is not None and not until.done()):
+        t0 = time.perf_counter()
+        await group.send(msg, 1, tag=TAG)
+        await group.recv(back, 1, tag=TAG)
+        rtts.append((time.perf_counter() - t0) * 1e6)
+    msg[0] = -1
+    await group.send(msg, 1, tag=TAG)
+    return rtts
+
+
+async def _ponger(group: Group, nbytes: int) -> None:
+    msg = np.empty(max(1, nbytes // 4), dtype=np.float32)
+    while True:
+        await group.recv(msg, 0, tag=TAG)
+        if msg[0] == -1:
+            return
+        await group.send(msg, 0, tag=TAG)
+
+
+async def hol_rank(group: Group, size: int, allreduces: int, ping: int,
+                   idle_pings: int) -> dict[str, Any] | None:
+    """One rank of the measurement (a ``spawn_ranks`` target); rank 0 returns the report."""
+    data = np.ones(max(1, size // 4), dtype=np.float32)
+    await group.allreduce(data)  # warm-up: links, scratch windows
+    await group.barrier()
+    idle: list[float] = []
+    if group.rank == 0:
+        idle = await _pinger(group, ping, None, idle_pings)
+    elif group.rank == 1:
+        await _ponger(group, ping)
+    await group.barrier()
+    alone = await _allreduces(group, data, allreduces)
+    await group.barrier()
+    bulk = asyncio.ensure_future(_allreduces(group, data, allreduces))
+    loaded: list[float] = []
+    if group.rank == 0:
+        loaded = await _pinger(group, ping, bulk, 0)
+    elif group.rank == 1:
+        await _ponger(group, ping)
+    with_pings = await bulk
+    await group.barrier()
+    if group.rank != 0:
+        return None
+    n = group.world_size
+    factor = 2 * (n - 1) / n
+
+    def busbw(seconds: float) -> float:
+        return factor * data.nbytes * allreduces / seconds / 1e9
+
+    return {"world_size": n, "size": data.nbytes, "allreduces": allreduces, "ping": ping,
+            "idle_rtt_us": {"n": len(idle), "p50": percentile(idle, 50),
+                            "p99": percentile(idle, 99)},
+            "loaded_rtt_us": {"n": len(loaded), "p50": percentile(loaded, 50),
+                              "p99": percentile(loaded, 99),
+                              "max": max(loaded) if loaded else float("nan")},
+            "busbw_gbps_alone": busbw(alone), "busbw_gbps_with_pings": busbw(with_pings)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the measurement in spawned ranks and print its JSON line."""
+    from aiocollect.testing.spawn import spawn_ranks
+
+    p = argparse.ArgumentParser(prog="python -m aiocollect.bench.hol")
+    p.add_argument("-n", "--nproc", type=int, default=2)
+    p.add_argument("--transport", default="tcp")
+    p.add_argument("--size", default="64M")
+    p.add_argument("--allreduces", type=int, default=8)
+    p.add_argument("--ping", default="1K")
+    p.add_argument("--idle-pings", type=int, default=300)
+    p.add_argument("--json", type=Path)
+    ns = p.parse_args(argv)
+    if ns.nproc < 2:
+        p.error("-n must be at least 2")
+    start = load_average()
+
+    async def run() -> list[Any]:
+        results: list[Any] = await spawn_ranks(
+            ns.nproc, hol_rank, parse_size(ns.size), ns.allreduces, parse_size(ns.ping),
+            ns.idle_pings, timeout=600.0, transport=ns.transport, uvloop=True)
+        return results
+
+    results = asyncio.run(run())
+    report = {**results[0], "transport": ns.transport, "loadavg_start": start,
+              "loadavg_end": load_average()}
+    text = json.dumps(report)
+    print(text)
+    if ns.json is not None:
+        ns.json.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
