@@ -61,7 +61,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     pytest.fail("redis-server could not find a free port")
 
 
-BACKENDS = ["memory", "file", "tcp", "tcp-secret", "prefix", "redis"]
+BACKENDS = ["memory", "file", "tcp", "tcp-secret", "prefix", "redis", "torch"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -98,6 +98,16 @@ async def backend(
     elif kind == "prefix":
         async def factory() -> Store:
             return PrefixStore("job/7", MemoryStore(f"conformance-{tag}"))
+    elif kind == "torch":
+        dist = pytest.importorskip("torch.distributed")
+        from aiocollect.torch.store import TorchStore
+
+        master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+        async def factory() -> Store:
+            client = dist.TCPStore("127.0.0.1", master.port, is_master=False,
+                                   wait_for_workers=False)
+            return TorchStore(client, timeout=30)
     else:
         assert redis is not None
         import redis as redis_sync
