@@ -2,7 +2,10 @@
 
 Concrete transports (tcp, memory, ...) feed incoming bytes through :meth:`Link._begin_frame`
 and :meth:`Link._end_frame` and implement the sending half. Everything above the transport
-talks to a link through ``post_recv``, ``send``, ``drained`` and ``close``.
+talks to a link through ``post_recv``, ``send``, ``drained`` and ``close``. What a transport
+must keep to (loop thread only, one frame at a time, ``_end_frame`` once per accepted
+header, nothing after ``fail``) is in docs/design.md, "The Link contract", and
+:mod:`aiocollect.testing.link_suite` checks it.
 """
 
 from __future__ import annotations
