@@ -55,11 +55,11 @@ POLL = 0.05
 TICKET_GRACE = 0.5
 #: Longest wait for the decision once a proposer has claimed to write it.
 DECISION_GRACE = 5.0
-#: A participant still missing after this many seconds may be stuck in an operation of the
-#: old generation that its peers will not join: the old generation is then aborted (else
-#: only once the decision is known, so that the last operation before regroup() completes
-#: on every rank).
-ABORT_GRACE = 0.3
+#: A healthy old generation is aborted once the decision is known, so that the last
+#: operation before a scheduled regroup() completes on every rank; or when a participant is
+#: still missing after this many seconds (it may be stuck in an operation of the old
+#: generation that its peers will not join). A broken one is aborted at once.
+ABORT_GRACE = 2.0
 #: Seconds at most to reach a TCP store (it must already run: nobody hosts one).
 STORE_CONNECT = 10.0
 _ALTERNATIVES = ("run a standalone store (`aiocollect store`, then tcp://HOST:PORT), or use "
@@ -404,6 +404,8 @@ async def regroup(group: Group, *, min_size: int = 1, timeout: float | None = No
     state = replace(state, end_old=lambda: group.abort(
         GroupBrokenError(f"regroup() to generation {gen}")))
     try:
+        if failure is not None:
+            state.end_old()
         return await _generation(state, gen, me, candidates, dead, old, min_size, timeout)
     except BaseException:
         group.abort(GroupBrokenError(f"regroup() to generation {gen} failed"))
