@@ -19,6 +19,8 @@ from aiocollect.tls import contexts
 from aiocollect.transport import cma, shm_ring
 from tests.failure.conftest import Certs, make_certs
 
+pytestmark = pytest.mark.both_loops  # asyncio and uvloop transports differ (tests/conftest.py)
+
 TRANSPORTS = ["memory", "tcp", "tls", "shm", "shm-pull"]
 
 
