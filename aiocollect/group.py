@@ -106,7 +106,10 @@ class Group(GroupCore):
     @property
     def generation(self) -> int:
         """How many regroups formed this group (0: the group ``open_group`` formed)."""
-        return 0 if self._elastic is None else int(self._elastic.generation)
+        root: Any = self
+        while root._parent is not None:  # a sub-group belongs to its world group's
+            root = root._parent
+        return 0 if root._elastic is None else int(root._elastic.generation)
 
     async def regroup(self, *, min_size: int = 1, timeout: float | None = None) -> Group:
         """Collective of the live members of an elastic group (healthy or broken): form

@@ -108,7 +108,9 @@ async def _admitting(url: str, rank: int, world: int, secret: str | None, q: Any
 
         async def set_then_die(key: str, value: bytes) -> None:
             await real(key, value)
-            if "/member/" in key:
+            if "/member/" in key:  # registered: die once the others are in regroup() too
+                base = key.rsplit("/", 1)[0]
+                await store.wait([f"{base}/m{r}" for r in range(world)], timeout=30)
                 os.kill(os.getpid(), signal.SIGKILL)
 
         store.set = set_then_die

@@ -84,8 +84,9 @@ def test_joiner_admitted_at_scheduled_regroup(procs: Procs, store_url: str) -> N
 
 
 def test_kill_during_regroup(procs: Procs, store_url: str) -> None:
-    """Rank 0 dies inside regroup() right after registering: it is in the first decision
-    (it would be the new rank 0), the others see it dead while forming and try again."""
+    """Rank 0 dies inside regroup() after registering, once every other member has
+    registered too: it is in the first decision (it would be the new rank 0), the others
+    see it dead while forming and try again."""
     for r in range(4):
         procs.start(r, targets.admitting, store_url, r, 4, SECRET, die=r == 0)
     procs.wait("up", 4)
@@ -168,6 +169,9 @@ async def test_in_process_regroup_memory_store() -> None:
         pending = sub.recv(np.zeros(1), 0) if r else None  # rank 0 never sends
         await g.barrier()  # every rank's recv is posted before anyone regroups
         g2 = await g.regroup(timeout=5)
+        assert sub.generation == 0 and g2.generation == 1
+        sub2 = await g2.split(0)
+        assert sub2 is not None and sub2.generation == 1
         if pending is not None:
             with pytest.raises(ac.GroupBrokenError):
                 await pending
