@@ -269,7 +269,6 @@ async def check_drained_after_loss(make_pair: PairFactory) -> None:
         await within("the sender to see the loss", ra.lost.wait())
         with contextlib.suppress(PeerDisconnected):
             await within("drained() after the peer was lost", a.drained())
-        assert a.write_buffer_size() == 0 or a.closed or ra.lost.is_set()
 
 
 async def check_fail(make_pair: PairFactory) -> None:
