@@ -333,6 +333,9 @@ async def _generation(state: ElasticState, gen: int, me: str, candidates: list[s
         try:
             decision, where = await _decide(state, gen, attempt, me, candidates, dead, old,
                                             deadline, min_size)
+        except _Retry as exc:
+            last = exc
+        else:
             members: list[str] = [str(i) for i in decision["members"]]
             if me not in members:
                 raise RendezvousError(
@@ -350,14 +353,12 @@ async def _generation(state: ElasticState, gen: int, me: str, candidates: list[s
                     watch[i] = owner
             state = replace(state, chunk_bytes=int(decision["chunk_bytes"]),
                             timeout=decision["timeout"])
-            return await _form(state, gen, attempt, members.index(me), len(members),
-                               Deadline.after(timeout), watch)
-        except (_Retry, RendezvousTimeout, errors.PeerError, errors.GroupBrokenError) as exc:
-            last = exc
-        except RendezvousError as exc:
-            if "left out" in str(exc) or "min_size" in str(exc):
-                raise
-            last = exc
+            try:
+                return await _form(state, gen, attempt, members.index(me), len(members),
+                                   Deadline.after(timeout), watch)
+            except (_Retry, RendezvousError, errors.PeerError,
+                    errors.GroupBrokenError) as exc:
+                last = exc
         log.info("elastic group %r: attempt %d of generation %d failed (%s); trying again",
                  state.name, attempt, gen, last)
         if decision is not None:  # the participants of the failed attempt try again
@@ -461,7 +462,7 @@ async def join(state: ElasticState, timeout: float | None) -> Group:
     try:
         return await _form(state, gen, attempt, members.index(me), len(members),
                            Deadline.after(timeout), watch)
-    except (_Retry, RendezvousTimeout, errors.PeerError, errors.GroupBrokenError) as exc:
+    except (_Retry, RendezvousError, errors.PeerError, errors.GroupBrokenError) as exc:
         log.info("joiner #%d: generation %d attempt %d failed (%s)", t, gen, attempt, exc)
     return await _generation(state, gen, me, members, set(), old, 1, timeout,
                              attempt=attempt + 1)
