@@ -23,6 +23,12 @@ socket carries only doorbell bytes:
   array into its posted receive (:mod:`aiocollect.transport.cma`). The payload counts in
   ``write_buffer_size`` until the reader reports it pulled, so ``drained`` (and an
   operation's end) waits for that, exactly as for bytes still queued.
+- Head-of-line blocking: a *bulk* frame (payload of at least ``tcp.BULK_MIN`` bytes)
+  enters the ring only while the bulk bytes ahead of it (unread in the ring, queued for
+  it, or sent by reference and not yet pulled) are under ``tcp.BULK_CAP``; otherwise it
+  waits in the link's bulk queue, and the writer's flag is armed so that the reader rings
+  as it makes progress. Other frames enter the ring at once, ahead of the waiting bulk
+  frames, unless a frame of their stream ``(kind, gid, seq, slot)`` is waiting.
 - The socket closing (a SIGKILLed peer's kernel closes it) is the loss of the peer; what
   the peer put in the ring before is still read first, so an ABORT frame is never lost.
 - A rank that finds a ring corrupt (either direction) sends its ABORT on the socket
@@ -54,7 +60,7 @@ from aiocollect.transport.shm_reader import (
 )
 from aiocollect.transport.shm_ring import REF_DESC, REF_MAGIC_BYTES, Ring, Segment, fence
 from aiocollect.transport.shm_setup import ShmSetup
-from aiocollect.transport.tcp import LINGER
+from aiocollect.transport.tcp import BULK_CAP, BULK_MIN, LINGER, stream_of
 from aiocollect.transport.wire import ABORT
 
 
@@ -86,6 +92,9 @@ class ShmLink(RingReader):
         self._refs: deque[tuple[memoryview, int]] = deque()  # sent by reference, not pulled
         self._ref_bytes = 0
         self._refs_sent = 0
+        self._held: deque[tuple[bytes, memoryview | bytes, bytes]] = deque()  # bulk waiting
+        self._held_bytes = 0
+        self._held_streams: dict[bytes, int] = {}
 
     def _activate(self, segment: Segment, rx: int, peer_pid: int) -> None:
         self._segment = segment
@@ -102,6 +111,7 @@ class ShmLink(RingReader):
             self._queue.clear()
             self._queued = 0
             self._drop_refs()
+            self._drop_held()
         try:
             super().connection_lost(exc)
         finally:
@@ -144,12 +154,111 @@ class ShmLink(RingReader):
             raise self._failure or PeerDisconnected(
                 f"link to {self.describe()} is closed", self.peer)
         n = len(payload)
+        if n >= BULK_MIN:
+            if self._held or self._must_hold(n):
+                self._hold(header, payload, stream_of(header))
+                return
+        elif self._held:
+            stream = stream_of(header)
+            if stream in self._held_streams:  # behind its stream's waiting frames
+                self._hold(header, payload, stream)
+                return
+        self._send_frame(header, payload)
+
+    # -- bulk frames held back (head-of-line blocking) --------------------------------------
+
+    def _bulk_ahead(self) -> int:
+        """Bytes a frame entering the ring now would wait behind."""
+        tx = self._tx
+        if tx is None:
+            return 0
+        try:
+            self._reap()
+            return tx.cap - tx.free() + self._queued + self._ref_bytes
+        except ProtocolError as exc:
+            self._tx_failed(exc)
+            return 0
+
+    def _must_hold(self, n: int) -> bool:
+        """Whether a bulk frame of ``n`` bytes waits: BULK_CAP or more is ahead of it (so
+        the reader has up to BULK_CAP + one frame to work on, never nothing)."""
+        del n
+        return self._bulk_ahead() >= BULK_CAP
+
+    def _hold(self, header: bytes, payload: memoryview | bytes, stream: bytes) -> None:
+        first = not self._held
+        self._held.append((header, payload, stream))
+        self._held_bytes += len(header) + len(payload)
+        self._held_streams[stream] = self._held_streams.get(stream, 0) + 1
+        if first:
+            self._arm_for_held()
+
+    def _arm_for_held(self) -> None:
+        """Have the reader ring once it reads or pulls more (then ``_release_held``); if
+        it did so in the meantime, release on the loop's next turn."""
+        tx = self._tx
+        if tx is None or self._tx_dead:
+            return
+        self._wgen += 1
+        tx.arm_writer(self._wgen)
+        fence()
+        if not self._must_hold(len(self._held[0][1])):
+            asyncio.get_running_loop().call_soon(self._release_held)
+
+    def _release_held(self) -> None:
+        """Send held frames while the bulk ahead allows; re-arm if some still wait. Wakes
+        the drain's waiter, whose condition includes the held frames."""
+        held = self._held
+        if not held or self._tx_dead or self._lost or self._tx is None:
+            return
+        while held:
+            header, payload, stream = held[0]
+            n = len(payload)
+            if n >= BULK_MIN and self._must_hold(n):
+                break
+            held.popleft()
+            self._held_bytes -= len(header) + n
+            left = self._held_streams[stream] - 1
+            if left:
+                self._held_streams[stream] = left
+            else:
+                del self._held_streams[stream]
+            self._send_frame(header, payload)
+            if self._tx_dead or self._tx is None:
+                return
+        if held:
+            self._arm_for_held()
+        drain = self._drain
+        if drain is not None and not drain.done():
+            drain.set_result(None)
+
+    def _flush_held(self) -> None:
+        """Send every held frame regardless of the cap (closing)."""
+        held, self._held = self._held, deque()
+        self._held_bytes = 0
+        self._held_streams.clear()
+        for header, payload, _ in held:
+            if self._tx_dead or self._lost or self._tx is None:
+                break
+            self._send_frame(header, payload)
+
+    def _drop_held(self) -> None:
+        self._held.clear()
+        self._held_bytes = 0
+        self._held_streams.clear()
+
+    def _send_frame(self, header: bytes, payload: memoryview | bytes) -> None:
+        """Into the ring (or the queue for it) now, by reference where that applies."""
+        n = len(payload)
         view = memoryview(payload)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         self.bytes_sent += n
         self.frames_sent += 1
         tx = self._tx
+        if tx is None:
+            raise self._failure or PeerDisconnected(
+                f"link to {self.describe()} is closed", self.peer)
         if self._by_reference(tx, n):
             # by reference: the reader copies the payload out of this process's memory
             header = REF_MAGIC_BYTES + header[2:] + REF_DESC.pack(cma.address(view), n)
@@ -322,6 +431,7 @@ class ShmLink(RingReader):
         self._queue.clear()
         self._queued = 0
         self._drop_refs()
+        self._drop_held()
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(exc)
             self._drain.exception()
@@ -333,6 +443,8 @@ class ShmLink(RingReader):
             self._pump()
         else:
             self._flushed()
+        if self._held:
+            self._release_held()
 
     def write_buffer_size(self) -> int:
         """Bytes queued for the ring plus bytes sent by reference and not yet pulled."""
@@ -343,7 +455,7 @@ class ShmLink(RingReader):
                 self._reap()
             except ProtocolError as exc:
                 self._tx_failed(exc)
-        return self._queued + self._ref_bytes
+        return self._queued + self._ref_bytes + self._held_bytes
 
     async def drained(self) -> None:
         """Wait until everything queued is in the ring and every payload sent by
@@ -353,10 +465,16 @@ class ShmLink(RingReader):
             await super().drained()
             return
         spin_until = None
-        while self._queue or self._refs:
+        while self._queue or self._refs or self._held:
             if self._lost or self._tx_dead:
                 raise self._failure or PeerDisconnected(
                     f"link to {self.describe()} closed", self.peer)
+            if self._held:
+                # _release_held (on the reader's doorbell) wakes the drain
+                if self._drain is None or self._drain.done():
+                    self._drain = asyncio.get_running_loop().create_future()
+                await asyncio.shield(self._drain)
+                continue
             if not self._queue:
                 if self.write_buffer_size() == 0:
                     return
@@ -393,6 +511,8 @@ class ShmLink(RingReader):
             self._rx_paused = False
             self._unpark()
             asyncio.get_running_loop().call_soon(self._service)
+        if self._held and not self._tx_dead and not self._ring_broken:
+            self._flush_held()
         if self._queue and not self._tx_dead and not self._ring_broken:
             self._close_pending = True
             self._linger = asyncio.get_running_loop().call_later(LINGER, transport.abort)
@@ -405,6 +525,7 @@ class ShmLink(RingReader):
             self._queue.clear()
             self._queued = 0
             self._drop_refs()
+            self._drop_held()
         super().abort()
 
     def describe(self) -> str:

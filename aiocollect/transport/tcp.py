@@ -356,10 +356,10 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         self.frames_sent += 1
         if n >= BULK_MIN:
             if self._bulk or self._must_wait(transport, n):
-                self._queue_bulk(header, payload, _stream(header))
+                self._queue_bulk(header, payload, stream_of(header))
                 return
         elif self._bulk:
-            stream = _stream(header)
+            stream = stream_of(header)
             if stream in self._bulk_streams:  # behind its stream's queued frames
                 self._queue_bulk(header, payload, stream)
                 return
@@ -463,7 +463,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         return f"rank {self.peer} ({self.address})" if self.peer >= 0 else self.address
 
 
-def _stream(header: bytes) -> bytes:
+def stream_of(header: bytes) -> bytes:
     """The ``(kind, gid, seq, slot)`` bytes of a frame header (see wire.HEADER): frames of
     one stream keep their order."""
     return header[2:3] + header[6:10] + header[14:30]

@@ -148,3 +148,44 @@ async def test_round_trips_complete_during_bulk_allreduces_in_processes(
     assert report["idle_rtt_us"]["n"] == 20
     assert report["loaded_rtt_us"]["n"] >= 1, report
     assert report["busbw_gbps_alone"] > 0 and report["busbw_gbps_with_pings"] > 0
+
+
+def _watch_shm(link: Any) -> dict[str, Any]:
+    """Like ``_watch`` for a shared-memory link: the bulk bytes ahead in the ring (unread,
+    queued for it, or referenced and not pulled) after each frame, and small frames that
+    went ahead of held bulk frames."""
+    seen: dict[str, Any] = {"max_ahead": 0, "overtook": 0, "held": 0}
+    real = link.send
+
+    def send(header: bytes, payload: Any) -> None:
+        held = len(link._held)
+        real(header, payload)
+        seen["held"] = max(seen["held"], len(link._held))
+        if len(payload) < tcp.BULK_MIN and held and len(link._held) == held:
+            seen["overtook"] += 1
+        seen["max_ahead"] = max(seen["max_ahead"], link._bulk_ahead())
+
+    link.send = send
+    return seen
+
+
+async def _shm_pings(g: ac.Group) -> dict[str, Any]:
+    link = g._fabric.links[1 - g.rank]
+    assert link.shm
+    seen = _watch_shm(link)
+    res = await _pings_during_allreduce(g)
+    return {**res, **seen}
+
+
+@pytest.mark.parametrize("pull", ["", "0"])
+async def test_shm_bulk_ahead_is_capped_and_small_frames_overtake(
+        pull: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over shared memory (pulls on and off), a 32 MiB allreduce keeps at most BULK_CAP
+    plus one frame ahead in the ring, holds the rest, and the pings go ahead of it."""
+    monkeypatch.setenv("AIOCOLLECT_SHM_PULL", pull)
+    res = await run_ranks(2, _shm_pings, transport="shm", timeout=100)
+    for r in res:
+        assert r["max_ahead"] <= tcp.BULK_CAP + (1 << 20) + 4096, repr(r)
+    assert any(r["held"] for r in res), res  # (a rank whose peer keeps up holds nothing)
+    assert res[0]["pings"] >= 1 and res[1]["pings"] == res[0]["pings"], res
+    assert any(r["overtook"] for r in res), res
