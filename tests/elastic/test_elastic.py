@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -157,10 +158,12 @@ async def test_regroup_needs_an_elastic_group() -> None:
         await group.aclose()
 
 
-async def test_in_process_regroup_memory_store() -> None:
-    """Healthy regroup of in-process ranks: the same members, generation 1; the old
-    generation's in-flight handles end with GroupBrokenError, its sub-groups are closed."""
-    url = "memory://elastic-inproc"
+@pytest.mark.parametrize("kind", ["memory", "file"])
+async def test_in_process_regroup(kind: str, tmp_path: Path) -> None:
+    """Healthy regroup of in-process ranks (memory store, file store): the same members,
+    generation 1; the old generation's in-flight handles end with GroupBrokenError, its
+    sub-groups are closed."""
+    url = "memory://elastic-inproc" if kind == "memory" else f"file://{tmp_path}"
 
     async def rank(r: int) -> tuple[int, int, int, bool]:
         g = await ac.open_group(r, 3, store=url, elastic=True, timeout=10)
@@ -186,3 +189,34 @@ async def test_in_process_regroup_memory_store() -> None:
 
     got = await asyncio.gather(*(rank(r) for r in range(3)))
     assert got == [(1, 0, 3, True), (1, 1, 3, True), (1, 2, 3, True)]
+
+
+async def test_joiner_without_the_secret_is_never_admitted(tmp_path: Path) -> None:
+    """On a store that checks no secret (file), a joiner's ticket carries an HMAC of it: a
+    joiner with another secret is skipped at the regroup and times out waiting; one with
+    the group's secret is admitted."""
+    url = f"file://{tmp_path}"
+
+    async def member(r: int) -> tuple[int, int]:
+        g = await ac.open_group(r, 2, store=url, secret=SECRET, elastic=True, timeout=10)
+        while await g.joiners() < 2:
+            await asyncio.sleep(0.01)  # both joiners run in this process's loop
+        g2 = await g.regroup(timeout=5)
+        result = (g2.generation, g2.world_size)
+        await g2.barrier()
+        await g2.aclose()
+        return result
+
+    async def joiner(secret: str) -> tuple[int, int]:
+        g = await ac.join_group(url, secret=secret, timeout=3)
+        result = (g.generation, g.world_size)
+        await g.barrier()
+        await g.aclose()
+        return result
+
+    bad = asyncio.ensure_future(joiner("another-secret"))
+    good = asyncio.ensure_future(joiner(SECRET))
+    got = await asyncio.gather(member(0), member(1), good)
+    assert got == [(1, 3), (1, 3), (1, 3)]
+    with pytest.raises(ac.RendezvousTimeout, match="admitted"):
+        await bad
