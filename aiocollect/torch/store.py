@@ -79,7 +79,14 @@ class TorchStore(Store):
             StoreError: the c10d store failed, or this adapter is closed.
         """
         data = check_value(value)
-        await self._call(self.torch_store.set, check_key(key), data)
+        await self._call(self._set, check_key(key), data)
+
+    def _set(self, key: str, value: bytes) -> None:
+        """c10d's TCPStore client does not wait for a set to be applied, so another client
+        could still read the old value; a round trip on the same connection afterwards
+        (the server handles one connection's requests in order) makes it visible."""
+        self.torch_store.set(key, value)  # type: ignore[arg-type]  # pybind11 takes bytes
+        self.torch_store.check([key])
 
     async def get(self, key: str, *, timeout: float | None = None) -> bytes:
         """The value of ``key``, waiting up to ``timeout`` seconds for it.
