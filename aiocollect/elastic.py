@@ -35,13 +35,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import msgpack
-
-from aiocollect import _auth, errors
+from aiocollect import errors
 from aiocollect._deadline import Deadline
 from aiocollect.engine.fabric import Fabric
 from aiocollect.errors import GroupBrokenError, RendezvousError, RendezvousTimeout, UsageError
 from aiocollect.group import Group
+from aiocollect.rendezvous import membership
 from aiocollect.rendezvous.owner import Owner
 from aiocollect.rendezvous.rendezvous import RendezvousConfig, rendezvous
 from aiocollect.store import Store, open_store
@@ -108,29 +107,6 @@ class ElasticState:
         return f"aiocollect/{self.name}/elastic"
 
 
-def _dead(owner: Owner) -> bool:
-    """Whether ``owner``'s process is certainly gone: exited, or a zombie nobody has reaped
-    yet (its pid still answers a signal)."""
-    if owner.alive() is not True:
-        return owner.alive() is False
-    try:
-        with open(f"/proc/{owner.pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
-
-
-def _pack(value: Any) -> bytes:
-    return bytes(msgpack.packb(value, use_bin_type=True))
-
-
-def _unpack(raw: bytes, what: str) -> Any:
-    try:
-        return msgpack.unpackb(raw, raw=False)
-    except (ValueError, TypeError, msgpack.UnpackException):
-        raise RendezvousError(f"malformed elastic record {what!r} in the store") from None
-
-
 async def open_elastic_store(spec: Store | str, *, secret: bytes | None, insecure: bool,
                              timeout: float | None) -> tuple[Store, bool]:
     """Open the store of an elastic group: one that outlives every member.
@@ -183,7 +159,7 @@ async def _form(state: ElasticState, gen: int, attempt: int, rank: int, size: in
     try:
         while not task.done():
             await asyncio.wait([task], timeout=POLL * 2)
-            dead = [i for i, o in watch.items() if _dead(o)]
+            dead = [i for i, o in watch.items() if membership.dead(o)]
             if dead and not task.done():
                 raise _Retry(f"participants {dead} died while generation {gen} formed")
         endpoint, links = task.result()
@@ -205,12 +181,6 @@ class _Retry(Exception):
     """This attempt cannot form; the same participants try the next one."""
 
 
-async def _owner(store: Store, key: str) -> Owner | None:
-    if not (await store.check([key]))[0]:
-        return None
-    return Owner.unpack(await store.get(key, timeout=0), key)
-
-
 async def _propose(state: ElasticState, base: str, candidates: list[str],
                    dead: set[str], old: dict[str, str], deadline: Deadline,
                    admit_joiners: bool) -> dict[str, Any]:
@@ -223,8 +193,8 @@ async def _propose(state: ElasticState, base: str, candidates: list[str],
         present = await store.check(list(keys.values()))
         missing = [i for i, ok in zip(keys, present, strict=True) if not ok and i not in dead]
         for i in missing:
-            owner = await _owner(store, old[i]) if i in old else None
-            if owner is not None and _dead(owner):
+            owner = await membership.owner_at(store, old[i]) if i in old else None
+            if owner is not None and membership.dead(owner):
                 dead.add(i)
         missing = [i for i in missing if i not in dead]
         if not missing or deadline.expired():
@@ -237,23 +207,19 @@ async def _propose(state: ElasticState, base: str, candidates: list[str],
                              timeout=POLL if remaining is None else min(POLL, remaining))
     present = await store.check(list(keys.values()))
     members = [i for i, ok in zip(keys, present, strict=True) if ok]
-    served = int(await _counter(store, f"{state.prefix}/served"))
+    served = int(await membership.counter(store, f"{state.prefix}/served"))
     tickets = served
     if admit_joiners:
-        tickets = int(await _counter(store, f"{state.prefix}/tickets"))
+        tickets = int(await membership.counter(store, f"{state.prefix}/tickets"))
         for t in range(served, tickets):
             key = f"{state.prefix}/ticket/{t}"
             with contextlib.suppress(errors.StoreTimeout):
                 await store.wait([key], timeout=TICKET_GRACE)
-            owner = await _owner(store, key)
-            if owner is not None and not _dead(owner) and await _proven(state, t):
+            owner = await membership.owner_at(store, key)
+            if owner is not None and not membership.dead(owner) and await _proven(state, t):
                 members.append(f"j{t}")
     return {"members": members, "served": tickets, "chunk_bytes": state.chunk_bytes,
             "timeout": state.timeout}
-
-
-def _ticket_mac(secret: bytes, name: str, t: int, owner: bytes) -> bytes:
-    return _auth.proof(secret, b"elastic-join", name.encode(), str(t).encode(), owner)
 
 
 async def _proven(state: ElasticState, t: int) -> bool:
@@ -267,20 +233,11 @@ async def _proven(state: ElasticState, t: int) -> bool:
         ok = False
     else:
         mac = await store.get(f"{key}/mac", timeout=0)
-        ok = hmac.compare_digest(mac, _ticket_mac(state.secret, state.name, t, owner))
+        ok = hmac.compare_digest(mac, membership.ticket_mac(state.secret, state.name, t, owner))
     if not ok:
         log.warning("elastic group %r: joiner #%d did not prove the group's secret; not "
                     "admitted", state.name, t)
     return ok
-
-
-async def _counter(store: Store, key: str) -> int:
-    if not (await store.check([key]))[0]:
-        return 0
-    try:
-        return int(await store.get(key, timeout=0))
-    except ValueError:
-        raise RendezvousError(f"malformed elastic counter {key!r} in the store") from None
 
 
 async def _decide(state: ElasticState, gen: int, attempt: int, me: str,
@@ -301,14 +258,14 @@ async def _decide(state: ElasticState, gen: int, attempt: int, me: str,
             proposal["members"] = [i for i in proposal["members"] if not i.startswith("j")
                                    or i in candidates]
         if await store.add(f"{base}/decided", 1) == 1:
-            await store.set(decision_key, _pack(proposal))
+            await store.set(decision_key, membership.pack(proposal))
     rem = deadline.remaining()
     try:
         raw = await store.get(decision_key, timeout=DECISION_GRACE + (rem or 0.0))
     except errors.StoreTimeout:
         raise _Retry(f"no decision for attempt {attempt} of generation {gen}") from None
     state.end_old()
-    decision = _unpack(raw, decision_key)
+    decision = membership.unpack(raw, decision_key)
     if not isinstance(decision, dict) or not isinstance(decision.get("members"), list):
         raise RendezvousError(f"malformed elastic record {decision_key!r} in the store")
     where = {i: f"{base}/member/{i}" for i in decision["members"]}
@@ -316,7 +273,7 @@ async def _decide(state: ElasticState, gen: int, attempt: int, me: str,
         for i in decision["members"]:  # any participant may write these (same values)
             if i.startswith("j") and i not in candidates:
                 where[i] = f"{state.prefix}/ticket/{i[1:]}"
-                await store.set(f"{state.prefix}/admit/{i[1:]}", _pack([gen, attempt]))
+                await store.set(f"{state.prefix}/admit/{i[1:]}", membership.pack([gen, attempt]))
         await store.set(f"{state.prefix}/served", str(int(decision["served"])).encode())
     return decision, where
 
@@ -349,7 +306,7 @@ async def _generation(state: ElasticState, gen: int, me: str, candidates: list[s
                     f"fewer than min_size={min_size}")
             watch = {}
             for i in members:
-                if i != me and (owner := await _owner(state.shared.store, where[i])):
+                if i != me and (owner := await membership.owner_at(state.shared.store, where[i])):
                     watch[i] = owner
             state = replace(state, chunk_bytes=int(decision["chunk_bytes"]),
                             timeout=decision["timeout"])
@@ -423,8 +380,8 @@ async def joiners(group: Group) -> int:
     if state is None:
         raise UsageError("joiners() needs a group of open_group(..., elastic=True)")
     store = state.shared.store
-    return max(0, await _counter(store, f"{state.prefix}/tickets")
-               - await _counter(store, f"{state.prefix}/served"))
+    return max(0, await membership.counter(store, f"{state.prefix}/tickets")
+               - await membership.counter(store, f"{state.prefix}/served"))
 
 
 async def join(state: ElasticState, timeout: float | None) -> Group:
@@ -434,7 +391,8 @@ async def join(state: ElasticState, timeout: float | None) -> Group:
     ticket = f"{state.prefix}/ticket/{t}"
     me_owner = Owner.me(b"").pack()
     if state.secret is not None:
-        await store.set(f"{ticket}/mac", _ticket_mac(state.secret, state.name, t, me_owner))
+        await store.set(f"{ticket}/mac",
+                        membership.ticket_mac(state.secret, state.name, t, me_owner))
     await store.set(ticket, me_owner)
     try:
         raw = await store.get(f"{state.prefix}/admit/{t}",
@@ -444,10 +402,10 @@ async def join(state: ElasticState, timeout: float | None) -> Group:
         raise RendezvousTimeout(
             f"no regroup() of elastic group {state.name!r} admitted this process within "
             f"{timeout}s (joiner #{t})", []) from None
-    admit = _unpack(raw, f"admit/{t}")
+    admit = membership.unpack(raw, f"admit/{t}")
     gen, attempt = int(admit[0]), int(admit[1])
     base = f"{state.prefix}/g{gen}/a{attempt}"
-    decision = _unpack(await store.get(f"{base}/decision", timeout=DECISION_GRACE), base)
+    decision = membership.unpack(await store.get(f"{base}/decision", timeout=DECISION_GRACE), base)
     me = f"j{t}"
     members = [str(i) for i in decision["members"]]
     # Admitted: the participants of this attempt are fixed; a retry starts at attempt+1.
@@ -457,7 +415,7 @@ async def join(state: ElasticState, timeout: float | None) -> Group:
                     timeout=decision["timeout"])
     watch = {}
     for i in members:
-        if i != me and (owner := await _owner(store, old[i])):
+        if i != me and (owner := await membership.owner_at(store, old[i])):
             watch[i] = owner
     try:
         return await _form(state, gen, attempt, members.index(me), len(members),
