@@ -106,6 +106,14 @@ class ElasticState:
     def prefix(self) -> str:
         return f"aiocollect/{self.name}/elastic"
 
+    async def regroup(self, group: Group, *, min_size: int, timeout: float | None) -> Group:
+        """:meth:`Group.regroup` (group.py delegates here: it does not import this module)."""
+        return await regroup(group, min_size=min_size, timeout=timeout)
+
+    async def joiners(self, group: Group) -> int:
+        """:meth:`Group.joiners`."""
+        return await joiners(group)
+
 
 async def open_elastic_store(spec: Store | str, *, secret: bytes | None, insecure: bool,
                              timeout: float | None) -> tuple[Store, bool]:

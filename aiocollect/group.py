@@ -124,16 +124,18 @@ class Group(GroupCore):
             RendezvousError: fewer than ``min_size`` members, or this rank was left out.
             StoreError: the store failed.
         """
-        from aiocollect import elastic
-
-        return await elastic.regroup(self, min_size=min_size, timeout=timeout)
+        if self._elastic is None:  # sub-groups have none either
+            raise UsageError("regroup() needs the world group of open_group(..., "
+                             "elastic=True)")
+        result: Group = await self._elastic.regroup(self, min_size=min_size, timeout=timeout)
+        return result
 
     async def joiners(self) -> int:
         """How many processes wait in ``join_group`` for this elastic group (not a
         collective: reads the store). Raises UsageError on a non-elastic group."""
-        from aiocollect import elastic
-
-        return await elastic.joiners(self)
+        if self._elastic is None:
+            raise UsageError("joiners() needs a group of open_group(..., elastic=True)")
+        return int(await self._elastic.joiners(self))
 
     # -- point to point --------------------------------------------------------------------
 
