@@ -23,12 +23,15 @@ socket carries only doorbell bytes:
   array into its posted receive (:mod:`aiocollect.transport.cma`). The payload counts in
   ``write_buffer_size`` until the reader reports it pulled, so ``drained`` (and an
   operation's end) waits for that, exactly as for bytes still queued.
-- Head-of-line blocking: a *bulk* frame (payload of at least ``tcp.BULK_MIN`` bytes)
-  enters the ring only while the bulk bytes ahead of it (unread in the ring, queued for
-  it, or sent by reference and not yet pulled) are under ``tcp.BULK_CAP``; otherwise it
-  waits in the link's bulk queue, and the writer's flag is armed so that the reader rings
-  as it makes progress. Other frames enter the ring at once, ahead of the waiting bulk
-  frames, unless a frame of their stream ``(kind, gid, seq, slot)`` is waiting.
+- Head-of-line blocking (off unless ``AIOCOLLECT_SHM_BULK_CAP`` is set to a byte count):
+  a *bulk* frame (payload of at least ``tcp.BULK_MIN`` bytes) enters the ring only while
+  the bulk bytes ahead of it (unread in the ring, queued for it, or sent by reference and
+  not yet pulled) are under the cap; otherwise it waits in the link's bulk queue, and the
+  writer's flag is armed so that the reader rings as it makes progress. Other frames enter
+  the ring at once, ahead of the waiting bulk frames, unless a frame of their stream
+  ``(kind, gid, seq, slot)`` is waiting. Off by default: every release then waits for the
+  reader's doorbell, which on the shared 2-core machine halved bulk bandwidth
+  (docs/benchmarks.md, *Head-of-line blocking*).
 - The socket closing (a SIGKILLed peer's kernel closes it) is the loss of the peer; what
   the peer put in the ring before is still read first, so an ABORT frame is never lost.
 - A rank that finds a ring corrupt (either direction) sends its ABORT on the socket
@@ -43,6 +46,7 @@ loop), ``shm_reader`` (the receiving half: parking, spinning, backpressure) and 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import deque
 
@@ -60,8 +64,11 @@ from aiocollect.transport.shm_reader import (
 )
 from aiocollect.transport.shm_ring import REF_DESC, REF_MAGIC_BYTES, Ring, Segment, fence
 from aiocollect.transport.shm_setup import ShmSetup
-from aiocollect.transport.tcp import BULK_CAP, BULK_MIN, LINGER, stream_of
+from aiocollect.transport.tcp import BULK_MIN, LINGER, stream_of
 from aiocollect.transport.wire import ABORT
+
+#: Bulk bytes ahead in a ring above which bulk frames wait in the link (0: never).
+BULK_CAP_ENV = "AIOCOLLECT_SHM_BULK_CAP"
 
 
 class ShmLink(RingReader):
@@ -95,6 +102,7 @@ class ShmLink(RingReader):
         self._held: deque[tuple[bytes, memoryview | bytes, bytes]] = deque()  # bulk waiting
         self._held_bytes = 0
         self._held_streams: dict[bytes, int] = {}
+        self._bulk_cap = bulk_cap()
 
     def _activate(self, segment: Segment, rx: int, peer_pid: int) -> None:
         self._segment = segment
@@ -154,7 +162,7 @@ class ShmLink(RingReader):
             raise self._failure or PeerDisconnected(
                 f"link to {self.describe()} is closed", self.peer)
         n = len(payload)
-        if n >= BULK_MIN:
+        if n >= BULK_MIN and self._bulk_cap:
             if self._held or self._must_hold(n):
                 self._hold(header, payload, stream_of(header))
                 return
@@ -180,10 +188,10 @@ class ShmLink(RingReader):
             return 0
 
     def _must_hold(self, n: int) -> bool:
-        """Whether a bulk frame of ``n`` bytes waits: BULK_CAP or more is ahead of it (so
-        the reader has up to BULK_CAP + one frame to work on, never nothing)."""
+        """Whether a bulk frame of ``n`` bytes waits: the cap or more is ahead of it (so
+        the reader has up to the cap + one frame to work on, never nothing)."""
         del n
-        return self._bulk_ahead() >= BULK_CAP
+        return self._bulk_cap > 0 and self._bulk_ahead() >= self._bulk_cap
 
     def _hold(self, header: bytes, payload: memoryview | bytes, stream: bytes) -> None:
         first = not self._held
@@ -531,6 +539,14 @@ class ShmLink(RingReader):
     def describe(self) -> str:
         base = super().describe()
         return f"{base[:-1]}, shm)" if self.shm and base.endswith(")") else base
+
+
+def bulk_cap() -> int:
+    """``AIOCOLLECT_SHM_BULK_CAP`` in bytes (0, the default, or unparsable: no cap)."""
+    try:
+        return max(0, int(os.environ.get(BULK_CAP_ENV, "") or 0))
+    except ValueError:
+        return 0
 
 
 __all__ = ["SPIN_ENV", "SPIN_SECONDS", "ShmLink", "ShmPolicy", "spin_budget"]

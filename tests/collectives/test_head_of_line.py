@@ -180,12 +180,28 @@ async def _shm_pings(g: ac.Group) -> dict[str, Any]:
 @pytest.mark.parametrize("pull", ["", "0"])
 async def test_shm_bulk_ahead_is_capped_and_small_frames_overtake(
         pull: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Over shared memory (pulls on and off), a 32 MiB allreduce keeps at most BULK_CAP
-    plus one frame ahead in the ring, holds the rest, and the pings go ahead of it."""
+    """Over shared memory (pulls on and off) with the cap set, a 32 MiB allreduce keeps at
+    most the cap plus one frame ahead in the ring, holds the rest, and the pings go ahead
+    of it."""
     monkeypatch.setenv("AIOCOLLECT_SHM_PULL", pull)
+    monkeypatch.setenv("AIOCOLLECT_SHM_BULK_CAP", str(tcp.BULK_CAP))  # off by default
     res = await run_ranks(2, _shm_pings, transport="shm", timeout=100)
     for r in res:
         assert r["max_ahead"] <= tcp.BULK_CAP + (1 << 20) + 4096, repr(r)
     assert any(r["held"] for r in res), res  # (a rank whose peer keeps up holds nothing)
     assert res[0]["pings"] >= 1 and res[1]["pings"] == res[0]["pings"], res
     assert any(r["overtook"] for r in res), res
+
+
+async def _shm_default(g: ac.Group) -> int:
+    link = g._fabric.links[1 - g.rank]
+    seen = _watch_shm(link)
+    data = np.ones((8 << 20) // 4, dtype=np.float32)
+    await g.allreduce(data)
+    assert np.all(data == 2.0)
+    return int(seen["held"])
+
+
+async def test_shm_holds_nothing_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AIOCOLLECT_SHM_BULK_CAP", raising=False)
+    assert await run_ranks(2, _shm_default, transport="shm", timeout=60) == [0, 0]
