@@ -222,9 +222,9 @@ def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                    "in sequence.")
     synced = [r for r in rows if r["aiocollect"] and "sync_p50_us" in r["aiocollect"]]
     if synced:
-        names = ", ".join(dict.fromkeys(r["name"] for r in synced))
+        which = ", ".join(dict.fromkeys(r["name"] for r in synced))
         floor = median([r["aiocollect"]["sync_p50_us"] for r in synced])
-        out.append(f"{names}: every iteration ends with a barrier, so the root waits for "
+        out.append(f"{which}: every iteration ends with a barrier, so the root waits for "
                    f"the receivers (aiocollect's barrier alone: p50 {format_time(floor)}).")
     if meta.get("baseline_note"):
         out.append(meta["baseline_note"])
