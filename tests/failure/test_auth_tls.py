@@ -192,6 +192,7 @@ async def test_tcp_store_rejects_wrong_secrets(client_secret: str | None) -> Non
         await good.close()
 
 
+@pytest.mark.one_loop  # waits out a timeout; nothing loop-specific
 async def test_rank_with_wrong_secret_cannot_reach_the_group_store(
         unique_name: str) -> None:
     """Through open_group: the store hosted by rank 0 refuses rank 1's wrong secret before

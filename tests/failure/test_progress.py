@@ -105,6 +105,7 @@ async def network() -> AsyncIterator[ProxyNetwork]:
         await store.close()
 
 
+@pytest.mark.one_loop  # waits out a timeout; nothing loop-specific
 async def test_dead_network_path_warns_before_the_timeout(
         network: ProxyNetwork, stall_warnings: Warnings) -> None:
     """Link 0-1 stops carrying bytes (a dead network path): the ends warn, naming each

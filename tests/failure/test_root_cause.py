@@ -71,6 +71,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.one_loop  # waits out a timeout; nothing loop-specific
 @pytest.mark.parametrize("sizes", [[4, 4, 4, 5], [5, 4, 4, 4], [3, 4, 4, 4]],
                          ids=["last-says-5", "first-says-5", "first-says-3"])
 async def test_world_size_mismatch_is_a_rendezvous_error_on_every_rank(
