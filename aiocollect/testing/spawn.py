@@ -14,7 +14,7 @@ import os
 import signal
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Iterable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -134,14 +134,25 @@ class SpawnedRanks:
                    else f"exit code {code}")
             return ("died", how)
 
-    async def outcomes(self) -> list[tuple[Any, ...]]:
+    async def outcomes(self, wait_for: Iterable[int] | None = None) -> list[tuple[Any, ...]]:
         """Wait for every rank (up to ``timeout``; stragglers are killed) and return one
         tuple per rank without raising: ``("ok", value)``, ``("error", type name, message,
-        traceback)`` or ``("died", how)`` — for fault tests where some ranks must fail."""
+        traceback)`` or ``("died", how)`` — for fault tests where some ranks must fail.
+
+        Args:
+            wait_for: wait only for these ranks, then kill the others (e.g. a rank frozen
+                with :meth:`stop`, which would otherwise be waited for until ``timeout``).
+        """
         tasks = [asyncio.ensure_future(self._outcome(r)) for r in range(self.world_size)]
+        awaited = tasks if wait_for is None else [tasks[r] for r in wait_for]
         try:
-            await asyncio.wait(tasks, timeout=self.timeout)
+            await asyncio.wait(awaited, timeout=self.timeout)
         finally:
+            pending = [t for t in tasks if not t.done()]
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
             self.terminate()
         out: list[tuple[Any, ...]] = []
         for rank, task in enumerate(tasks):

@@ -61,7 +61,7 @@ async def test_sigstop_gives_peer_timeout_naming_the_frozen_rank() -> None:
     await _wait_ready(job.store, n, "ready")
     stopped_at = time.time()
     job.stop(victim)
-    outcomes = await job.outcomes()
+    outcomes = await job.outcomes(wait_for=[r for r in range(n) if r != victim])
     for rank, out in enumerate(outcomes):
         if rank == victim:
             continue

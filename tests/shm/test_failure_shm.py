@@ -70,13 +70,12 @@ async def test_sigstop_gives_peer_timeout_naming_the_frozen_rank(size: int) -> N
     pull them (a frozen process's memory can still be pulled, so it is the one that stops
     pulling that is to blame)."""
     n, victim = 3, 1
-    # outcomes() waits for the frozen rank until the job's timeout, then kills it
     job = spawn_ranks(n, failure_targets.loop_until_failure, size, "ready", timeout=20,
                       group_timeout=2.0, transport="shm")
     await _wait_ready(job.store, n, "ready")
     stopped_at = time.time()
     job.stop(victim)
-    outcomes = await job.outcomes()
+    outcomes = await job.outcomes(wait_for=[r for r in range(n) if r != victim])
     for rank, out in enumerate(outcomes):
         if rank == victim:
             continue
