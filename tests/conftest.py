@@ -74,7 +74,11 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> M
 
 
 def _drives_processes(item: pytest.Item) -> bool:
-    """Whether the test body starts rank processes itself (their loop is theirs to pick)."""
+    """Whether the test body starts rank processes itself (their loop is theirs to pick),
+    or is a collective sweep over memory links only (``tests/collectives/*_memory``)."""
+    if getattr(item, "name", "").endswith("_memory") and "collectives" in Path(
+            str(item.path)).parts:
+        return True  # a sweep over memory links: the loop only schedules, no transport
     code = getattr(getattr(item, "obj", None), "__code__", None)
     names = set(code.co_names) if code is not None else set()
     return bool(names & {"spawn_ranks", "SpawnedRanks"}) or "spawned" in getattr(

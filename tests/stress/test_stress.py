@@ -22,7 +22,7 @@ from aiocollect.testing import run_ranks, spawn_ranks
 from aiocollect.transport import cma
 from tests.stress import targets
 
-ROUNDS = 3
+ROUNDS = 2
 OPS = 32
 OP_TIMEOUT = 30.0
 PROCESS_MODES = ["tcp", "tls", "shm", "shm-nopull", "auto"]
