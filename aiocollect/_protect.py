@@ -37,31 +37,33 @@ def _address(sockaddr: object) -> str | None:
     return None
 
 
+def _ip(sockaddr: object) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address of a socket address (IPv4-mapped IPv6 as IPv4), or None."""
+    text = _address(sockaddr)
+    if text is None:
+        return None
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
 def is_local(peername: object, sockname: object) -> bool:
     """Whether a connection from ``peername`` that arrived at ``sockname`` (socket
     addresses as asyncio reports them) comes from this host. Non-IP sockets (Unix) count
     as local."""
-    peer = _address(peername)
-    if peer is None:
+    if _address(peername) is None:
         return not isinstance(peername, tuple)
-    try:
-        ip = ipaddress.ip_address(peer)
-    except ValueError:
+    ip = _ip(peername)
+    if ip is None:
         return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
     if ip.is_loopback:
         return True
-    local = _address(sockname)
-    if local is None:
-        return False
-    try:
-        here = ipaddress.ip_address(local)
-    except ValueError:
-        return False
-    if isinstance(here, ipaddress.IPv6Address) and here.ipv4_mapped is not None:
-        here = here.ipv4_mapped
-    return ip == here and not ip.is_unspecified
+    here = _ip(sockname)
+    return here is not None and ip == here and not ip.is_unspecified
 
 
 def refusal(what: str, peername: object) -> str:

@@ -415,19 +415,23 @@ class AiocollectProcessGroup(dist.ProcessGroup):
         _checks.root_rank("gather", root, self._world)
         inputs = _tensor_list(input_tensors)
         _checks.single("gather", inputs, "input tensor list")
-        outer = list(output_tensors)
-        if self._rank == root:
-            if outer and isinstance(outer[0], torch.Tensor):
-                outer = [outer]  # a flat list: the root's outputs themselves
-            _checks.single("gather", outer, "output list")
-            outputs = list(outer[0])
-        elif outer:
-            raise _checks.fail("gather", "requires empty output on non-root")
-        else:
-            outputs = []
+        outputs = self._root_tensors("gather", output_tensors, root, "output")
         timeout = self._timeout(opts)
         return self._launch(_ops.gather(outputs, inputs[0], root, self._rank, self._world,
                                         timeout), timeout, "gather", inputs)
+
+    def _root_tensors(self, name: str, nested: Any, root: int, what: str) -> list[Any]:
+        """The root's list of per-rank tensors of gather/scatter (``[[t0, t1, ...]]``, or
+        the flat list itself); empty elsewhere, where anything else is gloo's error."""
+        outer = list(nested)
+        if self._rank != root:
+            if outer:
+                raise _checks.fail(name, f"requires empty {what} on non-root")
+            return []
+        if outer and isinstance(outer[0], torch.Tensor):
+            outer = [outer]  # a flat list: the root's tensors themselves
+        _checks.single(name, outer, f"{what} list")
+        return list(outer[0])
 
     def scatter(self, output_tensors: Any, input_tensors: Any,  # type: ignore[override]
                 opts: Any = None) -> Work:
@@ -436,16 +440,7 @@ class AiocollectProcessGroup(dist.ProcessGroup):
         _checks.root_rank("scatter", root, self._world)
         outputs = _tensor_list(output_tensors)
         _checks.single("scatter", outputs, "output tensor list")
-        outer = list(input_tensors)
-        if self._rank == root:
-            if outer and isinstance(outer[0], torch.Tensor):
-                outer = [outer]
-            _checks.single("scatter", outer, "input list")
-            inputs = list(outer[0])
-        elif outer:
-            raise _checks.fail("scatter", "requires empty input on non-root")
-        else:
-            inputs = []
+        inputs = self._root_tensors("scatter", input_tensors, root, "input")
         timeout = self._timeout(opts)
         return self._launch(_ops.scatter(outputs[0], inputs, root, self._rank, self._world,
                                          timeout), timeout, "scatter", inputs)
