@@ -20,7 +20,7 @@ from aiocollect.api import open_group
 from aiocollect.errors import AiocollectError
 from aiocollect.group import Group
 from aiocollect.testing.spawn import RankFailed, SpawnedRanks, headline, spawn_ranks
-from aiocollect.transport.tcp import LINGER
+from aiocollect.transport.tcp import LINGER, TcpLink
 
 _names = itertools.count()
 
@@ -91,16 +91,15 @@ async def links_settled(groups: list[Group], timeout: float = LINGER + 1.0) -> N
     end. A broken group's links flush their ABORT before closing, for up to the transport's
     linger time; a test whose loop ends before that leaves sockets open. Only this
     process's own loop is waited on, never a peer."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-
-    def open_links() -> bool:
-        return any(getattr(link, "transport", None) is not None
-                   and not getattr(link, "_lost", True)
-                   for g in groups for link in g._fabric.links.values())
-
-    while open_links() and loop.time() < deadline:
-        await asyncio.sleep(0.005)
+    waits = [asyncio.ensure_future(link.gone.wait()) for g in groups
+             for link in g._fabric.links.values()
+             if isinstance(link, TcpLink) and link.transport is not None]
+    if not waits:
+        return
+    _, pending = await asyncio.wait(waits, timeout=timeout)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
 
 
 __all__ = ["AiocollectError", "Group", "RankFailed", "SpawnedRanks", "free_port",

@@ -169,7 +169,8 @@ async def check_early_frames(make_pair: PairFactory) -> None:
         fut = b.post_recv(key, memoryview(buf))
         assert fut.done(), "a staged frame must complete its receive during posting"
         await _received(fut, buf, data, "the staged frame")
-        assert b.early_bytes == 0 and not b.has_frame(key)
+        assert b.early_bytes == 0
+        assert not b.has_frame(key)
 
 
 async def check_staging_limit(make_pair: PairFactory) -> None:
@@ -288,9 +289,11 @@ async def check_fail(make_pair: PairFactory) -> None:
         exc = PeerDisconnected("failed by the check", 0)
         b.fail(exc, drop_early=False)
         for fut in posted:
-            assert fut.done() and fut.exception() is exc, "fail() left a receive posted"
+            assert fut.done(), "fail() left a receive posted"
+            assert fut.exception() is exc, "fail() left a receive posted"
         later = b.post_recv(frame(DATA, 7, b"z")[0], memoryview(bytearray(1)))
-        assert later.done() and later.exception() is exc, "a receive posted after fail()"
+        assert later.done(), "a receive posted after fail()"
+        assert later.exception() is exc, "a receive posted after fail()"
         buf = bytearray(len(data))
         await _received(b.post_recv(staged_key, memoryview(buf)), buf, data,
                         "a frame staged before fail(drop_early=False)")
@@ -419,8 +422,9 @@ def _socket_pair(make: Callable[[LinkEvents, int, Handshaker, str], tcp.TcpLink]
 
 async def _gone(links: list[tcp.TcpLink]) -> None:
     """Until every link's connection is lost (the transport reported connection_lost)."""
-    while any(link.transport is not None and not link._lost for link in links):
-        await asyncio.sleep(0.005)
+    for link in links:
+        if link.transport is not None:
+            await link.gone.wait()
 
 
 __all__ = ["LINK_CHECKS", "MAX_FRAME", "WAIT", "PairFactory", "Recorder", "check_link",

@@ -101,8 +101,10 @@ async def check_timeouts(make: StoreFactory) -> None:
         exc = await _raises(StoreTimeout, a.get("missing-key", timeout=0.2), "get timeout")
         elapsed = time.monotonic() - start
         assert 0.15 <= elapsed < 5, f"a 0.2 s timeout took {elapsed:.2f} s"
-        assert isinstance(exc, StoreTimeout) and exc.keys == ["missing-key"], exc
-        assert "missing-key" in str(exc) and isinstance(exc, TimeoutError)
+        assert isinstance(exc, StoreTimeout), exc
+        assert exc.keys == ["missing-key"], exc
+        assert "missing-key" in str(exc)
+        assert isinstance(exc, TimeoutError)
         await a.set("there", b"1")
         assert await a.get("there", timeout=0) == b"1"
         await a.wait(["there"], timeout=0)
@@ -148,8 +150,11 @@ async def check_wait(make: StoreFactory) -> None:
         await a.set("here", b"1")
         exc = await _raises(StoreTimeout, a.wait(["here", "gone-1", "gone-2", "gone-1"],
                                                  timeout=0.2), "wait timeout")
-        assert isinstance(exc, StoreTimeout) and exc.keys == ["gone-1", "gone-2"], exc
-        assert "gone-1" in str(exc) and "gone-2" in str(exc) and "'here'" not in str(exc)
+        assert isinstance(exc, StoreTimeout), exc
+        assert exc.keys == ["gone-1", "gone-2"], exc
+        assert "gone-1" in str(exc)
+        assert "gone-2" in str(exc)
+        assert "'here'" not in str(exc)
 
 
 async def check_check_and_delete(make: StoreFactory) -> None:

@@ -90,6 +90,8 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         self._hs_buf = bytearray(LENGTH_PREFIX.size)
         self._drain: asyncio.Future[None] | None = None
         self._lost = False
+        #: Set once the transport reported the connection's end (connection_lost ran).
+        self.gone = asyncio.Event()
         self._discard = False
         self._reading_paused = False  # staging is full (backpressure)
         self._yielding = False  # paused for one loop pass after READ_BUDGET bytes
@@ -138,6 +140,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
+        self.gone.set()
         self.closed = True
         self._drop_bulk()
         if self._linger is not None:

@@ -41,22 +41,27 @@ def test_smoke_table_and_json(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     for title in ("allreduce: 2 ranks, tcp, float32", "broadcast: 2 ranks"):
         assert title in done.stdout
-    assert "p50" in done.stdout and "busbw GB/s" in done.stdout
+    assert "p50" in done.stdout
+    assert "busbw GB/s" in done.stdout
     assert "WRONG" not in done.stdout
     assert "[aiocollect r1/1 allreduce 4K] 3 iters" in done.stderr  # progress
     doc = json.loads(out.read_text())
     assert doc["ok"] is True
     assert doc["command"].startswith("aiocollect bench allreduce broadcast")
     machine = doc["machine"]
-    assert machine["nproc"] >= 1 and machine["python"] and machine["date"]
+    assert machine["nproc"] >= 1
+    assert machine["python"]
+    assert machine["date"]
     assert {"uvloop", "torch", "event_loop", "cpu"} <= set(machine)
-    assert doc["config"]["world_size"] == 2 and doc["config"]["rounds"] == 1
+    assert doc["config"]["world_size"] == 2
+    assert doc["config"]["rounds"] == 1
     rows = doc["summary"]
     assert [(r["name"], r["size"]) for r in rows] == \
         [(c, s) for c in ("allreduce", "broadcast") for s in (4, 16, 64, 256, 1024, 4096)]
     for row in rows:
         ac = row["aiocollect"]
-        assert ac["iters"] == 3 and ac["correct"] is True
+        assert ac["iters"] == 3
+        assert ac["correct"] is True
         for key in ("p50_us", "p99_us", "busbw_gbps"):
             assert _positive(ac[key]), (row["name"], row["size"], key, ac[key])
         assert ac["p99_us"] >= ac["p50_us"]
@@ -78,14 +83,17 @@ def test_gloo_baseline(tmp_path: Path) -> None:
     done = run_bench("allreduce", "-n", "2", "--sizes", "4,64K", *SMOKE, "--baseline", "gloo",
                      "--json", str(out), cwd=tmp_path, timeout=80)
     assert done.returncode == 0, done.stderr
-    assert "gloo p50" in done.stdout and "bw ratio" in done.stdout
+    assert "gloo p50" in done.stdout
+    assert "bw ratio" in done.stdout
     assert "[gloo r1/1 allreduce 64K]" in done.stderr
     doc = json.loads(out.read_text())
     assert doc["config"]["baseline_used"] == "gloo"
     for row in doc["summary"]:
         assert row["gloo"]["correct"] is True
-        assert _positive(row["gloo"]["p50_us"]) and _positive(row["gloo"]["busbw_gbps"])
-        assert _positive(row["bw_ratio"]) and _positive(row["lat_ratio"])
+        assert _positive(row["gloo"]["p50_us"])
+        assert _positive(row["gloo"]["busbw_gbps"])
+        assert _positive(row["bw_ratio"])
+        assert _positive(row["lat_ratio"])
 
 
 @pytest.mark.timeout(60)
@@ -97,7 +105,8 @@ def test_plot_and_concurrent_mode(tmp_path: Path) -> None:
                      *SMOKE, "--plot", str(png), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
-    assert "allreduce-concurrent2:" in done.stdout and "conc/seq" in done.stdout
+    assert "allreduce-concurrent2:" in done.stdout
+    assert "conc/seq" in done.stdout
 
 
 @pytest.mark.timeout(60)
@@ -146,7 +155,8 @@ def test_wrong_result_exits_1(monkeypatch: pytest.MonkeyPatch,
                                "--store", f"tcp://127.0.0.1:{free_port()}", "--rank", "0"])
     captured = capsys.readouterr()
     assert status == 1, captured.err
-    assert "WRONG" in captured.out and "WRONG RESULT" in captured.err
+    assert "WRONG" in captured.out
+    assert "WRONG RESULT" in captured.err
 
 
 def _children(pid: int) -> list[int]:

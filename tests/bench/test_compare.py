@@ -51,7 +51,9 @@ def _table(stdout: str, title: str) -> tuple[list[str], list[list[str]]]:
 def _check_compare_row(row: dict[str, Any], transport: str) -> None:
     ac, cmp = row["aiocollect"], row["compare"]
     assert row["compare_transport"] == transport
-    assert cmp is not None and cmp["correct"] is True and cmp["iters"] >= 3
+    assert cmp is not None
+    assert cmp["correct"] is True
+    assert cmp["iters"] >= 3
     for key in ("p50_us", "p99_us", "mean_us", "busbw_gbps"):
         assert _positive(cmp[key]), (row["name"], row["size"], key, cmp[key])
     assert cmp["p99_us"] >= cmp["p50_us"]
@@ -84,7 +86,8 @@ def test_compare_columns_json_and_ratio(tmp_path: Path) -> None:
 
     doc = json.loads(out.read_text())
     assert doc["ok"] is True
-    assert doc["config"]["transport"] == "shm" and doc["config"]["compare"] == "tcp"
+    assert doc["config"]["transport"] == "shm"
+    assert doc["config"]["compare"] == "tcp"
     rows = doc["summary"]
     assert [r["size"] for r in rows] == [4, 65536]
     for row, cells in zip(rows, body, strict=True):
@@ -132,7 +135,8 @@ def test_compare_rounds_interleave_and_use_medians(tmp_path: Path) -> None:
         assert row[key]["busbw_gbps"] == pytest.approx(median([s["busbw_gbps"] for s in sums]))
         assert row[key]["p50_us"] == pytest.approx(median([s["p50_us"] for s in sums]))
     if gloo:
-        assert row["gloo"]["correct"] is True and _positive(row["bw_ratio"])
+        assert row["gloo"]["correct"] is True
+        assert _positive(row["bw_ratio"])
 
 
 @pytest.mark.timeout(60)
@@ -144,7 +148,8 @@ def test_without_compare_the_output_is_unchanged(tmp_path: Path) -> None:
     assert "allreduce: 2 ranks, tcp, float32, median of 1 rounds\n" in done.stdout
     header, _ = _table(done.stdout, "allreduce: ")
     assert header == PLAIN_HEADER
-    assert "--compare" not in done.stdout and " vs " not in done.stdout
+    assert "--compare" not in done.stdout
+    assert " vs " not in done.stdout
     assert "[aiocollect r1/1 allreduce 64] 3 iters" in done.stderr
     doc = json.loads(out.read_text())
     assert "compare" not in doc["config"]
@@ -163,10 +168,12 @@ def test_failing_compared_round_is_recorded(capfd: pytest.CaptureFixture[str]) -
                 options=RankOptions(transport="tcp", loop="asyncio"), compare="nosuch")
     (entry,) = run_rounds(plan)
     assert entry["aiocollect"]["records"][0]["correct"] is True
-    assert entry["compare"]["transport"] == "nosuch" and "error" in entry["compare"]
+    assert entry["compare"]["transport"] == "nosuch"
+    assert "error" in entry["compare"]
     assert "aiocollect/nosuch compared round r1/1 failed" in capfd.readouterr().err
     (row,) = report.aggregate([entry], [case], 2, "nosuch")
-    assert row["compare"] is None and row["compare_bw_ratio"] != row["compare_bw_ratio"]
+    assert row["compare"] is None
+    assert row["compare_bw_ratio"] != row["compare_bw_ratio"]
     assert report.all_correct([row])
     table = report.format_tables([row], {"world_size": 2, "transport": "tcp",
                                          "dtype": "float32", "rounds": 1})

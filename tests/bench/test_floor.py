@@ -40,7 +40,8 @@ def test_bandwidth_floor_runs_and_reports(tmp_path: Path) -> None:
         m = re.fullmatch(r"floor allreduce N=(\d) (\d+)MiB \(chunk 16KiB\): ([\d.]+) ms, "
                          r"busbw ([\d.]+) GB/s", line)
         assert m is not None, line
-        assert float(m.group(3)) > 0 and float(m.group(4)) >= 0
+        assert float(m.group(3)) > 0
+        assert float(m.group(4)) >= 0
 
 
 @pytest.mark.timeout(120)

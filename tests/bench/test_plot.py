@@ -74,7 +74,8 @@ def test_plot_panels_ratio_split_axes_colours_and_footer(
     assert line[2] == pytest.approx([r["bw_ratio"] for r in rows])
     assert list(one[2]) == [1.0, 1.0]
     # Bandwidth on a linear axis; latency split at 256 KiB.
-    assert bw["yscale"] == "linear" and small["yscale"] == "linear"
+    assert bw["yscale"] == "linear"
+    assert small["yscale"] == "linear"
     assert all(x < plotting.SPLIT for ln in small["lines"] for x in ln[1])
     assert all(x >= plotting.SPLIT for ln in large["lines"] for x in ln[1])
     assert {ln[1][0] for ln in large["lines"]} == {256 * 1024}
@@ -82,8 +83,11 @@ def test_plot_panels_ratio_split_axes_colours_and_footer(
     assert len({ln[3] for ln in bw["lines"]}) == len(bw["lines"]) == 2
     # Date, load average and the warning on the figure.
     (foot,) = [t for t in fig["texts"] if t.startswith("measured")]
-    assert "2026-12-02" in foot and "load average" in foot and "max 3.25" in foot
-    assert "WARNING" in foot and "2 cores" in foot
+    assert "2026-12-02" in foot
+    assert "load average" in foot
+    assert "max 3.25" in foot
+    assert "WARNING" in foot
+    assert "2 cores" in foot
 
 
 @needs_mpl
@@ -106,7 +110,8 @@ def test_load_warning_in_table_and_summary(monkeypatch: pytest.MonkeyPatch) -> N
     with report.LoadWatch(period=0.01) as watch:
         pass
     summary = watch.summary()
-    assert summary["cores"] == 2 and summary["max"] == 3.5
+    assert summary["cores"] == 2
+    assert summary["max"] == 3.5
     assert "3.50 on 2 cores" in summary["warning"]
     rows = report.aggregate(_rounds(False), CASES, 2)
     text = report.format_tables(rows, {**META, "load_warning": summary["warning"]})
@@ -130,7 +135,8 @@ def test_busy_run_warns_in_table_and_json(tmp_path: Path, monkeypatch: pytest.Mo
     assert status == 0, captured.err
     assert "WARNING: the load average reached 64.00" in captured.out
     doc = json.loads(out.read_text())
-    assert doc["load"]["max"] == 64.0 and doc["load"]["cores"] == report.cores()
+    assert doc["load"]["max"] == 64.0
+    assert doc["load"]["cores"] == report.cores()
     assert doc["load_warning"].startswith("the load average reached 64.00")
 
 
@@ -142,8 +148,11 @@ def test_broadcast_iterations_end_with_a_barrier(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     doc = json.loads(out.read_text())
     bcast, allreduce = doc["summary"]
-    assert bcast["name"] == "broadcast" and bcast["aiocollect"]["sync_p50_us"] > 0
+    assert bcast["name"] == "broadcast"
+    assert bcast["aiocollect"]["sync_p50_us"] > 0
     (rec, plain) = doc["rounds"][0]["aiocollect"]["records"]
-    assert rec["sync"] == "barrier" and rec["sync_p50_us"] > 0
-    assert "sync" not in plain and "sync_p50_us" not in allreduce["aiocollect"]
+    assert rec["sync"] == "barrier"
+    assert rec["sync_p50_us"] > 0
+    assert "sync" not in plain
+    assert "sync_p50_us" not in allreduce["aiocollect"]
     assert "broadcast: every iteration ends with a barrier" in done.stdout

@@ -24,9 +24,12 @@ def test_parse_sizes(text: str, expected: list[int]) -> None:
     assert spec.parse_sizes(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "x", "0", "4..2", "4..4K:1", "-4", "1T"])
-def test_parse_sizes_rejects(text: str) -> None:
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(("text", "why"), [
+    ("", "no sizes given"), ("x", "not a size: 'x'"), ("0", "at least 1 byte"),
+    ("4..2", "empty size range"), ("4..4K:1", "range factor must be at least 2"),
+    ("-4", "not a size: '-4'"), ("1T", "not a size: '1T'")])
+def test_parse_sizes_rejects(text: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
         spec.parse_sizes(text)
 
 
@@ -41,7 +44,7 @@ def test_parse_collective() -> None:
     assert spec.parse_collective("allreduce-concurrent4") == ("allreduce", 4)
     assert spec.Case("allreduce", 16, 4).name == "allreduce-concurrent4"
     for bad in ("allreduce-concurrent1", "nosuch", "barrier"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"concurrency must be|unknown collective"):
             spec.parse_collective(bad)
 
 
@@ -134,5 +137,6 @@ def test_aggregate_medians_ratios_and_correctness() -> None:
     assert not report.all_correct([row])
     table = report.format_tables([row], {"world_size": 2, "transport": "tcp",
                                          "dtype": "float32", "rounds": 3})
-    assert "WRONG" in table and "gloo p50" in table
+    assert "WRONG" in table
+    assert "gloo p50" in table
     assert report.clean({"a": [float("nan"), 1.0]}) == {"a": [None, 1.0]}

@@ -35,7 +35,9 @@ def test_script_arguments_are_left_alone(script: str) -> None:
     cfg = parse_run_args(["--nproc_per_node=2", "--", script, "x"])
     assert (cfg.nproc, cfg.script, cfg.args) == (2, script, ["x"])
     cfg = parse_run_args(["-n", "2", "-m", "pkg.train", "--lr", "1"])
-    assert cfg.module and cfg.script == "pkg.train" and cfg.args == ["--lr", "1"]
+    assert cfg.module
+    assert cfg.script == "pkg.train"
+    assert cfg.args == ["--lr", "1"]
     assert rank_command(cfg)[1:] == ["-m", "pkg.train", "--lr", "1"]
 
 
@@ -55,11 +57,13 @@ def test_rank_env_global_ranks() -> None:
     assert env["AIOCOLLECT_RANK"] == env["RANK"] == "9"
     assert env["AIOCOLLECT_WORLD_SIZE"] == env["WORLD_SIZE"] == "12"
     assert env["AIOCOLLECT_LOCAL_RANK"] == env["LOCAL_RANK"] == "1"
-    assert env["LOCAL_WORLD_SIZE"] == "4" and env["GROUP_RANK"] == "2"
+    assert env["LOCAL_WORLD_SIZE"] == "4"
+    assert env["GROUP_RANK"] == "2"
     assert env["AIOCOLLECT_STORE"] == "tcp://[::1]:1234"
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("::1", "1234")
     assert env["AIOCOLLECT_TRANSPORT"] == "tcp"
-    assert env["PYTHONUNBUFFERED"] == "1" and env["KEEP"] == "me"
+    assert env["PYTHONUNBUFFERED"] == "1"
+    assert env["KEEP"] == "me"
 
 
 @pytest.mark.timeout(10)

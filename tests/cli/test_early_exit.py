@@ -69,4 +69,5 @@ def test_group_timeout_sets_the_groups_timeout(run_cli: RunCli,
     for rank in (0, 1):
         assert f"[rank {rank}] env 7.5 group 7.5" in done.stdout, done.stdout
     bad = run_cli("run", "-n", "2", "--group-timeout", "0", str(script), timeout=50)
-    assert bad.returncode == 2 and "--group-timeout must be > 0" in bad.stderr
+    assert bad.returncode == 2
+    assert "--group-timeout must be > 0" in bad.stderr

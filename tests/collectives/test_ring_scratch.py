@@ -101,7 +101,8 @@ async def test_ring_allreduce_many_windows_memory(n: int, pool: CheckingPool) ->
     count = _count(n, 300, 5)
     res = await run_ranks(n, _allreduce_body, count, 1, chunk_bytes=CHUNK)
     assert res == [len(DTYPES) * len(OPS)] * n
-    assert pool.live == [] and pool.leased == 0
+    assert pool.live == []
+    assert pool.leased == 0
     assert max(pool.requests) <= 3 * CHUNK  # never more than the window
     assert pool.reused > 0
 
@@ -111,7 +112,8 @@ async def test_ring_allreduce_many_windows_tcp(n: int, pool: CheckingPool) -> No
     count = _count(n, 257, n - 1)
     res = await run_ranks(n, _allreduce_body, count, None, transport="tcp", chunk_bytes=CHUNK)
     assert res == [len(DTYPES) * len(OPS)] * n
-    assert pool.leased == 0 and max(pool.requests) <= 3 * CHUNK
+    assert pool.leased == 0
+    assert max(pool.requests) <= 3 * CHUNK
 
 
 @pytest.mark.parametrize("count", [0, 1, 2, 3, 7, 17, 100])
@@ -143,7 +145,8 @@ async def test_ring_reduce_scatter_many_windows(n: int, transport: str,
 
     res = await run_ranks(n, body, transport=transport, chunk_bytes=CHUNK)
     assert res == [len(DTYPES) * len(OPS)] * n
-    assert pool.leased == 0 and max(pool.requests) <= 3 * CHUNK
+    assert pool.leased == 0
+    assert max(pool.requests) <= 3 * CHUNK
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -168,7 +171,8 @@ async def test_concurrent_ring_allreduces_share_no_scratch(n: int,
     await run_ranks(n, body, chunk_bytes=CHUNK)
     assert pool.peak_live >= 2  # operations really overlapped
     assert pool.reused > 0  # and later ones reused earlier windows
-    assert pool.leased == 0 and pool.discarded == 0
+    assert pool.leased == 0
+    assert pool.discarded == 0
     assert pool.retained_bytes <= pool.cap_bytes
 
 
@@ -188,7 +192,8 @@ async def test_window_size_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     await run_ranks(2, body, transport="tcp", chunk_bytes=16 * 1024)
     assert set(p.requests) == {256 * 1024}
     assert p.reused >= 4  # 2 ranks x 3 calls, served from at most 2 buffers
-    assert p.leased == 0 and p.retained_bytes <= 2 * 256 * 1024
+    assert p.leased == 0
+    assert p.retained_bytes <= 2 * 256 * 1024
 
 
 async def test_abandoned_operation_does_not_return_its_window(pool: CheckingPool) -> None:
@@ -208,7 +213,9 @@ async def test_abandoned_operation_does_not_return_its_window(pool: CheckingPool
 
     res = await run_ranks(2, body, chunk_bytes=CHUNK)
     assert res[1] == "idle"
-    assert pool.discarded == 1 and pool.leased == 0 and pool.retained_bytes == 0
+    assert pool.discarded == 1
+    assert pool.leased == 0
+    assert pool.retained_bytes == 0
 
 
 # -- the pool itself ----------------------------------------------------------------------
@@ -218,15 +225,18 @@ def test_pool_leases_are_disjoint_and_reused() -> None:
     p = ScratchPool(cap_bytes=4 << 20, min_bytes=4096)
     a = p.acquire(100_000, np.dtype(np.float32))
     b = p.acquire(100_000, np.dtype(np.float32))
-    assert a.shape == (100_000,) and a.dtype == np.float32
+    assert a.shape == (100_000,)
+    assert a.dtype == np.float32
     assert not np.shares_memory(a, b)
     addr = a.__array_interface__["data"][0]
     p.release(a)
     assert p.retained_bytes == size_class(400_000)
     c = p.acquire(50_000, np.dtype(np.int64))  # same size class, other dtype
-    assert c.__array_interface__["data"][0] == addr and c.dtype == np.int64
+    assert c.__array_interface__["data"][0] == addr
+    assert c.dtype == np.int64
     assert not np.shares_memory(c, b)
-    assert p.retained_bytes == 0 and p.leased == 2
+    assert p.retained_bytes == 0
+    assert p.leased == 2
     p.release(b)
     p.release(c)
     assert p.leased == 0
@@ -239,16 +249,17 @@ def test_pool_cap_and_misuse() -> None:
         p.release(a)
         assert p.retained_bytes <= 1 << 20
     assert p.retained_bytes == 1 << 20
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="not an array leased from this pool"):
         p.release(arrs[0])  # already returned
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="not an array leased from this pool"):
         p.release(np.empty(10))  # never leased
     big = p.acquire(2 << 20, np.dtype(np.uint8))  # above the cap: served, never retained
     p.release(big)
     assert p.retained_bytes <= 1 << 20
     d = p.acquire(256 * 1024, np.dtype(np.uint8))
     p.discard(d)  # not retained
-    assert p.retained_bytes <= (1 << 20) - 256 * 1024 and p.leased == 0
+    assert p.retained_bytes <= (1 << 20) - 256 * 1024
+    assert p.leased == 0
     small = p.acquire(10, np.dtype(np.float64))  # below min_bytes: a plain allocation
     p.release(small)
     assert p.leased == 0

@@ -68,7 +68,8 @@ async def _check(g: ac.Group) -> list[str]:
 @pytest.mark.parametrize("transport", ["memory", "tcp"])
 async def test_bad_arguments_raise_before_sending(transport: str) -> None:
     res = await run_ranks(2, _check, transport=transport)
-    assert len(res[0]) == 22 and res[0] == res[1]
+    assert len(res[0]) == 22
+    assert res[0] == res[1]
 
 
 async def test_buffer_protocol_objects() -> None:
@@ -83,7 +84,7 @@ async def test_buffer_protocol_objects() -> None:
     assert res[0] == (bytes([2] * 4), [1.0, 1.0, 1.0])
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(("kwargs", "match"), [
     ({"rank": 0, "world_size": 0}, "world_size"),
     ({"rank": 2, "world_size": 2}, "rank"),
     ({"rank": -1, "world_size": 2}, "rank"),

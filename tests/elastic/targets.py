@@ -99,7 +99,8 @@ async def _admitting(url: str, rank: int, world: int, secret: str | None, q: Any
     assert await _sums(group, q, rank, 2)
     if want:
         if rank == 0:
-            while await group.joiners() < want:  # polls the store: the joiners are elsewhere
+            # joiners register in the store from other processes; nothing notifies this one
+            while await group.joiners() < want:  # noqa: ASYNC110
                 await asyncio.sleep(0.02)
         await group.broadcast_object(True)
     if die:

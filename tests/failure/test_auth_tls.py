@@ -87,7 +87,7 @@ async def test_same_secret_forms_a_group_over_tcp(secret: str | bytes) -> None:
     assert res == [6.0, 6.0, 6.0]
 
 
-@pytest.mark.parametrize("bad, secret", [(2, "wrong"), (2, None), (0, "wrong")],
+@pytest.mark.parametrize(("bad", "secret"), [(2, "wrong"), (2, None), (0, "wrong")],
                          ids=["last-rank-wrong", "last-rank-none", "first-rank-wrong"])
 async def test_rank_with_wrong_secret_is_refused(
         bad: int, secret: str | None, unique_name: str, caplog: pytest.LogCaptureFixture,
@@ -108,7 +108,8 @@ async def test_rank_with_wrong_secret_is_refused(
     # Logged where refused (a refused rank may give up its other connects at once).
     rejected = [r.message for r in caplog.records
                 if "rejected an incoming connection" in r.message]
-    assert rejected and all("secret" in m for m in rejected), rejected
+    assert rejected, rejected
+    assert all("secret" in m for m in rejected), rejected
 
 
 async def _challenge(reader: asyncio.StreamReader) -> dict[str, Any]:
@@ -169,12 +170,14 @@ async def test_stranger_with_a_bad_hmac_is_rejected_and_the_group_forms(
                 assert await reader.read() == b""  # then EOF
         finally:
             writer.close()
-        assert reply["t"] == "reject" and reply["kind"] == "auth", reply
+        assert reply["t"] == "reject", reply
+        assert reply["kind"] == "auth", reply
         assert await asyncio.gather(rank0, rank(1)) == [3.0, 3.0]
     finally:
         rank0.cancel()
     rejected = [r for r in caplog.records if "rejected an incoming connection" in r.message]
-    assert len(rejected) == 1 and "secret" in rejected[0].message
+    assert len(rejected) == 1
+    assert "secret" in rejected[0].message
 
 
 # == the TCP store ===========================================================================
@@ -264,15 +267,21 @@ async def test_tls_in_separate_processes(certs: Certs) -> None:
     _check_tls_results(res, n)
 
 
+@pytest.fixture
+def both_cas(certs: Certs, tmp_path: Path) -> str:
+    """A CA bundle that trusts the main CA and the other one."""
+    bundle = tmp_path / "both.pem"
+    bundle.write_text(Path(certs.ca).read_text() + Path(certs.other_ca).read_text())
+    return str(bundle)
+
+
 @pytest.mark.parametrize("trust", ["other CA only", "both CAs"])
 async def test_certificate_from_another_ca_cannot_join(
-        certs: Certs, trust: str, unique_name: str, tmp_path: Path) -> None:
+        certs: Certs, trust: str, unique_name: str, both_cas: str) -> None:
     """Rank 2 holds a certificate from another CA. Trusting only that CA, it rejects the
     others' certificates; trusting both, the others reject its certificate. Either way its
     rendezvous fails at once with a clear error and the others time out naming it."""
-    bundle = tmp_path / "both.pem"
-    bundle.write_text(Path(certs.ca).read_text() + Path(certs.other_ca).read_text())
-    cafile = certs.other_ca if trust == "other CA only" else str(bundle)
+    cafile = certs.other_ca if trust == "other CA only" else both_cas
     store = MemoryStore(unique_name)
 
     def options(rank: int) -> dict[str, Any]:

@@ -90,7 +90,8 @@ async def _round_trips(g: ac.Group) -> int:
         got = await g.broadcast_object(value if g.rank == 1 else None, root=1)
         assert same(got, value), (got, value)
         everyone = await g.allgather_object(value)
-        assert len(everyone) == g.world_size and all(same(v, value) for v in everyone)
+        assert len(everyone) == g.world_size
+        assert all(same(v, value) for v in everyone)
         gathered = await g.gather_object(value, root=2)
         assert gathered is None if g.rank != 2 else all(same(v, value) for v in gathered)
         checked += 1
@@ -300,7 +301,7 @@ async def test_hostile_allgather_object_size(
     await _broken_everywhere(g, fake, handle, started, f"rank 1 declared {rows} rows")
 
 
-@pytest.mark.parametrize("rows, row", [(-100, 2), (4 << 40, 2), (3, -2), (2**62, 0)],
+@pytest.mark.parametrize(("rows", "row"), [(-100, 2), (4 << 40, 2), (3, -2), (2**62, 0)],
                          ids=["-100 rows", "4TiB", "negative row", "huge empty rows"])
 async def test_hostile_allgatherv_sizes(
         rows: int, row: int, memory_store: MemoryStore, unique_name: str,
@@ -345,7 +346,8 @@ async def test_hostile_value_breaks_the_group_on_every_rank(
     first, later, took = res[0]
     assert isinstance(first, errors.ProtocolError), first
     assert "gather_object (op #0): rank 2 sent" in str(first), str(first)
-    assert isinstance(later, ac.GroupBrokenError) and later.__cause__ is first
+    assert isinstance(later, ac.GroupBrokenError)
+    assert later.__cause__ is first
     for rank in (1, 2):
         first, later, took = res[rank]
         assert first == "ok" or isinstance(first, ac.GroupBrokenError), first

@@ -39,7 +39,7 @@ def check_killed(outcomes: list[Any], victim: int, killed_at: float) -> None:
         assert res["later"] == "PeerDisconnected"
 
 
-@pytest.mark.parametrize("n, victim, size, alg", [
+@pytest.mark.parametrize(("n", "victim", "size", "alg"), [
     (2, 1, 1 << 16, None),
     (3, 2, 1 << 20, "ring"),
     (4, 1, 4096, "recursive_doubling"),

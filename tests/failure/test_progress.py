@@ -85,7 +85,9 @@ async def test_stalled_operation_warns_with_backoff(stall_warnings: Warnings) ->
     mine = stall_warnings.of(0)
     m = STALL.search(mine[0][1])
     assert m is not None, mine[0][1]
-    assert m.group(1) == "allreduce" and m.group(2) == "1" and m.group(4), m.groups()
+    assert m.group(1) == "allreduce", m.groups()
+    assert m.group(2) == "1", m.groups()
+    assert m.group(4), m.groups()
     # the ring waits for a neighbour; the ping says who has not called it at all
     assert "ranks [2] have not called it" in mine[-1][1], mine[-1][1]
     assert "times out in" in mine[0][1]

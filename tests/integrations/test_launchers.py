@@ -77,7 +77,7 @@ def test_torchrun() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("rank_var, size_var", [("PMI_RANK", "PMI_SIZE"),
+@pytest.mark.parametrize(("rank_var", "size_var"), [("PMI_RANK", "PMI_SIZE"),
                                                 ("SLURM_PROCID", "SLURM_NTASKS"),
                                                 ("OMPI_COMM_WORLD_RANK",
                                                  "OMPI_COMM_WORLD_SIZE")])

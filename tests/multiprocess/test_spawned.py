@@ -13,7 +13,9 @@ from tests.multiprocess import targets
 @pytest.mark.parametrize("n", [2, 3, 4])
 async def test_sweep_in_processes(n: int) -> None:
     counts = await spawn_ranks(n, targets.sweep, timeout=200, chunk_bytes=CHUNK)
-    assert len(counts) == n and counts[0] > 50 and len(set(counts)) == 1
+    assert len(counts) == n
+    assert counts[0] > 50
+    assert len(set(counts)) == 1
 
 
 @pytest.mark.timeout(120)
@@ -40,7 +42,8 @@ def test_sweep_in_processes_on_uvloop() -> None:
         return await spawn_ranks(3, targets.sweep, timeout=200, chunk_bytes=CHUNK, uvloop=True)
 
     counts = uvloop.run(main())
-    assert len(set(counts)) == 1 and counts[0] > 50
+    assert len(set(counts)) == 1
+    assert counts[0] > 50
 
 
 @pytest.mark.timeout(240)
@@ -52,4 +55,5 @@ def test_in_process_tcp_sweep_on_uvloop() -> None:
         return await run_ranks(4, targets.sweep, transport="tcp", chunk_bytes=CHUNK)
 
     counts = uvloop.run(main())
-    assert len(set(counts)) == 1 and counts[0] > 50
+    assert len(set(counts)) == 1
+    assert counts[0] > 50

@@ -82,11 +82,13 @@ async def _check_collectives(g: ac.Group, counts: list[int]) -> float:
         z = np.full(max(count // 4, 1), r, np.float32)
         await asyncio.gather(g.allreduce(x, op=ac.MAX), g.broadcast(y, root=1),
                              g.allreduce(z))
-        assert (x == n).all() and (y == 1).all() and (z == n * (n - 1) // 2).all()
+        assert (x == n).all()
+        assert (y == 1).all()
+        assert (z == n * (n - 1) // 2).all()
     return time.monotonic() - start
 
 
-@pytest.mark.parametrize("world_size, counts", [
+@pytest.mark.parametrize(("world_size", "counts"), [
     (3, [1, 1000, 100_000, 1 << 20]),    # 1 MiB float32 = 4 MiB
     (4, [3, 5000, 3 << 19]),             # 6 MiB
 ])
@@ -223,7 +225,7 @@ async def test_stalled_link_blame_is_precise(network: ProxyNetwork, which: str) 
 # -- cut link: PeerError well before the deadline -----------------------------------------
 
 
-@pytest.mark.parametrize("which, a, b, reset", [
+@pytest.mark.parametrize(("which", "a", "b", "reset"), [
     ("allreduce-ring", 0, 2, True),
     ("allreduce-halving", 0, 1, False),  # 3 ranks: 0 and 1 fold, so link 0-1 carries data
     ("allgather-ring", 1, 2, True),
@@ -243,7 +245,8 @@ async def test_cut_link_gives_peer_error_on_every_rank(
     body = _fault_run(arm, call, n, long_deadline)
     results = await network.run_ranks(n, body, name=f"cut-{which}", timeout=long_deadline)
     fired = network.link(a, b).fired
-    assert fired and fired[0][1] == ("reset" if reset else "close"), fired
+    assert fired, fired
+    assert fired[0][1] == ("reset" if reset else "close"), fired
     cut_at = fired[0][0]
     for rank, res in enumerate(results):
         exc = _root_cause(res["exc"])

@@ -21,7 +21,9 @@ def _cfg(**kw: object) -> LaunchConfig:
 def test_multi_node_without_secret_is_refused_with_the_fix() -> None:
     reason = unprotected(_cfg(), {})
     assert reason is not None
-    assert "AIOCOLLECT_SECRET" in reason and "--secret" in reason and "--insecure" in reason
+    assert "AIOCOLLECT_SECRET" in reason
+    assert "--secret" in reason
+    assert "--insecure" in reason
     assert unprotected(_cfg(secret="s"), {}) is None
     assert unprotected(_cfg(insecure=True), {}) is None
     assert unprotected(_cfg(), {"AIOCOLLECT_SECRET": "s"}) is None
@@ -35,7 +37,8 @@ def test_secret_and_insecure_reach_the_ranks() -> None:
     env = rank_env(_cfg(secret="s3"), 1, base={"AIOCOLLECT_INSECURE": "1"})
     assert env["AIOCOLLECT_SECRET"] == "s3"
     env = rank_env(_cfg(insecure=True), 0, base={})
-    assert env["AIOCOLLECT_INSECURE"] == "1" and "AIOCOLLECT_SECRET" not in env
+    assert env["AIOCOLLECT_INSECURE"] == "1"
+    assert "AIOCOLLECT_SECRET" not in env
     env = rank_env(_cfg(), 0, base={"AIOCOLLECT_SECRET": "inherited"})
     assert env["AIOCOLLECT_SECRET"] == "inherited"
 

@@ -38,6 +38,13 @@ def topology() -> Iterator[netns.Topology]:
         yield topo
 
 
+@pytest.fixture
+def shared_dir(tmp_path: Path) -> Path:
+    """``tmp_path``, writable by everyone: a directory the ranks of both hosts share."""
+    tmp_path.chmod(0o777)
+    return tmp_path
+
+
 def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items()
             if k not in ("AIOCOLLECT_SECRET", "AIOCOLLECT_INSECURE")}
@@ -119,25 +126,27 @@ async def test_job_without_secret_across_hosts_fails_with_the_fix(
     assert await asyncio.wait_for(ranks[1].proc.wait(), 30) != 0
     await ranks[1]._drain
     err = ranks[1].stderr.decode(errors="replace")
-    assert "StoreError" in err and _is_protected_refusal(err), err
+    assert "StoreError" in err, err
+    assert _is_protected_refusal(err), err
     assert await asyncio.wait_for(ranks[0].proc.wait(), 30) != 0  # times out alone
     await ranks[0]._drain
     assert "RendezvousTimeout" in ranks[0].stderr.decode(errors="replace")
 
 
 async def test_peer_listener_without_secret_refuses_other_hosts(
-        topology: netns.Topology, launch: Any, tmp_path: Path) -> None:  # noqa: F811
+        topology: netns.Topology, launch: Any, shared_dir: Path) -> None:  # noqa: F811
     """A store both hosts share (a directory: namespaces share the file system): the
     record exchange works, but rank 0's listener refuses the link from the other host, and
     rank 1 says why and what to do."""
-    tmp_path.chmod(0o777)
-    env = {"AIOCOLLECT_STORE": f"file://{tmp_path}", "AIOCOLLECT_IFNAME": netns.IFNAME,
+    env = {"AIOCOLLECT_STORE": f"file://{shared_dir}", "AIOCOLLECT_IFNAME": netns.IFNAME,
            "AIOCOLLECT_SECRET": "", "NETNS_TIMEOUT": "8"}
     ranks = [await launch(r, env) for r in range(2)]
     assert await asyncio.wait_for(ranks[1].proc.wait(), 30) != 0
     await ranks[1]._drain
     err = ranks[1].stderr.decode(errors="replace")
-    assert "RendezvousError" in err and "rank 0" in err and "refused the link" in err, err
+    assert "RendezvousError" in err, err
+    assert "rank 0" in err, err
+    assert "refused the link" in err, err
     assert _is_protected_refusal(err), err
     await asyncio.wait_for(ranks[0].proc.wait(), 30)
 
@@ -196,15 +205,15 @@ async def _launchers(topology: netns.Topology, script: Path,
                                                                              strict=True)]
 
 
-async def test_aiocollect_run_across_hosts(topology: netns.Topology, tmp_path: Path) -> None:
+async def test_aiocollect_run_across_hosts(topology: netns.Topology, shared_dir: Path) -> None:
     """`aiocollect run --secret` passes the secret to its ranks: the job runs across hosts;
     without one (nor --insecure) both launchers refuse at once, saying what to do."""
-    script = tmp_path / "job.py"
+    script = shared_dir / "job.py"
     script.write_text(RUN_SCRIPT)
-    tmp_path.chmod(0o777)
     for code, out, err in await _launchers(topology, script, "--secret", "run-secret"):
         assert code == 0, err
         assert "sum 3 2" in out, out
     for code, out, err in await _launchers(topology, script):
         assert code == 2, (out, err)
-        assert "AIOCOLLECT_SECRET" in err and "--insecure" in err, err
+        assert "AIOCOLLECT_SECRET" in err, err
+        assert "--insecure" in err, err

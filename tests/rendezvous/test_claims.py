@@ -166,7 +166,8 @@ async def _claim_in_child_and_kill_it(spec: str, name: str, rank: int) -> str:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tests.rendezvous.claim_child", spec, name, str(rank), "2",
         cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout is not None
+    assert proc.stderr is not None
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 40)).decode()
     finally:
@@ -188,7 +189,8 @@ async def test_second_claimant_is_refused_naming_the_holder(backend: Backend) ->
     assert f"rank 0 of group {name!r} is already claimed by {HERE}" in str(info.value)
     assert "another job on the same store?" in str(info.value)
     second = await claims.claim(s2, name, 1, 2, _deadline())
-    assert second.job == first.job and second.epoch == first.epoch
+    assert second.job == first.job
+    assert second.epoch == first.epoch
     with pytest.raises(ac.RendezvousError, match=f"rank 1 of group '{name}' is already "
                                                  f"claimed by {HERE}"):
         await claims.claim(s1, name, 1, 2, _deadline())
@@ -213,7 +215,8 @@ async def test_a_released_group_name_is_claimed_by_the_next_job(backend: Backend
     assert not waiting.done()
     again = await claims.claim(s1, name, 0, 2, _deadline())
     joined = await waiting
-    assert again.job != first.job and again.epoch == first.epoch + 1
+    assert again.job != first.job
+    assert again.epoch == first.epoch + 1
     assert joined.job == again.job
     with pytest.raises(ac.RendezvousError, match="belongs to another job"):
         await again.read_record(1)  # rank 1's record of the earlier job is never read
@@ -355,7 +358,8 @@ def test_handshake_refuses_a_peer_of_another_job() -> None:
         same = AcceptorHandshake("g", 0, 2, secret, lambda peer: None, job=b"B" * 16)
         con = ConnectorHandshake("g", 1, 0, 2, secret, job=b"B" * 16)
         replies, peer = same.on_message(con.on_message(same.start()[0])[0][0])
-        assert peer == 1 and con.on_message(replies[0]) == ([], 0)
+        assert peer == 1
+        assert con.on_message(replies[0]) == ([], 0)
 
 
 async def test_a_peer_of_another_job_is_refused_and_the_group_forms(
@@ -382,7 +386,8 @@ async def test_a_peer_of_another_job_is_refused_and_the_group_forms(
             assert await reader.read() == b""  # then EOF
         finally:
             writer.close()
-        assert reply["t"] == "reject" and reply["kind"] == "job", reply
+        assert reply["t"] == "reject", reply
+        assert reply["kind"] == "job", reply
         assert list(await asyncio.gather(rank0, rank(1))) == [3.0, 3.0]
         assert "belongs to another job" in caplog.text
     finally:

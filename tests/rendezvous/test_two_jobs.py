@@ -112,7 +112,8 @@ def test_a_job_started_while_another_runs_fails_at_once(tmp_path: Path) -> None:
     port = free_port("127.0.0.1")
     with _start(script, port, 100, tmp_path, "--hold", stdin=subprocess.PIPE) as first:
         try:
-            assert first.stdout is not None and first.stdin is not None
+            assert first.stdout is not None
+            assert first.stdin is not None
             seen = []
             for line in first.stdout:  # bounded by pytest-timeout
                 seen.append(line)
@@ -121,7 +122,8 @@ def test_a_job_started_while_another_runs_fails_at_once(tmp_path: Path) -> None:
             second = _start(script, port, 200, tmp_path)
             out, err = second.communicate(timeout=60)
             assert second.returncode != 0, out
-            assert "RendezvousError" in err and "another job on the same store" in err, err
+            assert "RendezvousError" in err, err
+            assert "another job on the same store" in err, err
             assert "could not connect" not in err, err
             first.stdin.write("go\n")
             first.stdin.close()

@@ -99,7 +99,8 @@ async def corrupt_pull_count(g: ac.Group, count: int) -> dict[str, Any]:
     what each rank raised, its cause and, for a relayed failure, the ABORT it came in."""
     if g.rank == 1:
         link = g._fabric.links[0]
-        assert isinstance(link, ShmLink) and link.shm
+        assert isinstance(link, ShmLink)
+        assert link.shm
         link._pulled = 1 << 40
     await g.barrier()
     buf = np.ones(count, np.float32)

@@ -57,7 +57,7 @@ async def test_algorithms(n: int) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("n, transport", [(2, "shm"), (5, "auto")])
+@pytest.mark.parametrize(("n", "transport"), [(2, "shm"), (5, "auto")])
 async def test_algorithms_in_processes(n: int, transport: str) -> None:
     dtypes = [np.dtype(np.bool_), np.dtype(np.int64), np.dtype(np.float64)]
     res = await spawn_ranks(n, sweep_algorithms, dtypes, timeout=250, chunk_bytes=CHUNK,
@@ -72,11 +72,13 @@ async def test_sweep_in_processes(n: int, monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.setenv("AIOCOLLECT_SHM_SPIN_US", "300")
     counts = await spawn_ranks(n, mp_targets.sweep, timeout=200, chunk_bytes=CHUNK,
                                transport="shm")
-    assert len(counts) == n and counts[0] > 50 and len(set(counts)) == 1
+    assert len(counts) == n
+    assert counts[0] > 50
+    assert len(set(counts)) == 1
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("n, spin_us", [(3, "0"), (2, "500")])
+@pytest.mark.parametrize(("n", "spin_us"), [(3, "0"), (2, "500")])
 @pytest.mark.parametrize("uvloop", [False, True])
 async def test_concurrent_allreduces(uvloop: bool, n: int, spin_us: str,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,7 +92,7 @@ async def test_concurrent_allreduces(uvloop: bool, n: int, spin_us: str,
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("uvloop, pull", [(False, "0"), (True, "0"), (True, "")])
+@pytest.mark.parametrize(("uvloop", "pull"), [(False, "0"), (True, "0"), (True, "")])
 async def test_frames_larger_than_the_ring(uvloop: bool, pull: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of 1 MiB through 64 KiB rings: with pulls off, every frame is written in

@@ -31,7 +31,7 @@ from tests.shm.conftest import leaked, segments
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("n, victim, size, alg", [
+@pytest.mark.parametrize(("n", "victim", "size", "alg"), [
     (2, 1, 1 << 16, None),
     (2, 0, 8 << 20, None),  # frames larger than the ring are in flight
     (3, 2, 1 << 20, "ring"),
@@ -93,7 +93,8 @@ async def test_mismatch_in_process(case: str, n: int) -> None:
     for rank, (elapsed, kind, message) in enumerate(res):
         assert kind == "MismatchError", f"rank {rank}: {kind}"
         assert elapsed < 1.0, f"rank {rank} took {elapsed:.2f}s"
-        assert "called" in message and "but rank" in message
+        assert "called" in message
+        assert "but rank" in message
     assert any(CASES[case][2] in m for _, _, m in res), [m for _, _, m in res]
 
 
@@ -133,7 +134,8 @@ async def _corrupt_then_allreduce(g: ac.Group, how: str) -> tuple[str, str]:
         await g.barrier()
         if g.rank == 0:
             link = g._fabric.links[1]
-            assert isinstance(link, ShmLink) and link.shm
+            assert isinstance(link, ShmLink)
+            assert link.shm
             _corrupt(link, how)
         for _ in range(100):  # rank 0's first allreduce may complete before rank 1 reports
             await g.allreduce(np.ones(4, np.float32))
@@ -148,7 +150,8 @@ def _check_told(res: list[tuple[str, str]], detector: int | None) -> None:
     one if None, or both at once); the other got GroupBrokenError naming the detector and
     carrying its message, not a disconnection or a timeout."""
     own = [detail.startswith("ProtocolError: ") for _, detail in res]
-    assert any(own) and (detector is None or own[detector]), res
+    assert any(own), res
+    assert detector is None or own[detector], res
     for rank, (kind, detail) in enumerate(res):
         if not own[rank]:
             other = 1 - rank
@@ -174,7 +177,8 @@ async def _corrupt_tail(g: ac.Group) -> str:
         await g.barrier()  # every rank's group formed (see _corrupt_then_allreduce)
         if g.rank == 1:  # rank 1 claims to have read more than rank 0 ever wrote
             link = g._fabric.links[0]
-            assert isinstance(link, ShmLink) and link._rx is not None
+            assert isinstance(link, ShmLink)
+            assert link._rx is not None
             link._rx.pos += 1 << 40
             link._rx.publish_tail()
         for _ in range(100):
@@ -202,7 +206,8 @@ def _check_corrupt_tail(res: list[str]) -> None:
         other = 1 - rank
         assert "ProtocolError: corrupt shared-memory ring" in r or (
             f"rank {other} aborted the group: corrupt shared-memory ring" in r), res
-        assert "PeerDisconnected" not in r and "disconnected" not in r, res
+        assert "PeerDisconnected" not in r, res
+        assert "disconnected" not in r, res
 
 
 @pytest.mark.timeout(90)
@@ -250,7 +255,9 @@ async def _escape_by_hand(g: ac.Group, how: str) -> tuple[str, str]:
         await g.barrier()
         if g.rank == 0:
             link = g._fabric.links[1]
-            assert isinstance(link, ShmLink) and link.shm and link.transport is not None
+            assert isinstance(link, ShmLink)
+            assert link.shm
+            assert link.transport is not None
             payload = _encode_abort(0, ac.ProtocolError("injected by hand"))
             if how == "abort":
                 frame = control_header(ABORT, len(payload)) + payload
@@ -285,7 +292,8 @@ async def test_escaped_frames_on_the_socket(how: str,
         assert "rank 0 aborted the group: injected by hand" in detail, res
     else:
         assert detail.startswith("ProtocolError: "), res
-        assert "rank 0" in detail and "malformed frame on its socket" in detail, res
+        assert "rank 0" in detail, res
+        assert "malformed frame on its socket" in detail, res
     assert res[0][0] != "no error", res
     assert not [r for r in caplog.records if r.name == "asyncio" and r.levelname == "ERROR"]
 
@@ -301,7 +309,8 @@ async def _abort_over_corrupt_ring(g: ac.Group, key: str) -> str:
     await g.barrier()
     if g.rank == 1:
         link = g._fabric.links[0]
-        assert isinstance(link, ShmLink) and link._rx is not None
+        assert isinstance(link, ShmLink)
+        assert link._rx is not None
         link._rx.ctl[32] = 1 << 40  # the ring's tail word (shm_ring._TAIL)
         event.set()
         try:
@@ -321,5 +330,6 @@ async def test_abort_into_a_corrupt_ring_still_reaches_the_peer() -> None:
     told that rank 0 aborted, not that it disconnected."""
     res = await run_ranks(2, _abort_over_corrupt_ring, "abort", transport="shm", timeout=10)
     assert res[0] == "aborted", res
-    assert res[1].startswith("GroupBrokenError: ") and "rank 0 aborted the group" in res[1] \
-        and "aborted on rank 0" in res[1], res
+    assert res[1].startswith("GroupBrokenError: "), res
+    assert "rank 0 aborted the group" in res[1], res
+    assert "aborted on rank 0" in res[1], res

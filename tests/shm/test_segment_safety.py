@@ -75,7 +75,8 @@ def test_truncating_a_segment_is_refused_and_its_memory_stays() -> None:
         ring = seg.rings[1]
         ring.data[-1] = 0x5A
         ring.data[0] = 0xA5
-        assert ring.data[-1] == 0x5A and ring.data[0] == 0xA5
+        assert ring.data[-1] == 0x5A
+        assert ring.data[0] == 0xA5
         assert os.fstat(seg.fd).st_size == Segment.size_for(MIN_CAPACITY)
     finally:
         seg.close()
@@ -132,6 +133,7 @@ async def test_ranks_survive_a_real_truncation(uvloop: bool,
         outcomes = await job.outcomes()
         for rank, out in enumerate(outcomes):  # (a truncated ring: "died", "signal SIGBUS")
             assert out[0] == "ok", (rank, out, results)
-            assert out[1]["error"] is None and out[1]["rounds"] > 50, (rank, out)
+            assert out[1]["error"] is None, (rank, out)
+            assert out[1]["rounds"] > 50, (rank, out)
         assert [r["open"] for r in results[:len(fds)]] == ["ok"] * len(fds), results
         _check_refused(results)

@@ -72,13 +72,14 @@ async def test_forced_shm_with_a_remote_peer_fails(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(rdv, "same_host", lambda rec: real(rec) and rec["rank"] != 1)
     res = await _open_all(["shm", "shm"], timeout=3)
     assert isinstance(res[0], ac.RendezvousError), res
-    assert "one host" in str(res[0]) and "rank 1" in str(res[0])
+    assert "one host" in str(res[0])
+    assert "rank 1" in str(res[0])
 
 
 async def test_forced_shm_with_a_tcp_peer_fails() -> None:
     res = await _open_all(["shm", "tcp"], timeout=3)
-    assert isinstance(res[0], ac.RendezvousError) and "does not use shared memory" in \
-        str(res[0]), res
+    assert isinstance(res[0], ac.RendezvousError), res
+    assert "does not use shared memory" in str(res[0]), res
     assert isinstance(res[1], ac.AiocollectError), res
 
 
@@ -124,7 +125,8 @@ async def test_ring_capacity_from_environment(monkeypatch: pytest.MonkeyPatch) -
         async with ac.open_group(rank, 2, store=MemoryStore(name), transport="shm",
                                  name=name) as g:
             link = g._fabric.links[1 - rank]
-            assert isinstance(link, ShmLink) and link._tx is not None
+            assert isinstance(link, ShmLink)
+            assert link._tx is not None
             await g.barrier()
             return link._tx.cap
 
@@ -138,4 +140,5 @@ async def test_forced_shm_segment_creation_failure_names_the_cause(
 
     monkeypatch.setattr(shm_ring.Segment, "create", staticmethod(create))
     res = await _open_all(["shm"] * 2, timeout=3)
-    assert isinstance(res[1], ac.RendezvousError) and "No space left" in str(res[1]), res
+    assert isinstance(res[1], ac.RendezvousError), res
+    assert "No space left" in str(res[1]), res

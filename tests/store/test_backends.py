@@ -4,7 +4,6 @@ escaping, memory stores across threads, prefix isolation, and the wire format (n
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -36,8 +35,8 @@ asyncio.run(main())
 async def test_file_add_is_atomic_across_processes(tmp_path: Path) -> None:
     procs, per_proc = 4, 50
     children = [
-        subprocess.Popen([sys.executable, "-c", ADDER, str(tmp_path), str(per_proc), str(i)],
-                         env=child_env())
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-c", ADDER, str(tmp_path), str(per_proc), str(i), env=child_env())
         for i in range(procs)
     ]
     try:
@@ -46,8 +45,8 @@ async def test_file_add_is_atomic_across_processes(tmp_path: Path) -> None:
         await store.wait([f"done-{i}" for i in range(procs)], timeout=30)
         assert await store.get("counter") == str(procs * per_proc).encode()
     finally:
-        for child in children:
-            assert child.wait(timeout=30) == 0
+        codes = await asyncio.wait_for(asyncio.gather(*(c.wait() for c in children)), 30)
+    assert codes == [0] * procs
 
 
 def test_escape_key_is_injective_and_safe() -> None:
@@ -55,7 +54,9 @@ def test_escape_key_is_injective_and_safe() -> None:
     names = [escape_key(k) for k in keys]
     assert len(set(names)) == len(keys)
     for name in names:
-        assert "/" not in name and name not in (".", "..") and len(name) <= 202
+        assert "/" not in name
+        assert name not in (".", "..")
+        assert len(name) <= 202
 
 
 async def test_memory_store_wakes_waiters_on_other_threads() -> None:

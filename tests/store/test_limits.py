@@ -231,7 +231,8 @@ def test_is_local() -> None:
     assert not _protect.is_local(("0.0.0.0", 1), ("0.0.0.0", 2))
     assert not _protect.is_local(("not an ip", 1), ("10.1.2.3", 2))
     message = _protect.refusal("the store", ("10.1.2.4", 1))
-    assert "10.1.2.4" in message and "AIOCOLLECT_SECRET" in message
+    assert "10.1.2.4" in message
+    assert "AIOCOLLECT_SECRET" in message
     assert "AIOCOLLECT_INSECURE=1" in message
     assert _protect.insecure_from_env({"AIOCOLLECT_INSECURE": "1"})
     assert not _protect.insecure_from_env({"AIOCOLLECT_INSECURE": "0"})

@@ -30,7 +30,9 @@ async def test_memory_url_shares_by_name() -> None:
     a, owned = await open_store("memory://job-1", rank=0, secret=None, timeout=5)
     b, _ = await open_store("memory://job-1", rank=1, secret=None, timeout=5)
     c, _ = await open_store("memory://job-2", rank=1, secret=None, timeout=5)
-    assert owned and isinstance(a, MemoryStore) and a.timeout == 5
+    assert owned
+    assert isinstance(a, MemoryStore)
+    assert a.timeout == 5
     await a.set("k", b"v")
     assert await b.get("k") == b"v"
     assert await c.check(["k"]) == [False]
@@ -40,7 +42,8 @@ async def test_memory_url_shares_by_name() -> None:
 
 async def test_file_url(tmp_path: Path) -> None:
     store, owned = await open_store(f"file://{tmp_path}/sub", rank=0, secret=None, timeout=5)
-    assert owned and isinstance(store, FileStore)
+    assert owned
+    assert isinstance(store, FileStore)
     assert store.path == tmp_path / "sub"
     await store.set("k", b"v")
     assert (tmp_path / "sub").is_dir()
@@ -55,9 +58,11 @@ async def test_tcp_url_rank0_hosts() -> None:
         open_store(url, rank=0, secret=b"s", timeout=10),
     )
     stores = [s for s, owned in opened if owned]
-    assert len(stores) == 3 and all(isinstance(s, TCPStore) for s in stores)
+    assert len(stores) == 3
+    assert all(isinstance(s, TCPStore) for s in stores)
     host = stores[2]
-    assert isinstance(host, TCPStore) and host.server is not None
+    assert isinstance(host, TCPStore)
+    assert host.server is not None
     assert sorted(await asyncio.gather(*(s.add("n", 1) for s in stores))) == [1, 2, 3]
     for s in stores:
         await s.close()
@@ -65,7 +70,8 @@ async def test_tcp_url_rank0_hosts() -> None:
 
 async def test_redis_url_makes_redis_store() -> None:
     store, owned = await open_store("redis://:pw@127.0.0.1:1/3", rank=0, secret=None, timeout=5)
-    assert owned and isinstance(store, RedisStore)
+    assert owned
+    assert isinstance(store, RedisStore)
     assert "pw" not in repr(store)
     await store.close()
 

@@ -51,7 +51,8 @@ async def test_host_starting_last_still_connects(
     tasks.append(asyncio.create_task(rank(0), name="rank0"))
     stores = await asyncio.gather(*tasks)
     host = stores[-1]
-    assert host.server is not None and host.server.port == port
+    assert host.server is not None
+    assert host.server.port == port
     assert all(s.server is None for s in stores[:-1])
     assert sorted(await asyncio.gather(*(s.add("arrived", 1) for s in stores))) == [1, 2, 3, 4]
     for s in stores[:-1]:
@@ -77,7 +78,8 @@ async def test_host_connects_to_existing_server() -> None:
 
 async def test_host_with_port_zero_starts_server() -> None:
     store = await connect_tcp_store("127.0.0.1", 0, is_host=True, timeout=10)
-    assert store.server is not None and store.port == store.server.port > 0
+    assert store.server is not None
+    assert store.port == store.server.port > 0
     peer = await connect_tcp_store("127.0.0.1", store.port, is_host=False, timeout=10)
     await peer.set("k", b"v")
     assert await store.get("k") == b"v"
@@ -163,7 +165,8 @@ async def test_standalone_command_without_a_secret_generates_one() -> None:
     client that has it gets in."""
     proc, port, secret = await _start_command()
     try:
-        assert secret is not None and len(secret) >= 32
+        assert secret is not None
+        assert len(secret) >= 32
         with pytest.raises(AuthenticationError, match="requires a secret"):
             await connect_tcp_store("127.0.0.1", port, is_host=False, timeout=10)
         store = await connect_tcp_store("127.0.0.1", port, is_host=False, secret=secret,

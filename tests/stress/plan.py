@@ -172,7 +172,8 @@ def start(g: ac.Group, seed: int, spec: Spec) -> tuple[Any, Check]:
         obj = value if r == root else None
 
         def check_obj(res: Any) -> None:
-            assert res["i"] == spec.index and res["from"] == root, res
+            assert res["i"] == spec.index, res
+            assert res["from"] == root, res
             eq(res["data"], value["data"])
             assert res["nested"] == [1, "two", None, 3.5]
 

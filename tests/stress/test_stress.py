@@ -65,7 +65,7 @@ CASES = [(mode, uv, world) for mode in PROCESS_MODES for uv in (False, True)
 
 
 @pytest.mark.parametrize(
-    "mode, uvloop, world", CASES,
+    ("mode", "uvloop", "world"), CASES,
     ids=[f"{m}-{'uvloop' if u else 'asyncio'}-{w}" for m, u, w in CASES])
 async def test_stress_in_processes(mode: str, uvloop: bool, world: int, tmp_path: Path,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,7 +100,8 @@ def test_plan_straddles_every_threshold() -> None:
 
     sizes = boundary_sizes()
     for threshold in (CHUNK, cma.PULL_MIN):
-        assert any(s < threshold for s in sizes) and any(s > threshold for s in sizes)
+        assert any(s < threshold for s in sizes)
+        assert any(s > threshold for s in sizes)
     assert 0 in sizes
     specs = plan(1, 4, OPS, sizes)
     assert specs[-1].nbytes > SEND_WINDOW  # and one operation overflows the send window

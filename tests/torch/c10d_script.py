@@ -47,7 +47,8 @@ def same(name: str, fn: Callable[[dist.ProcessGroup], Tensors], atol: float = 0.
     got, want = fn(AC), fn(GLOO)
     assert len(got) == len(want), (name, len(got), len(want))
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g.dtype == w.dtype and g.shape == w.shape, (name, i, g.dtype, w.dtype, g.shape)
+        assert g.dtype == w.dtype, (name, i, g.dtype, w.dtype, g.shape)
+        assert g.shape == w.shape, (name, i, g.dtype, w.dtype, g.shape)
         if atol:
             torch.testing.assert_close(g, w, atol=atol, rtol=0, msg=f"{name}[{i}]")
         else:
@@ -459,7 +460,8 @@ def main() -> None:
     dist.init_process_group("aiocollect", timeout=timedelta(seconds=60))
     AC = dist.group.WORLD
     GLOO = dist.new_group(backend="gloo")
-    assert WORLD == 2 and dist.get_backend() == "aiocollect"
+    assert WORLD == 2
+    assert dist.get_backend() == "aiocollect"
     reductions()
     movement()
     functional()

@@ -95,14 +95,17 @@ def test_work_states() -> None:
     thread = loop_thread()
     t = torch.ones(2)
     work = Work([t], thread, "test")
-    assert not work.is_completed() and not work.get_future().done()
+    assert not work.is_completed()
+    assert not work.get_future().done()
     with pytest.raises(TimeoutError):
         work.wait(timedelta(milliseconds=50))
     err = aiocollect.MismatchError("boom")
     thread.call(lambda: work._complete(err))
     with pytest.raises(aiocollect.MismatchError):
         work.wait()
-    assert work.is_completed() and not work.is_success() and work.exception() is err
+    assert work.is_completed()
+    assert not work.is_success()
+    assert work.exception() is err
     with pytest.raises(aiocollect.MismatchError):  # the future fails with the error too
         work.get_future().wait()
     ddp_work = Work([t], thread, "test", fail_future=False)  # DDP's: completed normally
@@ -127,11 +130,15 @@ def world() -> Iterator[dist.ProcessGroup]:
 @pytest.mark.timeout(60)
 def test_world_of_one(world: dist.ProcessGroup) -> None:
     pg = act.get_process_group()
-    assert pg.name() == "aiocollect" and pg.size() == 1 and pg.rank() == 0
+    assert pg.name() == "aiocollect"
+    assert pg.size() == 1
+    assert pg.rank() == 0
     t = torch.arange(6.0).reshape(2, 3)
     work = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
-    assert work is not None and work.wait()
-    assert work.is_success() and work.get_future().wait()[0] is t
+    assert work is not None
+    assert work.wait()
+    assert work.is_success()
+    assert work.get_future().wait()[0] is t
     assert torch.equal(t, torch.arange(6.0).reshape(2, 3))
     dist.broadcast(t, src=0)
     out = [torch.empty(2, 3)]

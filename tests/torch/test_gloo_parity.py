@@ -265,7 +265,8 @@ def test_broadcast_root_reduce_scatter_uneven_options_sequence_numbers() -> None
         return pg._get_sequence_number_for_group()
 
     seqs = run_ranks(W, body)
-    assert len(set(seqs)) == 1 and seqs[0] == 2
+    assert len(set(seqs)) == 1
+    assert seqs[0] == 2
 
 
 @pytest.mark.timeout(60)
@@ -297,7 +298,8 @@ def test_sparse_allreduce_sums_indices_and_values() -> None:
             expected = sum(t.to_dense() for t in _all_inputs(per_rank))
             out = pg.allreduce(tensors).get_future().wait()
             for t in [*out, *tensors]:
-                assert t.is_sparse and torch.equal(t.to_dense(), expected)
+                assert t.is_sparse
+                assert torch.equal(t.to_dense(), expected)
 
     def _all_inputs(per_rank: int) -> list[Any]:
         res = []
@@ -320,7 +322,8 @@ def test_barrier_timeout_is_worded_as_torch_expects() -> None:
     with pytest.raises(Exception, match=r" (Timed out|closed|timeout) ") as info:
         work.wait()
     elapsed = time.monotonic() - started
-    assert isinstance(info.value, CollectiveTimeout) and isinstance(info.value, RuntimeError)
+    assert isinstance(info.value, CollectiveTimeout)
+    assert isinstance(info.value, RuntimeError)
     assert isinstance(info.value, aiocollect.PeerTimeout)
     assert 0.9 < elapsed < 4, elapsed
     for pg in pgs:
@@ -384,7 +387,8 @@ def test_monitored_barrier_names_the_missing_ranks() -> None:
         for t in threads:
             t.join(20)
         assert isinstance(results[0], MonitoredBarrierError), results
-        assert expected in str(results[0]) and isinstance(results[0], RuntimeError)
+        assert expected in str(results[0])
+        assert isinstance(results[0], RuntimeError)
         assert results[0].ranks == ([2] if not wait_all else [2, 3])
         assert isinstance(results[1], MonitoredBarrierError)  # never released by rank 0
         for r in (2, 3):  # the late ranks catch up, so the next round starts even

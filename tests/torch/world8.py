@@ -60,7 +60,8 @@ def _subset_checks(group: dist.ProcessGroup, members: list[int], rank: int) -> N
     objs: list[object] = [None] * n
     dist.all_gather_object(objs, {"rank": rank}, group=group)
     assert objs == [{"rank": m} for m in members], objs
-    assert dist.get_group_rank(group, rank) == me and dist.get_world_size(group) == n
+    assert dist.get_group_rank(group, rank) == me
+    assert dist.get_world_size(group) == n
 
 
 def _coalescing(group: dist.ProcessGroup, members: list[int], rank: int) -> None:
@@ -86,7 +87,8 @@ def _ddp_sparse(rank: int) -> None:
     model = torch.nn.parallel.DistributedDataParallel(emb)
     model(torch.tensor([rank, WORLD])).sum().backward()  # row WORLD: every rank's
     grad = emb.weight.grad
-    assert grad is not None and grad.is_sparse, grad
+    assert grad is not None, grad
+    assert grad.is_sparse, grad
     expected = torch.zeros(WORLD + 2, 4)
     expected[:WORLD] = 1.0 / WORLD  # DDP averages: each rank's own row, once
     expected[WORLD] = 1.0

@@ -7,7 +7,7 @@ import pytest
 from aiocollect import _auth
 
 
-@pytest.mark.parametrize("value, expected", [
+@pytest.mark.parametrize(("value", "expected"), [
     (None, None), ("", None), (b"", None), ("s", b"s"), (b"s", b"s"), ("é", "é".encode()),
     (bytearray(b"x"), b"x"),
 ])
@@ -17,7 +17,8 @@ def test_as_secret(value: object, expected: bytes | None) -> None:
 
 def test_nonces_are_fresh() -> None:
     nonces = {_auth.new_nonce() for _ in range(100)}
-    assert len(nonces) == 100 and all(len(n) == _auth.NONCE_BYTES for n in nonces)
+    assert len(nonces) == 100
+    assert all(len(n) == _auth.NONCE_BYTES for n in nonces)
 
 
 def test_proof_checks_and_binds_everything() -> None:

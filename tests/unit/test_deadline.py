@@ -9,17 +9,23 @@ from aiocollect._deadline import Deadline
 
 def test_no_deadline() -> None:
     d = Deadline.after(None)
-    assert d.remaining() is None and not d.expired() and d.loop_time(5.0) is None
+    assert d.remaining() is None
+    assert not d.expired()
+    assert d.loop_time(5.0) is None
 
 
 def test_remaining_never_negative() -> None:
     d = Deadline(time.monotonic() - 1)
-    assert d.remaining() == 0.0 and d.expired()
+    assert d.remaining() == 0.0
+    assert d.expired()
 
 
 def test_remaining_counts_down() -> None:
     d = Deadline.after(100)
     rem = d.remaining()
-    assert rem is not None and 99 < rem <= 100 and not d.expired()
+    assert rem is not None
+    assert 99 < rem <= 100
+    assert not d.expired()
     loop_at = d.loop_time(1000.0)
-    assert loop_at is not None and 1099 < loop_at <= 1100
+    assert loop_at is not None
+    assert 1099 < loop_at <= 1100

@@ -20,7 +20,7 @@ from aiocollect.engine.fabric import (
 from aiocollect.types import Collective, ReduceOp, dtype_code
 
 
-@pytest.mark.parametrize("exc, cls", [
+@pytest.mark.parametrize(("exc", "cls"), [
     (errors.MismatchError("rank 0 called x but rank 1 called y"), errors.MismatchError),
     (errors.PeerTimeout("ranks [2, 3] sent nothing", [3, 2]), errors.PeerTimeout),
     (errors.PeerDisconnected("rank 2 disconnected", 2), errors.PeerDisconnected),
@@ -59,8 +59,11 @@ def test_malformed_abort_is_a_protocol_error(payload: bytes) -> None:
 def test_describe_fingerprint() -> None:
     fp = (int(Collective.ALLREDUCE), dtype_code(np.dtype("float32")), 10, int(ReduceOp.MAX), -1)
     text = describe_fingerprint(fp)
-    assert text.startswith("allreduce") and "count=10" in text and "float32" in text
-    assert "MAX" in text and "root" not in text
+    assert text.startswith("allreduce")
+    assert "count=10" in text
+    assert "float32" in text
+    assert "MAX" in text
+    assert "root" not in text
 
 
 def test_probe_question_answers_whether_an_operation_was_called() -> None:

@@ -39,7 +39,8 @@ def run(acceptor: AcceptorHandshake, connector: ConnectorHandshake) -> tuple[int
                 connector.on_message(_wire(rej.reply))
                 raise AssertionError("the connector accepted a reject") from None
             to_connector.extend(_wire(m) for m in back)
-    assert a_peer is not None and c_peer is not None
+    assert a_peer is not None
+    assert c_peer is not None
     return a_peer, c_peer
 
 
@@ -53,7 +54,7 @@ def test_handshake_completes(secret: bytes | None) -> None:
     assert run(acceptor(secret), ConnectorHandshake("g", 2, 0, 3, secret)) == (2, 0)
 
 
-@pytest.mark.parametrize("a_secret, c_secret", [(b"right", b"wrong"), (b"right", None)])
+@pytest.mark.parametrize(("a_secret", "c_secret"), [(b"right", b"wrong"), (b"right", None)])
 def test_connector_without_the_secret_is_refused(a_secret: bytes, c_secret: bytes | None,
                                                  ) -> None:
     with pytest.raises(AuthenticationError, match="rank 0 refused the link"):
@@ -83,7 +84,7 @@ def test_a_hello_proved_for_another_nonce_is_refused() -> None:
     assert info.value.reply == {"t": "reject", "kind": "auth", "error": str(info.value.error)}
 
 
-@pytest.mark.parametrize("field, value", [("rank", 1), ("world", 4), ("group", "h")])
+@pytest.mark.parametrize(("field", "value"), [("rank", 1), ("world", 4), ("group", "h")])
 def test_the_proof_binds_ranks_world_and_group(field: str, value: Any) -> None:
     """A valid hello with one bound field changed no longer authenticates."""
     a = acceptor(b"s3cret")
@@ -104,7 +105,7 @@ def test_the_proof_binds_the_acceptor() -> None:
     assert isinstance(info.value.error, AuthenticationError)
 
 
-@pytest.mark.parametrize("changes, phrase", [
+@pytest.mark.parametrize(("changes", "phrase"), [
     ({"group": "h"}, "does not match this group"),
     ({"world": 4}, "world size 4 != 3"),
     ({"peer": 1}, "meant for rank 1 reached rank 0"),

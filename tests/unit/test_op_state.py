@@ -37,7 +37,7 @@ def _op(loop: asyncio.AbstractEventLoop, states: list[str]) -> Op:
     return op
 
 
-@pytest.mark.parametrize("states, moved", [
+@pytest.mark.parametrize(("states", "moved"), [
     (["pending", "pending"], False),
     (["cancelled", "pending"], False),  # the receive a cancelled task was awaiting
     (["failed", "pending"], False),

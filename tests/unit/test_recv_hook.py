@@ -69,7 +69,8 @@ async def test_hook_runs_synchronously_when_the_frame_lands() -> None:
     assert seen == []
     link.feed(1, b"abcd")
     assert seen == [(True, b"abcd")]  # before any loop pass, result already set
-    assert fut.done() and fut.result() is None
+    assert fut.done()
+    assert fut.result() is None
 
 
 @pytest.mark.timeout(10)
@@ -78,7 +79,8 @@ async def test_hook_not_called_for_staged_frames_or_failures() -> None:
     calls: list[int] = []
     link.feed(2, b"early")  # no receive yet: staged
     fut = link.post_recv(_key(2), memoryview(bytearray(5)), hook=lambda f: calls.append(2))
-    assert fut.done() and calls == []  # done on return: the caller goes on itself
+    assert fut.done()
+    assert calls == []
     failing = link.post_recv(_key(3), memoryview(bytearray(1)), hook=lambda f: calls.append(3))
     link.fail(PeerDisconnected("gone", 1))
     assert calls == []
@@ -98,5 +100,6 @@ async def test_a_failing_hook_is_logged_and_reading_goes_on(
     second = link.post_recv(_key(5), memoryview(bytearray(1)))
     link.feed(4, b"x")
     link.feed(5, b"y")
-    assert first.done() and second.done()
+    assert first.done()
+    assert second.done()
     assert "receive hook failed" in caplog.text
