@@ -5,14 +5,17 @@ attack it over a real socket from the same loop, and report the longest stall of
     .venv/bin/python scripts/store_limits_probe.py [--attack NAME] [--json]
 
 Attacks: ``bomb`` (one 8 MiB msgpack frame holding 8 Mi empty arrays), ``nested`` (the
-same bytes as 128 arrays of 65535 empty arrays), ``keys`` (a legitimate wait naming 16384
-keys, for comparison), ``bigset`` (a legitimate ``set`` of a value of almost 64 MiB),
-``slow`` (1,000 connections that send 2 bytes of a header, then nothing: how many are
-still open after the idle timeout), ``halfsent`` (8 connections that each announce a
-64 MiB frame and send half of it: memory held, and how many are open after the idle
-timeout). A report line holds the longest wall-clock stall of the loop and the most CPU
+same bytes as 128 arrays of 65535 empty arrays), ``keys`` (a legitimate wait naming
+16384 keys, for comparison), ``bigset`` (a legitimate ``set`` of a value of almost 64
+MiB), ``large-set`` (a legitimate ``set`` of a 64 MiB value, then a ``get`` of it: the
+store's two costs of a large value, receiving it and sending it back), ``slow`` (1,000
+connections that send 2 bytes of a header, then nothing: how many are still open after
+the idle timeout), ``halfsent`` (8 connections that each announce a 64 MiB frame and
+send half of it: memory held, and how many are open after the idle timeout).
+A report line holds the longest wall-clock stall of the loop and the most CPU
 its thread spent without returning to the loop.
-The attacker runs in a thread with blocking sockets, so the loop bears only the server's
+The attacker runs in a thread with blocking sockets (``large-set``: in a process of its
+own, as its 64 MiB of work would hold the GIL), so the loop bears only the server's
 work. Works against older versions of the server too (to measure "before").
 """
 
@@ -23,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import sys
 import time
 from typing import Any
 
@@ -117,6 +121,35 @@ def _attack(port: int, data: bytes) -> str:
         sock.close()
 
 
+def _large_set(port: int, size: int = (64 << 20) - 256) -> dict[str, Any]:
+    """Set a value of ``size`` bytes, get it back, compare (a legitimate client)."""
+    import msgpack
+
+    value = bytes(range(256)) * (size // 256)  # as large as a frame may carry
+    frames = [frame(msgpack.packb(r, use_bin_type=True))
+              for r in ([1, "set", "large", value], [2, "get", "large", 10.0])]
+    sock = _blocking_connect(port)
+    sock.settimeout(60)
+    started = time.perf_counter()
+    try:
+        for data in frames:
+            sock.sendall(data)
+            (n,) = _wire.HEADER.unpack(_recv_exactly(sock, _wire.HEADER.size))
+            body = bytearray(n)
+            view, got = memoryview(body), 0
+            while got < n:
+                k = sock.recv_into(view[got:])
+                if not k:
+                    return {"outcome": "closed by the server"}
+                got += k
+        took = time.perf_counter() - started
+        answer = msgpack.unpackb(body)
+        return {"outcome": "same value back" if answer == [2, 0, value] else "WRONG VALUE",
+                "set_get_seconds": round(took, 3)}
+    finally:
+        sock.close()
+
+
 async def send_one(port: int, data: bytes) -> str:
     return await asyncio.to_thread(_attack, port, data)
 
@@ -181,6 +214,12 @@ async def main(attack: str) -> dict[str, Any]:
         result.update(await slow(server.port, server))
     elif attack == "halfsent":
         result.update(await halfsent(server.port))
+    elif attack == "large-set":  # a client process of its own: its work holds no GIL here
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--large-set-client", str(server.port),
+            stdout=asyncio.subprocess.PIPE)
+        out, _ = await child.communicate()
+        result.update(json.loads(out))
     else:
         result["outcome"] = await send_one(server.port, data)
     result["seconds"] = round(time.perf_counter() - started, 3)
@@ -198,10 +237,15 @@ async def main(attack: str) -> dict[str, Any]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--attack",
-                        choices=("bomb", "nested", "keys", "bigset", "slow", "halfsent"),
+                        choices=("bomb", "nested", "keys", "bigset", "large-set", "slow",
+                                 "halfsent"),
                         default=None, help="one attack (default: all but slow)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--large-set-client", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.large_set_client:
+        print(json.dumps(_large_set(args.large_set_client)))
+        sys.exit(0)
     for name in [args.attack] if args.attack else ["bomb", "nested", "keys"]:
         out = asyncio.run(main(name))
         print(json.dumps(out) if args.json else

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 
 from aiocollect.errors import StoreError
-from aiocollect.store.memory import KeyTable
+from aiocollect.store.memory import KeyTable, Value
 
 
 class Budget:
@@ -60,7 +60,7 @@ class Quota:
             "`aiocollect store --max-bytes/--max-keys`, TCPStoreServer(max_bytes=, "
             "max_keys=))")
 
-    def set(self, key: str, value: bytes) -> None:
+    def set(self, key: str, value: Value) -> None:
         """Store ``value``, or raise StoreError if that would exceed a limit."""
         old = self.table.get_now(key)
         was = 0 if old is None else len(key) + len(old)

@@ -63,7 +63,7 @@ def check_amount(amount: object) -> int:
     return amount
 
 
-def parse_counter(key: str, raw: bytes | None) -> int:
+def parse_counter(key: str, raw: bytes | memoryview | None) -> int:
     """Decode a counter's stored value (missing counts as 0).
 
     Raises:
@@ -72,7 +72,9 @@ def parse_counter(key: str, raw: bytes | None) -> int:
     if raw is None:
         return 0
     try:
-        return int(raw.decode("ascii"))
+        if len(raw) > 64:  # far longer than any 64-bit counter: not one
+            raise ValueError
+        return int(bytes(raw).decode("ascii"))
     except (UnicodeDecodeError, ValueError):
         raise StoreError(f"add({key!r}): existing value is not an integer counter") from None
 

@@ -1,4 +1,5 @@
-"""Wire format of the TCP store (sans-IO apart from :func:`read_frame`).
+"""Wire format of the TCP store (sans-IO apart from :func:`read_frame`, for small frames;
+:mod:`aiocollect.store._stream` reads and writes large ones in chunks).
 
 Every message is a frame: a 4-byte big-endian length, then that many bytes of msgpack.
 
@@ -35,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import msgpack
 
@@ -45,6 +46,8 @@ from aiocollect.errors import ProtocolError
 MAGIC = "aiocollect-store"
 VERSION = 2
 MAX_FRAME = 64 * 1024 * 1024
+#: Bodies (and ``bin`` values) above this size are decoded to views, not copies.
+VIEW_MIN = 64 * 1024
 MAX_HANDSHAKE_FRAME = 1024
 #: Most keys one ``wait``/``check`` may name (and one answer may list).
 MAX_KEYS = 16384
@@ -56,6 +59,9 @@ HEADER = struct.Struct("!I")
 CONTEXT = b"aiocollect-store/1"
 CLIENT_ROLE = b"store-client"
 SERVER_ROLE = b"store-server"
+
+#: What a frame's body or a stored value may be: received frames are decoded in place.
+Buffer: TypeAlias = bytes | bytearray | memoryview
 
 OK = 0
 TIMEOUT = 1
@@ -97,7 +103,7 @@ _LENGTH_BYTES = {0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC4: 1, 0xC5: 2, 0xC6: 4, 0xDC: 2, 
 MAX_DEPTH = 2
 
 
-def check_shape(body: bytes, max_items: int = MAX_ITEMS, *, partial: bool = False) -> None:
+def check_shape(body: Buffer, max_items: int = MAX_ITEMS, *, partial: bool = False) -> list[int]:
     """Check, without building any object, that ``body`` is one msgpack value of the shape
     the store speaks: scalars (nil, bool, int, float, str, bin) and arrays nested at most
     :data:`MAX_DEPTH` deep, with at most ``max_items`` values in all.
@@ -108,6 +114,10 @@ def check_shape(body: bytes, max_items: int = MAX_ITEMS, *, partial: bool = Fals
     ``partial``, ``body`` is the beginning of a frame still arriving: running out of bytes
     is not an error (so a frame can be refused before the rest of it is buffered).
 
+    Returns:
+        Where each item of the message begins, when it is an array (the items' spans, for
+        :func:`decode`); empty when it is a scalar, or with ``partial``.
+
     Raises:
         ProtocolError: anything else (maps, extension types, deeper nesting, too many
             values, a truncated value, trailing bytes).
@@ -117,14 +127,17 @@ def check_shape(body: bytes, max_items: int = MAX_ITEMS, *, partial: bool = Fals
     left = [1]  # values still to read in each array being read (the outermost: the body)
     budget = max_items
     size = _SIZE
+    starts: list[int] = []
     while left:
         if not left[-1]:
             left.pop()
             continue
         left[-1] -= 1
+        if len(left) == 2:
+            starts.append(pos)
         if pos >= end:
             if partial:
-                return
+                return []
             raise ProtocolError("malformed store message: truncated")
         b = body[pos]
         n = size[b]
@@ -155,18 +168,38 @@ def check_shape(body: bytes, max_items: int = MAX_ITEMS, *, partial: bool = Fals
     if pos != end and not (partial and pos > end):
         raise ProtocolError("malformed store message: "
                             + ("truncated" if pos > end else "trailing bytes"))
+    return [] if partial else starts
 
 
-def decode(body: bytes, max_items: int = MAX_ITEMS) -> Any:
+def decode(body: Buffer, max_items: int = MAX_ITEMS) -> Any:
     """Decode one frame's body, bounding what it may expand to (see :func:`check_shape`).
 
     Strings are at most :data:`MAX_KEY_BYTES` long; the msgpack decoder enforces the same
-    limits again (``max_*_len``).
+    limits again (``max_*_len``). A body over :data:`VIEW_MIN` bytes must be an array; its
+    ``bin`` items over :data:`VIEW_MIN` bytes come back as read-only ``memoryview`` slices
+    of ``body``, not copies (so a large value costs no copy in one go, and keeps ``body``
+    alive; ``body`` must not change afterwards).
 
     Raises:
         ProtocolError: not exactly one value of that shape.
     """
-    check_shape(body, max_items)
+    starts = check_shape(body, max_items)
+    if len(body) <= VIEW_MIN:
+        return _unpack(body, max_items)
+    if not starts:
+        raise ProtocolError("malformed store message: a large message must be an array")
+    view = memoryview(body).toreadonly()
+    items: list[Any] = []
+    for start, end in zip(starts, [*starts[1:], len(body)], strict=True):
+        b = body[start]
+        if 0xC4 <= b <= 0xC6 and end - start > VIEW_MIN:
+            items.append(view[start + 1 + _LENGTH_BYTES[b]:end])
+        else:
+            items.append(_unpack(view[start:end], max_items))
+    return items
+
+
+def _unpack(body: Buffer, max_items: int) -> Any:
     try:
         return msgpack.unpackb(
             body, raw=False, strict_map_key=True, max_str_len=MAX_KEY_BYTES,
@@ -176,8 +209,39 @@ def decode(body: bytes, max_items: int = MAX_ITEMS) -> Any:
         raise ProtocolError(f"malformed store message: {exc}") from None
 
 
+def encode_frame(items: list[object]) -> tuple[bytes, Buffer]:
+    """The frame for the message ``items`` as a head and a blob, written one after the
+    other: when the last item is a ``bin`` over :data:`VIEW_MIN` bytes, the blob is that
+    value itself, uncopied (:func:`encode_parts`); else the head is the header and the
+    blob the encoded body.
+
+    Raises:
+        TypeError, ValueError, OverflowError: ``items`` is not msgpack-serializable.
+    """
+    if items and isinstance(items[-1], bytes | memoryview) and len(items[-1]) > VIEW_MIN:
+        return encode_parts(items[:-1], items[-1])
+    header, body = encode(items)
+    return header, body
+
+
+def encode_parts(items: list[object], blob: Buffer) -> tuple[bytes, Buffer]:
+    """The frame for ``[*items, blob]`` as its beginning (header, ``items`` and the bin
+    header of ``blob``) and ``blob`` itself, uncopied, to be written after it.
+
+    Raises:
+        TypeError, ValueError, OverflowError: an item is not msgpack-serializable.
+    """
+    if len(items) >= 15:
+        raise ValueError("encode_parts: at most 14 items before the blob")
+    head = bytes([0x90 | (len(items) + 1)]) + b"".join(
+        msgpack.packb(x, use_bin_type=True) for x in items)
+    head += b"\xc6" + len(blob).to_bytes(4, "big")
+    return HEADER.pack(len(head) + len(blob)) + head, blob
+
+
 async def read_frame(reader: asyncio.StreamReader, limit: int) -> Any:
-    """Read and decode one frame.
+    """Read and decode one frame in one go (the handshake's; for any size of frame use
+    :func:`aiocollect.store._stream.read_frame`).
 
     Raises:
         ProtocolError: the announced length exceeds ``limit`` or the body is malformed.
@@ -198,7 +262,7 @@ class Request:
     op: str
     key: str = ""
     keys: tuple[str, ...] = ()
-    value: bytes = b""
+    value: bytes | memoryview = b""
     amount: int = 0
     timeout: float | None = None
     target: int = 0
@@ -242,7 +306,7 @@ def parse_request(msg: Any) -> Request:
     key = args[0]
     _want(isinstance(key, str), "key is not a str")
     if op == "set":
-        _want(isinstance(args[1], bytes), "value is not bytes")
+        _want(isinstance(args[1], bytes | memoryview), "value is not bytes")
         return Request(rid, op, key=key, value=args[1])
     if op == "get":
         _want(_is_timeout(args[1]), "bad timeout")

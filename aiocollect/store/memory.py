@@ -1,7 +1,7 @@
 """In-process store: ranks that share a process (and usually one event loop) share a table.
 
 :class:`KeyTable` is the key/value core with future-based waiting; the TCP store server
-reuses it for its data.
+reuses it for its data, keeping large values as views of the frames they arrived in.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import asyncio
 import threading
 import weakref
 from collections.abc import Sequence
+from typing import TypeAlias
 
 from aiocollect._deadline import Deadline
 from aiocollect.errors import UsageError
@@ -26,23 +27,28 @@ from aiocollect.store._util import (
 )
 from aiocollect.store.base import DEFAULT_TIMEOUT, Store
 
+#: A stored value: bytes, or a read-only view (of a received frame, kept uncopied).
+Value: TypeAlias = bytes | memoryview
+
 
 class KeyTable:
-    """A dict of ``bytes`` values whose waiters sleep on futures, woken by ``set``/``add``.
+    """A dict of values whose waiters sleep on futures, woken by ``set``/``add``.
 
-    Mutations are synchronous and atomic (a lock guards them, so tables may be shared by
-    event loops in several threads); waiting is the only coroutine.
+    A value is stored as given, never copied: ``bytes``, or a read-only ``memoryview``
+    whose buffer nobody changes afterwards (the TCP server's received frames). Mutations
+    are synchronous and atomic (a lock guards them, so tables may be shared by event loops
+    in several threads); waiting is the only coroutine.
     """
 
     def __init__(self) -> None:
-        self._values: dict[str, bytes] = {}
+        self._values: dict[str, Value] = {}
         self._waiters: dict[str, set[asyncio.Future[None]]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._values)
 
-    def set(self, key: str, value: bytes) -> None:
+    def set(self, key: str, value: Value) -> None:
         """Store ``value`` and wake everyone waiting for ``key``."""
         with self._lock:
             self._values[key] = value
@@ -50,7 +56,7 @@ class KeyTable:
         for fut in waiters:
             wake(fut)
 
-    def get_now(self, key: str) -> bytes | None:
+    def get_now(self, key: str) -> Value | None:
         """The value of ``key``, or None if it is not set."""
         return self._values.get(key)
 
@@ -125,7 +131,7 @@ class KeyTable:
 
     async def get(
         self, key: str, deadline: Deadline, lifecycle: Lifecycle | None = None
-    ) -> bytes | None:
+    ) -> Value | None:
         """The value of ``key``, waiting for it; None if the deadline passed first.
 
         Raises:
@@ -208,7 +214,7 @@ class MemoryStore(Store):
         value = await self._table.get(check_key(key), Deadline.after(t), self._life)
         if value is None:
             raise timeout_error(repr(self), [key], t)
-        return value
+        return value if isinstance(value, bytes) else bytes(value)  # always bytes here
 
     async def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the counter ``key``; return the new value.

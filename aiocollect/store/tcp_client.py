@@ -3,7 +3,8 @@
 :class:`TCPStore` keeps one connection; concurrent requests are multiplexed by request id
 and answered by a reader task the client owns. Waits happen on the server (with the
 caller's deadline); the client adds a small grace period so the server's answer, which
-names the missing keys, normally arrives first.
+names the missing keys, normally arrives first. Large values are sent and received in
+chunks (:mod:`aiocollect.store._stream`), so the loop runs between them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from aiocollect.errors import (
     StoreTimeout,
     UsageError,
 )
-from aiocollect.store import _wire
+from aiocollect.store import _stream, _wire
 from aiocollect.store._util import (
     Lifecycle,
     check_amount,
@@ -79,6 +80,7 @@ class TCPStore(Store):
         self._life = Lifecycle(repr(self))
         self._connect_lock = asyncio.Lock()
         self._writer: asyncio.StreamWriter | None = None
+        self._frames: _stream.FrameWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[tuple[int, Any]]] = {}
         self._next_rid = 1
@@ -130,6 +132,7 @@ class TCPStore(Store):
                     writer.transport.abort()
                     raise
             self._writer = writer
+            self._frames = _stream.FrameWriter(writer)
             self._reader_task = asyncio.create_task(
                 self._read_loop(reader), name=f"aiocollect store reader {self.address}"
             )
@@ -171,7 +174,7 @@ class TCPStore(Store):
         try:
             while True:
                 # Answers carry a few bytes more than the request that was within the limit.
-                msg = await _wire.read_frame(reader, self._max_frame + 1024)
+                msg = await _stream.read_frame(reader, self._max_frame + 1024)
                 rid, status, payload = _wire.parse_response(msg)
                 fut = self._pending.get(rid)
                 if fut is not None and not fut.done():
@@ -199,6 +202,8 @@ class TCPStore(Store):
         if not self._life.close():
             return
         self._fail("the client was closed", None)
+        if self._frames is not None:
+            await self._frames.aclose()
         if self._reader_task is not None:
             self._reader_task.cancel()
             await asyncio.gather(self._reader_task, return_exceptions=True)
@@ -226,17 +231,18 @@ class TCPStore(Store):
             await self.connect()
         if self._failure is not None:
             raise StoreError(str(self._failure)) from self._failure.__cause__
-        writer = self._writer
-        assert writer is not None
+        frames = self._frames
+        assert frames is not None
         rid = self._next_rid
         self._next_rid += 1
         try:
-            frame = _wire.encode([rid, op, *args])
+            head, blob = _wire.encode_frame([rid, op, *args])
         except (TypeError, ValueError, OverflowError) as exc:
             raise UsageError(f"{op}: cannot encode the request: {exc}") from None
-        if len(frame[1]) > self._max_frame:
+        size = len(head) - _wire.HEADER.size + len(blob)
+        if size > self._max_frame:
             raise StoreError(
-                f"{op}: request of {len(frame[1])} bytes exceeds the limit of {self._max_frame}"
+                f"{op}: request of {size} bytes exceeds the limit of {self._max_frame}"
             )
         limit = self.timeout if wait is None else wait + WAIT_GRACE
         fut: asyncio.Future[tuple[int, Any]] = asyncio.get_running_loop().create_future()
@@ -244,8 +250,7 @@ class TCPStore(Store):
         cm = asyncio.timeout(limit)
         try:
             async with cm:
-                writer.writelines(frame)
-                await writer.drain()
+                await frames.send(head, blob)
                 status, payload = await fut
         except TimeoutError:
             if not cm.expired():
@@ -272,12 +277,12 @@ class TCPStore(Store):
 
     def _abandon(self, rid: int, wait: float | None) -> None:
         """Tell the server to drop a waiting request we no longer care about."""
-        if wait is None or self._failure is not None or self._writer is None:
+        if wait is None or self._failure is not None or self._frames is None:
             return
         cancel_rid = self._next_rid
         self._next_rid += 1
         with contextlib.suppress(Exception):
-            self._writer.writelines(_wire.encode([cancel_rid, "cancel", rid]))
+            self._frames.send_nowait(*_wire.encode_frame([cancel_rid, "cancel", rid]))
 
     def _expect(self, payload: Any, kind: type | tuple[type, ...], op: str) -> Any:
         if not isinstance(payload, kind):
@@ -306,8 +311,8 @@ class TCPStore(Store):
         """
         t = self._timeout(timeout)
         payload = await self._request("get", check_key(key), t, keys=[key], wait=t)
-        value: bytes = self._expect(payload, bytes, "get")
-        return value
+        value: bytes | memoryview = self._expect(payload, (bytes, memoryview), "get")
+        return value if isinstance(value, bytes) else bytes(value)  # a large one: one copy
 
     async def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the counter ``key``; return the new value.

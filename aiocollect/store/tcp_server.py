@@ -12,6 +12,10 @@ above 64 KiB being received at once share ``max_inflight`` bytes; what is stored
 by ``max_bytes`` and ``max_keys`` (a ``set``/``add`` beyond them fails with a clear
 ``StoreError`` on that client only); ``max_connections`` caps connections, and a
 connection may have at most 4096 waits pending (naming 1 Mi keys in all).
+
+A large value never holds the loop in one go (:mod:`aiocollect.store._stream`): its frame
+is gathered a chunk at a time, the table keeps a view of the value inside it (no copy),
+and an answer carrying it is written a chunk at a time, under the transport's flow control.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 from aiocollect import _auth, _protect
 from aiocollect._deadline import Deadline
 from aiocollect.errors import AiocollectError, ProtocolError
-from aiocollect.store import _wire
+from aiocollect.store import _stream, _wire
 from aiocollect.store._limits import Budget, Quota
 from aiocollect.store.memory import KeyTable
 
@@ -41,9 +45,7 @@ HANDSHAKE_TIMEOUT = 10.0
 IDLE_TIMEOUT = 10.0
 #: Frames up to this size are read without reserving from ``max_inflight`` (rendezvous
 #: traffic, so big transfers can never hold it up).
-SMALL_FRAME = 64 * 1024
-#: Bytes read from the stream at a time while receiving a large frame.
-READ_CHUNK = 1024 * 1024
+SMALL_FRAME = _wire.VIEW_MIN
 #: Pending get/wait requests one connection may have, and keys they may name in all (each
 #: costs a task and a waiter per key).
 MAX_PENDING_WAITS = 4096
@@ -62,12 +64,12 @@ class _Connection:
         self.peername = peer
         self.sockname = writer.get_extra_info("sockname")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.frames = _stream.FrameWriter(writer)
         self.waits: dict[int, asyncio.Task[None]] = {}
         self.wait_keys = 0  # keys named by the pending waits
 
-    async def send(self, msg: object) -> None:
-        self.writer.writelines(_wire.encode(msg))
-        await self.writer.drain()
+    async def send(self, msg: list[object]) -> None:
+        await self.frames.send(*_wire.encode_frame(msg))
 
 
 class TCPStoreServer:
@@ -225,6 +227,8 @@ class TCPStoreServer:
             log.debug("store connection from %s cancelled", conn.peer)
         finally:
             self._conns.discard(conn)
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await conn.frames.aclose()
             writer.close()
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await writer.wait_closed()
@@ -306,29 +310,13 @@ class TCPStoreServer:
                 f"store message of {size} bytes exceeds the limit of {self._max_frame}")
         if size <= SMALL_FRAME:
             async with asyncio.timeout(self._idle_timeout):
-                body = await reader.readexactly(size)
-            return _wire.decode(body)
+                return _wire.decode(await reader.readexactly(size))
         await self._budget.acquire(size)
         try:
-            body = await self._read_body(reader, size)
+            body = await _stream.read_body(reader, size, self._idle_timeout, check=True)
         finally:
             self._budget.release(size)
-        await asyncio.sleep(0)  # a large frame took a while to gather: let the loop run
-        return _wire.decode(body)
-
-    async def _read_body(self, reader: asyncio.StreamReader, size: int) -> bytes:
-        parts: list[bytes] = []
-        left = size
-        while left:
-            async with asyncio.timeout(self._idle_timeout):
-                chunk = await reader.read(min(left, READ_CHUNK))
-            if not chunk:
-                raise asyncio.IncompleteReadError(b"".join(parts), size)
-            if not parts:  # refuse a hostile frame before buffering the rest of it
-                _wire.check_shape(chunk, partial=True)
-            parts.append(chunk)
-            left -= len(chunk)
-        return b"".join(parts)
+        return _wire.decode(body)  # a large value: a view of body, not a copy
 
     async def _dispatch(
         self, conn: _Connection, req: _wire.Request, tg: asyncio.TaskGroup
@@ -400,12 +388,12 @@ class TCPStoreServer:
             conn.writer.close()
 
     async def _answer(self, conn: _Connection, rid: int, status: int, payload: object) -> None:
+        """Send an answer; a large value goes uncopied, in chunks (``conn.frames``)."""
         try:
-            frame = _wire.encode([rid, status, payload])
+            frame = _wire.encode_frame([rid, status, payload])
         except (TypeError, ValueError, OverflowError) as exc:  # e.g. a counter beyond 64 bits
-            frame = _wire.encode([rid, _wire.ERROR, f"cannot encode the answer: {exc}"])
-        conn.writer.writelines(frame)
-        await conn.writer.drain()
+            frame = _wire.encode_frame([rid, _wire.ERROR, f"cannot encode the answer: {exc}"])
+        await conn.frames.send(*frame)
 
 
 __all__ = ["DEFAULT_PORT", "TCPStoreServer"]

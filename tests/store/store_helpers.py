@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,29 @@ async def settle(store: Store) -> None:
     on ``store`` (for TCP, requests on one connection are handled in order)."""
     await asyncio.sleep(0)
     await store.check(["__settle__"])
+
+
+class Ticker:
+    """The longest CPU time the loop's thread spent between two 1 ms ticks (CPU, not wall
+    time: other processes on a busy machine do not count)."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self._stop = False
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        last = time.thread_time()
+        while not self._stop:
+            await asyncio.sleep(0.001)
+            now = time.thread_time()
+            self.worst = max(self.worst, now - last)
+            last = now
+
+    async def stop(self) -> float:
+        self._stop = True
+        await self._task
+        return self.worst
 
 
 @dataclass

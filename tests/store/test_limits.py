@@ -12,7 +12,7 @@ import time
 
 import msgpack
 import pytest
-from store_helpers import settle
+from store_helpers import Ticker, settle
 
 from aiocollect import _protect
 from aiocollect.errors import ProtocolError, StoreError, UsageError
@@ -41,28 +41,6 @@ async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> float:
     with contextlib.suppress(ConnectionResetError):
         await asyncio.wait_for(reader.read(), seconds)
     return time.monotonic() - start
-
-
-class Ticker:
-    """The longest CPU time the loop's thread spent between two 1 ms ticks."""
-
-    def __init__(self) -> None:
-        self.worst = 0.0
-        self._stop = False
-        self._task = asyncio.ensure_future(self._run())
-
-    async def _run(self) -> None:
-        last = time.thread_time()
-        while not self._stop:
-            await asyncio.sleep(0.001)
-            now = time.thread_time()
-            self.worst = max(self.worst, now - last)
-            last = now
-
-    async def stop(self) -> float:
-        self._stop = True
-        await self._task
-        return self.worst
 
 
 def _bomb() -> bytes:
