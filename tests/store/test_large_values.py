@@ -61,7 +61,8 @@ async def test_large_set_and_get_do_not_block_the_servers_loop(
     assert worst < 0.050, f"the server's loop was busy for {worst * 1000:.1f} ms in one go"
     assert answer == [2, _wire.OK, value]
     stored = tcp_server._table.get_now("large")
-    assert isinstance(stored, memoryview) and stored.readonly  # a view of the frame, no copy
+    assert isinstance(stored, memoryview)  # a view of the frame, no copy
+    assert stored.readonly
 
 
 async def test_large_answer_is_written_in_chunks_under_flow_control(
@@ -139,7 +140,8 @@ def test_decode_gives_large_values_as_views() -> None:
     assert len(body) == _wire.HEADER.unpack(head[:4])[0]
     decoded = _wire.decode(body)
     assert decoded[:3] == [1, "set", "k"]
-    assert isinstance(decoded[3], memoryview) and decoded[3] == _pattern(1 << 20)
+    assert isinstance(decoded[3], memoryview)
+    assert decoded[3] == _pattern(1 << 20)
     assert decoded == msgpack.unpackb(body)
     with pytest.raises(ProtocolError, match="large message must be an array"):
         _wire.decode(msgpack.packb(b"x" * (1 << 20)))
