@@ -377,7 +377,26 @@ async def _claim_first(store: Store, k: _Keys, name: str, world_size: int,
 async def _current_job(store: Store, k: _Keys, name: str, rank: int, deadline: Deadline,
                        after: int) -> tuple[int, Owner]:
     """The latest epoch after ``after`` that is not done, and its holder; waits for rank 0
-    to claim one."""
+    to claim one.
+
+    Raises:
+        RendezvousError: the store went away while waiting, after the rank 0 that hosted
+            it had ended its job (the reason it wrote is quoted): a rank that arrived after
+            rank 0 gave up learns why, rather than getting ``StoreError``.
+        RendezvousTimeout: no rank 0 claimed before the deadline.
+        StoreError: the store failed otherwise.
+    """
+    ended: list[str] = []  # why the last job ended, when its rank 0 hosted the store
+    try:
+        return await _next_job(store, k, name, rank, deadline, after, ended)
+    except errors.StoreError as exc:
+        if not ended or isinstance(exc, errors.StoreTimeout):
+            raise
+        raise RendezvousError(ended[-1]) from exc
+
+
+async def _next_job(store: Store, k: _Keys, name: str, rank: int, deadline: Deadline,
+                    after: int, ended: list[str]) -> tuple[int, Owner]:
     e = max(await _latest(store, k), after + 1)
     mine = job_id()
     while True:
@@ -386,7 +405,26 @@ async def _current_job(store: Store, k: _Keys, name: str, rank: int, deadline: D
         while await _exists(store, k.claim(e + 1)):
             e += 1
         holder = await _owner(store, k.owner(e), deadline, name, "rank 0")
-        if await _exists(store, k.done(e)) or holder.alive() is False:
+        if await _exists(store, k.done(e)):
+            if await _hosted_by(store, holder):
+                why = (await store.get(k.done(e), timeout=0)).decode(errors="replace")
+                ended.append(
+                    f"rank {rank}: rank 0 of group {name!r} ({holder.describe()}), which "
+                    f"hosted the store, ended its job before this rank arrived ({why}); "
+                    "then its store closed (this rank started too late, or belongs to "
+                    "another job on the same store?)")
+            e += 1
+            continue
+        if holder.alive() is False:
             e += 1
             continue
         return e, holder
+
+
+async def _hosted_by(store: Store, owner: Owner) -> bool:
+    """Whether the store is embedded in ``owner``'s process (its HOST_KEY record)."""
+    if not await _exists(store, HOST_KEY):
+        return False
+    host = Owner.unpack(await store.get(HOST_KEY, timeout=0), HOST_KEY)
+    return (host.pid, host.hostname, host.boot_id, host.pidns, host.start) == (
+        owner.pid, owner.hostname, owner.boot_id, owner.pidns, owner.start)
