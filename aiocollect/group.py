@@ -9,7 +9,6 @@ driven by a callback schedule (engine/small.py).
 from __future__ import annotations
 
 import asyncio
-import os
 import zlib
 from typing import Any
 
@@ -17,82 +16,18 @@ import numpy as np
 
 from aiocollect import objects
 from aiocollect._buffers import Array, as_array
-from aiocollect.collectives import barrier as _barrier
-from aiocollect.collectives import direct, doubling, pipeline, ring, tree
-from aiocollect.collectives.checks import (
-    check_rank,
-    check_tag,
-    divisible,
-    fingerprint,
-    output,
-    reduction,
-)
-from aiocollect.collectives.select import choose
-from aiocollect.engine.op import Op, flat_blocks, split_even
-from aiocollect.engine.reduce import copy_into
-from aiocollect.errors import MismatchError, ProtocolError, UsageError
+from aiocollect.collectives import objects as object_collectives
+from aiocollect.collectives import registry
+from aiocollect.collectives.checks import check_rank, check_tag, divisible, output, reduction
+from aiocollect.engine.op import Op, split_even
+from aiocollect.errors import ProtocolError, UsageError
+from aiocollect.fingerprint import pack
 from aiocollect.group_core import GroupCore
 from aiocollect.types import Collective, ReduceOp
-
-_I64 = np.dtype(np.int64)
-
-
-def _pulled(op: Op, peer: int, block_bytes: int) -> bool:
-    """Whether frames of a ``block_bytes`` block (in chunks) between this rank and group
-    rank ``peer`` are pulled out of the sender's memory (shared memory), in either
-    direction: the ring then skips its up-front copies (see reduce_scatter, allgather)."""
-    frame = min(block_bytes, op.chunk_bytes)
-    link = op.link(peer)
-    return link.pulls(frame) or not link.copies(frame)
 
 
 def _flat(arr: Array) -> Array:
     return arr.reshape(-1)
-
-
-def _host_memory() -> int:
-    """Bytes one rank may declare in allgatherv: this host's physical memory (no block
-    larger could be received here), at most 2**56 so that sizes cannot overflow int64."""
-    try:
-        return min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), 1 << 56)
-    except (ValueError, OSError, AttributeError):
-        return 1 << 56
-
-
-async def _gather_v(o: Op, arr: Array, kind: str,
-                    limit: int | None = None) -> list[tuple[int, Array]]:
-    """The two phases of allgatherv: every rank's (rows, row size), then the rows, by ring.
-    Returns (rows, flat block) per rank, in rank order. Each rank's declared size is checked
-    before anything is allocated: negative, or above ``limit`` bytes (default: this host's
-    memory), is a ProtocolError (no real rank sends that); rows of another size than this
-    rank's are a MismatchError."""
-    limit = _host_memory() if limit is None else limit
-    n = o.size
-    row = int(np.prod(arr.shape[1:]))
-    sizes = np.zeros((n, 2), dtype=_I64)
-    sizes[o.rank] = (arr.shape[0], row)
-    await ring.allgather(o, list(sizes), slot0=0)
-    await o.finish()
-    declared = sizes.tolist()
-    for r, (rows, rrow) in enumerate(declared):
-        if r != o.rank and (rows < 0 or rrow < 0 or rows * max(rrow, 1) * arr.itemsize > limit):
-            via = (o.rank - 1) % n
-            raise ProtocolError(
-                f"{kind} (op #{o.seq}): rank {r} declared {rows} rows of {rrow} elements of "
-                f"{arr.itemsize} bytes (at most {limit} bytes"
-                + ("" if via == r else f"; received from rank {via}") + ")")
-    for r, (_, rrow) in enumerate(declared):
-        if rrow != row:
-            raise MismatchError(
-                f"{kind}: rank {r} sent rows of {rrow} elements, rank {o.rank} "
-                f"rows of {row} (shape {arr.shape})")
-    bounds = np.concatenate([[0], np.cumsum(sizes[:, 0] * row)])
-    total = np.empty(int(bounds[-1]), dtype=arr.dtype)
-    blocks = [total[bounds[i]:bounds[i + 1]] for i in range(n)]
-    blocks[o.rank][...] = _flat(arr)
-    await ring.allgather(o, blocks, slot0=ring.AG_SLOT)
-    await o.finish()  # the last receives land after ring.allgather returns
-    return [(rows, block) for (rows, _), block in zip(declared, blocks, strict=True)]
 
 
 class Group(GroupCore):
@@ -147,7 +82,7 @@ class Group(GroupCore):
         if dst == self.rank:
             raise UsageError("send to self: dst must differ from this rank")
         tag = check_tag(tag)
-        fp = fingerprint(Collective.SEND, arr)
+        fp = pack(Collective.SEND, arr)
         counter = self._next_send(dst, tag)
 
         async def body(op: Op) -> None:
@@ -167,7 +102,7 @@ class Group(GroupCore):
         if self.world_size == 1:
             raise UsageError("recv in a group of one rank can never complete")
         tag = check_tag(tag)
-        fp = fingerprint(Collective.SEND, arr)
+        fp = pack(Collective.SEND, arr)
         counter = -1 if src is None else self._next_recv(src, tag)
 
         async def body(op: Op) -> int:
@@ -196,24 +131,26 @@ class Group(GroupCore):
     def barrier(self, *, timeout: float | None = None,
                 algorithm: str | None = None) -> asyncio.Task[None]:
         """Complete once every rank has entered the barrier (dissemination)."""
-        alg = choose("barrier", algorithm, 0, self.world_size)
-        return self._start("barrier", fingerprint(Collective.BARRIER, None, alg=alg),
-                           _barrier.barrier, timeout)
+        alg = registry.BARRIER.choose(algorithm, 0, self.world_size)
+        return self._start("barrier", pack(Collective.BARRIER, None, algorithm=alg.name),
+                           alg.run, timeout)
 
     def broadcast(self, buf: Any, *, root: int = 0, timeout: float | None = None,
                   algorithm: str | None = None) -> asyncio.Future[Any]:
         """Copy ``root``'s ``buf`` into every rank's ``buf`` (binomial tree or pipeline)."""
         arr = as_array(buf, "buf", writable=True)
         root = check_rank(root, self.world_size, "root")
-        alg = choose("broadcast", algorithm, arr.nbytes, self.world_size)
-        fp = fingerprint(Collective.BROADCAST, arr, root=root, alg=alg)
-        if alg == 0 and self.world_size > 1 and 0 < arr.nbytes <= self.chunk_bytes:
-            return self._schedule("broadcast", fp,
-                                  lambda o: tree.small_steps(o, _flat(arr), root), buf, timeout)
-        run = (tree.broadcast, pipeline.broadcast)[alg]
+        alg = registry.BROADCAST.choose(algorithm, arr.nbytes, self.world_size)
+        fp = pack(Collective.BROADCAST, arr, root=root, algorithm=alg.name)
+        flat = _flat(arr)
+        if alg.one_frame(arr.nbytes, self.world_size, self.chunk_bytes):
+            steps = alg.steps
+            assert steps is not None
+            return self._schedule("broadcast", fp, lambda o: steps(o, flat, root), buf, timeout)
+        run = alg.run
 
-        async def body(op: Op) -> Any:
-            await run(op, _flat(arr), root)
+        async def body(o: Op) -> Any:
+            await run(o, flat, root)
             return buf
 
         return self._start("broadcast", fp, body, timeout)
@@ -225,33 +162,18 @@ class Group(GroupCore):
         arr = as_array(buf, "buf", writable=True)
         rop, ufunc = reduction(op, arr)
         n = self.world_size
-        alg = choose("allreduce", algorithm, arr.nbytes, n)
-        fp = fingerprint(Collective.ALLREDUCE, arr, op=rop, alg=alg)
-        if alg == 1 and n > 1 and not n & (n - 1) and 0 < arr.nbytes <= self.chunk_bytes:
-            return self._schedule(
-                "allreduce", fp, lambda o: doubling.small_steps(o, _flat(arr), ufunc,
-                                                                rop is ReduceOp.AVG),
-                buf, timeout)
+        alg = registry.ALLREDUCE.choose(algorithm, arr.nbytes, n)
+        fp = pack(Collective.ALLREDUCE, arr, op=rop, algorithm=alg.name)
+        flat, average = _flat(arr), rop is ReduceOp.AVG
+        if alg.one_frame(arr.nbytes, n, self.chunk_bytes):
+            steps = alg.steps
+            assert steps is not None
+            return self._schedule("allreduce", fp, lambda o: steps(o, flat, ufunc, average),
+                                  buf, timeout)
+        run = alg.run
 
         async def body(o: Op) -> Any:
-            flat = _flat(arr)
-            if alg == 0:
-                blocks = flat_blocks(flat, n)
-                gathered = ring.post_allgather(o, blocks)
-                nxt = (o.rank + 1) % n
-
-                async def forward(c: int, chunk: Array) -> None:
-                    if rop is ReduceOp.AVG:
-                        chunk /= n
-                    await o.send(nxt, ring.AG_SLOT, c, chunk)
-
-                await ring.reduce_scatter(o, blocks, ufunc, finished=forward)
-                await ring.allgather(o, blocks, posted=gathered, first_sent=True)
-                return buf
-            await (doubling.recursive_doubling, doubling.halving_doubling)[alg - 1](
-                o, flat, ufunc)
-            if rop is ReduceOp.AVG:
-                flat /= n
+            await run(o, flat, ufunc, average)
             return buf
 
         return self._start("allreduce", fp, body, timeout)
@@ -263,15 +185,11 @@ class Group(GroupCore):
         arr = as_array(buf, "buf", writable=True)
         root = check_rank(root, self.world_size, "root")
         rop, ufunc = reduction(op, arr)
-        choose("reduce", algorithm, 0, self.world_size)
-        fp = fingerprint(Collective.REDUCE, arr, op=rop, root=root)
+        run = registry.REDUCE.choose(algorithm, 0, self.world_size).run
+        fp = pack(Collective.REDUCE, arr, op=rop, root=root)
 
         async def body(o: Op) -> Any:
-            work = _flat(arr) if o.rank == root else _flat(arr).copy()
-            await tree.reduce(o, work, root, ufunc)
-            await o.finish()
-            if o.rank == root and rop is ReduceOp.AVG:
-                work /= self.world_size
+            await run(o, _flat(arr), root, ufunc, rop is ReduceOp.AVG)
             return buf
 
         return self._start("reduce", fp, body, timeout)
@@ -283,17 +201,12 @@ class Group(GroupCore):
         arr = as_array(send, "send", writable=False)
         n = self.world_size
         res = output(out, (n, *arr.shape), arr.dtype)
-        alg = choose("allgather", algorithm, arr.nbytes * n, n)
-        fp = fingerprint(Collective.ALLGATHER, arr, alg=alg)
+        alg = registry.ALLGATHER.choose(algorithm, arr.nbytes * n, n)
+        fp = pack(Collective.ALLGATHER, arr, algorithm=alg.name)
+        run = alg.run
 
         async def body(o: Op) -> Any:
-            blocks = list(split_even(_flat(res), n))
-            if alg == 0 and n > 1 and _pulled(o, (o.rank + 1) % n, arr.nbytes):
-                # the successor pulls straight from ``send``: copy it into place meanwhile
-                await ring.allgather(o, blocks, own=_flat(arr))
-            else:
-                await copy_into(blocks[o.rank], _flat(arr))
-                await (ring.allgather, direct.allgather)[alg](o, blocks)
+            await run(o, _flat(arr), split_even(_flat(res), n))
             return res if out is None else out
 
         return self._start("allgather", fp, body, timeout)
@@ -306,12 +219,12 @@ class Group(GroupCore):
         n = self.world_size
         root = check_rank(root, n, "root")
         res = output(out, (n, *arr.shape), arr.dtype) if self.rank == root else None
-        choose("gather", algorithm, 0, self.world_size)
-        fp = fingerprint(Collective.GATHER, arr, root=root)
+        run = registry.GATHER.choose(algorithm, 0, n).run
+        fp = pack(Collective.GATHER, arr, root=root)
 
         async def body(o: Op) -> Any:
             blocks = None if res is None else split_even(_flat(res), n)
-            await direct.gather(o, _flat(arr), blocks, root)
+            await run(o, _flat(arr), blocks, root)
             if res is None:
                 return None
             return res if out is None else out
@@ -334,12 +247,12 @@ class Group(GroupCore):
                 raise UsageError(
                     f"scatter: send has shape {src.shape} and dtype {src.dtype}; expected "
                     f"{(n, *res.shape)} of {res.dtype}")
-        choose("scatter", algorithm, 0, self.world_size)
-        fp = fingerprint(Collective.SCATTER, res, root=root)
+        run = registry.SCATTER.choose(algorithm, 0, n).run
+        fp = pack(Collective.SCATTER, res, root=root)
 
         async def body(o: Op) -> Any:
             blocks = None if src is None else split_even(_flat(src), n)
-            await direct.scatter(o, blocks, _flat(res), root)
+            await run(o, blocks, _flat(res), root)
             return out
 
         return self._start("scatter", fp, body, timeout)
@@ -354,37 +267,12 @@ class Group(GroupCore):
         divisible(arr, n, "send")
         rop, ufunc = reduction(op, arr)
         res = output(out, (arr.shape[0] // n, *arr.shape[1:]), arr.dtype)
-        alg = choose("reduce_scatter", algorithm, arr.nbytes, n)
-        fp = fingerprint(Collective.REDUCE_SCATTER, arr, op=rop, alg=alg)
+        alg = registry.REDUCE_SCATTER.choose(algorithm, arr.nbytes, n)
+        fp = pack(Collective.REDUCE_SCATTER, arr, op=rop, algorithm=alg.name)
+        run = alg.run
 
         async def body(o: Op) -> Any:
-            r, dest = o.rank, _flat(res)
-            blocks = list(split_even(_flat(arr), n))
-            if alg == 1:
-                blocks[r] = blocks[r].copy()
-                await direct.reduce_scatter(o, blocks, ufunc)
-            else:
-                # The ring reduces every block but the one it sends first, (r-1), exactly
-                # once; that one stays a view of the input, this rank's own block goes
-                # straight into the output. Over links that pull, the reductions run out of
-                # place from the input (``sources``) into fresh arrays, so nothing is copied
-                # before the first pull; over TCP the input is copied first and reduced in
-                # place, which measured faster there (8-9 against 12-14 ms at 16 MiB).
-                pulled = n > 1 and _pulled(o, (r - 1) % n, blocks[0].nbytes)
-                sources = list(blocks) if pulled else None
-                for b in range(n):
-                    if b == r:
-                        if not pulled:
-                            dest[...] = blocks[b]
-                        blocks[b] = dest
-                    elif b != (r - 1) % n:
-                        blocks[b] = np.empty_like(blocks[b]) if pulled else blocks[b].copy()
-                await ring.reduce_scatter(o, blocks, ufunc, sources=sources)
-            mine = blocks[r]
-            if rop is ReduceOp.AVG:
-                mine /= n
-            if mine is not dest:
-                dest[...] = mine
+            await run(o, _flat(arr), _flat(res), ufunc, rop is ReduceOp.AVG)
             return res if out is None else out
 
         return self._start("reduce_scatter", fp, body, timeout)
@@ -398,14 +286,16 @@ class Group(GroupCore):
         n = self.world_size
         divisible(arr, n, "send")
         res = output(out, arr.shape, arr.dtype)
-        choose("alltoall", algorithm, 0, self.world_size)
-        fp = fingerprint(Collective.ALLTOALL, arr)
+        run = registry.ALLTOALL.choose(algorithm, 0, n).run
+        fp = pack(Collective.ALLTOALL, arr)
 
         async def body(o: Op) -> Any:
-            await direct.alltoall(o, split_even(_flat(arr), n), split_even(_flat(res), n))
+            await run(o, split_even(_flat(arr), n), split_even(_flat(res), n))
             return res if out is None else out
 
         return self._start("alltoall", fp, body, timeout)
+
+    # -- variable-size exchange ------------------------------------------------------------
 
     def allgatherv(self, send: Any, *, timeout: float | None = None,
                    algorithm: str | None = None) -> asyncio.Task[list[Any]]:
@@ -413,14 +303,42 @@ class Group(GroupCore):
         arr = as_array(send, "send", writable=False)
         if arr.ndim == 0:
             arr = arr.reshape(1)
-        choose("allgatherv", algorithm, 0, self.world_size)
-        fp = fingerprint(Collective.ALLGATHERV, arr, count=0)
+        run = registry.ALLGATHERV.choose(algorithm, 0, self.world_size).run
+        fp = pack(Collective.ALLGATHERV, arr, count=0)
 
         async def body(o: Op) -> list[Any]:
-            blocks = await _gather_v(o, arr, "allgatherv")
-            return [b.reshape(rows, *arr.shape[1:]) for rows, b in blocks]
+            return await run(o, arr)
 
         return self._start("allgatherv", fp, body, timeout)
+
+    def alltoallv(self, send: Any, send_counts: Any, *, out: Any = None,
+                  timeout: float | None = None,
+                  algorithm: str | None = None) -> asyncio.Task[Any]:
+        """Rows ``[sum(send_counts[:i]), sum(send_counts[:i+1]))`` of ``send`` go to rank i.
+
+        Returns the blocks received from each rank as a list in rank order, or, when ``out``
+        is given, ``out`` filled with them concatenated along axis 0 (its row count must
+        equal the total received).
+        """
+        arr = as_array(send, "send", writable=False)
+        n = self.world_size
+        counts = [int(c) for c in np.asarray(send_counts).reshape(-1)]
+        if len(counts) != n or min(counts, default=0) < 0:
+            raise UsageError(f"send_counts must hold {n} non-negative counts, got {counts}")
+        if arr.ndim == 0 or sum(counts) != arr.shape[0]:
+            raise UsageError(f"send_counts sum to {sum(counts)} but send has shape {arr.shape}")
+        res = None if out is None else as_array(out, "out", writable=True)
+        if res is not None and (res.dtype != arr.dtype or res.shape[1:] != arr.shape[1:]):
+            raise UsageError(f"out must have dtype {arr.dtype} and rows of shape "
+                             f"{arr.shape[1:]}, got {res.dtype} {res.shape}")
+        run = registry.ALLTOALLV.choose(algorithm, 0, n).run
+        fp = pack(Collective.ALLTOALLV, arr, count=0)
+
+        async def body(o: Op) -> Any:
+            blocks = await run(o, arr, counts, res)
+            return blocks if out is None else out
+
+        return self._start("alltoallv", fp, body, timeout)
 
     # -- objects ---------------------------------------------------------------------------
 
@@ -438,30 +356,10 @@ class Group(GroupCore):
         """
         root = check_rank(root, self.world_size, "root")
         payload = objects.dumps(obj, allow_pickle) if self.rank == root else b""
-        fp = fingerprint(Collective.OBJECT, None, count=0, root=root)
+        fp = pack(Collective.OBJECT, None, count=0, root=root)
 
         async def body(o: Op) -> Any:
-            size = np.array([len(payload)], dtype=_I64)
-            await tree.broadcast(o, size, root, slot=0)
-            await o.finish()
-            if o.rank == root:
-                data = np.frombuffer(bytearray(payload), np.uint8)
-            else:
-                parent = ((tree.tree_links((o.rank - root) % o.size, o.size)[0] or 0)
-                          + root) % o.size
-                source = f"rank {root}" + ("" if parent == root else f" (through rank {parent})")
-                declared = int(size[0])
-                if not 0 <= declared <= objects.MAX_OBJECT_BYTES:
-                    raise ProtocolError(
-                        f"broadcast_object (op #{o.seq}): {source} declared a value of "
-                        f"{declared} bytes (at most {objects.MAX_OBJECT_BYTES})")
-                data = np.empty(declared, np.uint8)
-            await tree.broadcast(o, data, root, slot=1)
-            await o.finish()
-            if o.rank == root:
-                return obj
-            return objects.loads(data.tobytes(), allow_pickle,
-                                 f"broadcast_object (op #{o.seq}): {source}")
+            return await object_collectives.broadcast(o, obj, payload, root, allow_pickle)
 
         return self._start("broadcast_object", fp, body, timeout)
 
@@ -486,70 +384,17 @@ class Group(GroupCore):
 
     def _objects(self, kind: str, obj: Any, root: int | None, allow_pickle: bool,
                  timeout: float | None) -> asyncio.Task[Any]:
-        """allgatherv of the serialised values (sizes checked against MAX_OBJECT_BYTES),
-        decoded on every rank (``root`` None) or on ``root`` only."""
+        """Serialise ``obj`` and start the gather of every rank's value, decoded on every
+        rank (``root`` None) or on ``root`` only."""
         payload = np.frombuffer(objects.dumps(obj, allow_pickle), np.uint8)
-        fp = fingerprint(Collective.OBJECT, payload, count=0, root=-1 if root is None else root)
+        fp = pack(Collective.OBJECT, payload, count=0, root=-1 if root is None else root)
 
         async def body(o: Op) -> list[Any] | None:
-            blocks = await _gather_v(o, payload, kind, objects.MAX_OBJECT_BYTES)
-            if root is not None and o.rank != root:
-                return None
-            return [objects.loads(b.tobytes(), allow_pickle, f"{kind} (op #{o.seq}): rank {r}")
-                    for r, (_, b) in enumerate(blocks)]
+            return await object_collectives.gather(o, payload, kind, root, allow_pickle)
 
         return self._start(kind, fp, body, timeout)
 
-    # -- variable-size exchange and sub-groups ---------------------------------------------
-
-    def alltoallv(self, send: Any, send_counts: Any, *, out: Any = None,
-                  timeout: float | None = None,
-                  algorithm: str | None = None) -> asyncio.Task[Any]:
-        """Rows ``[sum(send_counts[:i]), sum(send_counts[:i+1]))`` of ``send`` go to rank i.
-
-        Returns the blocks received from each rank as a list in rank order, or, when ``out``
-        is given, ``out`` filled with them concatenated along axis 0 (its row count must
-        equal the total received).
-        """
-        arr = as_array(send, "send", writable=False)
-        n = self.world_size
-        counts = [int(c) for c in np.asarray(send_counts).reshape(-1)]
-        if len(counts) != n or min(counts, default=0) < 0:
-            raise UsageError(f"send_counts must hold {n} non-negative counts, got {counts}")
-        if arr.ndim == 0 or sum(counts) != arr.shape[0]:
-            raise UsageError(f"send_counts sum to {sum(counts)} but send has shape {arr.shape}")
-        res = None if out is None else as_array(out, "out", writable=True)
-        if res is not None and (res.dtype != arr.dtype or res.shape[1:] != arr.shape[1:]):
-            raise UsageError(f"out must have dtype {arr.dtype} and rows of shape "
-                             f"{arr.shape[1:]}, got {res.dtype} {res.shape}")
-        choose("alltoallv", algorithm, 0, n)
-        fp = fingerprint(Collective.ALLTOALLV, arr, count=0)
-        row = int(np.prod(arr.shape[1:]))
-
-        async def body(o: Op) -> Any:
-            mine = np.array([[c, row] for c in counts], dtype=_I64)
-            theirs = np.empty_like(mine)
-            await direct.alltoall(o, list(mine), list(theirs), slot=0)
-            await o.finish()
-            if (theirs[:, 1] != row).any():
-                raise MismatchError(f"alltoallv: ranks sent rows of {theirs[:, 1].tolist()} "
-                                    f"elements, rank {o.rank} rows of {row}")
-            rows = theirs[:, 0]
-            total = int(rows.sum())
-            if res is not None and res.shape[0] != total:
-                raise UsageError(f"alltoallv: out has {res.shape[0]} rows, {total} arrive")
-            dest = _flat(res) if res is not None else np.empty(total * row, arr.dtype)
-            rb = np.concatenate([[0], np.cumsum(rows * row)])
-            sb = np.concatenate([[0], np.cumsum(np.array(counts, dtype=_I64) * row)])
-            flat = _flat(arr)
-            await direct.alltoall(o, [flat[sb[i]:sb[i + 1]] for i in range(n)],
-                                  [dest[rb[i]:rb[i + 1]] for i in range(n)], slot=1)
-            if res is not None:
-                return out
-            return [dest[rb[i]:rb[i + 1]].reshape(int(rows[i]), *arr.shape[1:])
-                    for i in range(n)]
-
-        return self._start("alltoallv", fp, body, timeout)
+    # -- sub-groups ------------------------------------------------------------------------
 
     def split(self, color: int | None, *, key: int = 0,
               timeout: float | None = None) -> asyncio.Task[Group | None]:

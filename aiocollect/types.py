@@ -1,4 +1,5 @@
-"""Reduction ops and the dtype/collective/op codes carried in frame fingerprints."""
+"""Reduction ops and the dtype/collective/op codes carried in frame fingerprints (packed
+and unpacked by ``aiocollect.fingerprint``)."""
 
 from __future__ import annotations
 
@@ -64,33 +65,6 @@ class Collective(enum.IntEnum):
     SEND = 12
     # 13 was SPLIT (never sent): reserved, so old fingerprints never decode as another.
     OBJECT = 14
-
-
-#: Algorithms per collective; the index travels in the fingerprint (append only).
-ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "allreduce": ("ring", "recursive_doubling", "halving_doubling"),
-    "broadcast": ("binomial", "pipeline"),
-    "reduce": ("binomial",),
-    "allgather": ("ring", "direct"),
-    "allgatherv": ("ring",),
-    "reduce_scatter": ("ring", "direct"),
-    "gather": ("direct",),
-    "scatter": ("direct",),
-    "alltoall": ("pairwise",),
-    "alltoallv": ("pairwise",),
-    "barrier": ("dissemination",),
-}
-
-
-def collective_label(code: int) -> str:
-    """``allreduce[ring]`` from a fingerprint's collective code (algorithm in bits 5-7)."""
-    try:
-        coll = Collective(code & 31).name.lower()
-    except ValueError:
-        return f"collective#{code}"
-    names = ALGORITHMS.get(coll, ())
-    alg = code >> 5
-    return f"{coll}[{names[alg]}]" if alg < len(names) and len(names) > 1 else coll
 
 
 _NAMES: dict[np.dtype[Any], str] = {}

@@ -48,10 +48,10 @@ class AiocollectBackend:
         if self.algorithm != "auto":
             return self.algorithm
         try:  # internal API, so only best effort: the report must not depend on it
-            from aiocollect.collectives import select
+            from aiocollect.collectives.registry import REGISTRIES
 
-            index = select.choose(collective, None, shp.total_bytes, self.world_size)
-            return f"auto:{select.name(collective, index)}"
+            chosen = REGISTRIES[collective].choose(None, shp.total_bytes, self.world_size)
+            return f"auto:{chosen.name}"
         except Exception:
             return "auto"
 

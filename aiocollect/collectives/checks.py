@@ -8,7 +8,7 @@ import numpy as np
 
 from aiocollect._buffers import Array, as_array
 from aiocollect.errors import UsageError
-from aiocollect.types import Collective, OpLike, dtype_code, op_code, resolve_op
+from aiocollect.types import OpLike, resolve_op
 
 MAX_TAG = (1 << 63) - 1
 
@@ -27,16 +27,6 @@ def check_tag(tag: Any) -> int:
             0 <= int(tag) <= MAX_TAG):
         raise UsageError(f"tag must be an int in [0, 2**63), got {tag!r}")
     return int(tag)
-
-
-def fingerprint(coll: Collective, arr: Array | None, count: int | None = None,
-                op: OpLike | None = None, root: int = -1,
-                alg: int = 0) -> tuple[int, int, int, int, int]:
-    """The cross-rank fingerprint of an operation; ``alg`` (0-7) rides in bits 5-7 of the
-    collective code."""
-    dcode = 0 if arr is None else dtype_code(arr.dtype)
-    n = (0 if arr is None else arr.size) if count is None else count
-    return (int(coll) | (alg << 5), dcode, n, 0 if op is None else op_code(op), root)
 
 
 def reduction(op: Any, arr: Array) -> tuple[OpLike, np.ufunc]:

@@ -1,5 +1,5 @@
 """Direct algorithms: gather, scatter, pairwise-exchange alltoall, and one-step allgather
-and reduce-scatter for small messages.
+and reduce-scatter for small messages. Each function is a whole algorithm.
 
 - gather: every rank sends its block straight to the root (n-1 messages into the root;
   one step of latency; the root receives (n-1)/n of the result).
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from aiocollect._buffers import Array
-from aiocollect.engine.op import Op
-from aiocollect.engine.reduce import reduce_into
+from aiocollect.engine.op import Op, split_even
+from aiocollect.engine.reduce import copy_into, reduce_into, settle
 
 SLOT = 0
 
@@ -55,10 +55,12 @@ async def alltoall(op: Op, send_blocks: Sequence[Array], out_blocks: Sequence[Ar
         await op.send_chunks((r + k) % n, slot, send_blocks[(r + k) % n])
 
 
-async def allgather(op: Op, blocks: Sequence[Array], slot: int = SLOT) -> None:
-    """Every rank sends its block straight to every other rank: one step of latency,
-    n-1 messages per rank. Best for small blocks."""
+async def allgather(op: Op, send: Array, blocks: Sequence[Array], slot: int = SLOT) -> None:
+    """Gather every rank's flat ``send`` into ``blocks`` (block i from rank i): every rank
+    sends its block straight to every other rank: one step of latency, n-1 messages per
+    rank. Best for small blocks."""
     r = op.rank
+    await copy_into(blocks[r], send)
     for peer in range(op.size):
         if peer != r:
             op.recv_chunks(peer, slot, blocks[peer])
@@ -66,12 +68,15 @@ async def allgather(op: Op, blocks: Sequence[Array], slot: int = SLOT) -> None:
         await op.send_chunks((r + k) % op.size, slot, blocks[r])
 
 
-async def reduce_scatter(op: Op, blocks: Sequence[Array], ufunc: np.ufunc,
-                         slot: int = SLOT) -> None:
-    """Rank i receives block i from every rank and reduces them in rank order: one step of
-    latency, (n-1)/n of the data sent per rank. Best for small blocks."""
+async def reduce_scatter(op: Op, send: Array, dest: Array, ufunc: np.ufunc,
+                         average: bool, slot: int = SLOT) -> None:
+    """Reduce the flat ``send`` across ranks; the flat ``dest`` gets this rank's block
+    (divided by the world size when ``average``). Rank i receives block i from every rank
+    and reduces them in rank order: one step of latency, (n-1)/n of the data sent per rank.
+    Best for small blocks."""
     n, r = op.size, op.rank
-    mine = blocks[r]
+    blocks = list(split_even(send, n))
+    mine = blocks[r] = blocks[r].copy()
     tmps = {peer: np.empty_like(mine) for peer in range(n) if peer != r}
     futs = {peer: op.recv_chunks(peer, slot, tmp) for peer, tmp in tmps.items()}
     for k in range(1, n):
@@ -87,3 +92,4 @@ async def reduce_scatter(op: Op, blocks: Sequence[Array], ufunc: np.ufunc,
             await reduce_into(ufunc, acc, part)
     assert acc is not None
     mine[...] = acc
+    settle(mine, dest, n if average else 1)

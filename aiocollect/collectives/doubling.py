@@ -24,7 +24,7 @@ import numpy as np
 
 from aiocollect._buffers import Array
 from aiocollect.engine.op import Op
-from aiocollect.engine.reduce import reduce_into
+from aiocollect.engine.reduce import reduce_into, settle
 from aiocollect.engine.small import Step
 
 FOLD_SLOT = 0
@@ -128,10 +128,29 @@ async def _unfold(op: Op, buf: Array, rem: int, v: int) -> None:
         await op.send_chunks(r - 1, UNFOLD_SLOT, buf)
 
 
-async def recursive_doubling(op: Op, buf: Array, ufunc: np.ufunc) -> None:
+async def recursive_doubling(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> None:
+    """Allreduce of the flat ``buf`` in place (``average``: then divided by the world
+    size) by recursive doubling."""
+    if op.size > 1:
+        await _recursive_doubling(op, buf, ufunc)
+    settle(buf, buf, op.size if average else 1)
+
+
+async def halving_doubling(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> None:
+    """Allreduce of the flat ``buf`` in place (``average``: then divided by the world
+    size) by recursive halving, then doubling."""
+    if op.size > 1:
+        await _halving_doubling(op, buf, ufunc)
+    settle(buf, buf, op.size if average else 1)
+
+
+def small_covers(n: int) -> bool:
+    """Whether :func:`small_steps` covers world size ``n`` (a power of two above 1)."""
+    return n > 1 and not n & (n - 1)
+
+
+async def _recursive_doubling(op: Op, buf: Array, ufunc: np.ufunc) -> None:
     n = op.size
-    if n == 1:
-        return
     p, rem, v = _fold_layout(n, op.rank)
     await _fold(op, buf, ufunc, rem, v)
     if v >= 0:
@@ -145,10 +164,8 @@ async def recursive_doubling(op: Op, buf: Array, ufunc: np.ufunc) -> None:
     await _unfold(op, buf, rem, v)
 
 
-async def halving_doubling(op: Op, buf: Array, ufunc: np.ufunc) -> None:
+async def _halving_doubling(op: Op, buf: Array, ufunc: np.ufunc) -> None:
     n = op.size
-    if n == 1:
-        return
     p, rem, v = _fold_layout(n, op.rank)
     await _fold(op, buf, ufunc, rem, v)
     if v >= 0:

@@ -1,4 +1,5 @@
-"""Ring algorithms: bandwidth-optimal reduce-scatter and allgather, pipelined in chunks.
+"""Ring algorithms: bandwidth-optimal allreduce, reduce-scatter and allgather, pipelined in
+chunks.
 
 Schedule (n ranks, rank r sends to r+1 and receives from r-1, message split in n blocks):
 
@@ -11,18 +12,24 @@ allreduce, latency 2(n-1) alpha. Each block travels in chunks, and chunk c of st
 as soon as chunk c of step s has arrived (and been reduced), so the steps overlap. The
 reduce-scatter receives into a reused window of ``RS_WINDOW_BYTES`` (not a block-sized
 buffer) and sends no more than that window ahead of its own reductions.
+
+The whole algorithms (:func:`allreduce`, :func:`reduce_scatter`, :func:`allgather`) are
+what the registries run; they are built from the two phases over lists of blocks
+(:func:`reduce_scatter_blocks`, :func:`allgather_blocks`), which the v-collectives reuse.
+Over links that pull frames out of the sender's memory (shared memory) the whole
+algorithms skip their up-front copies (see :func:`_pulled`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
 from aiocollect._buffers import Array
-from aiocollect.engine.op import Op
-from aiocollect.engine.reduce import copy_into, reduce_into
+from aiocollect.engine.op import Op, flat_blocks, split_even
+from aiocollect.engine.reduce import copy_into, reduce_into, settle
 from aiocollect.engine.scratch import SCRATCH
 
 RS_SLOT = 0
@@ -34,13 +41,79 @@ RS_MIN_SLOTS = 2
 #: Slots when the predecessor's link pulls its frames out of the sender's memory (shared
 #: memory): a frame whose receive is not posted waits there at no cost, so two slots do,
 #: and a window that small stays in the cache the pulls and reductions work through
-#: (measured in docs/shm.md: a 16 MiB allreduce 15 % faster than with the full window).
+#: (docs/algorithms.md gives the measurement).
 RS_PULL_SLOTS = 2
 
 Forward = Callable[[int, Array], Awaitable[None]]
 
 
-async def reduce_scatter(op: Op, blocks: list[Array], ufunc: np.ufunc,
+def _pulled(op: Op, peer: int, block_bytes: int) -> bool:
+    """Whether frames of a ``block_bytes`` block (in chunks) between this rank and group
+    rank ``peer`` are pulled out of the sender's memory (shared memory), in either
+    direction: the ring then skips its up-front copies (see reduce_scatter, allgather)."""
+    frame = min(block_bytes, op.chunk_bytes)
+    link = op.link(peer)
+    return link.pulls(frame) or not link.copies(frame)
+
+
+async def allreduce(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> None:
+    """Reduce the flat ``buf`` in place on every rank (``average``: then divide by the
+    world size): a reduce-scatter whose allgather starts chunk by chunk as soon as each
+    chunk of this rank's block is reduced (the allgather's receives are posted first, so
+    frames of a rank that runs ahead land in place)."""
+    n = op.size
+    blocks = flat_blocks(buf, n)
+    gathered = post_allgather(op, blocks)
+    nxt = (op.rank + 1) % n
+
+    async def forward(c: int, chunk: Array) -> None:
+        if average:
+            chunk /= n
+        await op.send(nxt, AG_SLOT, c, chunk)
+
+    await reduce_scatter_blocks(op, blocks, ufunc, finished=forward)
+    await allgather_blocks(op, blocks, posted=gathered, first_sent=True)
+
+
+async def reduce_scatter(op: Op, send: Array, dest: Array, ufunc: np.ufunc,
+                         average: bool) -> None:
+    """Reduce the flat ``send`` across ranks; the flat ``dest`` gets this rank's block
+    (block ``op.rank`` of ``op.size``), divided by the world size when ``average``.
+
+    The ring reduces every block but the one it sends first, (r-1), exactly once; that
+    one stays a view of the input, this rank's own block goes straight into ``dest``.
+    Over links that pull, the reductions run out of place from the input (``sources``)
+    into fresh arrays, so nothing is copied before the first pull; over TCP the input is
+    copied first and reduced in place, which measured faster there (docs/algorithms.md).
+    """
+    n, r = op.size, op.rank
+    blocks = list(split_even(send, n))
+    pulled = n > 1 and _pulled(op, (r - 1) % n, blocks[0].nbytes)
+    sources = list(blocks) if pulled else None
+    for b in range(n):
+        if b == r:
+            if not pulled:
+                dest[...] = blocks[b]
+            blocks[b] = dest
+        elif b != (r - 1) % n:
+            blocks[b] = np.empty_like(blocks[b]) if pulled else blocks[b].copy()
+    await reduce_scatter_blocks(op, blocks, ufunc, sources=sources)
+    settle(blocks[r], dest, n if average else 1)
+
+
+async def allgather(op: Op, send: Array, blocks: Sequence[Array]) -> None:
+    """Gather every rank's flat ``send`` into ``blocks`` (block i from rank i). When the
+    successor pulls, it reads straight from ``send`` while this rank copies it into
+    place."""
+    n = op.size
+    if n > 1 and _pulled(op, (op.rank + 1) % n, send.nbytes):
+        await allgather_blocks(op, blocks, own=send)
+    else:
+        await copy_into(blocks[op.rank], send)
+        await allgather_blocks(op, blocks)
+
+
+async def reduce_scatter_blocks(op: Op, blocks: list[Array], ufunc: np.ufunc,
                          slot0: int = RS_SLOT, finished: Forward | None = None,
                          sources: list[Array] | None = None) -> None:
     """After this, ``blocks[op.rank]`` holds the reduction of every rank's block.
@@ -155,7 +228,7 @@ def window_slots(chunk_bytes: int, itemsize: int) -> int:
     return max(RS_MIN_SLOTS, RS_WINDOW_BYTES // chunk)
 
 
-def post_allgather(op: Op, blocks: list[Array],
+def post_allgather(op: Op, blocks: Sequence[Array],
                    slot0: int = AG_SLOT) -> list[list[asyncio.Future[None]]]:
     """Post every receive of the ring allgather straight into its destination block.
 
@@ -171,7 +244,7 @@ def post_allgather(op: Op, blocks: list[Array],
             for s in range(n - 1)]
 
 
-async def allgather(op: Op, blocks: list[Array], slot0: int = AG_SLOT,
+async def allgather_blocks(op: Op, blocks: Sequence[Array], slot0: int = AG_SLOT,
                     posted: list[list[asyncio.Future[None]]] | None = None,
                     first_sent: bool = False, own: Array | None = None) -> None:
     """Before: ``blocks[op.rank]`` holds this rank's data, or ``own`` does (it is sent

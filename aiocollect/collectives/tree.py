@@ -1,4 +1,4 @@
-"""Binomial-tree broadcast, pipelined in chunks.
+"""Binomial-tree broadcast and reduce, pipelined in chunks.
 
 Schedule: with v = (rank - root) mod n, a rank receives from v - lowbit(v) and forwards to
 v + m for every power of two m < lowbit(v) (all m for the root) with v + m < n. Each chunk is
@@ -8,8 +8,11 @@ whole message ceil(log2 n) times (a bandwidth-bound large broadcast prefers the 
 
 from __future__ import annotations
 
+import numpy as np
+
 from aiocollect._buffers import Array
 from aiocollect.engine.op import Op
+from aiocollect.engine.reduce import reduce_into, settle
 from aiocollect.engine.small import Step
 
 SLOT = 0
@@ -64,15 +67,21 @@ def small_steps(op: Op, buf: Array, root: int, slot: int = SLOT) -> list[Step]:
     return steps
 
 
-async def reduce(op: Op, work: Array, root: int, ufunc: object, slot: int = SLOT) -> None:
+async def reduce(op: Op, buf: Array, root: int, ufunc: np.ufunc, average: bool) -> None:
+    """Reduce the flat ``buf`` across ranks into ``root``'s ``buf`` (divided by the world
+    size there when ``average``); the other ranks' ``buf`` stays unchanged (they reduce
+    into a copy)."""
+    work = buf if op.rank == root else buf.copy()
+    await _reduce(op, work, root, ufunc)
+    await op.finish()
+    if op.rank == root:
+        settle(work, buf, op.size if average else 1)
+
+
+async def _reduce(op: Op, work: Array, root: int, ufunc: np.ufunc, slot: int = SLOT) -> None:
     """Binomial-tree reduce of ``work`` (this rank's contribution, overwritten with partial
     results) towards ``root``: each rank reduces its children's partials chunk by chunk and
     forwards them to its parent. Cost: ceil(log2 n) steps; every rank sends size once."""
-    import numpy as np
-
-    from aiocollect.engine.reduce import reduce_into
-
-    assert isinstance(ufunc, np.ufunc)
     n = op.size
     if n == 1:
         return
@@ -90,3 +99,8 @@ async def reduce(op: Op, work: Array, root: int, ufunc: object, slot: int = SLOT
             await reduce_into(ufunc, part, tparts[child][c])
         if parent is not None:
             await op.send((parent + root) % n, slot, c, part)
+
+
+def small_covers(n: int) -> bool:
+    """Whether :func:`small_steps` covers world size ``n`` (any above 1)."""
+    return n > 1

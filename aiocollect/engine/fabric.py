@@ -24,9 +24,9 @@ from aiocollect.errors import (
     PeerDisconnected,
     ProtocolError,
 )
+from aiocollect.fingerprint import describe as describe_fingerprint
 from aiocollect.transport.base import Fingerprint, Link
 from aiocollect.transport.wire import ABORT, GOODBYE, P2P, PING, PONG, Header, control_header
-from aiocollect.types import collective_label, dtype_label, op_label
 
 log = logging.getLogger("aiocollect")
 
@@ -44,17 +44,6 @@ _TOKEN = 8
 #: Fingerprints of the last operations per group a GOODBYE carries (to name the operation
 #: when the close handshake finds that ranks disagreed).
 GOODBYE_RECENT = 16
-
-
-def describe_fingerprint(fp: Fingerprint) -> str:
-    coll, dtype, count, op, root = fp
-    name = collective_label(coll)
-    parts = [f"count={count}", f"dtype={dtype_label(dtype)}"]
-    if op:
-        parts.append(f"op={op_label(op)}")
-    if root >= 0:
-        parts.append(f"root={root}")
-    return f"{name}({', '.join(parts)})"
 
 
 class Fabric:

@@ -1,6 +1,7 @@
 """Reduction kernels: numpy ufuncs with ``out=``; large ones run in a worker thread so the
 event loop stays responsive (numpy releases the GIL inside its loops). And large local
-copies, in steps with a turn of the event loop between them."""
+copies, in steps with a turn of the event loop between them; and the end every reducing
+algorithm shares (:func:`settle`)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,13 @@ async def copy_into(dst: Array, src: Array) -> None:
     for i in range(0, n, step):
         dst[i:i + step] = src[i:i + step]
         await asyncio.sleep(0)
+
+
+def settle(result: Array, dest: Array, divisor: int) -> None:
+    """The end of a reduction that leaves this rank's result in ``result``: divide it by
+    ``divisor`` in place (an AVG; 1: nothing to do), then copy it into ``dest`` unless it
+    is ``dest``."""
+    if divisor != 1:
+        result /= divisor
+    if result is not dest:
+        dest[...] = result

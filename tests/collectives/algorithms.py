@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 import aiocollect as ac
-from aiocollect.types import ALGORITHMS
+from aiocollect.collectives.registry import REGISTRIES
 from tests.helpers import assert_close, counts_for, data, reference, valid_ops
 
 CLASS_DTYPES = [np.dtype(d) for d in ("bool", "int32", "uint8", "float32", "float16",
@@ -19,25 +19,25 @@ async def sweep_algorithms(g: ac.Group, dtypes: list[Any] | None = None) -> int:
     for dtype in dtypes or CLASS_DTYPES:
         for count in counts_for(dtype):
             everyone = [data(x, count, dtype) for x in range(n)]
-            for alg in ALGORITHMS["allreduce"]:
+            for alg in REGISTRIES["allreduce"].names:
                 for op in valid_ops(dtype):
                     buf = data(r, count, dtype, op=op)
                     await g.allreduce(buf, op=op, algorithm=alg)
                     want = reference([data(x, count, dtype, op=op) for x in range(n)], op)
                     assert_close(buf, want, f"allreduce[{alg}] {dtype} {op.name} n={count}")
                     checked += 1
-            for alg in ALGORITHMS["broadcast"]:
+            for alg in REGISTRIES["broadcast"].names:
                 for root in range(n):
                     buf = everyone[r].copy()
                     await g.broadcast(buf, root=root, algorithm=alg)
                     np.testing.assert_array_equal(buf, everyone[root], f"broadcast[{alg}]")
                     checked += 1
-            for alg in ALGORITHMS["allgather"]:
+            for alg in REGISTRIES["allgather"].names:
                 out = await g.allgather(everyone[r], algorithm=alg)
                 np.testing.assert_array_equal(out, np.stack(everyone), f"allgather[{alg}]")
             rows = [data(x, n * max(1, count), dtype, seed=9) for x in range(n)]
             k = max(1, count)
-            for alg in ALGORITHMS["reduce_scatter"]:
+            for alg in REGISTRIES["reduce_scatter"].names:
                 for op in valid_ops(dtype):
                     rs = await g.reduce_scatter(rows[r], op=op, algorithm=alg)
                     assert_close(rs, reference(rows, op)[r * k:(r + 1) * k],

@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 
 import aiocollect as ac
 from aiocollect import errors
-from aiocollect.collectives.checks import fingerprint
 from aiocollect.engine import fabric as fabric_module
+from aiocollect.fingerprint import pack
 from aiocollect.rendezvous.handshake import (
     PROTOCOL_VERSION,
     AcceptorHandshake,
@@ -625,7 +625,7 @@ async def test_staging_within_the_bound_is_fine(memory_store: MemoryStore, uniqu
     is posted is delivered when the receive comes."""
     g, fake = await _linked(memory_store, unique_name, fake_peer)
     msg = np.arange(40, dtype=np.int32)  # 160 bytes: three chunks of at most 64
-    coll, dtype, elems, op, root = fingerprint(Collective.SEND, msg)
+    coll, dtype, elems, op, root = pack(Collective.SEND, msg)
     raw = msg.tobytes()
     for c in range(3):
         part = raw[c * CHUNK:(c + 1) * CHUNK]
@@ -658,7 +658,7 @@ async def test_ping_flood_without_reading_keeps_memory_bounded(
         socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     ping = header(PING, length=8) + b"12345678"
     msg = np.arange(4, dtype=np.int64)
-    coll, dtype, elems, op, root = fingerprint(Collective.SEND, msg)
+    coll, dtype, elems, op, root = pack(Collective.SEND, msg)
     worst = 0
     for tag in range(2):  # each round: 1.2 MB of PINGs, then a message that follows them
         fake.write(ping * 20_000 + header(P2P, coll=coll, op=op, dtype=dtype, slot=tag,

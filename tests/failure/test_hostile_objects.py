@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import enum
 import time
 from collections.abc import Callable, Iterator
@@ -30,9 +31,9 @@ import pytest
 
 import aiocollect as ac
 from aiocollect import errors, objects
-from aiocollect.collectives import doubling
-from aiocollect.collectives.checks import fingerprint
+from aiocollect.collectives import doubling, registry
 from aiocollect.collectives.ring import AG_SLOT
+from aiocollect.fingerprint import pack
 from aiocollect.store import MemoryStore
 from aiocollect.testing import run_ranks
 from aiocollect.transport.wire import DATA
@@ -244,7 +245,7 @@ async def test_hostile_broadcast_object_payload(
         fake_peer: Callable[..., FakePeer], loop_errors: list[Any]) -> None:
     g, fake = await _linked(memory_store, unique_name, fake_peer)
     handle = g.broadcast_object(root=1)
-    fp = fingerprint(Collective.OBJECT, None, count=0, root=1)
+    fp = pack(Collective.OBJECT, None, count=0, root=1)
     payload = HOSTILE[kind]
     started = time.monotonic()
     fake.write(_frames(fp, 0, _i64(len(payload))) + _frames(fp, 1, payload))
@@ -260,7 +261,7 @@ async def test_hostile_broadcast_object_size(
     g, fake = await _linked(memory_store, unique_name, fake_peer)
     handle = g.broadcast_object(root=1)
     started = time.monotonic()
-    fake.write(_frames(fingerprint(Collective.OBJECT, None, count=0, root=1), 0,
+    fake.write(_frames(pack(Collective.OBJECT, None, count=0, root=1), 0,
                        _i64(declared)))
     await _broken_everywhere(g, fake, handle, started, f"declared a value of {declared}")
 
@@ -402,7 +403,9 @@ async def test_unexpected_exception_in_a_schedule_is_wrapped_and_breaks_the_grou
         monkeypatch: pytest.MonkeyPatch, loop_errors: list[Any]) -> None:
     """The same on the callback-driven small-message path: a step's callback raises on
     rank 1 (from the transport's read path)."""
-    original = doubling.small_steps
+    entry = registry.ALLREDUCE.algorithms["recursive_doubling"]
+    original = entry.steps
+    assert original is doubling.small_steps
 
     def buggy(op: Any, *args: Any) -> list[Any]:
         steps = original(op, *args)
@@ -412,7 +415,8 @@ async def test_unexpected_exception_in_a_schedule_is_wrapped_and_breaks_the_grou
             steps[-1].then = boom
         return steps
 
-    monkeypatch.setattr(doubling, "small_steps", buggy)
+    monkeypatch.setitem(registry.ALLREDUCE.algorithms, "recursive_doubling",
+                        dataclasses.replace(entry, steps=buggy))
     res = await run_ranks(
         2, _two_calls,
         lambda g: g.allreduce(np.ones(4, np.float32), algorithm="recursive_doubling"),

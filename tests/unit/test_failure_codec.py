@@ -6,7 +6,6 @@ from __future__ import annotations
 import struct
 
 import msgpack
-import numpy as np
 import pytest
 
 from aiocollect import errors
@@ -15,9 +14,7 @@ from aiocollect.engine.fabric import (
     Fabric,
     _decode_abort,
     _encode_abort,
-    describe_fingerprint,
 )
-from aiocollect.types import Collective, ReduceOp, dtype_code
 
 
 @pytest.mark.parametrize(("exc", "cls"), [
@@ -54,16 +51,6 @@ def test_malformed_abort_is_a_protocol_error(payload: bytes) -> None:
     exc = _decode_abort(3, payload)
     assert isinstance(exc, errors.ProtocolError)
     assert "rank 3 sent a malformed ABORT frame" in str(exc)
-
-
-def test_describe_fingerprint() -> None:
-    fp = (int(Collective.ALLREDUCE), dtype_code(np.dtype("float32")), 10, int(ReduceOp.MAX), -1)
-    text = describe_fingerprint(fp)
-    assert text.startswith("allreduce")
-    assert "count=10" in text
-    assert "float32" in text
-    assert "MAX" in text
-    assert "root" not in text
 
 
 def test_probe_question_answers_whether_an_operation_was_called() -> None:

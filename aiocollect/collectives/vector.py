@@ -1,0 +1,106 @@
+"""The two-phase v-collectives: first every rank's sizes, then the data.
+
+- allgatherv (ring): an allgather of (rows, row size) per rank, then a ring allgather of
+  the rows into one array. Each declared size is checked before anything is allocated.
+- alltoallv (pairwise): an alltoall of (rows, row size) per destination, then a pairwise
+  exchange of the rows straight into the output.
+
+:func:`gather_v` is allgatherv's exchange; the object collectives reuse it with their own
+size limit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from aiocollect._buffers import Array
+from aiocollect.collectives import direct, ring
+from aiocollect.engine.op import Op
+from aiocollect.errors import MismatchError, ProtocolError, UsageError
+
+_I64 = np.dtype(np.int64)
+
+
+def _host_memory() -> int:
+    """Bytes one rank may declare in allgatherv: this host's physical memory (no block
+    larger could be received here), at most 2**56 so that sizes cannot overflow int64."""
+    try:
+        return min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), 1 << 56)
+    except (ValueError, OSError, AttributeError):
+        return 1 << 56
+
+
+async def gather_v(o: Op, arr: Array, kind: str,
+                   limit: int | None = None) -> list[tuple[int, Array]]:
+    """The two phases of allgatherv: every rank's (rows, row size), then the rows, by ring.
+    Returns (rows, flat block) per rank, in rank order. Each rank's declared size is checked
+    before anything is allocated: negative, or above ``limit`` bytes (default: this host's
+    memory), is a ProtocolError (no real rank sends that); rows of another size than this
+    rank's are a MismatchError."""
+    limit = _host_memory() if limit is None else limit
+    n = o.size
+    row = int(np.prod(arr.shape[1:]))
+    sizes = np.zeros((n, 2), dtype=_I64)
+    sizes[o.rank] = (arr.shape[0], row)
+    await ring.allgather_blocks(o, list(sizes), slot0=0)
+    await o.finish()
+    declared = sizes.tolist()
+    for r, (rows, rrow) in enumerate(declared):
+        if r != o.rank and (rows < 0 or rrow < 0 or rows * max(rrow, 1) * arr.itemsize > limit):
+            via = (o.rank - 1) % n
+            raise ProtocolError(
+                f"{kind} (op #{o.seq}): rank {r} declared {rows} rows of {rrow} elements of "
+                f"{arr.itemsize} bytes (at most {limit} bytes"
+                + ("" if via == r else f"; received from rank {via}") + ")")
+    for r, (_, rrow) in enumerate(declared):
+        if rrow != row:
+            raise MismatchError(
+                f"{kind}: rank {r} sent rows of {rrow} elements, rank {o.rank} "
+                f"rows of {row} (shape {arr.shape})")
+    bounds = np.concatenate([[0], np.cumsum(sizes[:, 0] * row)])
+    total = np.empty(int(bounds[-1]), dtype=arr.dtype)
+    blocks = [total[bounds[i]:bounds[i + 1]] for i in range(n)]
+    blocks[o.rank][...] = arr.reshape(-1)
+    await ring.allgather_blocks(o, blocks, slot0=ring.AG_SLOT)
+    await o.finish()  # the last receives land after ring.allgather_blocks returns
+    return [(rows, block) for (rows, _), block in zip(declared, blocks, strict=True)]
+
+
+async def allgatherv(o: Op, arr: Array) -> list[Array]:
+    """Every rank's ``arr`` (at least one axis; the first may differ per rank), in rank
+    order. Raises as :func:`gather_v`."""
+    blocks = await gather_v(o, arr, "allgatherv")
+    return [b.reshape(rows, *arr.shape[1:]) for rows, b in blocks]
+
+
+async def alltoallv(o: Op, arr: Array, counts: list[int], res: Array | None) -> list[Array]:
+    """Rows ``[sum(counts[:i]), sum(counts[:i+1]))`` of ``arr`` go to rank i. The blocks
+    received from each rank, in rank order (views of ``res`` when given, else of a fresh
+    array).
+
+    Raises:
+        MismatchError: a rank sent rows of another size.
+        UsageError: ``res`` does not have as many rows as arrive.
+    """
+    n = o.size
+    row = int(np.prod(arr.shape[1:]))
+    mine = np.array([[c, row] for c in counts], dtype=_I64)
+    theirs = np.empty_like(mine)
+    await direct.alltoall(o, list(mine), list(theirs), slot=0)
+    await o.finish()
+    if (theirs[:, 1] != row).any():
+        raise MismatchError(f"alltoallv: ranks sent rows of {theirs[:, 1].tolist()} "
+                            f"elements, rank {o.rank} rows of {row}")
+    rows = theirs[:, 0]
+    total = int(rows.sum())
+    if res is not None and res.shape[0] != total:
+        raise UsageError(f"alltoallv: out has {res.shape[0]} rows, {total} arrive")
+    dest = res.reshape(-1) if res is not None else np.empty(total * row, arr.dtype)
+    rb = np.concatenate([[0], np.cumsum(rows * row)])
+    sb = np.concatenate([[0], np.cumsum(np.array(counts, dtype=_I64) * row)])
+    flat = arr.reshape(-1)
+    await direct.alltoall(o, [flat[sb[i]:sb[i + 1]] for i in range(n)],
+                          [dest[rb[i]:rb[i + 1]] for i in range(n)], slot=1)
+    return [dest[rb[i]:rb[i + 1]].reshape(int(rows[i]), *arr.shape[1:]) for i in range(n)]
