@@ -7,6 +7,7 @@ in flight at once on one event loop.
 
 from __future__ import annotations
 
+from aiocollect._buffers import Buffer
 from aiocollect.api import join_group, open_group
 from aiocollect.errors import (
     AiocollectError,
@@ -25,6 +26,7 @@ from aiocollect.errors import (
     UsageError,
 )
 from aiocollect.group import Group
+from aiocollect.stats import LinkStatistics, Statistics
 from aiocollect.store import Store
 from aiocollect.types import ReduceOp
 
@@ -41,8 +43,9 @@ BXOR = ReduceOp.BXOR
 
 __all__ = [
     "AVG", "BAND", "BOR", "BXOR", "MAX", "MIN", "PROD", "SUM",
-    "AiocollectError", "AuthenticationError", "Group", "GroupBrokenError", "InternalError",
-    "MismatchError", "PeerDisconnected", "PeerError", "PeerTimeout", "ProtocolError", "ReduceOp",
-    "RendezvousError", "RendezvousTimeout", "Store", "StoreError", "StoreTimeout",
-    "UsageError", "__version__", "join_group", "open_group",
+    "AiocollectError", "AuthenticationError", "Buffer", "Group", "GroupBrokenError",
+    "InternalError", "LinkStatistics", "MismatchError", "PeerDisconnected", "PeerError",
+    "PeerTimeout", "ProtocolError", "ReduceOp", "RendezvousError", "RendezvousTimeout",
+    "Statistics", "Store", "StoreError", "StoreTimeout", "UsageError", "__version__",
+    "join_group", "open_group",
 ]

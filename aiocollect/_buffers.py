@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import array
+import mmap
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
 
 import numpy as np
 
@@ -10,6 +12,32 @@ from aiocollect.errors import UsageError
 from aiocollect.types import dtype_code
 
 Array = np.ndarray[Any, np.dtype[Any]]
+
+
+class TensorLike(Protocol):
+    """What :func:`as_array` reads of a torch tensor (CPU and contiguous, else UsageError);
+    ``torch.Tensor`` matches it without aiocollect importing torch."""
+
+    @property
+    def device(self) -> Any: ...
+
+    def is_contiguous(self) -> bool: ...
+
+    def numpy(self) -> Any: ...
+
+
+#: What the collectives accept as a buffer (:func:`as_array`): numpy arrays, objects with
+#: the buffer protocol (``bytes`` only where nothing is written into it) and CPU torch
+#: tensors. Other buffer-protocol objects work at run time too; the alias is for type
+#: checkers and readers.
+if TYPE_CHECKING:
+    Buffer: TypeAlias = (Array | bytes | bytearray | memoryview | array.array[Any] | mmap.mmap
+                         | TensorLike)
+else:
+    Buffer: TypeAlias = (Array | bytes | bytearray | memoryview | array.array | mmap.mmap
+                         | TensorLike)
+#: A Buffer of one type: a collective that fills the caller's buffer gives that buffer back.
+B = TypeVar("B", bound=Buffer)
 
 
 def as_array(buf: Any, name: str, *, writable: bool) -> Array:

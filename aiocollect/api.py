@@ -6,7 +6,7 @@ import asyncio
 import os
 import socket
 import ssl as ssl_module
-from collections.abc import Generator
+from collections.abc import Callable, Coroutine, Generator
 from types import TracebackType
 from typing import Any
 
@@ -238,12 +238,14 @@ class GroupOpener:
     """Returned by :func:`open_group`: ``await`` it for a Group, or use it with
     ``async with`` (closing gracefully on normal exit, aborting on an exception)."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        self._kwargs = kwargs
+    def __init__(self, start: Callable[[], Coroutine[Any, Any, Group]]) -> None:
+        # ``start`` forms the group: open_group's own call of _open, so its options keep
+        # their types (mypy checks that call) instead of travelling as **kwargs
+        self._start = start
         self._group: Group | None = None
 
     def __await__(self) -> Generator[Any, None, Group]:
-        return _open(**self._kwargs).__await__()
+        return self._start().__await__()
 
     def __getattr__(self, name: str) -> Any:
         if hasattr(Group, name):
@@ -254,7 +256,7 @@ class GroupOpener:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     async def __aenter__(self) -> Group:
-        self._group = await _open(**self._kwargs)
+        self._group = await self._start()
         return self._group
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -305,9 +307,10 @@ def open_group(rank: int | None = None, world_size: int | None = None, *,
         UsageError: bad arguments. RendezvousTimeout: ranks missing at the deadline (named).
         RendezvousError, AuthenticationError, StoreError: as their names say.
     """
-    return GroupOpener(rank=rank, world_size=world_size, store=store, transport=transport,
-                       timeout=timeout, secret=secret, host=host, ssl=ssl, name=name,
-                       chunk_bytes=chunk_bytes, insecure=insecure, elastic=elastic)
+    return GroupOpener(lambda: _open(
+        rank, world_size, store=store, transport=transport, timeout=timeout, secret=secret,
+        host=host, ssl=ssl, name=name, chunk_bytes=chunk_bytes, insecure=insecure,
+        elastic=elastic))
 
 
 async def join_group(store: Store | str | None = None, *, name: str = "default",

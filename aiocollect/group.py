@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, overload
 
 import numpy as np
 
 from aiocollect import objects
-from aiocollect._buffers import Array, as_array
+from aiocollect._buffers import Array, B, Buffer, as_array
 from aiocollect.collectives import objects as object_collectives
 from aiocollect.collectives import registry
 from aiocollect.collectives.checks import check_rank, check_tag, divisible, output, reduction
@@ -23,7 +24,10 @@ from aiocollect.engine.op import Op, split_even
 from aiocollect.errors import ProtocolError, UsageError
 from aiocollect.fingerprint import pack
 from aiocollect.group_core import GroupCore
-from aiocollect.types import Collective, ReduceOp
+from aiocollect.types import Collective, OpLike, ReduceOp
+
+#: alltoallv's send_counts: one non-negative count per rank.
+Counts = Sequence[int] | Array
 
 
 def _flat(arr: Array) -> Array:
@@ -74,7 +78,7 @@ class Group(GroupCore):
 
     # -- point to point --------------------------------------------------------------------
 
-    def send(self, buf: Any, dst: int, *, tag: int = 0,
+    def send(self, buf: Buffer, dst: int, *, tag: int = 0,
              timeout: float | None = None) -> asyncio.Task[None]:
         """Send ``buf`` to rank ``dst``; messages are matched by (source, tag) in order."""
         arr = as_array(buf, "buf", writable=False)
@@ -91,7 +95,7 @@ class Group(GroupCore):
 
         return self._start("send", fp, body, timeout, p2p=(counter, tag))
 
-    def recv(self, buf: Any, src: int | None = None, *, tag: int = 0,
+    def recv(self, buf: Buffer, src: int | None = None, *, tag: int = 0,
              timeout: float | None = None) -> asyncio.Task[int]:
         """Receive into ``buf`` from ``src`` (None: any rank); the handle gives the source."""
         arr = as_array(buf, "buf", writable=True)
@@ -135,8 +139,8 @@ class Group(GroupCore):
         return self._start("barrier", pack(Collective.BARRIER, None, algorithm=alg.name),
                            alg.run, timeout)
 
-    def broadcast(self, buf: Any, *, root: int = 0, timeout: float | None = None,
-                  algorithm: str | None = None) -> asyncio.Future[Any]:
+    def broadcast(self, buf: B, *, root: int = 0, timeout: float | None = None,
+                  algorithm: str | None = None) -> asyncio.Future[B]:
         """Copy ``root``'s ``buf`` into every rank's ``buf`` (binomial tree or pipeline)."""
         arr = as_array(buf, "buf", writable=True)
         root = check_rank(root, self.world_size, "root")
@@ -149,14 +153,14 @@ class Group(GroupCore):
             return self._schedule("broadcast", fp, lambda o: steps(o, flat, root), buf, timeout)
         run = alg.run
 
-        async def body(o: Op) -> Any:
+        async def body(o: Op) -> B:
             await run(o, flat, root)
             return buf
 
         return self._start("broadcast", fp, body, timeout)
 
-    def allreduce(self, buf: Any, *, op: Any = ReduceOp.SUM, timeout: float | None = None,
-                  algorithm: str | None = None) -> asyncio.Future[Any]:
+    def allreduce(self, buf: B, *, op: OpLike = ReduceOp.SUM, timeout: float | None = None,
+                  algorithm: str | None = None) -> asyncio.Future[B]:
         """Reduce ``buf`` across ranks, in place on every rank. Algorithms: ``ring``
         (bandwidth), ``recursive_doubling`` (latency), ``halving_doubling``; default by size."""
         arr = as_array(buf, "buf", writable=True)
@@ -172,15 +176,15 @@ class Group(GroupCore):
                                   buf, timeout)
         run = alg.run
 
-        async def body(o: Op) -> Any:
+        async def body(o: Op) -> B:
             await run(o, flat, ufunc, average)
             return buf
 
         return self._start("allreduce", fp, body, timeout)
 
-    def reduce(self, buf: Any, *, root: int = 0, op: Any = ReduceOp.SUM,
+    def reduce(self, buf: B, *, root: int = 0, op: OpLike = ReduceOp.SUM,
                timeout: float | None = None,
-               algorithm: str | None = None) -> asyncio.Task[Any]:
+               algorithm: str | None = None) -> asyncio.Task[B]:
         """Reduce ``buf`` across ranks into ``root``'s ``buf``; others' stay unchanged."""
         arr = as_array(buf, "buf", writable=True)
         root = check_rank(root, self.world_size, "root")
@@ -188,13 +192,21 @@ class Group(GroupCore):
         run = registry.REDUCE.choose(algorithm, 0, self.world_size).run
         fp = pack(Collective.REDUCE, arr, op=rop, root=root)
 
-        async def body(o: Op) -> Any:
+        async def body(o: Op) -> B:
             await run(o, _flat(arr), root, ufunc, rop is ReduceOp.AVG)
             return buf
 
         return self._start("reduce", fp, body, timeout)
 
-    def allgather(self, send: Any, out: Any = None, *, timeout: float | None = None,
+    @overload
+    def allgather(self, send: Buffer, out: None = None, *, timeout: float | None = None,
+                  algorithm: str | None = None) -> asyncio.Task[Array]: ...
+    @overload
+    def allgather(self, send: Buffer, out: B, *, timeout: float | None = None,
+                  algorithm: str | None = None) -> asyncio.Task[B]: ...
+
+    def allgather(self, send: Buffer, out: Buffer | None = None, *,
+                  timeout: float | None = None,
                   algorithm: str | None = None) -> asyncio.Task[Any]:
         """Gather every rank's ``send`` into ``out`` of shape ``(world_size, *send.shape)``
         (``ring`` or ``direct``)."""
@@ -205,13 +217,21 @@ class Group(GroupCore):
         fp = pack(Collective.ALLGATHER, arr, algorithm=alg.name)
         run = alg.run
 
-        async def body(o: Op) -> Any:
+        async def body(o: Op) -> Buffer:
             await run(o, _flat(arr), split_even(_flat(res), n))
             return res if out is None else out
 
         return self._start("allgather", fp, body, timeout)
 
-    def gather(self, send: Any, out: Any = None, *, root: int = 0,
+    @overload
+    def gather(self, send: Buffer, out: None = None, *, root: int = 0,
+               timeout: float | None = None,
+               algorithm: str | None = None) -> asyncio.Task[Array | None]: ...
+    @overload
+    def gather(self, send: Buffer, out: B, *, root: int = 0, timeout: float | None = None,
+               algorithm: str | None = None) -> asyncio.Task[B | None]: ...
+
+    def gather(self, send: Buffer, out: Buffer | None = None, *, root: int = 0,
                timeout: float | None = None,
                algorithm: str | None = None) -> asyncio.Task[Any]:
         """Like allgather, but only ``root`` gets the result (None elsewhere)."""
@@ -222,7 +242,7 @@ class Group(GroupCore):
         run = registry.GATHER.choose(algorithm, 0, n).run
         fp = pack(Collective.GATHER, arr, root=root)
 
-        async def body(o: Op) -> Any:
+        async def body(o: Op) -> Buffer | None:
             blocks = None if res is None else split_even(_flat(res), n)
             await run(o, _flat(arr), blocks, root)
             if res is None:
@@ -231,9 +251,9 @@ class Group(GroupCore):
 
         return self._start("gather", fp, body, timeout)
 
-    def scatter(self, send: Any, out: Any, *, root: int = 0,
+    def scatter(self, send: Buffer | None, out: B, *, root: int = 0,
                 timeout: float | None = None,
-                algorithm: str | None = None) -> asyncio.Task[Any]:
+                algorithm: str | None = None) -> asyncio.Task[B]:
         """Rank i receives block i of ``root``'s ``send`` (shape ``(world_size, *out.shape)``)."""
         n = self.world_size
         root = check_rank(root, n, "root")
@@ -250,15 +270,24 @@ class Group(GroupCore):
         run = registry.SCATTER.choose(algorithm, 0, n).run
         fp = pack(Collective.SCATTER, res, root=root)
 
-        async def body(o: Op) -> Any:
+        async def body(o: Op) -> B:
             blocks = None if src is None else split_even(_flat(src), n)
             await run(o, blocks, _flat(res), root)
             return out
 
         return self._start("scatter", fp, body, timeout)
 
-    def reduce_scatter(self, send: Any, out: Any = None, *, op: Any = ReduceOp.SUM,
+    @overload
+    def reduce_scatter(self, send: Buffer, out: None = None, *, op: OpLike = ReduceOp.SUM,
                        timeout: float | None = None,
+                       algorithm: str | None = None) -> asyncio.Task[Array]: ...
+    @overload
+    def reduce_scatter(self, send: Buffer, out: B, *, op: OpLike = ReduceOp.SUM,
+                       timeout: float | None = None,
+                       algorithm: str | None = None) -> asyncio.Task[B]: ...
+
+    def reduce_scatter(self, send: Buffer, out: Buffer | None = None, *,
+                       op: OpLike = ReduceOp.SUM, timeout: float | None = None,
                        algorithm: str | None = None) -> asyncio.Task[Any]:
         """Reduce ``send`` across ranks; rank r gets the r-th of ``world_size`` blocks
         (``ring`` or ``direct``)."""
@@ -271,13 +300,20 @@ class Group(GroupCore):
         fp = pack(Collective.REDUCE_SCATTER, arr, op=rop, algorithm=alg.name)
         run = alg.run
 
-        async def body(o: Op) -> Any:
+        async def body(o: Op) -> Buffer:
             await run(o, _flat(arr), _flat(res), ufunc, rop is ReduceOp.AVG)
             return res if out is None else out
 
         return self._start("reduce_scatter", fp, body, timeout)
 
-    def alltoall(self, send: Any, out: Any = None, *,
+    @overload
+    def alltoall(self, send: Buffer, out: None = None, *, timeout: float | None = None,
+                 algorithm: str | None = None) -> asyncio.Task[Array]: ...
+    @overload
+    def alltoall(self, send: Buffer, out: B, *, timeout: float | None = None,
+                 algorithm: str | None = None) -> asyncio.Task[B]: ...
+
+    def alltoall(self, send: Buffer, out: Buffer | None = None, *,
                  timeout: float | None = None,
                  algorithm: str | None = None) -> asyncio.Task[Any]:
         """Block i of ``send`` (split along axis 0) goes to rank i; ``out`` gets block j from
@@ -289,7 +325,7 @@ class Group(GroupCore):
         run = registry.ALLTOALL.choose(algorithm, 0, n).run
         fp = pack(Collective.ALLTOALL, arr)
 
-        async def body(o: Op) -> Any:
+        async def body(o: Op) -> Buffer:
             await run(o, split_even(_flat(arr), n), split_even(_flat(res), n))
             return res if out is None else out
 
@@ -297,8 +333,8 @@ class Group(GroupCore):
 
     # -- variable-size exchange ------------------------------------------------------------
 
-    def allgatherv(self, send: Any, *, timeout: float | None = None,
-                   algorithm: str | None = None) -> asyncio.Task[list[Any]]:
+    def allgatherv(self, send: Buffer, *, timeout: float | None = None,
+                   algorithm: str | None = None) -> asyncio.Task[list[Array]]:
         """Gather arrays whose first axis may differ per rank; returns them in rank order."""
         arr = as_array(send, "send", writable=False)
         if arr.ndim == 0:
@@ -306,12 +342,21 @@ class Group(GroupCore):
         run = registry.ALLGATHERV.choose(algorithm, 0, self.world_size).run
         fp = pack(Collective.ALLGATHERV, arr, count=0)
 
-        async def body(o: Op) -> list[Any]:
+        async def body(o: Op) -> list[Array]:
             return await run(o, arr)
 
         return self._start("allgatherv", fp, body, timeout)
 
-    def alltoallv(self, send: Any, send_counts: Any, *, out: Any = None,
+    @overload
+    def alltoallv(self, send: Buffer, send_counts: Counts, *, out: None = None,
+                  timeout: float | None = None,
+                  algorithm: str | None = None) -> asyncio.Task[list[Array]]: ...
+    @overload
+    def alltoallv(self, send: Buffer, send_counts: Counts, *, out: B,
+                  timeout: float | None = None,
+                  algorithm: str | None = None) -> asyncio.Task[B]: ...
+
+    def alltoallv(self, send: Buffer, send_counts: Counts, *, out: Buffer | None = None,
                   timeout: float | None = None,
                   algorithm: str | None = None) -> asyncio.Task[Any]:
         """Rows ``[sum(send_counts[:i]), sum(send_counts[:i+1]))`` of ``send`` go to rank i.
@@ -334,7 +379,7 @@ class Group(GroupCore):
         run = registry.ALLTOALLV.choose(algorithm, 0, n).run
         fp = pack(Collective.ALLTOALLV, arr, count=0)
 
-        async def body(o: Op) -> Any:
+        async def body(o: Op) -> list[Array] | Buffer:
             blocks = await run(o, arr, counts, res)
             return blocks if out is None else out
 

@@ -27,6 +27,7 @@ from aiocollect.errors import (
     PeerTimeout,
     UsageError,
 )
+from aiocollect.stats import LinkStatistics, Statistics
 from aiocollect.transport.wire import DATA, P2P
 
 log = logging.getLogger("aiocollect")
@@ -99,19 +100,20 @@ class GroupCore:
             raise UsageError(f"group {self.name!r} is closed")
         self._fabric.check()
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> Statistics:
         """Counters: operations started and completed per kind, bytes and frames moved per
-        link, seconds spent with at least one operation in flight."""
+        link, operations in flight, broken/closed (a :class:`~aiocollect.stats.Statistics`,
+        which also reads like the dict it once was: ``stats["links"][1]["bytes_sent"]``)."""
         links = {
-            peer: {"bytes_sent": link.bytes_sent, "bytes_received": link.bytes_received,
-                   "frames_sent": link.frames_sent, "frames_received": link.frames_received}
+            peer: LinkStatistics(link.bytes_sent, link.bytes_received, link.frames_sent,
+                                 link.frames_received)
             for peer, link in sorted(self._fabric.links.items())
         }
         ops = {f"{kind}_started": n for kind, n in self._stats.items()}
         ops.update((f"{kind}_completed", n) for kind, n in self._done.items())
-        return {"rank": self.rank, "world_size": self.world_size, "ops": ops,
-                "in_flight": len(self._tasks), "links": links,
-                "broken": self.broken, "closed": self.closed}
+        return Statistics(rank=self.rank, world_size=self.world_size, ops=ops,
+                          in_flight=len(self._tasks), links=links, broken=self.broken,
+                          closed=self.closed)
 
     # -- running operations ----------------------------------------------------------------
 
