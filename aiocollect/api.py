@@ -21,9 +21,8 @@ from aiocollect.group_core import DEFAULT_CHUNK_BYTES
 from aiocollect.rendezvous.rendezvous import RendezvousConfig, rendezvous
 from aiocollect.store import Store, open_store
 from aiocollect.tls import TLSConfig, as_config
-from aiocollect.transport.shm_ring import unavailable as shm_unavailable
-
-TRANSPORTS = ("auto", "tcp", "tls", "memory", "shm")
+from aiocollect.transport import registry
+from aiocollect.transport.wire import WORLD_GID
 
 SSLArg = (TLSConfig | ssl_module.SSLContext
           | tuple[ssl_module.SSLContext, ssl_module.SSLContext] | None)
@@ -136,6 +135,25 @@ def listen_host(host: str | None, store: Store | str) -> str:
     return "127.0.0.1"
 
 
+def _check_transport(transport: str | None, ssl: SSLArg) -> str:
+    """The transport to use (``transport``, else AIOCOLLECT_TRANSPORT, else ``auto``).
+
+    Raises:
+        UsageError: no such transport, it needs ``ssl=`` and got none, or it cannot be
+            used here (the reason named).
+    """
+    transport = transport or os.environ.get("AIOCOLLECT_TRANSPORT") or "auto"
+    found = registry.get(transport) if isinstance(transport, str) else None
+    if found is None:
+        raise UsageError(f"transport must be one of {registry.names()}, got {transport!r}")
+    if found.needs_tls and ssl is None:
+        raise UsageError(f"transport={transport!r} needs ssl= (aiocollect.tls.contexts(...) "
+                         "or an ssl.SSLContext)")
+    if (reason := found.unavailable()) is not None:
+        raise UsageError(f"transport={transport!r} is not available here: {reason}")
+    return transport
+
+
 async def _open(rank: int | None, world_size: int | None, *, store: Store | str | None,
                 transport: str | None, timeout: float | None, secret: bytes | str | None,
                 host: str | None, ssl: SSLArg, name: str,
@@ -152,14 +170,7 @@ async def _open(rank: int | None, world_size: int | None, *, store: Store | str 
         raise UsageError(f"world_size must be an int >= 1, got {world_size!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise UsageError(f"rank must be an int in [0, {world_size}), got {rank!r}")
-    transport = transport or os.environ.get("AIOCOLLECT_TRANSPORT") or "auto"
-    if transport not in TRANSPORTS:
-        raise UsageError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-    if transport == "tls" and ssl is None:
-        raise UsageError("transport='tls' needs ssl= (aiocollect.tls.contexts(...) or an "
-                         "ssl.SSLContext)")
-    if transport == "shm" and (reason := shm_unavailable()) is not None:
-        raise UsageError(f"transport='shm' is not available here: {reason}")
+    transport = _check_transport(transport, ssl)
     tls = None if ssl is None else as_config(ssl)
     timeout = resolve_timeout(timeout)
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
@@ -199,7 +210,7 @@ async def _open(rank: int | None, world_size: int | None, *, store: Store | str 
             await store_obj.close()
         raise
     fabric.links.update(links)
-    group = Group(fabric, 0, list(range(world_size)), timeout=timeout, chunk_bytes=chunk,
+    group = Group(fabric, WORLD_GID, list(range(world_size)), timeout=timeout, chunk_bytes=chunk,
                   name=name)
     group.store = store_obj
     group._sync_closers.append(endpoint.close)
@@ -333,12 +344,7 @@ async def join_group(store: Store | str | None = None, *, name: str = "default",
         admitted this process in time. RendezvousError, AuthenticationError, StoreError:
         as in :func:`open_group`.
     """
-    transport = transport or os.environ.get("AIOCOLLECT_TRANSPORT") or "auto"
-    if transport not in TRANSPORTS:
-        raise UsageError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-    if transport == "tls" and ssl is None:
-        raise UsageError("transport='tls' needs ssl= (aiocollect.tls.contexts(...) or an "
-                         "ssl.SSLContext)")
+    transport = _check_transport(transport, ssl)
     if timeout is not None and (isinstance(timeout, bool)
                                 or not isinstance(timeout, (int, float)) or timeout <= 0):
         raise UsageError(f"timeout must be a positive number, got {timeout!r}")

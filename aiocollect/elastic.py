@@ -45,6 +45,7 @@ from aiocollect.rendezvous.owner import Owner
 from aiocollect.rendezvous.rendezvous import RendezvousConfig, rendezvous
 from aiocollect.store import Store, open_store
 from aiocollect.tls import TLSConfig
+from aiocollect.transport.wire import WORLD_GID
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ async def _form(state: ElasticState, gen: int, attempt: int, rank: int, size: in
             with contextlib.suppress(BaseException):
                 await task
     fabric.links.update(links)
-    group = Group(fabric, 0, list(range(size)), timeout=state.timeout,
+    group = Group(fabric, WORLD_GID, list(range(size)), timeout=state.timeout,
                   chunk_bytes=state.chunk_bytes, name=state.name)
     group.store = store
     group._sync_closers.append(endpoint.close)

@@ -24,6 +24,7 @@ from aiocollect.engine.op import Op, split_even
 from aiocollect.errors import ProtocolError, UsageError
 from aiocollect.fingerprint import pack
 from aiocollect.group_core import GroupCore
+from aiocollect.transport.wire import P2P, Key
 from aiocollect.types import Collective, OpLike, ReduceOp
 
 #: alltoallv's send_counts: one non-negative count per rank.
@@ -126,7 +127,7 @@ class Group(GroupCore):
                     continue
                 seq = self._recv_counters[(peer, tag)]
                 link = fabric.links[self._ranks[peer]]
-                if link.has_frame((2, self._gid, seq, tag, 0)):
+                if link.has_frame(Key(P2P, self._gid, seq, tag, 0)):
                     return peer, self._next_recv(peer, tag)
             await fabric.p2p_arrival()
 

@@ -50,9 +50,12 @@ from aiocollect.bench.spec import (
 from aiocollect.bench.stats import median
 from aiocollect.bench.sweep import SweepConfig
 from aiocollect.bench.worker import RankOptions, aiocollect_rounds, run_loop
+from aiocollect.transport import registry
 
 PROG = "aiocollect bench"
-TRANSPORTS = ("tcp", "auto", "shm", "rdma")
+#: What ``--transport`` and ``--compare`` offer: the registered transports that link
+#: processes and need no certificates.
+TRANSPORTS = tuple(t.name for t in registry.transports() if not (t.in_process or t.needs_tls))
 
 
 class UsageFailure(Exception):

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from aiocollect import __version__
+from aiocollect.transport import registry
+from aiocollect.transport.interface import Transport
 
 EXTRAS = ("torch", "redis", "ml_dtypes", "matplotlib", "pyverbs")
 RDMA_SYSFS = Path("/sys/class/infiniband")
-NOT_IN_VERSION = "not available in this version"
 
 
 def package_version(name: str) -> str | None:
@@ -50,36 +51,12 @@ def _default_loop() -> str:
         loop.close()
 
 
-def _transport_status(name: str) -> str:
-    if name in ("tcp", "memory"):
-        return "available"
-    if name == "tls":
-        try:
-            import ssl
-        except ImportError:
-            return "not available: Python was built without the ssl module"
-        return f"available ({ssl.OPENSSL_VERSION})"
-    if name == "shm":
-        return _shm_status()
-    module = f"aiocollect.transport.{name}"
-    try:
-        importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name == module:
-            return NOT_IN_VERSION
-        return f"not available: {exc}"
-    except ImportError as exc:
-        return f"not available: {exc}"
-    return "available"
-
-
-def _shm_status() -> str:
-    from aiocollect.transport import cma, shm_ring
-
-    why = shm_ring.unavailable()
+def _transport_status(transport: Transport) -> str:
+    why = transport.unavailable()
     if why is not None:
         return f"not available: {why}"
-    return f"available; single-copy pulls {cma.status()}"
+    details = transport.details()
+    return f"available ({details})" if details else "available"
 
 
 def _read(path: Path) -> str:
@@ -119,8 +96,7 @@ def collect_info() -> dict[str, Any]:
                        "uvloop": package_version("uvloop")},
         "numpy": package_version("numpy"),
         "msgpack": package_version("msgpack"),
-        "transports": {name: _transport_status(name)
-                       for name in ("tcp", "tls", "memory", "shm", "rdma")},
+        "transports": {t.name: _transport_status(t) for t in registry.transports()},
         "extras": {name: package_version(name) for name in EXTRAS},
         "rdma_devices": rdma_devices(),
     }

@@ -51,11 +51,13 @@ from dataclasses import dataclass, field
 from aiocollect._net import free_port
 from aiocollect._protect import INSECURE_ENV, insecure_from_env
 from aiocollect.cli.supervise import FORWARDED_SIGNALS, Job, supervise
+from aiocollect.transport import registry
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MULTINODE_PORT = 29500
 DEFAULT_GRACE = 5.0
-TRANSPORT_CHOICES = ("auto", "tcp", "tls", "shm", "rdma")
+#: What ``--transport`` offers: the registered transports that link processes.
+TRANSPORT_CHOICES = tuple(t.name for t in registry.transports() if not t.in_process)
 PROG = "aiocollect run"
 
 

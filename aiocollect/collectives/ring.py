@@ -52,8 +52,8 @@ def _pulled(op: Op, peer: int, block_bytes: int) -> bool:
     rank ``peer`` are pulled out of the sender's memory (shared memory), in either
     direction: the ring then skips its up-front copies (see reduce_scatter, allgather)."""
     frame = min(block_bytes, op.chunk_bytes)
-    link = op.link(peer)
-    return link.pulls(frame) or not link.copies(frame)
+    caps = op.link(peer).caps
+    return caps.pulls(frame) or not caps.copies(frame)
 
 
 async def allreduce(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> None:
@@ -178,8 +178,8 @@ async def reduce_scatter_blocks(op: Op, blocks: list[Array], ufunc: np.ufunc,
         return
     width = max(dst.size for _, _, dst in recvs)
     frame = width * blocks[0].dtype.itemsize
-    k = min(RS_PULL_SLOTS if op.link(prv).pulls(frame) else lead, len(recvs))
-    if not op.link(nxt).copies(frame):  # the successor pulls: it has the small window
+    k = min(RS_PULL_SLOTS if op.link(prv).caps.pulls(frame) else lead, len(recvs))
+    if not op.link(nxt).caps.copies(frame):  # the successor pulls: it has the small window
         lead = RS_PULL_SLOTS
     window = SCRATCH.acquire(k * width, blocks[0].dtype)
     slots = [window[j * width:(j + 1) * width] for j in range(k)]

@@ -26,7 +26,16 @@ from aiocollect.errors import (
 )
 from aiocollect.fingerprint import describe as describe_fingerprint
 from aiocollect.transport.base import Fingerprint, Link
-from aiocollect.transport.wire import ABORT, GOODBYE, P2P, PING, PONG, Header, control_header
+from aiocollect.transport.wire import (
+    ABORT,
+    GOODBYE,
+    P2P,
+    PING,
+    PONG,
+    WORLD_GID,
+    Header,
+    control_header,
+)
 
 log = logging.getLogger("aiocollect")
 
@@ -39,6 +48,10 @@ PONG_BACKLOG = 16 * 1024 * 1024
 #: the payload and appends one byte, 1 (yes) or 0 (no), after a yes the fingerprint
 #: (``_FINGERPRINT``) when this rank still remembers it. The token alone is just echoed.
 _CALLED_QUERY = struct.Struct("<IQ")
+#: The PONG's appended answer to that question: not called yet, or called (then maybe
+#: followed by the fingerprint).
+NOT_CALLED = b"\x00"
+CALLED = b"\x01"
 _FINGERPRINT = struct.Struct("<qqqqq")
 _TOKEN = 8
 #: Fingerprints of the last operations per group a GOODBYE carries (to name the operation
@@ -107,7 +120,7 @@ class Fabric:
     def _mismatch(self, gid: int, seq: int, mine: Fingerprint, peer: int, theirs: Fingerprint,
                   ranks: list[int] | None = None) -> MismatchError:
         grank = ranks.index(peer) if ranks and peer in ranks else peer
-        where = "" if gid == 0 else f" of sub-group {gid:#x}"
+        where = "" if gid == WORLD_GID else f" of sub-group {gid:#x}"
         return MismatchError(
             f"operation #{seq}{where}: rank {self.rank} called {describe_fingerprint(mine)} "
             f"but rank {grank} called {describe_fingerprint(theirs)}")
@@ -199,10 +212,11 @@ class Fabric:
         query = _CALLED_QUERY.pack(gid, seq)
         replies = await self._ping(peers, timeout, query)
         dead = sorted(p for p, reply in replies.items() if reply is None)
-        absent = sorted(p for p, reply in replies.items() if reply == b"\x00")
+        absent = sorted(p for p, reply in replies.items() if reply == NOT_CALLED)
         fps: dict[int, Fingerprint] = {}
         for p, reply in replies.items():
-            if reply is not None and len(reply) == 1 + _FINGERPRINT.size and reply[0] == 1:
+            if reply is not None and len(reply) == 1 + _FINGERPRINT.size \
+                    and reply[:1] == CALLED:
                 coll, dtype, count, op, root = _FINGERPRINT.unpack_from(reply, 1)
                 fps[p] = (coll, dtype, count, op, root)
         return dead, absent, fps
@@ -251,9 +265,9 @@ class Fabric:
             return b""
         gid, seq = _CALLED_QUERY.unpack_from(ping, _TOKEN)
         if self._started.get(gid, -1) < seq:
-            return b"\x00"
+            return NOT_CALLED
         fp = self.fingerprint(gid, seq)
-        return b"\x01" if fp is None else b"\x01" + _FINGERPRINT.pack(*fp)
+        return CALLED if fp is None else CALLED + _FINGERPRINT.pack(*fp)
 
     # -- any-source receives ---------------------------------------------------------------
 
@@ -397,7 +411,7 @@ class Fabric:
             mine_count = self._started.get(gid, -1) + 1
             if (count, digest) == (mine_count, self._digests.get(gid, 0)):
                 continue
-            where = "" if gid == 0 else f" of sub-group {gid:#x}"
+            where = "" if gid == WORLD_GID else f" of sub-group {gid:#x}"
             for entry in recent:
                 try:
                     seq, theirs_fp = int(entry[0]), tuple(int(x) for x in entry[1:6])

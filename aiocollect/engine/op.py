@@ -71,7 +71,7 @@ class Op:
              hook: Hook | None = None) -> asyncio.Future[None]:
         """Post a receive of frame (slot, chunk) from group rank ``peer`` into ``dest``
         (``hook``: see :meth:`~aiocollect.transport.base.Link.post_recv`)."""
-        key = (self.kind, self.gid, self.seq if seq is None else seq, slot, chunk)
+        key = Key(self.kind, self.gid, self.seq if seq is None else seq, slot, chunk)
         fut = self.link(peer).post_recv(key, _bytes(dest), expect, hook)
         self.pending.append((peer, key, fut))
         return fut
@@ -87,7 +87,7 @@ class Op:
         if link.write_buffer_size() > SEND_WINDOW:
             await link.drained()
         n = self.send_now(peer, slot, chunk, src, seq)
-        if n >= YIELD_BYTES and link.copies(n):
+        if n >= YIELD_BYTES and link.caps.copies(n):
             await asyncio.sleep(0)  # one big write per loop step keeps the loop lag low
 
     def send_now(self, peer: int, slot: int, chunk: int, src: Array,

@@ -6,10 +6,10 @@ per-job nonce, so two jobs on one store never mix), starts a listener, publishes
 every other record of its job, connects to every lower rank and accepts every higher one.
 Handshakes check version, group name, ranks, job nonce and the secret.
 
-Transport per link: ``tcp`` and ``tls`` use sockets only; ``shm`` and ``auto`` listen on TCP
-too, and a link between two ranks whose records show the same host (hostname and boot id)
-is upgraded to shared memory during its handshake (``auto``: when both ranks allow it and
-the upgrade works, else it stays on TCP; ``shm``: every link, or the group fails to form).
+Rendezvous never names a transport: ``cfg.transport`` is looked up in
+:mod:`aiocollect.transport.registry`, whose listener publishes its part of the record
+(opaque here, but for its ``"transport"`` field: ranks whose listeners speak different
+things cannot link) and makes the links (docs/design.md, "Transports").
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
-import ssl as ssl_module
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +28,9 @@ from aiocollect.rendezvous import claims
 from aiocollect.rendezvous.handshake import PROTOCOL_VERSION, AcceptorHandshake, ConnectorHandshake
 from aiocollect.store.base import Store
 from aiocollect.tls import TLSConfig
-from aiocollect.transport import memory, shm, shm_ring, tcp
+from aiocollect.transport import host, registry
 from aiocollect.transport.base import Link, LinkEvents
+from aiocollect.transport.interface import LinkSetup, Listener, Record, Screen
 
 
 @dataclass
@@ -53,38 +52,19 @@ class RendezvousConfig:
 class Endpoint:
     """What a rank listens on; ``close`` stops accepting."""
 
-    transport: str
-    address: str
-    port: int
-    server: asyncio.Server | None = None
+    listener: Listener
     links: dict[int, Link] = field(default_factory=dict)
-    #: Accepted connections still in their handshake (strangers, once rendezvous is over).
-    handshaking: set[tcp.TcpLink] = field(default_factory=set)
     #: This rank's claim in the group (released when the group closes).
     claim: claims.Claim | None = None
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-        for link in list(self.handshaking):  # asyncio.Server.close() leaves them open
-            link.abort()
-        self.handshaking.clear()
-        if self.transport == "memory":
-            memory.unlisten(self.address)
+        self.listener.close()
 
     async def release(self) -> None:
         """Give back this rank's claim (rank 0 ends the job's epoch on the store); best
         effort, never raises."""
         if self.claim is not None:
             await self.claim.release()
-
-
-def boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 async def rendezvous(store: Store, cfg: RendezvousConfig, events: LinkEvents,
@@ -123,27 +103,29 @@ async def rendezvous(store: Store, cfg: RendezvousConfig, events: LinkEvents,
         return AcceptorHandshake(cfg.name, cfg.rank, cfg.world_size, cfg.secret, admit,
                                  job=claim.job)
 
-    policy = shm.ShmPolicy()
+    transport = registry.get(cfg.transport)
+    if transport is None:
+        raise RendezvousError(f"no transport named {cfg.transport!r} is registered "
+                              f"(registered: {', '.join(registry.names())})")
+    setup = LinkSetup(rank=cfg.rank, events=events, max_frame=max_frame,
+                      host=cfg.host or "127.0.0.1", acceptor=acceptor, on_link=on_link,
+                      tls=cfg.ssl, screen=_protected_screen(cfg))
     try:
-        endpoint = await _listen(cfg, events, max_frame, acceptor, on_link, policy)
+        endpoint = Endpoint(await transport.listen(setup))
     except BaseException as exc:
         await claim.release(f"rendezvous failed on rank 0: {exc!r}")
         raise
     endpoint.claim = claim
     try:
         record = {"v": PROTOCOL_VERSION, "rank": cfg.rank, "world_size": cfg.world_size,
-                  "transport": cfg_transport_family(cfg.transport), "shm": shm_mode(cfg),
-                  "address": endpoint.address,
-                  "port": endpoint.port, "hostname": socket.gethostname(),
-                  "boot_id": boot_id(), "pid": os.getpid(), "chunk_bytes": cfg.chunk_bytes}
+                  **endpoint.listener.record, **host.identity(), "pid": os.getpid(),
+                  "chunk_bytes": cfg.chunk_bytes}
         await claim.publish(record)
-        peers = await _read_records(claim, cfg)
-        local = sum(1 for rec in peers.values() if same_host(rec))
-        policy.spin = shm.spin_budget(local)
-        policy.capacity = shm_ring.configured_capacity(local)
+        peers = await _read_records(claim, cfg, record)
+        endpoint.listener.prepare(peers)
         if expected == 0:
             arrived.set()
-        connects = [asyncio.ensure_future(_connect(cfg, peers[r], events, max_frame, policy,
+        connects = [asyncio.ensure_future(_connect(cfg, endpoint.listener, peers[r],
                                                    claim.job))
                     for r in range(cfg.rank)]
         try:
@@ -228,90 +210,23 @@ def _check_settings(cfg: RendezvousConfig, r: int, rec: dict[str, Any]) -> None:
             f"chunk_bytes={cfg.chunk_bytes}, protocol {PROTOCOL_VERSION}")
 
 
-async def _read_records(claim: claims.Claim,
-                        cfg: RendezvousConfig) -> dict[int, dict[str, Any]]:
+async def _read_records(claim: claims.Claim, cfg: RendezvousConfig,
+                        mine: Record) -> dict[int, Record]:
     await _check_early(claim, cfg)
     await claim.wait_records(cfg.deadline)
-    peers: dict[int, dict[str, Any]] = {}
+    peers: dict[int, Record] = {}
     for r in range(cfg.world_size):
         rec = await claim.read_record(r)
         peers[r] = rec
         _check_settings(cfg, r, rec)
-        if rec["transport"] != cfg_transport_family(cfg.transport):
+        if rec["transport"] != mine["transport"]:
             raise RendezvousError(
                 f"rank {r} uses transport {rec['transport']!r}, rank {cfg.rank} uses "
-                f"{cfg_transport_family(cfg.transport)!r}")
-    if cfg.transport == "shm":
-        _check_shm_peers(cfg, peers)
+                f"{mine['transport']!r}")
     return peers
 
 
-def cfg_transport_family(transport: str) -> str:
-    """What the listener speaks: ``auto`` and ``shm`` links start as TCP connections."""
-    return "tcp" if transport in ("auto", "shm") else transport
-
-
-def shm_mode(cfg: RendezvousConfig) -> str:
-    """``force`` (transport shm), ``auto`` (transport auto, shared memory works here) or
-    ``off``."""
-    if cfg.transport == "shm":
-        return "force"
-    if cfg.transport == "auto" and shm_ring.unavailable() is None:
-        return "auto"
-    return "off"
-
-
-def same_host(rec: dict[str, Any]) -> bool:
-    """Whether a rendezvous record comes from this machine (same hostname and boot id)."""
-    mine = boot_id()
-    return bool(mine) and rec.get("boot_id") == mine and rec.get("hostname") == \
-        socket.gethostname()
-
-
-def _check_shm_peers(cfg: RendezvousConfig, peers: dict[int, dict[str, Any]]) -> None:
-    reason = shm_ring.unavailable()
-    if reason is not None:
-        raise RendezvousError(f"rank {cfg.rank}: transport='shm' is unavailable: {reason}")
-    for r, rec in peers.items():
-        if r == cfg.rank:
-            continue
-        if not same_host(rec):
-            raise RendezvousError(
-                f"transport='shm' needs every rank on one host: rank {r} runs on "
-                f"{rec.get('hostname')!r} (boot id {rec.get('boot_id')!r}), rank {cfg.rank} "
-                f"on {socket.gethostname()!r} (boot id {boot_id()!r}); use transport='auto'")
-        if rec.get("shm", "off") == "off":
-            raise RendezvousError(
-                f"rank {r} does not use shared memory but rank {cfg.rank} has "
-                f"transport='shm'; give every rank the same transport")
-
-
-async def _listen(cfg: RendezvousConfig, events: LinkEvents, max_frame: int,
-                  acceptor: Any, on_link: Any, policy: shm.ShmPolicy) -> Endpoint:
-    if cfg.transport == "memory":
-        address = memory.listen(
-            lambda: memory.MemoryLink(events, max_frame, acceptor()), on_link)
-        return Endpoint("memory", address, 0)
-    host = cfg.host or "127.0.0.1"
-    mode = shm_mode(cfg)
-
-    handshaking: set[tcp.TcpLink] = set()
-
-    def make_link() -> tcp.TcpLink:
-        link = (tcp.TcpLink(events, max_frame, acceptor()) if mode == "off" else
-                shm.ShmLink(events, max_frame, acceptor(), role="acceptor",
-                            required=mode == "force", policy=policy))
-        handshaking.add(link)
-        link.ready.add_done_callback(lambda _: handshaking.discard(link))
-        return link
-
-    server = await tcp.listen(host, 0, make_link, on_link, ssl=_server_ssl(cfg),
-                              screen=_protected_screen(cfg))
-    port = server.sockets[0].getsockname()[1]
-    return Endpoint(cfg.transport, host, port, server, handshaking=handshaking)
-
-
-def _protected_screen(cfg: RendezvousConfig) -> tcp.Screen | None:
+def _protected_screen(cfg: RendezvousConfig) -> Screen | None:
     """Protected mode (:mod:`aiocollect._protect`): with no secret and not ``insecure``,
     a connection from another host is sent a rejection saying how to set a secret."""
     if cfg.secret is not None or cfg.insecure:
@@ -328,37 +243,8 @@ def _protected_screen(cfg: RendezvousConfig) -> tcp.Screen | None:
     return screen
 
 
-def _server_ssl(cfg: RendezvousConfig) -> ssl_module.SSLContext | None:
-    return cfg.ssl.server if cfg.transport == "tls" and cfg.ssl else None
-
-
-def _client_ssl(cfg: RendezvousConfig) -> ssl_module.SSLContext | None:
-    return cfg.ssl.client if cfg.transport == "tls" and cfg.ssl else None
-
-
-async def _connect(cfg: RendezvousConfig, rec: dict[str, Any], events: LinkEvents,
-                   max_frame: int, policy: shm.ShmPolicy, job: bytes) -> Link:
+async def _connect(cfg: RendezvousConfig, listener: Listener, rec: Record,
+                   job: bytes) -> Link:
     peer = int(rec["rank"])
     hs = ConnectorHandshake(cfg.name, cfg.rank, peer, cfg.world_size, cfg.secret, job=job)
-    if cfg.transport == "memory":
-        return memory.connect(str(rec["address"]), memory.MemoryLink(events, max_frame, hs))
-    mode = shm_mode(cfg)
-    link: tcp.TcpLink
-    if mode != "off" and rec.get("shm", "off") != "off" and same_host(rec):
-        link = shm.ShmLink(events, max_frame, hs, role="connector", required=mode == "force",
-                           policy=policy)
-    else:
-        link = tcp.TcpLink(events, max_frame, hs)
-    try:
-        return await tcp.connect(str(rec["address"]), int(rec["port"]), link,
-                                 ssl=_client_ssl(cfg))
-    except OSError as exc:
-        raise RendezvousError(
-            f"rank {cfg.rank} could not connect to rank {peer} at "
-            f"{rec['address']}:{rec['port']}: {exc}") from None
-    except errors.PeerDisconnected as exc:  # closed before the handshake completed
-        hint = (f" (rank {peer} may have rejected this rank's TLS certificate)"
-                if cfg.transport == "tls" else "")
-        raise RendezvousError(
-            f"rank {cfg.rank} could not link to rank {peer} at "
-            f"{rec['address']}:{rec['port']}: {exc}{hint}") from None
+    return await listener.connect(rec, hs)

@@ -3,10 +3,13 @@
 A transport is checked by one call: ``await check_link(make_pair)``, where ``make_pair``
 is a :data:`PairFactory`: given the events object of each end and the largest frame, it
 opens (as an async context manager) two links connected to each other, and on exit closes
-them and waits until their connections are gone. Each check gets a fresh pair. The pair
-factories of the built-in transports are here too (:func:`memory_pair`, :func:`tcp_pair`,
-which also covers TLS, and :func:`shm_pair`), and :data:`LINK_CHECKS` lists the checks one
-by one for a test that parametrizes over them.
+them and waits until their connections are gone. Each check gets a fresh pair.
+:func:`transport_pair` makes the pair factory of any registered
+:class:`~aiocollect.transport.interface.Transport` (through its listeners, as rendezvous
+does), so every transport of :mod:`aiocollect.transport.registry` is checked the same way;
+:func:`memory_pair`, :func:`tcp_pair` (also TLS) and :func:`shm_pair` are the built-in
+ones. :data:`LINK_CHECKS` lists the checks one by one for a test that parametrizes over
+them.
 
 What is checked is the contract of docs/design.md ("The Link contract"): frames of one
 stream arrive in order and land in their posted receive; frames that arrive before their
@@ -31,8 +34,10 @@ from typing import TypeVar
 
 from aiocollect.errors import AiocollectError, PeerDisconnected, ProtocolError
 from aiocollect.rendezvous.handshake import AcceptorHandshake, ConnectorHandshake
-from aiocollect.transport import memory, shm, tcp
+from aiocollect.tls import TLSConfig
+from aiocollect.transport import host, memory, shm, tcp
 from aiocollect.transport.base import Handshaker, Link, LinkEvents
+from aiocollect.transport.interface import LinkSetup, Listener, Transport
 from aiocollect.transport.wire import ABORT, DATA, P2P, PING, Header, Key, pack_header
 
 #: Seconds any one wait of a check may take before the check fails.
@@ -348,84 +353,78 @@ def _handshakers() -> tuple[Handshaker, Handshaker]:
             AcceptorHandshake("link-suite", 1, 2, None, lambda peer: None))
 
 
-@asynccontextmanager
-async def memory_pair(ea: LinkEvents, eb: LinkEvents,
-                      max_frame: int) -> AsyncIterator[tuple[Link, Link]]:
-    """Two in-process links (:mod:`aiocollect.transport.memory`)."""
-    hs_a, hs_b = _handshakers()
-    accepted: list[memory.MemoryLink] = []
-    address = memory.listen(lambda: memory.MemoryLink(eb, max_frame, hs_b), accepted.append)
-    try:
-        a = memory.connect(address, memory.MemoryLink(ea, max_frame, hs_a))
+def transport_pair(transport: Transport, tls: tuple[TLSConfig, TLSConfig] | None = None,
+                   expect_pulls: bool | None = None) -> PairFactory:
+    """A factory of two links made by ``transport`` exactly as rendezvous makes them: two
+    listeners (ranks 0 and 1, each with its record, both prepared with both records) and
+    rank 0 connecting to rank 1. ``tls``: each rank's contexts, for a transport that needs
+    them. With ``expect_pulls``, the pair must (or must not) pull large payloads out of
+    the sender's memory (:attr:`~aiocollect.transport.base.LinkCaps.pull_min`)."""
+    @asynccontextmanager
+    async def pair(ea: LinkEvents, eb: LinkEvents,
+                   max_frame: int) -> AsyncIterator[tuple[Link, Link]]:
+        hs_a, hs_b = _handshakers()
+        accepted: asyncio.Future[Link] = asyncio.get_running_loop().create_future()
+        listeners: list[Listener] = []
+        links: list[Link] = []
         try:
-            yield a, accepted[0]
+            for rank, events, acceptor in ((0, ea, None), (1, eb, hs_b)):
+                setup = LinkSetup(rank=rank, events=events, max_frame=max_frame,
+                                  host="127.0.0.1", acceptor=_only(acceptor),
+                                  on_link=accepted.set_result,
+                                  tls=None if tls is None else tls[rank])
+                listeners.append(await transport.listen(setup))
+            records = {r: {**lst.record, **host.identity(), "rank": r}
+                       for r, lst in enumerate(listeners)}
+            for listener in listeners:
+                listener.prepare(records)
+            links.append(await within("the connection", listeners[0].connect(records[1], hs_a)))
+            links.append(await within("the accepted link", accepted))
+            if expect_pulls is not None and links[0].caps.pulls(1 << 24) != expect_pulls:
+                raise AssertionError(f"the {transport.name} pair "
+                                     f"{'does not pull' if expect_pulls else 'pulls'} "
+                                     "large frames")
+            yield links[0], links[1]
         finally:
-            a.abort()
-            accepted[0].abort()
-            await asyncio.sleep(0)  # let the scheduled deliveries and closes run
-    finally:
-        memory.unlisten(address)
+            for listener in listeners:
+                listener.close()
+            for link in links:
+                link.abort()
+            await within("both connections to end",
+                         asyncio.gather(*(link.wait_closed() for link in links)))
+
+    return pair
+
+
+def _only(handshaker: Handshaker | None) -> Callable[[], Handshaker]:
+    """An acceptor factory handing out ``handshaker`` (the pair accepts one link)."""
+    def acceptor() -> Handshaker:
+        if handshaker is None:
+            raise AssertionError("the connecting rank accepted a connection")
+        return handshaker
+    return acceptor
+
+
+#: Two in-process links (:mod:`aiocollect.transport.memory`).
+memory_pair = transport_pair(memory.MEMORY)
 
 
 def tcp_pair(server_ssl: ssl.SSLContext | None = None,
              client_ssl: ssl.SSLContext | None = None) -> PairFactory:
     """A factory of two links over one loopback TCP connection, TLS when given the
     ``ssl.SSLContext`` of each side (:mod:`aiocollect.transport.tcp`)."""
-    return _socket_pair(lambda ev, mf, hs, role: tcp.TcpLink(ev, mf, hs), server_ssl,
-                        client_ssl)
+    if server_ssl is None or client_ssl is None:
+        return transport_pair(tcp.TCP)
+    return transport_pair(tcp.TLS, (TLSConfig(client_ssl, client_ssl),
+                                    TLSConfig(server_ssl, server_ssl)))
 
 
 def shm_pair(expect_pulls: bool | None = None) -> PairFactory:
     """A factory of two shared-memory links (:mod:`aiocollect.transport.shm`), required to
     be in shared memory. With ``expect_pulls``, the pair must (or must not) pull large
     payloads out of the sender's memory (AIOCOLLECT_SHM_PULL decides)."""
-    def make(ev: LinkEvents, mf: int, hs: Handshaker, role: str) -> tcp.TcpLink:
-        return shm.ShmLink(ev, mf, hs, role=role, required=True)
-
-    return _socket_pair(make, None, None, expect_pulls)
-
-
-def _socket_pair(make: Callable[[LinkEvents, int, Handshaker, str], tcp.TcpLink],
-                 server_ssl: ssl.SSLContext | None, client_ssl: ssl.SSLContext | None,
-                 expect_pulls: bool | None = None) -> PairFactory:
-    @asynccontextmanager
-    async def pair(ea: LinkEvents, eb: LinkEvents,
-                   max_frame: int) -> AsyncIterator[tuple[Link, Link]]:
-        hs_a, hs_b = _handshakers()
-        loop = asyncio.get_running_loop()
-        accepted: asyncio.Future[tcp.TcpLink] = loop.create_future()
-        server = await tcp.listen("127.0.0.1", 0,
-                                  lambda: make(eb, max_frame, hs_b, "acceptor"),
-                                  accepted.set_result, ssl=server_ssl)
-        links: list[tcp.TcpLink] = []
-        try:
-            port = server.sockets[0].getsockname()[1]
-            a = make(ea, max_frame, hs_a, "connector")
-            links.append(a)
-            await within("the connection", tcp.connect(
-                "127.0.0.1", port, a, ssl=client_ssl,
-                server_hostname="localhost" if client_ssl is not None else None))
-            links.append(await within("the accepted link", accepted))
-            if expect_pulls is not None and a.pulls(1 << 24) != expect_pulls:
-                raise AssertionError(f"the shm pair {'does not pull' if expect_pulls else 'pulls'}"
-                                     " large frames")
-            yield links[0], links[1]
-        finally:
-            server.close()
-            for link in links:
-                link.abort()
-            await within("both connections to end", _gone(links))
-            await server.wait_closed()
-
-    return pair
-
-
-async def _gone(links: list[tcp.TcpLink]) -> None:
-    """Until every link's connection is lost (the transport reported connection_lost)."""
-    for link in links:
-        if link.transport is not None:
-            await link.gone.wait()
+    return transport_pair(shm.SHM, expect_pulls=expect_pulls)
 
 
 __all__ = ["LINK_CHECKS", "MAX_FRAME", "WAIT", "PairFactory", "Recorder", "check_link",
-           "memory_pair", "shm_pair", "tcp_pair"]
+           "memory_pair", "shm_pair", "tcp_pair", "transport_pair"]

@@ -14,6 +14,7 @@ import abc
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiocollect.errors import MismatchError, ProtocolError
@@ -79,6 +80,34 @@ class Rejection(Exception):
 
 
 Fingerprint = tuple[int, int, int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class LinkCaps:
+    """A link's capability, as algorithms see it (they never ask what kind a link is).
+
+    ``pull_min``: the smallest payload whose frames this side copies straight out of the
+    peer's memory (so a frame whose receive is not posted yet costs nothing while it
+    waits); 0 when it pulls none (transports that deliver bytes).
+    ``reference_min``: the smallest payload ``send`` passes by reference (the peer pulls
+    it; the sender does not copy it on the calling thread); 0 when ``send`` copies every
+    payload, so a sender of large payloads yields to the event loop after each.
+    """
+
+    pull_min: int = 0
+    reference_min: int = 0
+
+    def pulls(self, nbytes: int) -> bool:
+        """Whether a frame of ``nbytes`` from the peer is pulled out of its memory."""
+        return 0 < self.pull_min <= nbytes
+
+    def copies(self, nbytes: int) -> bool:
+        """Whether ``send`` copies a payload of ``nbytes`` on the calling thread."""
+        return not 0 < self.reference_min <= nbytes
+
+
+#: What a link that delivers bytes and copies what it sends can do (the default).
+COPIES = LinkCaps()
 
 
 Hook = Callable[[asyncio.Future[None]], None]
@@ -208,11 +237,12 @@ class Link(abc.ABC):
         except Exception as exc:  # MismatchError, ProtocolError
             self._raise_error(exc)
             return None
-        recv = self._posted.get(h.key)
+        key = h.key
+        recv = self._posted.get(key)
         if recv is not None:
             if not self._check(h, len(recv.view), recv.expect):
                 return None  # the receive stays posted and fails with the link
-            del self._posted[h.key]
+            del self._posted[key]
             self._frame_recv = recv
             return recv.view
         refusal = self._refuse_staging(h)
@@ -298,17 +328,11 @@ class Link(abc.ABC):
     def send(self, header: bytes, payload: memoryview | bytes) -> None:
         """Queue one frame. The payload memory must stay unchanged until ``drained()``."""
 
-    def pulls(self, nbytes: int) -> bool:
-        """Whether this side copies a frame of ``nbytes`` from the peer straight out of
-        the peer's memory (so one whose receive is not posted yet costs nothing while it
-        waits); False for transports that deliver bytes."""
-        return False
-
-    def copies(self, nbytes: int) -> bool:
-        """Whether ``send`` copies a payload of ``nbytes`` on the calling thread (a sender
-        of large payloads then yields to the event loop after each); False for payloads a
-        transport sends by reference."""
-        return True
+    @property
+    def caps(self) -> LinkCaps:
+        """What this link can do for the algorithm using it, now (it may change once, as
+        a link's handshake ends): the only thing algorithms ask a link about itself."""
+        return COPIES
 
     @abc.abstractmethod
     def write_buffer_size(self) -> int:
@@ -329,6 +353,11 @@ class Link(abc.ABC):
     @abc.abstractmethod
     def abort(self) -> None:
         """Close now, dropping what is queued."""
+
+    async def wait_closed(self) -> None:
+        """Return once the connection is gone after ``close()`` or ``abort()`` (the
+        default: one loop pass, for links whose closing is done by then)."""
+        await asyncio.sleep(0)
 
     def describe(self) -> str:
         return f"rank {self.peer}"

@@ -14,6 +14,7 @@ from typing import Any
 
 from aiocollect.errors import PeerDisconnected, RendezvousError
 from aiocollect.transport.base import Handshaker, Link, LinkEvents, Rejection
+from aiocollect.transport.interface import LinkSetup, Listener, Record, Transport
 from aiocollect.transport.wire import parse_header
 
 log = logging.getLogger("aiocollect.transport.memory")
@@ -128,3 +129,34 @@ def connect(address: str, link: MemoryLink) -> MemoryLink:
     link.other, acceptor.other = acceptor, link
     on_link(acceptor)
     return link
+
+
+class MemoryListener(Listener):
+    """An in-process listener: its record's ``address`` names it in this process."""
+
+    def __init__(self, setup: LinkSetup) -> None:
+        self.setup = setup
+        address = listen(lambda: MemoryLink(setup.events, setup.max_frame, setup.acceptor()),
+                         setup.on_link)
+        self.record: Record = {"transport": "memory", "address": address}
+
+    async def connect(self, record: Record, handshaker: Handshaker) -> Link:
+        return connect(str(record["address"]),
+                       MemoryLink(self.setup.events, self.setup.max_frame, handshaker))
+
+    def close(self) -> None:
+        unlisten(str(self.record["address"]))
+
+
+class MemoryTransport(Transport):
+    """``memory``: ranks of one process, one event loop (what ``auto`` means with a
+    ``memory://`` store)."""
+
+    name = "memory"
+    in_process = True
+
+    async def listen(self, setup: LinkSetup) -> Listener:
+        return MemoryListener(setup)
+
+
+MEMORY = MemoryTransport()

@@ -50,9 +50,10 @@ import os
 import time
 from collections import deque
 
-from aiocollect.errors import PeerDisconnected, ProtocolError
-from aiocollect.transport import cma
-from aiocollect.transport.base import Handshaker, LinkEvents
+from aiocollect.errors import PeerDisconnected, ProtocolError, RendezvousError
+from aiocollect.transport import cma, host, shm_ring
+from aiocollect.transport.base import COPIES, Handshaker, LinkCaps, LinkEvents
+from aiocollect.transport.interface import LinkSetup, Listener, Record, Transport
 from aiocollect.transport.shm_reader import (
     ESCAPE,
     PUBLISH_EVERY,
@@ -64,7 +65,7 @@ from aiocollect.transport.shm_reader import (
 )
 from aiocollect.transport.shm_ring import REF_DESC, REF_MAGIC_BYTES, Ring, Segment, fence
 from aiocollect.transport.shm_setup import ShmSetup
-from aiocollect.transport.tcp import BULK_MIN, LINGER, stream_of
+from aiocollect.transport.tcp import BULK_MIN, LINGER, SocketListener, TcpLink, stream_of
 from aiocollect.transport.wire import ABORT
 
 #: Bulk bytes ahead in a ring above which bulk frames wait in the link (0: never).
@@ -314,11 +315,18 @@ class ShmLink(RingReader):
         return (self.shm and ring is not None and nbytes >= self.policy.pull_min > 0
                 and ring.pulls_enabled())
 
-    def pulls(self, nbytes: int) -> bool:
-        return self._by_reference(self._rx, nbytes)
+    @property
+    def caps(self) -> LinkCaps:
+        """Pulls (and sends by reference) from ``policy.pull_min`` on, in each direction
+        once that direction's reader has checked it can read the writer's memory (the
+        peer's check may end after this side's handshake)."""
+        rx = self._ref_min(self._rx)
+        tx = self._ref_min(self._tx)
+        return COPIES if not (rx or tx) else LinkCaps(pull_min=rx, reference_min=tx)
 
-    def copies(self, nbytes: int) -> bool:
-        return not self._by_reference(self._tx, nbytes)
+    def _ref_min(self, ring: Ring | None) -> int:
+        """The smallest payload through ``ring`` that goes by reference (0: none)."""
+        return self.policy.pull_min if self._by_reference(ring, self.policy.pull_min) else 0
 
     def _pump(self) -> None:
         """Copy queued pieces into the outgoing ring while it has space."""
@@ -549,4 +557,87 @@ def bulk_cap() -> int:
         return 0
 
 
-__all__ = ["SPIN_ENV", "SPIN_SECONDS", "ShmLink", "ShmPolicy", "spin_budget"]
+class ShmListener(SocketListener):
+    """A TCP listener whose links move to shared memory during their handshake.
+
+    ``mode`` (published as the record's ``shm``): ``force`` (``transport="shm"``: every
+    link, or the group fails to form), ``auto`` (links to ranks on this host whose mode is
+    not ``off``; the others, and any whose upgrade fails, stay on TCP) or ``off`` (shared
+    memory does not work here: plain TCP links, and peers do not ask for it)."""
+
+    def __init__(self, setup: LinkSetup, mode: str) -> None:
+        super().__init__(setup, "tcp")
+        self.mode = mode
+        self.record["shm"] = mode
+        self.policy = ShmPolicy()
+
+    def make_link(self, handshaker: Handshaker, record: Record | None) -> TcpLink:
+        setup, mode = self.setup, self.mode
+        if mode == "off" or (record is not None and not SHM.accepts(record)):
+            return TcpLink(setup.events, setup.max_frame, handshaker)
+        return ShmLink(setup.events, setup.max_frame, handshaker,
+                       role="acceptor" if record is None else "connector",
+                       required=mode == "force", policy=self.policy)
+
+    def prepare(self, peers: dict[int, Record]) -> None:
+        if self.mode == "force":
+            self._check_peers(peers)
+        local = sum(1 for rec in peers.values() if host.same_host(rec))
+        self.policy.spin = spin_budget(local)
+        self.policy.capacity = shm_ring.configured_capacity(local)
+
+    def _check_peers(self, peers: dict[int, Record]) -> None:
+        rank = self.setup.rank
+        reason = shm_ring.unavailable()
+        if reason is not None:
+            raise RendezvousError(f"rank {rank}: transport='shm' is unavailable: {reason}")
+        me = host.identity()
+        for r, rec in peers.items():
+            if r == rank:
+                continue
+            if not host.same_host(rec):
+                raise RendezvousError(
+                    f"transport='shm' needs every rank on one host: rank {r} runs on "
+                    f"{rec.get('hostname')!r} (boot id {rec.get('boot_id')!r}), rank {rank} "
+                    f"on {me['hostname']!r} (boot id {me['boot_id']!r}); use "
+                    "transport='auto'")
+            if rec.get("shm", "off") == "off":
+                raise RendezvousError(
+                    f"rank {r} does not use shared memory but rank {rank} has "
+                    f"transport='shm'; give every rank the same transport")
+
+
+class ShmTransport(Transport):
+    """``shm`` (``required``): shared memory for every link. ``auto``: shared memory to the
+    ranks this transport accepts (same host, shared memory on there too) where it works
+    here, TCP to the others and where the upgrade fails; one group may mix both."""
+
+    def __init__(self, name: str, required: bool) -> None:
+        self.name = name
+        self.required = required
+
+    def unavailable(self) -> str | None:
+        return shm_ring.unavailable() if self.required else None
+
+    def details(self) -> str | None:
+        if not self.required:
+            why = shm_ring.unavailable()
+            return "tcp only: " + why if why else "shm on one host, else tcp"
+        return f"single-copy pulls {cma.status()}"
+
+    def accepts(self, record: Record) -> bool:
+        return host.same_host(record) and record.get("shm", "off") != "off"
+
+    async def listen(self, setup: LinkSetup) -> Listener:
+        mode = "auto" if shm_ring.unavailable() is None else "off"
+        listener = ShmListener(setup, "force" if self.required else mode)
+        await listener.start()
+        return listener
+
+
+SHM = ShmTransport("shm", required=True)
+AUTO = ShmTransport("auto", required=False)
+
+
+__all__ = ["AUTO", "SHM", "SPIN_ENV", "SPIN_SECONDS", "ShmLink", "ShmPolicy", "ShmTransport",
+           "spin_budget"]

@@ -31,12 +31,12 @@ from typing import Any, cast
 
 import msgpack
 
-from aiocollect.errors import PeerDisconnected, ProtocolError
-from aiocollect.transport.base import Handshaker, Link, LinkEvents, Rejection
+from aiocollect.errors import PeerDisconnected, ProtocolError, RendezvousError
+from aiocollect.transport.base import Handshaker, Link, LinkEvents
+from aiocollect.transport.handshake_stream import HandshakeStream
+from aiocollect.transport.interface import LinkSetup, Listener, Record, Screen, Transport
 from aiocollect.transport.wire import (
     HEADER_SIZE,
-    LENGTH_PREFIX,
-    MAX_HANDSHAKE,
     Header,
     parse_header,
 )
@@ -60,10 +60,6 @@ BULK_MIN = 64 * 1024
 #: what a small frame may find queued ahead of it in user space.
 BULK_CAP = 1024 * 1024
 
-#: Given an accepted connection's peer and local socket addresses: None to go on with the
-#: handshake, or a handshake message to send before closing it (see :func:`listen`).
-Screen = Callable[[Any, Any], "dict[str, Any] | None"]
-
 
 class _Screened(Exception):
     """An accepted connection refused by the listener's screen (which logged it)."""
@@ -74,7 +70,8 @@ class TcpLink(Link, asyncio.BufferedProtocol):
 
     def __init__(self, events: LinkEvents, max_frame: int, handshaker: Handshaker) -> None:
         Link.__init__(self, events, max_frame)
-        self.handshaker: Handshaker | None = handshaker
+        #: The handshake, until it is over (then None: frames follow).
+        self.handshake: HandshakeStream | None = HandshakeStream(handshaker, self._write)
         self.ready: asyncio.Future[TcpLink] = asyncio.get_running_loop().create_future()
         self.transport: asyncio.Transport | None = None
         self.address = "?"
@@ -86,8 +83,6 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         self._rview = memoryview(self._rbuf)
         self._rlen = 0  # bytes of an incomplete header kept at the start of _rbuf
         self._direct = False  # get_buffer handed out the payload's own memory
-        self._hs_len: int | None = None
-        self._hs_buf = bytearray(LENGTH_PREFIX.size)
         self._drain: asyncio.Future[None] | None = None
         self._lost = False
         #: Set once the transport reported the connection's end (connection_lost ran).
@@ -123,7 +118,8 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         if self.screen is not None:
             reply = self.screen(peername, transport.get_extra_info("sockname"))
             if reply is not None:  # refused before a byte is read from it
-                self._send_handshake(reply)
+                assert self.handshake is not None
+                self.handshake.send(reply)
                 self._handshake_failed(_Screened(str(reply.get("error", "refused"))))
                 return
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -131,10 +127,9 @@ class TcpLink(Link, asyncio.BufferedProtocol):
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-        assert self.handshaker is not None
+        assert self.handshake is not None
         try:
-            for msg in self.handshaker.start():
-                self._send_handshake(msg)
+            self.handshake.start()
         except Exception as exc:
             self._handshake_failed(exc)
 
@@ -178,8 +173,8 @@ class TcpLink(Link, asyncio.BufferedProtocol):
             self._direct = True
             return payload[self._got:]
         self._direct = False
-        if self.handshaker is not None:
-            return memoryview(self._hs_buf)[self._got:]
+        if self.handshake is not None:
+            return self.handshake.buffer()
         return self._rview[self._rlen:]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -196,9 +191,8 @@ class TcpLink(Link, asyncio.BufferedProtocol):
                 self._got = 0
                 self._end_frame()
             return
-        if self.handshaker is not None:
-            self._got += nbytes
-            self._handshake_bytes()
+        if self.handshake is not None:
+            self._handshake_bytes(self.handshake, nbytes)
             return
         self._parse(self._rlen + nbytes)
 
@@ -292,46 +286,20 @@ class TcpLink(Link, asyncio.BufferedProtocol):
 
     # -- handshake -------------------------------------------------------------------------
 
-    def _handshake_bytes(self) -> None:
-        if self._got < len(self._hs_buf):
-            return
-        self._got = 0
-        if self._hs_len is None:
-            (n,) = LENGTH_PREFIX.unpack(self._hs_buf)
-            if n > MAX_HANDSHAKE:
-                self._handshake_failed(ProtocolError(f"handshake message of {n} bytes"))
-                return
-            self._hs_len = n
-            self._hs_buf = bytearray(n)
-            if n:
-                return
-        raw = bytes(self._hs_buf)
-        self._hs_len = None
-        self._hs_buf = bytearray(LENGTH_PREFIX.size)
+    def _handshake_bytes(self, handshake: HandshakeStream, nbytes: int) -> None:
         try:
-            msg = msgpack.unpackb(raw, raw=False)
-            if not isinstance(msg, dict):
-                raise ProtocolError("handshake message is not a map")
-            assert self.handshaker is not None
-            replies, peer = self.handshaker.on_message(msg)
-            for reply in replies:
-                self._send_handshake(reply)
-        except Rejection as rej:
-            self._send_handshake(rej.reply)
-            self._handshake_failed(rej.error)
-            return
+            peer = handshake.received(nbytes)
         except Exception as exc:
             self._handshake_failed(exc)
             return
         if peer is not None:
             self.peer = peer
-            self.handshaker = None
+            self.handshake = None
             self.ready.set_result(self)
 
-    def _send_handshake(self, msg: dict[str, Any]) -> None:
-        data = msgpack.packb(msg, use_bin_type=True)
+    def _write(self, data: bytes) -> None:
         assert self.transport is not None
-        self.transport.write(LENGTH_PREFIX.pack(len(data)) + data)
+        self.transport.write(data)
 
     def _handshake_failed(self, exc: BaseException) -> None:
         if isinstance(exc, (ValueError, msgpack.exceptions.ExtraData)) and not isinstance(
@@ -339,7 +307,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
             exc = ProtocolError(f"malformed handshake from {self.address}: {exc}")
         if not self.ready.done():
             self.ready.set_exception(exc)
-        self.handshaker = None
+        self.handshake = None
         # Nothing more from this connection may be read, let alone parsed as frames: a TLS
         # transport still delivers already-decrypted bytes after close().
         self._discard = True
@@ -462,6 +430,10 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.abort()
 
+    async def wait_closed(self) -> None:
+        if self.transport is not None:
+            await self.gone.wait()
+
     def describe(self) -> str:
         return f"rank {self.peer} ({self.address})" if self.peer >= 0 else self.address
 
@@ -484,6 +456,15 @@ async def listen(
     Failed handshakes are logged and closed; they never disturb the listener. ``screen``,
     when given, sees each connection first and may refuse it (its reply is sent, then the
     connection closed; the screen does its own logging)."""
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(accepting(make_link, on_link, screen), host, port,
+                                    ssl=ssl, reuse_address=True)
+
+
+def accepting(make_link: Callable[[], TcpLink], on_link: Callable[[TcpLink], None],
+              screen: Screen | None = None) -> Callable[[], TcpLink]:
+    """The protocol factory of a listener of stream links (any ``loop.create_*_server``):
+    see :func:`listen`."""
 
     def factory() -> TcpLink:
         link = make_link()
@@ -502,8 +483,7 @@ async def listen(
             return
         on_link(fut.result())
 
-    loop = asyncio.get_running_loop()
-    return await loop.create_server(factory, host, port, ssl=ssl, reuse_address=True)
+    return factory
 
 
 async def connect(
@@ -524,3 +504,105 @@ async def connect(
         kwargs = {"ssl": ssl, "server_hostname": server_hostname or host}
     await loop.create_connection(lambda: link, host, port, **kwargs)
     return await link.ready
+
+
+class SocketListener(Listener):
+    """A rank's listener of stream links: TCP (or TLS) as it stands; a subclass may make
+    other links on the same connections (:meth:`make_link`: shared memory) or use other
+    sockets (:meth:`serve` and :meth:`dial`: a Unix socket, say)."""
+
+    def __init__(self, setup: LinkSetup, family: str,
+                 server_ssl: ssl_module.SSLContext | None = None,
+                 client_ssl: ssl_module.SSLContext | None = None) -> None:
+        self.setup = setup
+        self.server_ssl, self.client_ssl = server_ssl, client_ssl
+        self.record: Record = {"transport": family}
+        self._server: asyncio.Server | None = None
+        #: Accepted connections still in their handshake (strangers, once rendezvous
+        #: is over).
+        self._handshaking: set[TcpLink] = set()
+
+    def make_link(self, handshaker: Handshaker, record: Record | None) -> TcpLink:
+        """The link for one connection: ``record`` is the peer's when connecting to it,
+        None for an accepted connection."""
+        del record
+        return TcpLink(self.setup.events, self.setup.max_frame, handshaker)
+
+    async def serve(self, factory: Callable[[], TcpLink]) -> asyncio.Server:
+        """Start the server whose connections ``factory`` makes links for, and add its
+        address to ``self.record``."""
+        server = await asyncio.get_running_loop().create_server(
+            factory, self.setup.host, 0, ssl=self.server_ssl, reuse_address=True)
+        self.record.update(address=self.setup.host, port=server.sockets[0].getsockname()[1])
+        return server
+
+    async def dial(self, record: Record, link: TcpLink) -> None:
+        """Open the connection to the server that ``record`` names, for ``link``.
+
+        Raises:
+            OSError: the connection failed.
+        """
+        host, port = str(record["address"]), int(record["port"])
+        kwargs: dict[str, Any] = {}
+        if self.client_ssl is not None:
+            kwargs = {"ssl": self.client_ssl, "server_hostname": host}
+        await asyncio.get_running_loop().create_connection(lambda: link, host, port, **kwargs)
+
+    def where(self, record: Record) -> str:
+        """The address ``record`` names, for messages."""
+        return f"{record.get('address')}:{record.get('port')}"
+
+    async def start(self) -> None:
+        setup = self.setup
+
+        def accepted() -> TcpLink:
+            link = self.make_link(setup.acceptor(), None)
+            self._handshaking.add(link)
+            link.ready.add_done_callback(lambda _: self._handshaking.discard(link))
+            return link
+
+        self._server = await self.serve(accepting(accepted, setup.on_link, setup.screen))
+
+    async def connect(self, record: Record, handshaker: Handshaker) -> Link:
+        rank, peer = self.setup.rank, int(record["rank"])
+        link = self.make_link(handshaker, record)
+        try:
+            await self.dial(record, link)
+            return await link.ready
+        except OSError as exc:
+            raise RendezvousError(f"rank {rank} could not connect to rank {peer} at "
+                                  f"{self.where(record)}: {exc}") from None
+        except PeerDisconnected as exc:  # closed before the handshake completed
+            hint = (f" (rank {peer} may have rejected this rank's TLS certificate)"
+                    if self.client_ssl is not None else "")
+            raise RendezvousError(f"rank {rank} could not link to rank {peer} at "
+                                  f"{self.where(record)}: {exc}{hint}") from None
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for link in list(self._handshaking):  # asyncio.Server.close() leaves them open
+            link.abort()
+        self._handshaking.clear()
+
+
+class TcpTransport(Transport):
+    """``tcp``: one TCP connection per link; ``tls`` (``tls=True``): mutual TLS on it."""
+
+    def __init__(self, tls: bool = False) -> None:
+        self.name = "tls" if tls else "tcp"
+        self.needs_tls = tls
+
+    def details(self) -> str | None:
+        return ssl_module.OPENSSL_VERSION if self.needs_tls else None
+
+    async def listen(self, setup: LinkSetup) -> Listener:
+        tls = setup.tls if self.needs_tls else None
+        listener = SocketListener(setup, self.name, tls.server if tls else None,
+                                  tls.client if tls else None)
+        await listener.start()
+        return listener
+
+
+TCP = TcpTransport()
+TLS = TcpTransport(tls=True)

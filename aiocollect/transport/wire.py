@@ -7,7 +7,7 @@ Every frame is a fixed 50-byte little-endian header, then ``length`` payload byt
     coll    u8   Collective of the operation (fingerprint)
     op      u8   reduction op code (fingerprint; 0 when none)
     dtype   u8   dtype code (fingerprint)
-    gid     u32  group id (0 = the world group; sub-groups from split get their own)
+    gid     u32  group id (WORLD_GID = 0: the world group; sub-groups from split get their own)
     chunk   u32  chunk index within the slot
     seq     u64  operation sequence number (P2P: per (sender, tag) message counter)
     slot    u64  algorithm-defined step/block slot (P2P: the user tag)
@@ -43,7 +43,30 @@ PONG = 6
 KINDS = (DATA, P2P, ABORT, GOODBYE, PING, PONG)
 CONTROL = (ABORT, GOODBYE, PING, PONG)
 
-Key = tuple[int, int, int, int, int]
+#: The group id of the world group (every rank; sub-groups from ``split`` get their own,
+#: never this one).
+WORLD_GID = 0
+
+
+class Key(NamedTuple):
+    """What a frame is addressed by; receives are posted by key and matched in any order.
+
+    Equal (and hashing equal) to the plain tuple of its fields, and shown as one in
+    messages."""
+
+    kind: int
+    gid: int
+    seq: int
+    slot: int
+    chunk: int
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
+#: Builds a Key from a tuple without the NamedTuple constructor's Python-level call (the
+#: read path makes one per frame).
+_new_key = tuple.__new__
 
 
 class Header(NamedTuple):
@@ -61,7 +84,7 @@ class Header(NamedTuple):
 
     @property
     def key(self) -> Key:
-        return (self.kind, self.gid, self.seq, self.slot, self.chunk)
+        return _new_key(Key, (self.kind, self.gid, self.seq, self.slot, self.chunk))
 
     @property
     def fingerprint(self) -> tuple[int, int, int, int, int]:

@@ -13,6 +13,7 @@ from cli_helpers import RunCli, WriteScript, cli_command
 
 import aiocollect
 from aiocollect.cli.main import main
+from aiocollect.transport import registry
 
 
 @pytest.mark.timeout(60)
@@ -20,8 +21,8 @@ def test_info_text(run_cli: RunCli) -> None:
     done = run_cli("info")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"aiocollect   {aiocollect.__version__}\n")
-    for word in ("python", "event loop", "numpy", "msgpack", "tcp:", "tls:", "memory:", "shm:",
-                 "rdma:", "torch:", "pyverbs:", "rdma devices"):
+    for word in ("python", "event loop", "numpy", "msgpack", "auto:", "tcp:", "tls:", "memory:",
+                 "shm:", "torch:", "pyverbs:", "rdma devices"):
         assert word in done.stdout
 
 
@@ -33,7 +34,7 @@ def test_info_json(run_cli: RunCli) -> None:
     assert info["aiocollect"] == aiocollect.__version__
     assert info["transports"]["tcp"] == "available"
     assert info["transports"]["memory"] == "available"
-    assert set(info["transports"]) == {"tcp", "tls", "memory", "shm", "rdma"}
+    assert set(info["transports"]) == set(registry.names())  # every one, nothing else
     assert set(info["extras"]) == {"torch", "redis", "ml_dtypes", "matplotlib", "pyverbs"}
     assert isinstance(info["rdma_devices"], list)
     assert info["numpy"] == metadata.version("numpy")
@@ -69,6 +70,8 @@ BAD_RUN_ARGS = [
     (["--master-port", "70000", "SCRIPT"], "--master-port"),
     (["--timeout", "0", "SCRIPT"], "--timeout"),
     (["--transport", "carrier-pigeon", "SCRIPT"], "invalid choice"),
+    (["--transport", "rdma", "SCRIPT"], "invalid choice"),  # not a registered transport
+    (["--transport", "memory", "SCRIPT"], "invalid choice"),  # links one process only
     (["--no-such-option", "SCRIPT"], "unrecognized arguments"),
 ]
 
@@ -116,3 +119,15 @@ def test_store_serves_until_sigterm() -> None:
             server.kill()
             server.wait(30)
     assert server.returncode == 0, err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", ["rdma", "memory", "tls"])
+def test_bench_offers_only_registered_process_transports(
+        transport: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench --transport`` offers what links processes without certificates: never a
+    transport every rank would reject (rdma, not registered), nor memory or tls."""
+    from aiocollect.cli import bench
+
+    assert bench.bench_main(["allreduce", "-n", "2", "--transport", transport]) == 2
+    assert "invalid choice" in capsys.readouterr().err

@@ -245,7 +245,7 @@ def test_info_reports_pulls(monkeypatch: pytest.MonkeyPatch) -> None:
     except OSError:
         scope = "0"
     want = "on for payloads of 262144 bytes" if scope == "0" else "off between ranks"
-    assert line.startswith("available; single-copy pulls"), line
+    assert line.startswith("available (single-copy pulls"), line
     assert want in line, line
     monkeypatch.setenv(cma.ENV, "0")
     assert "pulls off (AIOCOLLECT_SHM_PULL=0" in collect_info()["transports"]["shm"]

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 import aiocollect as ac
-from aiocollect.rendezvous import rendezvous as rdv
 from aiocollect.store import MemoryStore
-from aiocollect.transport import shm_ring
+from aiocollect.transport import host, shm_ring
 from aiocollect.transport.shm import ShmLink
 from tests.shm.targets import link_kinds_of
 
@@ -61,15 +60,15 @@ async def test_auto_with_a_tcp_rank_uses_tcp_to_it() -> None:
 
 async def test_auto_is_per_link(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 2 'on another host': links 0-1 use shared memory, links to rank 2 TCP."""
-    real = rdv.same_host
-    monkeypatch.setattr(rdv, "same_host", lambda rec: real(rec) and rec["rank"] != 2
+    real = host.same_host
+    monkeypatch.setattr(host, "same_host", lambda rec: real(rec) and rec["rank"] != 2
                         and _current_rank.get() != 2)
     assert await _open_all(["auto"] * 3) == [["shm", "tcp"], ["shm", "tcp"], ["tcp", "tcp"]]
 
 
 async def test_forced_shm_with_a_remote_peer_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = rdv.same_host
-    monkeypatch.setattr(rdv, "same_host", lambda rec: real(rec) and rec["rank"] != 1)
+    real = host.same_host
+    monkeypatch.setattr(host, "same_host", lambda rec: real(rec) and rec["rank"] != 1)
     res = await _open_all(["shm", "shm"], timeout=3)
     assert isinstance(res[0], ac.RendezvousError), res
     assert "one host" in str(res[0])
@@ -111,7 +110,7 @@ async def test_segment_creation_failure_falls_back(monkeypatch: pytest.MonkeyPat
 def test_shm_unavailable_is_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
     import aiocollect.api as api
 
-    monkeypatch.setattr(api, "shm_unavailable", lambda: "not here")
+    monkeypatch.setattr(shm_ring, "unavailable", lambda: "not here")  # what shm asks
     with pytest.raises(ac.UsageError, match="not here"):
         asyncio.run(api._open(0, 1, store="memory://u", transport="shm", timeout=1,
                               secret=None, host=None, ssl=None, name="u", chunk_bytes=None))
