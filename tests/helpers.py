@@ -6,8 +6,10 @@ import functools
 from typing import Any
 
 import numpy as np
+import pytest
 
 import aiocollect as ac
+from aiocollect.transport.shm_ring import unavailable as _shm_unavailable
 from aiocollect.types import resolve_op
 
 try:
@@ -18,6 +20,11 @@ except ImportError:  # pragma: no cover - ml_dtypes is a test dependency
     BF16 = None
 
 CHUNK = 16  # bytes: tiny, so small inputs take the multi-chunk path
+
+#: The marks of a ``transport="shm"`` case of a test parametrized over transports: skipped
+#: where shared memory is unavailable.
+ON_SHM = (pytest.mark.skipif(_shm_unavailable() is not None,
+                             reason=f"shared memory unavailable: {_shm_unavailable()}"),)
 
 DTYPES = [np.dtype(d) for d in (
     "bool", "int8", "int32", "int64", "uint8", "float16", "float32", "float64",

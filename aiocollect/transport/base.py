@@ -1,11 +1,37 @@
 """Link: one connection to one peer, with a tag mailbox matching frames to posted receives.
 
-Concrete transports (tcp, memory, ...) feed incoming bytes through :meth:`Link._begin_frame`
-and :meth:`Link._end_frame` and implement the sending half. Everything above the transport
-talks to a link through ``post_recv``, ``send``, ``drained`` and ``close``. What a transport
-must keep to (loop thread only, one frame at a time, ``_end_frame`` once per accepted
-header, nothing after ``fail``) is in docs/design.md, "The Link contract", and
-:mod:`aiocollect.testing.link_suite` checks it.
+Concrete transports (tcp, memory, shm, ...; made by a
+:class:`~aiocollect.transport.interface.Transport`) feed incoming bytes through
+:meth:`Link._begin_frame` and :meth:`Link._end_frame` and implement the sending half.
+Everything above the transport talks to a link through ``post_recv``, ``send``,
+``drained``, ``close`` and ``caps`` (:class:`LinkCaps`, the one thing algorithms may ask a
+link about itself). :mod:`aiocollect.testing.link_suite` checks all of what follows.
+
+The receive-side contract, what a transport must keep to:
+
+- Loop thread only: ``_begin_frame`` and ``_end_frame`` run on the event loop's thread (a
+  transport that polls from another thread, such as a completion queue, hands each
+  completion over with ``loop.call_soon_threadsafe``), with a header decoded by
+  ``wire.parse_header(buf, max_frame)``, so lengths are bounded first.
+- One frame at a time: after ``_begin_frame`` returns a view, write exactly
+  ``header.length`` bytes into it, then call ``_end_frame()`` exactly once per accepted
+  header, before the next ``_begin_frame``. The view may be the posted receive's own
+  memory; the payload may arrive in pieces across loop passes, and receives may be posted
+  meanwhile (the mailbox checks for one when the frame ends).
+- When ``_begin_frame`` returns None, the error has gone to ``events.on_error`` (the fabric
+  fails and closes the link): read nothing more into the mailbox, and no ``_end_frame``.
+- Nothing after ``fail``: whoever fails a link closes it, and a closed link delivers no
+  more frames (it may go on reading and discarding bytes so that the peer's flush
+  completes).
+- Report the connection's end once through ``events.on_lost`` (not for a connection whose
+  handshake failed).
+
+Sending: ``send`` never blocks (a transport may keep a reference to the payload, which
+must stay unchanged until ``drained()``); frames of one stream (kind, group, seq, slot)
+keep their order, other streams may overtake; ``send`` on a closed link, or one whose peer
+is gone, raises ``PeerDisconnected``; ``drained()`` returns, or raises
+``PeerDisconnected``, once the peer is gone; ``close()`` delivers what is queued (an ABORT
+above all) before the connection ends, ``abort()`` ends it at once.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import pytest
 
 import aiocollect as ac
 from aiocollect.testing import run_ranks, spawn_ranks
+from tests.helpers import ON_SHM
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,7 +58,9 @@ async def _body(g: ac.Group, case: str, odd: int) -> tuple[float, str, str]:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize(("n", "transport"), [(2, "memory"), (3, "tcp"), (4, "memory")])
+@pytest.mark.parametrize(("n", "transport"), [
+    (2, "memory"), (3, "tcp"), (4, "memory"),
+    pytest.param(2, "shm", marks=ON_SHM), pytest.param(3, "shm", marks=ON_SHM)])
 async def test_mismatch_in_process(case: str, n: int, transport: str) -> None:
     res = await run_ranks(n, _body, case, n - 1, transport=transport, timeout=20)
     for rank, (elapsed, kind, message) in enumerate(res):
@@ -68,9 +71,11 @@ async def test_mismatch_in_process(case: str, n: int, transport: str) -> None:
     assert any(CASES[case][2] in m for _, _, m in res), [m for _, _, m in res]
 
 
+@pytest.mark.parametrize("transport", [pytest.param(None, id="default"),
+                                       pytest.param("shm", marks=ON_SHM)])
 @pytest.mark.parametrize("case", ["size", "kind", "root"])
-async def test_mismatch_in_processes(case: str) -> None:
-    res = await spawn_ranks(3, _body, case, 1, timeout=40)
+async def test_mismatch_in_processes(case: str, transport: str | None) -> None:
+    res = await spawn_ranks(3, _body, case, 1, timeout=40, transport=transport)
     assert [kind for _, kind, _ in res] == ["MismatchError"] * 3
     assert max(elapsed for elapsed, _, _ in res) < 1.0
 

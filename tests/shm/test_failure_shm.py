@@ -26,7 +26,6 @@ from aiocollect.transport.wire import (
 )
 from tests.failure import targets as failure_targets
 from tests.failure.test_kill_stop import _wait_ready, check_killed
-from tests.failure.test_mismatch import CASES, _body
 from tests.shm.conftest import leaked, segments
 
 
@@ -83,27 +82,6 @@ async def test_sigstop_gives_peer_timeout_naming_the_frozen_rank(size: int) -> N
         assert res["error"] == "PeerTimeout", res
         assert res["ranks"] == [victim], res
         assert 1.0 < res["at"] - stopped_at < 5.0, res["at"] - stopped_at
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("n", [2, 3])
-async def test_mismatch_in_process(case: str, n: int) -> None:
-    res = await run_ranks(n, _body, case, n - 1, transport="shm", timeout=20)
-    for rank, (elapsed, kind, message) in enumerate(res):
-        assert kind == "MismatchError", f"rank {rank}: {kind}"
-        assert elapsed < 1.0, f"rank {rank} took {elapsed:.2f}s"
-        assert "called" in message
-        assert "but rank" in message
-    assert any(CASES[case][2] in m for _, _, m in res), [m for _, _, m in res]
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("case", ["size", "kind", "root"])
-async def test_mismatch_in_processes(case: str) -> None:
-    res = await spawn_ranks(3, _body, case, 1, timeout=40, transport="shm")
-    assert [kind for _, kind, _ in res] == ["MismatchError"] * 3
-    assert max(elapsed for elapsed, _, _ in res) < 1.0
 
 
 # -- corrupt rings ------------------------------------------------------------------------
