@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import msgpack
 
 from aiocollect.errors import RendezvousError
+from aiocollect.transport.host import boot_id
 
 JOB_ID_ENV = "AIOCOLLECT_JOB_ID"
 
@@ -24,14 +25,6 @@ def job_id() -> str:
         if value == "none":
             value = ""
     return value
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def _pid_namespace() -> str:
@@ -68,7 +61,7 @@ class Owner:
     @classmethod
     def me(cls, job: bytes) -> Owner:
         pid = os.getpid()
-        return cls(job, pid, socket.gethostname(), _boot_id(), _pid_namespace(),
+        return cls(job, pid, socket.gethostname(), boot_id(), _pid_namespace(),
                    _start_time(pid), job_id())
 
     def pack(self) -> bytes:
@@ -99,7 +92,7 @@ class Owner:
         tell (another host or pid namespace)."""
         if self.hostname != socket.gethostname():
             return None
-        mine = _boot_id()
+        mine = boot_id()
         if mine and self.boot_id and self.boot_id != mine:
             return False
         if self.pidns != _pid_namespace():
