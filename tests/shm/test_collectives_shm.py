@@ -6,46 +6,33 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
 
 import aiocollect as ac
 from aiocollect.testing import run_ranks, spawn_ranks
+from tests.collectives import test_sweep
 from tests.collectives.algorithms import sweep_algorithms
-from tests.collectives.test_sweep import _allreduce_all, _movement, _p2p, _reduce_all
-from tests.helpers import CHUNK, CORE_DTYPES
+from tests.helpers import CHUNK
 from tests.multiprocess import targets as mp_targets
 from tests.shm import targets
 
-SIZES = [1, 2, 3, 4, 7]
+#: The one-process sweeps of tests/collectives/test_sweep.py, run as they are with
+#: transport="shm" (here, on asyncio only, with this suite's leak checks) rather than
+#: copied: (test, world sizes).
+SWEEPS = [(test_sweep.test_allreduce, test_sweep.SIZES), (test_sweep.test_reduce, test_sweep.SIZES),
+          (test_sweep.test_data_movement, test_sweep.SIZES),
+          (test_sweep.test_send_recv, [2, 3, 4, 7])]
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("n", SIZES)
-async def test_allreduce(n: int) -> None:
-    counts = await run_ranks(n, _allreduce_all, CORE_DTYPES, transport="shm",
-                             chunk_bytes=CHUNK)
-    assert counts[0] > 50
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("n", SIZES)
-async def test_reduce(n: int) -> None:
-    await run_ranks(n, _reduce_all, CORE_DTYPES[1::2], transport="shm", chunk_bytes=CHUNK)
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("n", SIZES)
-async def test_data_movement(n: int) -> None:
-    await run_ranks(n, _movement, CORE_DTYPES, transport="shm", chunk_bytes=CHUNK)
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("n", [2, 3, 4, 7])
-async def test_send_recv(n: int) -> None:
-    res = await run_ranks(n, _p2p, transport="shm", chunk_bytes=CHUNK)
-    assert res[0] == list(range(1, n))
+@pytest.mark.parametrize(("sweep", "n"), [
+    pytest.param(test, n, id=f"{test.__name__.removeprefix('test_')}-{n}")
+    for test, sizes in SWEEPS for n in sizes])
+async def test_sweep_over_shm(sweep: Callable[[int, str], Awaitable[None]], n: int) -> None:
+    await sweep(n, "shm")
 
 
 @pytest.mark.timeout(300)
