@@ -12,6 +12,7 @@ Keys, under ``P = aiocollect/<name>``::
     P/claim/<e>             counter: rank 0's claim of epoch e (one epoch per job)
     P/owner/<e>             who holds epoch e: job nonce, pid, host identity (msgpack)
     P/done/<e>              epoch e is over (its rank 0 closed, or failed, or died)
+    P/conflict/<e>          a rank without a job id found its rank of epoch e taken
     P/job/<nonce>/claim/<r> counter: rank r's claim in that job (r >= 1)
     P/job/<nonce>/owner/<r> who holds it
     P/job/<nonce>/here/<r>  rank r's record ``P/rank/<r>`` is published for that job
@@ -44,7 +45,13 @@ set the same value on every node of a multi-node job), else torchrun's
 ``TORCHELASTIC_RUN_ID`` (unless it is ``none``). Rank 0 records it; a rank whose job id
 differs from the one of the rank 0 holding the group refuses to join (RendezvousError).
 Without a job id, the claims still make every collision that they see fail, but ranks of
-two jobs started at the same moment can form groups that contain both.
+two jobs started at the same moment can form groups that contain both. To make that loud,
+a rank without a job id whose claim fails because its rank is taken writes
+``P/conflict/<e>`` (who it is, who holds the rank), and every rank of a group whose rank 0
+has no job id checks that key once its links are up (:meth:`Claim.check_conflict`): a
+group the other job's ranks may have joined then fails with RendezvousError on the ranks
+that see it, instead of returning a mixed result. The marker can come too late (after a
+rank's check); then that rank's group may still hold ranks of both jobs.
 
 The embedded TCP store (rank 0 hosts it; it lives as long as that rank's group) belongs to
 the hosting rank's job: that rank records itself under ``aiocollect/store-host``, and a
@@ -118,6 +125,9 @@ class _Keys:
     def done(self, e: int) -> str:
         return f"{self.prefix}/done/{e}"
 
+    def conflict(self, e: int) -> str:
+        return f"{self.prefix}/conflict/{e}"
+
     def job(self, job: bytes, what: str, rank: int) -> str:
         return f"{self.prefix}/job/{job.hex()}/{what}/{rank}"
 
@@ -175,6 +185,9 @@ class Claim:
                 await _check_host(self.store, job_id())
                 continue
             present = await self.store.check(keys)
+            present[self.rank] = True
+            if ended:  # rank 0 was there; at its deadline (ours too) it deleted the keys
+                present[0] = True
             missing = [r for r, ok in enumerate(present) if not ok]
             msg = (f"rank {self.rank}: ranks {missing} of group {self.name!r} never arrived "
                    f"(world size {world_size})")
@@ -187,6 +200,24 @@ class Claim:
                 msg += (f"; rank 0 ({self.holder.describe()}) ended the job before the group "
                         f"formed: {why}")
             raise RendezvousTimeout(msg, missing)
+
+    async def check_conflict(self) -> None:
+        """At the end of rendezvous: fail if a rank of another job found its rank of this
+        epoch taken (``P/conflict/<e>``), when this group has no job id to tell jobs apart.
+
+        Raises:
+            RendezvousError: such a marker is in the store (it is quoted).
+        """
+        key = self.keys.conflict(self.epoch)
+        if self.holder.job_id or not await _exists(self.store, key):
+            return
+        what = (await self.store.get(key, timeout=0)).decode(errors="replace")
+        raise RendezvousError(
+            f"another job is using group {self.name!r} on this store ({what}): without a "
+            f"job id the ranks of two jobs cannot be told apart, and this group may hold "
+            f"ranks of both. Set AIOCOLLECT_JOB_ID to one value on every rank of a job (a "
+            f"new one per job, e.g. $SLURM_JOB_ID), or give each job its own store, port "
+            f"or group name")
 
     async def read_record(self, rank: int) -> dict[str, Any]:
         """Rank ``rank``'s record of this job.
@@ -279,6 +310,20 @@ async def _wait_key(store: Store, key: str, deadline: Deadline, rank: int, name:
             f"the other ranks wait for it){why}", [0]) from None
 
 
+async def _mark_conflict(store: Store, k: _Keys, e: int, rank: int, holder: Owner) -> None:
+    """Without a job id, rank ``rank`` of epoch ``e`` found taken means ranks of another
+    job may be joining that epoch's group: write the marker that fails it (best effort).
+    A taken rank 0 is marked too: that loser is usually the first to know (its claim is the
+    first), while the rank >= 1 that lost to a rank of the other job may come too late."""
+    if job_id():
+        return
+    mark = (f"rank {rank}, {Owner.me(b'').describe()}, found rank {rank} of its epoch "
+            f"taken by {holder.describe()}")
+    with contextlib.suppress(errors.AiocollectError, TimeoutError, OSError):
+        async with asyncio.timeout(RELEASE_TIMEOUT):
+            await store.set(k.conflict(e), mark.encode())
+
+
 def _conflict(rank: int, name: str, holder: Owner) -> RendezvousError:
     return RendezvousError(
         f"rank {rank} of group {name!r} is already claimed by {holder.describe()}: another "
@@ -341,6 +386,7 @@ async def claim(store: Store, name: str, rank: int, world_size: int,
                             f"; the last job's rank {rank} ({other.describe()}) has exited "
                             f"but its rank 0 ({holder.describe()}) did not end that job")
             continue
+        await _mark_conflict(store, k, e, rank, other)
         raise _conflict(rank, name, other)
 
 
@@ -371,6 +417,7 @@ async def _claim_first(store: Store, k: _Keys, name: str, world_size: int,
                                         ).encode())
             e += 1
             continue
+        await _mark_conflict(store, k, e, 0, holder)
         raise _conflict(0, name, holder)
 
 

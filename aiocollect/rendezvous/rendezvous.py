@@ -142,6 +142,7 @@ async def rendezvous(store: Store, cfg: RendezvousConfig, events: LinkEvents,
         finally:
             for fut in connects:
                 fut.cancel()
+        await claim.check_conflict()  # another job's rank lost its claim to ours?
     except BaseException as exc:
         endpoint.close()
         for link in links.values():

@@ -13,6 +13,7 @@ import pytest
 from aiocollect.errors import StoreError
 from aiocollect.store import TCPStore
 from aiocollect.testing import free_port
+from tests.rendezvous.procs import reap
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -83,10 +84,7 @@ async def test_rank_arriving_after_rank_0_gave_up_gets_rendezvous_error() -> Non
         outs = [await _output(p, 20) for p in procs[:3]]
     finally:
         await watcher.close()
-        for p in procs:
-            if p.returncode is None:
-                p.kill()
-                await p.wait()
+        await reap(procs)
     for rank, out in enumerate(outs):
         assert out.startswith(("RendezvousError", "RendezvousTimeout")), (rank, out)
     assert late.startswith("RendezvousError"), late
