@@ -82,6 +82,9 @@ class GroupCore:
         self._watch_at: float | None = None
         self._watch_handle: asyncio.TimerHandle | None = None
         self._closers: list[Callable[[], Coroutine[Any, Any, None]]] = []
+        #: The loop the group runs on, from its first one-frame operation (links are bound
+        #: to one loop: a group is used on one).
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._sync_closers: list[Callable[[], None]] = []
 
     # -- state -----------------------------------------------------------------------------
@@ -129,9 +132,10 @@ class GroupCore:
         """Check the group can start an operation, take its sequence number (a collective)
         or use ``p2p``'s (counter, tag), and count it. Returns the Op and its deadline in
         seconds (or None)."""
-        self._check_usable()
         fabric = self._fabric
-        timeout = self._timeout_arg(timeout)
+        if self._closed or fabric.failure is not None or self._parent is not None:
+            self._check_usable()
+        timeout = self.timeout if timeout is None else self._timeout_arg(timeout)
         if p2p is None:
             seq = self._seq
             self._seq = seq + 1
@@ -177,16 +181,19 @@ class GroupCore:
         """Like :meth:`_start` for an operation of one-frame steps: ``build(op)`` lists
         them and a :class:`Schedule` runs them from callbacks; the handle is a Future."""
         op, timeout = self._new_op(kind, fp, timeout)
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:  # (asyncio.get_running_loop costs a getpid() system call)
+            loop = self._loop = asyncio.get_running_loop()
         handle: asyncio.Future[Any] = loop.create_future()
         sched = Schedule(self, kind, op, build(op), handle, result, timeout)
         handle.add_done_callback(sched.on_done)  # also drops it from _tasks
-        self._tasks[handle] = (op, kind, loop.time(), timeout)
+        now = loop.time()
+        self._tasks[handle] = (op, kind, now, timeout)
         loop.call_soon(sched.start)
         if self._tick_handle is None:
             self._tick_handle = loop.call_later(CHECK_SECONDS, _tick, weakref.ref(self), loop)
         if timeout is not None:
-            self._watch(loop, loop.time() + timeout, handle, sched)
+            self._watch(loop, now + timeout, handle, sched)
         return handle
 
     def _watch(self, loop: asyncio.AbstractEventLoop, deadline: float,

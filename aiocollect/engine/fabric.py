@@ -18,6 +18,7 @@ from typing import Any
 import msgpack
 
 from aiocollect import errors
+from aiocollect.engine.spin import Spinner, budget_for
 from aiocollect.errors import (
     GroupBrokenError,
     MismatchError,
@@ -86,15 +87,36 @@ class Fabric:
         self._p2p_waiters: list[asyncio.Future[None]] = []
         self._pongs: dict[tuple[int, bytes], asyncio.Future[bytes]] = {}
         self._probes = 0
+        self._spinner: Spinner | None = None  # made on the first wait (engine/spin.py)
+
+    # -- busy-waiting -----------------------------------------------------------------------
+
+    @property
+    def spinner(self) -> Spinner:
+        """This rank's busy-wait (engine/spin.py), its budget decided from the links on
+        first use."""
+        spinner = self._spinner
+        if spinner is None:
+            spinner = self._spinner = Spinner(budget_for(self.links.values()),
+                                              asyncio.get_running_loop())
+        return spinner
+
+    def spin(self, fut: asyncio.Future[None], link: Link) -> None:
+        """A receive ``fut`` on ``link`` is awaited: keep the loop polling for a while,
+        unless the policy says not to or the link polls itself (shared memory)."""
+        spinner = self._spinner or self.spinner
+        if spinner.budget > 0 and not getattr(link, "shm", False):
+            spinner.wait(fut)
 
     # -- operation registry ----------------------------------------------------------------
 
     def register(self, gid: int, seq: int, fp: Fingerprint, ranks: list[int]) -> None:
         """Record this rank's operation at (gid, seq) and check frames that came early."""
         self._active[(gid, seq)] = fp
-        self._started[gid] = max(seq, self._started.get(gid, -1))
+        if seq > self._started.get(gid, -1):
+            self._started[gid] = seq
         self._digests[gid] = hash((self._digests.get(gid, 0), fp))
-        early = self._early.pop((gid, seq), None)
+        early = self._early.pop((gid, seq), None) if self._early else None
         if early is None:
             return
         for peer, theirs in early.items():

@@ -71,9 +71,16 @@ class Op:
              hook: Hook | None = None) -> asyncio.Future[None]:
         """Post a receive of frame (slot, chunk) from group rank ``peer`` into ``dest``
         (``hook``: see :meth:`~aiocollect.transport.base.Link.post_recv`)."""
-        key = Key(self.kind, self.gid, self.seq if seq is None else seq, slot, chunk)
-        fut = self.link(peer).post_recv(key, _bytes(dest), expect, hook)
+        kind = self.kind
+        key = Key(kind, self.gid, self.seq if seq is None else seq, slot, chunk)
+        link = self.link(peer)
+        # Every frame of a collective carries the op's fingerprint (checked against it by
+        # the fabric): with it posted too, a transport can match the frame in one step.
+        fut = link.post_recv(key, _bytes(dest),
+                             self.fp if expect is None and kind == DATA else expect, hook)
         self.pending.append((peer, key, fut))
+        if not fut.done():
+            self.fabric.spin(fut, link)
         return fut
 
     def recv_chunks(self, peer: int, slot: int, dest: Array) -> list[asyncio.Future[None]]:
@@ -102,7 +109,10 @@ class Op:
 
     def unsent(self) -> bool:
         """Whether a frame this op sent is still queued in user space."""
-        return any(link.write_buffer_size() for link in self._sent)
+        for link in self._sent:  # noqa: SIM110 - no generator: once per small operation
+            if link.write_buffer_size():
+                return True
+        return False
 
     async def send_chunks(self, peer: int, slot: int, src: Array) -> None:
         for c, part in enumerate(self.chunks(src)):

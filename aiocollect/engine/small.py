@@ -195,7 +195,10 @@ class Schedule:
 
     def _succeed(self) -> None:
         self.core._done[self.kind] += 1
-        self._release()
+        if not self._released:  # every receive landed: nothing to withdraw
+            self._released = True
+            op = self.op
+            self.core._fabric.unregister(op.gid, op.seq)
         if not self.handle.done():
             self.handle.set_result(self.result)
 

@@ -36,8 +36,12 @@ from aiocollect.transport.base import Handshaker, Link, LinkEvents
 from aiocollect.transport.handshake_stream import HandshakeStream
 from aiocollect.transport.interface import LinkSetup, Listener, Record, Screen, Transport
 from aiocollect.transport.wire import (
+    DATA,
+    HEADER,
     HEADER_SIZE,
+    MAGIC,
     Header,
+    Key,
     parse_header,
 )
 
@@ -54,11 +58,16 @@ READ_AHEAD = 64 * 1024
 #: callbacks: libuv keeps reading while data keeps coming (up to 32 reads of a whole
 #: payload each), which would stall every other task for tens of milliseconds.
 READ_BUDGET = 2 * 1024 * 1024
+#: Payloads up to this size are copied behind their header and written as one buffer
+#: (uvloop then skips its scatter-gather write context).
+JOIN_MAX = 16 * 1024
 #: Payload size from which a frame is bulk (queued behind at most ``BULK_CAP`` bytes).
 BULK_MIN = 64 * 1024
 #: Bytes in the transport's write buffer above which bulk frames wait in the link's queue:
 #: what a small frame may find queued ahead of it in user space.
 BULK_CAP = 1024 * 1024
+
+_unpack_header = HEADER.unpack_from
 
 
 class _Screened(Exception):
@@ -218,6 +227,8 @@ class TcpLink(Link, asyncio.BufferedProtocol):
                 self._rbuf[:end - pos] = view[pos:end]
                 self._rlen = end - pos
                 return
+            elif (fast := self._fast_frame(pos, end)) is not None:
+                pos = fast
             else:
                 try:
                     h = parse_header(self._rbuf, self.max_frame, pos)
@@ -230,6 +241,31 @@ class TcpLink(Link, asyncio.BufferedProtocol):
             if self._discard:
                 return
         self._rlen = 0
+
+    def _fast_frame(self, pos: int, end: int) -> int | None:
+        """The common small frame, in one step: a DATA frame wholly in the read-ahead
+        buffer at ``pos`` whose receive is posted with its fingerprint and length (what
+        ``Op.recv`` posts). Its payload is copied into place and the receive landed;
+        returns the position after it. None for every other frame (the general path
+        then checks, routes or stages it and reports errors)."""
+        magic, kind, coll, rop, dtype, gid, chunk, seq, slot, root, elems, n = \
+            _unpack_header(self._rbuf, pos)
+        if kind != DATA:
+            return None
+        key = Key(kind, gid, seq, slot, chunk)
+        recv = self._posted.get(key)
+        start = pos + HEADER_SIZE
+        if (recv is None or end - start < n or len(recv.view) != n or magic != MAGIC
+                or recv.expect != (coll, dtype, elems, rop, root)):
+            return None
+        del self._posted[key]
+        self.frames_received += 1
+        self.bytes_received += n
+        if n:
+            recv.view[:] = self._rview[start:start + n]
+        recv.landed()
+        after: int = start + n
+        return after
 
     def _take_header(self, h: Header) -> None:
         """Route a parsed frame header: its payload goes where ``_begin_frame`` says, or
@@ -334,10 +370,10 @@ class TcpLink(Link, asyncio.BufferedProtocol):
             if stream in self._bulk_streams:  # behind its stream's queued frames
                 self._queue_bulk(header, payload, stream)
                 return
-        if n:
+        if n > JOIN_MAX:
             transport.writelines((header, payload))
-        else:
-            transport.write(header)
+        else:  # one buffer: the event loop writes it with one plain write()
+            transport.write(header + payload if n else header)
 
     def _queue_bulk(self, header: bytes, payload: memoryview | bytes, stream: bytes) -> None:
         self._bulk.append((header, payload, stream))
