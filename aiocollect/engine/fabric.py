@@ -88,6 +88,7 @@ class Fabric:
         self._pongs: dict[tuple[int, bytes], asyncio.Future[bytes]] = {}
         self._probes = 0
         self._spinner: Spinner | None = None  # made on the first wait (engine/spin.py)
+        self._spin_on: dict[Link, bool] = {}  # whether waits on a link spin
 
     # -- busy-waiting -----------------------------------------------------------------------
 
@@ -104,9 +105,12 @@ class Fabric:
     def spin(self, fut: asyncio.Future[None], link: Link) -> None:
         """A receive ``fut`` on ``link`` is awaited: keep the loop polling for a while,
         unless the policy says not to or the link polls itself (shared memory)."""
-        spinner = self._spinner or self.spinner
-        if spinner.budget > 0 and not getattr(link, "shm", False):
-            spinner.wait(fut)
+        on = self._spin_on.get(link)
+        if on is None:  # decided once per link
+            on = self._spin_on[link] = self.spinner.budget > 0 and not getattr(
+                link, "shm", False)
+        if on:
+            self.spinner.wait(fut)
 
     # -- operation registry ----------------------------------------------------------------
 

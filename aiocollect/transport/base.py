@@ -186,6 +186,7 @@ class Link(abc.ABC):
         self._frame: Header | None = None
         self._frame_recv: _Recv | None = None
         self._frame_staging: bytearray | None = None
+        self._recv_loop: asyncio.AbstractEventLoop | None = None  # the loop receives run on
 
     # -- receiving -------------------------------------------------------------------------
 
@@ -201,7 +202,10 @@ class Link(abc.ABC):
         callback waits for. It is not called when the future is already done on return
         (the frame was staged) nor when it fails; it must not raise, and must not expect
         to be the only one to see the future done."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = self._recv_loop
+        if loop is None:  # asyncio.get_running_loop() costs a getpid() call: once a link
+            loop = self._recv_loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
         early = self._early.pop(key, None)
         if early is not None:  # arrived before the peer closed: still good
             h, data = early
