@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
 PYTEST_ARGS ?=
+# make test runs the suite on this many pytest-xdist workers (auto: one per core, at most
+# 4; PYTEST_WORKERS=0 runs it in this process, one test at a time).
+PYTEST_WORKERS ?= auto
 
 .PHONY: install demo test lint bench clean system-deps torch-suite stress soak-elastic
 
@@ -34,7 +37,7 @@ demo: install
 	$(VENV)/bin/aiocollect run -n 4 examples/data_parallel.py
 
 test: install system-deps
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses 4 $(PYTEST_ARGS)
 
 # The whole stress matrix (every transport and mode x both loops x worlds 2-4, 8 rounds);
 # make test runs a subset of it (docs/testing.md).

@@ -9,6 +9,9 @@ collective, stress and failure suites run on both asyncio and uvloop.
   factories, so each of their async tests runs once per loop (test ids ``[asyncio]`` and
   ``[uvloop]``). Tests there that start rank processes themselves (whose ranks choose their
   own loop with ``uvloop=True``), or are marked ``one_loop``, run on asyncio alone.
+- Workers: under pytest-xdist (``make test`` runs ``-n auto``; ``--dist loadgroup`` is in
+  the ini options) the tests under a directory of ``XDIST_GROUPS`` all run on one worker,
+  one after another (docs/testing.md, "In parallel").
 """
 
 from __future__ import annotations
@@ -28,6 +31,13 @@ except ImportError:  # pragma: no cover - uvloop is a core dependency on Linux
 
 LOOP_SUITES = ("collectives", "failure", "stress")
 _ROOT = Path(__file__).parent
+#: Test directories whose tests share one xdist worker (group name: directory prefixes).
+#: cpu-bound: a stress case is a world of up to 4 ranks with 32 large operations in flight,
+#: a bench test runs whole benchmarks (torch-importing gloo ranks included); each takes every
+#: core it gets. Two of them at once on 2 cores doubled each one's time: world-4 stress cases
+#: hit their 30 s operation timeout (PeerTimeout) and a bench comparison its 110 s bound, in
+#: make test on a loaded machine. One after another they pass.
+XDIST_GROUPS = {"cpu-bound": ("tests/stress/", "tests/bench/")}
 
 _unhandled: list[dict[str, Any]] = []
 
@@ -57,6 +67,25 @@ def pytest_configure(config: pytest.Config) -> None:
         "which pick their own loop)")
     config.addinivalue_line(
         "markers", "both_loops: run this async test on asyncio and uvloop, in any suite")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` with the groups of ``XDIST_GROUPS``: a whole group goes to one
+    worker (the largest group first), every other test is scheduled on its own. (xdist's own
+    ``xdist_group`` mark works by renaming test ids, which pytest 9.2 ignores: node ids are
+    derived, so such marks would group nothing, silently.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class DirectoryGroups(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            for group, prefixes in XDIST_GROUPS.items():
+                if nodeid.startswith(prefixes):
+                    return f"group:{group}"
+            return nodeid
+
+    return DirectoryGroups(config, log)
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[
