@@ -28,10 +28,22 @@ def test_on_while_ranks_fit_the_cores_off_beyond(monkeypatch: pytest.MonkeyPatch
     monkeypatch.delenv(spin.SPIN_ENV, raising=False)
     cores = len(os.sched_getaffinity(0))
     assert spin.usable_cores() == cores
-    assert spin.spin_budget(1) == spin.SPIN_SECONDS
-    assert spin.spin_budget(cores) == spin.SPIN_SECONDS
-    assert spin.spin_budget(cores + 1) == 0.0
+    assert spin.spin_budget(1, load=0.0) == spin.SPIN_SECONDS
+    assert spin.spin_budget(cores, load=0.0) == spin.SPIN_SECONDS
+    assert spin.spin_budget(cores + 1, load=0.0) == 0.0
     assert spin.spin_budget(4 * cores) == 0.0
+    # the real load average decides when none is given
+    busy = os.getloadavg()[0] >= cores
+    assert spin.spin_budget(1) == (0.0 if busy else spin.SPIN_SECONDS)
+
+
+def test_off_on_a_host_already_busier_than_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(spin.SPIN_ENV, raising=False)
+    assert spin.spin_budget(2, cores=2, load=1.5) == spin.SPIN_SECONDS
+    assert spin.spin_budget(2, cores=2, load=2.0) == 0.0
+    assert spin.spin_budget(1, cores=2, load=9.0) == 0.0
+    monkeypatch.setenv(spin.SPIN_ENV, "50")
+    assert spin.spin_budget(1, cores=2, load=9.0) == pytest.approx(50e-6)  # forced on
 
 
 _CHILD = """
@@ -39,7 +51,8 @@ import json, os, sys
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 os.environ.pop("AIOCOLLECT_SPIN_US", None)
 from aiocollect.engine import spin
-print(json.dumps([spin.usable_cores(), spin.spin_budget(1), spin.spin_budget(2)]))
+print(json.dumps([spin.usable_cores(), spin.spin_budget(1, load=0.0),
+                  spin.spin_budget(2, load=0.0)]))
 """
 
 
@@ -66,8 +79,8 @@ def test_the_environment_overrides_the_rule(monkeypatch: pytest.MonkeyPatch,
     assert spin.spin_budget(1) == 0.0
     monkeypatch.setenv(spin.SPIN_ENV, "fast")
     with caplog.at_level("WARNING", logger="aiocollect"):
-        assert spin.spin_budget(1) == spin.SPIN_SECONDS  # ignored: the rule applies
-        assert spin.spin_budget(cores + 1) == 0.0
+        assert spin.spin_budget(1, load=0.0) == spin.SPIN_SECONDS  # ignored: the rule
+        assert spin.spin_budget(cores + 1, load=0.0) == 0.0
     assert "AIOCOLLECT_SPIN_US" in caplog.text
     assert spin.spin_budget(5, cores=8, env={}) == spin.SPIN_SECONDS
     assert spin.spin_budget(9, cores=8, env={}) == 0.0
@@ -95,7 +108,8 @@ async def test_a_group_counts_its_same_host_peers(monkeypatch: pytest.MonkeyPatc
             assert budget == 0.0
         else:
             assert hosts == [True] * (n - 1)
-            assert budget == spin.spin_budget(n)
+            assert budget in (spin.spin_budget(n, load=0.0), 0.0)  # 0: a busy host
+            assert budget == 0.0 or n <= spin.usable_cores()
 
 
 async def _stopped(s: spin.Spinner) -> None:
