@@ -48,6 +48,7 @@ stress: install
 # checks everything else and says so (after make install it checks all; CI does).
 lint: $(LINT_STAMP)
 	$(VENV)/bin/ruff check aiocollect tests examples scripts
+	$(VENV)/bin/ruff format --check aiocollect tests examples scripts
 	@if $(PY) -c 'import importlib.util as u, sys; sys.exit(u.find_spec("torch") is None)'; \
 	then echo "$(VENV)/bin/mypy"; $(VENV)/bin/mypy; \
 	else echo "lint: torch is not installed: mypy skips aiocollect/torch (make install checks it)"; \

@@ -27,14 +27,16 @@ def new_nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 
 
-def proof(secret: bytes, role: bytes, nonce_a: bytes, nonce_b: bytes,
-          context: bytes = b"") -> bytes:
+def proof(
+    secret: bytes, role: bytes, nonce_a: bytes, nonce_b: bytes, context: bytes = b""
+) -> bytes:
     """The MAC a party with ``role`` sends, binding both nonces and the context."""
     msg = b"%d:%s|%s|%s|%s" % (len(role), role, nonce_a, nonce_b, context)
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
-def check(secret: bytes, mac: bytes, role: bytes, nonce_a: bytes, nonce_b: bytes,
-          context: bytes = b"") -> bool:
+def check(
+    secret: bytes, mac: bytes, role: bytes, nonce_a: bytes, nonce_b: bytes, context: bytes = b""
+) -> bool:
     """Constant-time check of a peer's proof."""
     return hmac.compare_digest(mac, proof(secret, role, nonce_a, nonce_b, context))

@@ -31,11 +31,13 @@ class TensorLike(Protocol):
 #: tensors. Other buffer-protocol objects work at run time too; the alias is for type
 #: checkers and readers.
 if TYPE_CHECKING:
-    Buffer: TypeAlias = (Array | bytes | bytearray | memoryview | array.array[Any] | mmap.mmap
-                         | TensorLike)
+    Buffer: TypeAlias = (
+        Array | bytes | bytearray | memoryview | array.array[Any] | mmap.mmap | TensorLike
+    )
 else:
-    Buffer: TypeAlias = (Array | bytes | bytearray | memoryview | array.array | mmap.mmap
-                         | TensorLike)
+    Buffer: TypeAlias = (
+        Array | bytes | bytearray | memoryview | array.array | mmap.mmap | TensorLike
+    )
 #: A Buffer of one type: a collective that fills the caller's buffer gives that buffer back.
 B = TypeVar("B", bound=Buffer)
 
@@ -104,4 +106,3 @@ def byte_view(arr: Array) -> memoryview:
     except (TypeError, ValueError):  # dtypes the buffer protocol cannot name (bfloat16)
         view: memoryview = arr.reshape(-1).view(np.uint8).data
         return view
-

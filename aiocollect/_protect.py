@@ -85,8 +85,12 @@ def log_refusal(log: logging.Logger, what: str, peername: object) -> None:
     peer = _address(peername) or str(peername)
     if peer not in _logged and len(_logged) < _LOGGED_MAX:
         _logged.add(peer)
-        log.warning("%s refused a connection from %s: no secret is set, so only this host "
-                    "may connect (set AIOCOLLECT_SECRET on every rank, or "
-                    "AIOCOLLECT_INSECURE=1 to accept anyone)", what, peer)
+        log.warning(
+            "%s refused a connection from %s: no secret is set, so only this host "
+            "may connect (set AIOCOLLECT_SECRET on every rank, or "
+            "AIOCOLLECT_INSECURE=1 to accept anyone)",
+            what,
+            peer,
+        )
     else:
         log.debug("%s refused a connection from %s (protected mode)", what, peer)

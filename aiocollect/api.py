@@ -24,12 +24,18 @@ from aiocollect.tls import TLSConfig, as_config
 from aiocollect.transport import registry
 from aiocollect.transport.wire import WORLD_GID
 
-SSLArg = (TLSConfig | ssl_module.SSLContext
-          | tuple[ssl_module.SSLContext, ssl_module.SSLContext] | None)
+SSLArg = (
+    TLSConfig | ssl_module.SSLContext | tuple[ssl_module.SSLContext, ssl_module.SSLContext] | None
+)
 
 _ENV_RANK = ("AIOCOLLECT_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
-_ENV_SIZE = ("AIOCOLLECT_WORLD_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
-             "SLURM_NTASKS")
+_ENV_SIZE = (
+    "AIOCOLLECT_WORLD_SIZE",
+    "WORLD_SIZE",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+    "SLURM_NTASKS",
+)
 
 
 def _env_int(names: tuple[str, ...], what: str) -> int | None:
@@ -70,8 +76,10 @@ def resolve_timeout(timeout: float | None) -> float | None:
     except ValueError:
         seconds = -1.0
     if not seconds > 0 or seconds == float("inf"):
-        raise UsageError(f"environment variable AIOCOLLECT_TIMEOUT={value!r} is not a "
-                         "positive number of seconds (or 'none')")
+        raise UsageError(
+            f"environment variable AIOCOLLECT_TIMEOUT={value!r} is not a "
+            "positive number of seconds (or 'none')"
+        )
     return seconds
 
 
@@ -86,8 +94,9 @@ def resolve_store(store: Store | str | None) -> Store | str:
     if addr and port:
         # torchrun's own TCPStore may already listen on MASTER_PORT; use the next port.
         return f"tcp://{addr}:{int(port) + 1}"
-    raise UsageError("no store: pass store=, or set AIOCOLLECT_STORE (or MASTER_ADDR and "
-                     "MASTER_PORT)")
+    raise UsageError(
+        "no store: pass store=, or set AIOCOLLECT_STORE (or MASTER_ADDR and MASTER_PORT)"
+    )
 
 
 def _interface_address(ifname: str) -> str:
@@ -96,8 +105,11 @@ def _interface_address(ifname: str) -> str:
 
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
-            packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
-                                 struct.pack("256s", ifname.encode()[:15]))
+            packed = fcntl.ioctl(
+                s.fileno(),
+                0x8915,  # SIOCGIFADDR
+                struct.pack("256s", ifname.encode()[:15]),
+            )
         except OSError as exc:
             raise UsageError(f"AIOCOLLECT_IFNAME={ifname}: no IPv4 address ({exc})") from None
     return socket.inet_ntoa(packed[20:24])
@@ -147,25 +159,39 @@ def _check_transport(transport: str | None, ssl: SSLArg) -> str:
     if found is None:
         raise UsageError(f"transport must be one of {registry.names()}, got {transport!r}")
     if found.needs_tls and ssl is None:
-        raise UsageError(f"transport={transport!r} needs ssl= (aiocollect.tls.contexts(...) "
-                         "or an ssl.SSLContext)")
+        raise UsageError(
+            f"transport={transport!r} needs ssl= (aiocollect.tls.contexts(...) "
+            "or an ssl.SSLContext)"
+        )
     if (reason := found.unavailable()) is not None:
         raise UsageError(f"transport={transport!r} is not available here: {reason}")
     return transport
 
 
-async def _open(rank: int | None, world_size: int | None, *, store: Store | str | None,
-                transport: str | None, timeout: float | None, secret: bytes | str | None,
-                host: str | None, ssl: SSLArg, name: str,
-                chunk_bytes: int | None, insecure: bool = False,
-                elastic: bool = False) -> Group:
+async def _open(
+    rank: int | None,
+    world_size: int | None,
+    *,
+    store: Store | str | None,
+    transport: str | None,
+    timeout: float | None,
+    secret: bytes | str | None,
+    host: str | None,
+    ssl: SSLArg,
+    name: str,
+    chunk_bytes: int | None,
+    insecure: bool = False,
+    elastic: bool = False,
+) -> Group:
     if rank is None:
         rank = _env_int(_ENV_RANK, "rank")
     if world_size is None:
         world_size = _env_int(_ENV_SIZE, "world size")
     if rank is None or world_size is None:
-        raise UsageError("rank and world_size are required (arguments or AIOCOLLECT_RANK / "
-                         "AIOCOLLECT_WORLD_SIZE, RANK / WORLD_SIZE, ...)")
+        raise UsageError(
+            "rank and world_size are required (arguments or AIOCOLLECT_RANK / "
+            "AIOCOLLECT_WORLD_SIZE, RANK / WORLD_SIZE, ...)"
+        )
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise UsageError(f"world_size must be an int >= 1, got {world_size!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -191,17 +217,31 @@ async def _open(rank: int | None, world_size: int | None, *, store: Store | str 
         transport = "memory"  # ranks in one process; else auto picks shm or tcp per link
     deadline = Deadline.after(timeout)
     if elastic:  # a store that outlives every member: never the embedded one
-        store_obj, owned = await _elastic.open_elastic_store(spec, secret=key,
-                                                             insecure=insecure, timeout=timeout)
+        store_obj, owned = await _elastic.open_elastic_store(
+            spec, secret=key, insecure=insecure, timeout=timeout
+        )
     else:
-        store_obj, owned = await open_store(spec, rank=rank, secret=key, insecure=insecure,
-                                            timeout=300.0 if timeout is None else timeout)
+        store_obj, owned = await open_store(
+            spec,
+            rank=rank,
+            secret=key,
+            insecure=insecure,
+            timeout=300.0 if timeout is None else timeout,
+        )
     fabric = Fabric(rank, world_size, max_frame=chunk)
     try:
-        cfg = RendezvousConfig(name=name, rank=rank, world_size=world_size, transport=transport,
-                               host=listen_host(host, spec), secret=key, ssl=tls,
-                               insecure=insecure,
-                               chunk_bytes=chunk, deadline=deadline)
+        cfg = RendezvousConfig(
+            name=name,
+            rank=rank,
+            world_size=world_size,
+            transport=transport,
+            host=listen_host(host, spec),
+            secret=key,
+            ssl=tls,
+            insecure=insecure,
+            chunk_bytes=chunk,
+            deadline=deadline,
+        )
         endpoint, links = await rendezvous(store_obj, cfg, fabric, max_frame=chunk)
     except BaseException:
         if owned:
@@ -210,15 +250,27 @@ async def _open(rank: int | None, world_size: int | None, *, store: Store | str 
             await store_obj.close()
         raise
     fabric.links.update(links)
-    group = Group(fabric, WORLD_GID, list(range(world_size)), timeout=timeout, chunk_bytes=chunk,
-                  name=name)
+    group = Group(
+        fabric, WORLD_GID, list(range(world_size)), timeout=timeout, chunk_bytes=chunk, name=name
+    )
     group.store = store_obj
     group._sync_closers.append(endpoint.close)
     group._closers.append(endpoint.release)  # before the store closes
     if elastic:  # the store is closed by whichever generation is the last
-        return await _elastic.start(group, _elastic.ElasticState(
-            _elastic.Shared(store_obj, owned), name, transport, key, cfg.host or "127.0.0.1",
-            tls, insecure, chunk, timeout))
+        return await _elastic.start(
+            group,
+            _elastic.ElasticState(
+                _elastic.Shared(store_obj, owned),
+                name,
+                transport,
+                key,
+                cfg.host or "127.0.0.1",
+                tls,
+                insecure,
+                chunk,
+                timeout,
+            ),
+        )
     if owned:
         group._closers.append(store_obj.close)
     return group
@@ -263,15 +315,20 @@ class GroupOpener:
             raise AttributeError(
                 f"open_group() returns an opener, not a Group: use `group = await "
                 f"open_group(...)` or `async with open_group(...) as group:` before calling "
-                f".{name}") from None
+                f".{name}"
+            ) from None
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     async def __aenter__(self) -> Group:
         self._group = await self._start()
         return self._group
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         group, self._group = self._group, None
         if group is None:
             return
@@ -282,12 +339,21 @@ class GroupOpener:
             await asyncio.sleep(0)
 
 
-def open_group(rank: int | None = None, world_size: int | None = None, *,
-               store: Store | str | None = None, transport: str | None = None,
-               timeout: float | None = DEFAULT_TIMEOUT, secret: bytes | str | None = None,
-               host: str | None = None, ssl: SSLArg = None,
-               name: str = "default", chunk_bytes: int | None = None,
-               insecure: bool = False, elastic: bool = False) -> GroupOpener:
+def open_group(
+    rank: int | None = None,
+    world_size: int | None = None,
+    *,
+    store: Store | str | None = None,
+    transport: str | None = None,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    secret: bytes | str | None = None,
+    host: str | None = None,
+    ssl: SSLArg = None,
+    name: str = "default",
+    chunk_bytes: int | None = None,
+    insecure: bool = False,
+    elastic: bool = False,
+) -> GroupOpener:
     """Form a group of ``world_size`` ranks and return it (awaitable / async with).
 
     Args:
@@ -318,16 +384,35 @@ def open_group(rank: int | None = None, world_size: int | None = None, *,
         UsageError: bad arguments. RendezvousTimeout: ranks missing at the deadline (named).
         RendezvousError, AuthenticationError, StoreError: as their names say.
     """
-    return GroupOpener(lambda: _open(
-        rank, world_size, store=store, transport=transport, timeout=timeout, secret=secret,
-        host=host, ssl=ssl, name=name, chunk_bytes=chunk_bytes, insecure=insecure,
-        elastic=elastic))
+    return GroupOpener(
+        lambda: _open(
+            rank,
+            world_size,
+            store=store,
+            transport=transport,
+            timeout=timeout,
+            secret=secret,
+            host=host,
+            ssl=ssl,
+            name=name,
+            chunk_bytes=chunk_bytes,
+            insecure=insecure,
+            elastic=elastic,
+        )
+    )
 
 
-async def join_group(store: Store | str | None = None, *, name: str = "default",
-                     secret: bytes | str | None = None, transport: str = "auto",
-                     timeout: float | None = 300.0, host: str | None = None,
-                     ssl: SSLArg = None, insecure: bool = False) -> Group:
+async def join_group(
+    store: Store | str | None = None,
+    *,
+    name: str = "default",
+    secret: bytes | str | None = None,
+    transport: str = "auto",
+    timeout: float | None = 300.0,
+    host: str | None = None,
+    ssl: SSLArg = None,
+    insecure: bool = False,
+) -> Group:
     """Join a running elastic group as a new process: wait until the members' next
     ``regroup()`` admits it and return that generation's Group (this process's rank
     follows the survivors', in arrival order among joiners). Members can see how many wait
@@ -345,8 +430,9 @@ async def join_group(store: Store | str | None = None, *, name: str = "default",
         as in :func:`open_group`.
     """
     transport = _check_transport(transport, ssl)
-    if timeout is not None and (isinstance(timeout, bool)
-                                or not isinstance(timeout, (int, float)) or timeout <= 0):
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+    ):
         raise UsageError(f"timeout must be a positive number, got {timeout!r}")
     if not isinstance(name, str) or not name:
         raise UsageError(f"name must be a non-empty str, got {name!r}")
@@ -357,11 +443,20 @@ async def join_group(store: Store | str | None = None, *, name: str = "default",
     spec = resolve_store(store)
     if transport == "auto" and isinstance(spec, str) and spec.startswith("memory://"):
         transport = "memory"
-    store_obj, owned = await _elastic.open_elastic_store(spec, secret=key, insecure=insecure,
-                                                         timeout=timeout)
-    state = _elastic.ElasticState(_elastic.Shared(store_obj, owned), name, transport, key,
-                                  listen_host(host, spec), None if ssl is None else as_config(ssl),
-                                  insecure, DEFAULT_CHUNK_BYTES, timeout)
+    store_obj, owned = await _elastic.open_elastic_store(
+        spec, secret=key, insecure=insecure, timeout=timeout
+    )
+    state = _elastic.ElasticState(
+        _elastic.Shared(store_obj, owned),
+        name,
+        transport,
+        key,
+        listen_host(host, spec),
+        None if ssl is None else as_config(ssl),
+        insecure,
+        DEFAULT_CHUNK_BYTES,
+        timeout,
+    )
     try:
         return await _elastic.join(state, timeout)
     except BaseException:

@@ -62,8 +62,10 @@ DECISION_GRACE = 5.0
 ABORT_GRACE = 2.0
 #: Seconds at most to reach a TCP store (it must already run: nobody hosts one).
 STORE_CONNECT = 10.0
-_ALTERNATIVES = ("run a standalone store (`aiocollect store`, then tcp://HOST:PORT), or use "
-                 "redis://HOST:PORT/DB or file:///shared/dir")
+_ALTERNATIVES = (
+    "run a standalone store (`aiocollect store`, then tcp://HOST:PORT), or use "
+    "redis://HOST:PORT/DB or file:///shared/dir"
+)
 
 
 @dataclass
@@ -116,8 +118,9 @@ class ElasticState:
         return await joiners(group)
 
 
-async def open_elastic_store(spec: Store | str, *, secret: bytes | None, insecure: bool,
-                             timeout: float | None) -> tuple[Store, bool]:
+async def open_elastic_store(
+    spec: Store | str, *, secret: bytes | None, insecure: bool, timeout: float | None
+) -> tuple[Store, bool]:
     """Open the store of an elastic group: one that outlives every member.
 
     Raises:
@@ -126,18 +129,22 @@ async def open_elastic_store(spec: Store | str, *, secret: bytes | None, insecur
     """
     if isinstance(spec, Store):
         if getattr(spec, "server", None) is not None:
-            raise UsageError("elastic groups cannot use a store embedded in a member (it "
-                             f"dies with that member): {_ALTERNATIVES}")
+            raise UsageError(
+                "elastic groups cannot use a store embedded in a member (it "
+                f"dies with that member): {_ALTERNATIVES}"
+            )
         return spec, False
     full = 300.0 if timeout is None else timeout
     if isinstance(spec, str) and spec.lower().startswith("tcp://"):
         try:  # rank=1: never host the embedded server
-            store, owned = await open_store(spec, rank=1, secret=secret, insecure=insecure,
-                                            timeout=min(STORE_CONNECT, full))
+            store, owned = await open_store(
+                spec, rank=1, secret=secret, insecure=insecure, timeout=min(STORE_CONNECT, full)
+            )
         except errors.StoreTimeout:
             raise UsageError(
                 f"elastic groups refuse the embedded store (rank 0 may die) and nothing "
-                f"serves {spec}: {_ALTERNATIVES}") from None
+                f"serves {spec}: {_ALTERNATIVES}"
+            ) from None
         store.timeout = full
         return store, owned
     return await open_store(spec, rank=1, secret=secret, insecure=insecure, timeout=full)
@@ -154,16 +161,31 @@ async def start(group: Group, state: ElasticState) -> Group:
     return group
 
 
-async def _form(state: ElasticState, gen: int, attempt: int, rank: int, size: int,
-                deadline: Deadline, watch: dict[str, Owner]) -> Group:
+async def _form(
+    state: ElasticState,
+    gen: int,
+    attempt: int,
+    rank: int,
+    size: int,
+    deadline: Deadline,
+    watch: dict[str, Owner],
+) -> Group:
     """Rendezvous of one attempt; cancelled (``_Retry``) as soon as a participant is seen
     dead."""
     store = state.shared.store
     fabric = Fabric(rank, size, max_frame=state.chunk_bytes)
-    cfg = RendezvousConfig(name=f"{state.name}/gen/{gen}/a{attempt}", rank=rank,
-                           world_size=size, transport=state.transport, host=state.host,
-                           secret=state.secret, ssl=state.tls, insecure=state.insecure,
-                           chunk_bytes=state.chunk_bytes, deadline=deadline)
+    cfg = RendezvousConfig(
+        name=f"{state.name}/gen/{gen}/a{attempt}",
+        rank=rank,
+        world_size=size,
+        transport=state.transport,
+        host=state.host,
+        secret=state.secret,
+        ssl=state.tls,
+        insecure=state.insecure,
+        chunk_bytes=state.chunk_bytes,
+        deadline=deadline,
+    )
     task = asyncio.ensure_future(rendezvous(store, cfg, fabric, max_frame=state.chunk_bytes))
     try:
         while not task.done():
@@ -178,8 +200,14 @@ async def _form(state: ElasticState, gen: int, attempt: int, rank: int, size: in
             with contextlib.suppress(BaseException):
                 await task
     fabric.links.update(links)
-    group = Group(fabric, WORLD_GID, list(range(size)), timeout=state.timeout,
-                  chunk_bytes=state.chunk_bytes, name=state.name)
+    group = Group(
+        fabric,
+        WORLD_GID,
+        list(range(size)),
+        timeout=state.timeout,
+        chunk_bytes=state.chunk_bytes,
+        name=state.name,
+    )
     group.store = store
     group._sync_closers.append(endpoint.close)
     group._closers.append(endpoint.release)
@@ -190,9 +218,15 @@ class _Retry(Exception):
     """This attempt cannot form; the same participants try the next one."""
 
 
-async def _propose(state: ElasticState, base: str, candidates: list[str],
-                   dead: set[str], old: dict[str, str], deadline: Deadline,
-                   admit_joiners: bool) -> dict[str, Any]:
+async def _propose(
+    state: ElasticState,
+    base: str,
+    candidates: list[str],
+    dead: set[str],
+    old: dict[str, str],
+    deadline: Deadline,
+    admit_joiners: bool,
+) -> dict[str, Any]:
     """Wait for the candidates (registered, known dead, or the deadline), then read the
     joiners and return this participant's proposal."""
     store = state.shared.store
@@ -212,8 +246,10 @@ async def _propose(state: ElasticState, base: str, candidates: list[str],
             state.end_old()
         remaining = deadline.remaining()
         with contextlib.suppress(errors.StoreTimeout):
-            await store.wait([keys[i] for i in missing],
-                             timeout=POLL if remaining is None else min(POLL, remaining))
+            await store.wait(
+                [keys[i] for i in missing],
+                timeout=POLL if remaining is None else min(POLL, remaining),
+            )
     present = await store.check(list(keys.values()))
     members = [i for i, ok in zip(keys, present, strict=True) if ok]
     served = int(await membership.counter(store, f"{state.prefix}/served"))
@@ -227,8 +263,12 @@ async def _propose(state: ElasticState, base: str, candidates: list[str],
             owner = await membership.owner_at(store, key)
             if owner is not None and not membership.dead(owner) and await _proven(state, t):
                 members.append(f"j{t}")
-    return {"members": members, "served": tickets, "chunk_bytes": state.chunk_bytes,
-            "timeout": state.timeout}
+    return {
+        "members": members,
+        "served": tickets,
+        "chunk_bytes": state.chunk_bytes,
+        "timeout": state.timeout,
+    }
 
 
 async def _proven(state: ElasticState, t: int) -> bool:
@@ -244,14 +284,25 @@ async def _proven(state: ElasticState, t: int) -> bool:
         mac = await store.get(f"{key}/mac", timeout=0)
         ok = hmac.compare_digest(mac, membership.ticket_mac(state.secret, state.name, t, owner))
     if not ok:
-        log.warning("elastic group %r: joiner #%d did not prove the group's secret; not "
-                    "admitted", state.name, t)
+        log.warning(
+            "elastic group %r: joiner #%d did not prove the group's secret; not admitted",
+            state.name,
+            t,
+        )
     return ok
 
 
-async def _decide(state: ElasticState, gen: int, attempt: int, me: str,
-                  candidates: list[str], dead: set[str], old: dict[str, str],
-                  deadline: Deadline, min_size: int) -> tuple[dict[str, Any], dict[str, str]]:
+async def _decide(
+    state: ElasticState,
+    gen: int,
+    attempt: int,
+    me: str,
+    candidates: list[str],
+    dead: set[str],
+    old: dict[str, str],
+    deadline: Deadline,
+    min_size: int,
+) -> tuple[dict[str, Any], dict[str, str]]:
     """Register ``me`` in attempt ``attempt`` of generation ``gen`` (if not registered)
     and return the agreed decision, and where each participant's owner record lies."""
     store = state.shared.store
@@ -260,12 +311,14 @@ async def _decide(state: ElasticState, gen: int, attempt: int, me: str,
         await store.set(f"{base}/member/{me}", Owner.me(b"").pack())
     decision_key = f"{base}/decision"
     if not (await store.check([decision_key]))[0]:
-        proposal = await _propose(state, base, candidates, dead, old, deadline,
-                                  admit_joiners=attempt == 0)
+        proposal = await _propose(
+            state, base, candidates, dead, old, deadline, admit_joiners=attempt == 0
+        )
         proposal["ok"] = len(proposal["members"]) >= min_size
         if not proposal["ok"]:  # joiners stay waiting for a generation that forms
-            proposal["members"] = [i for i in proposal["members"] if not i.startswith("j")
-                                   or i in candidates]
+            proposal["members"] = [
+                i for i in proposal["members"] if not i.startswith("j") or i in candidates
+            ]
         if await store.add(f"{base}/decided", 1) == 1:
             await store.set(decision_key, membership.pack(proposal))
     rem = deadline.remaining()
@@ -287,9 +340,17 @@ async def _decide(state: ElasticState, gen: int, attempt: int, me: str,
     return decision, where
 
 
-async def _generation(state: ElasticState, gen: int, me: str, candidates: list[str],
-                      dead: set[str], old: dict[str, str], min_size: int,
-                      timeout: float | None, attempt: int = 0) -> Group:
+async def _generation(
+    state: ElasticState,
+    gen: int,
+    me: str,
+    candidates: list[str],
+    dead: set[str],
+    old: dict[str, str],
+    min_size: int,
+    timeout: float | None,
+    attempt: int = 0,
+) -> Group:
     """Agree on generation ``gen`` and form it, retrying with later attempts."""
     last: BaseException | None = None
     for _ in range(len(candidates) + 8):
@@ -297,8 +358,9 @@ async def _generation(state: ElasticState, gen: int, me: str, candidates: list[s
         decision: dict[str, Any] | None = None
         where: dict[str, str] = {}
         try:
-            decision, where = await _decide(state, gen, attempt, me, candidates, dead, old,
-                                            deadline, min_size)
+            decision, where = await _decide(
+                state, gen, attempt, me, candidates, dead, old, deadline, min_size
+            )
         except _Retry as exc:
             last = exc
         else:
@@ -307,31 +369,46 @@ async def _generation(state: ElasticState, gen: int, me: str, candidates: list[s
                 raise RendezvousError(
                     f"{_who(me)} was left out of generation {gen} of elastic group "
                     f"{state.name!r} (it called regroup() after the others had formed it, "
-                    f"or they took it for dead)")
+                    f"or they took it for dead)"
+                )
             if not decision.get("ok"):
                 raise RendezvousError(
                     f"generation {gen} of elastic group {state.name!r} would have "
                     f"{len(members)} members ({', '.join(_who(i) for i in members)}), "
-                    f"fewer than min_size={min_size}")
+                    f"fewer than min_size={min_size}"
+                )
             watch = {}
             for i in members:
                 if i != me and (owner := await membership.owner_at(state.shared.store, where[i])):
                     watch[i] = owner
-            state = replace(state, chunk_bytes=int(decision["chunk_bytes"]),
-                            timeout=decision["timeout"])
+            state = replace(
+                state, chunk_bytes=int(decision["chunk_bytes"]), timeout=decision["timeout"]
+            )
             try:
-                return await _form(state, gen, attempt, members.index(me), len(members),
-                                   Deadline.after(timeout), watch)
-            except (_Retry, RendezvousError, errors.PeerError,
-                    errors.GroupBrokenError) as exc:
+                return await _form(
+                    state,
+                    gen,
+                    attempt,
+                    members.index(me),
+                    len(members),
+                    Deadline.after(timeout),
+                    watch,
+                )
+            except (_Retry, RendezvousError, errors.PeerError, errors.GroupBrokenError) as exc:
                 last = exc
-        log.info("elastic group %r: attempt %d of generation %d failed (%s); trying again",
-                 state.name, attempt, gen, last)
+        log.info(
+            "elastic group %r: attempt %d of generation %d failed (%s); trying again",
+            state.name,
+            attempt,
+            gen,
+            last,
+        )
         if decision is not None:  # the participants of the failed attempt try again
             old, candidates = where, [str(i) for i in decision["members"]]
         attempt += 1
-    raise RendezvousError(f"generation {gen} of elastic group {state.name!r} could not form: "
-                          f"{last}") from last
+    raise RendezvousError(
+        f"generation {gen} of elastic group {state.name!r} could not form: {last}"
+    ) from last
 
 
 def _who(ident: str) -> str:
@@ -342,16 +419,20 @@ async def regroup(group: Group, *, min_size: int = 1, timeout: float | None = No
     """See :meth:`aiocollect.Group.regroup`."""
     state: ElasticState | None = group._elastic
     if state is None or group._parent is not None:
-        raise UsageError("regroup() needs the world group of open_group(..., elastic=True)"
-                         if state is None else "regroup() is called on the world group, "
-                         "not on a sub-group")
+        raise UsageError(
+            "regroup() needs the world group of open_group(..., elastic=True)"
+            if state is None
+            else "regroup() is called on the world group, not on a sub-group"
+        )
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
         raise UsageError(f"min_size must be an int >= 1, got {min_size!r}")
     if group.closed and group._fabric.failure is None:
         raise UsageError(f"group {state.name!r} is closed (aclose): nothing to regroup")
     if state.shared.current is not group:
-        raise UsageError(f"generation {state.generation} of group {state.name!r} has "
-                         "already been regrouped or closed")
+        raise UsageError(
+            f"generation {state.generation} of group {state.name!r} has "
+            "already been regrouped or closed"
+        )
     if timeout is None:
         timeout = state.timeout
     elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -364,12 +445,14 @@ async def regroup(group: Group, *, min_size: int = 1, timeout: float | None = No
     if isinstance(failure, errors.PeerDisconnected) and failure.rank is not None:
         dead.add(f"m{failure.rank}")
     dead.discard(me)
-    old = {f"m{r}": f"{state.prefix}/g{state.generation}/owner/{r}"
-           for r in range(group.world_size)}
+    old = {
+        f"m{r}": f"{state.prefix}/g{state.generation}/owner/{r}" for r in range(group.world_size)
+    }
     state.shared.current = None
     store = state.shared.store
-    state = replace(state, end_old=lambda: group.abort(
-        GroupBrokenError(f"regroup() to generation {gen}")))
+    state = replace(
+        state, end_old=lambda: group.abort(GroupBrokenError(f"regroup() to generation {gen}"))
+    )
     try:
         if failure is not None:
             state.end_old()
@@ -389,8 +472,11 @@ async def joiners(group: Group) -> int:
     if state is None:
         raise UsageError("joiners() needs a group of open_group(..., elastic=True)")
     store = state.shared.store
-    return max(0, await membership.counter(store, f"{state.prefix}/tickets")
-               - await membership.counter(store, f"{state.prefix}/served"))
+    return max(
+        0,
+        await membership.counter(store, f"{state.prefix}/tickets")
+        - await membership.counter(store, f"{state.prefix}/served"),
+    )
 
 
 async def join(state: ElasticState, timeout: float | None) -> Group:
@@ -400,17 +486,21 @@ async def join(state: ElasticState, timeout: float | None) -> Group:
     ticket = f"{state.prefix}/ticket/{t}"
     me_owner = Owner.me(b"").pack()
     if state.secret is not None:
-        await store.set(f"{ticket}/mac",
-                        membership.ticket_mac(state.secret, state.name, t, me_owner))
+        await store.set(
+            f"{ticket}/mac", membership.ticket_mac(state.secret, state.name, t, me_owner)
+        )
     await store.set(ticket, me_owner)
     try:
-        raw = await store.get(f"{state.prefix}/admit/{t}",
-                              timeout=300.0 if timeout is None else timeout)
+        raw = await store.get(
+            f"{state.prefix}/admit/{t}", timeout=300.0 if timeout is None else timeout
+        )
     except errors.StoreTimeout:
         await store.delete(ticket)
         raise RendezvousTimeout(
             f"no regroup() of elastic group {state.name!r} admitted this process within "
-            f"{timeout}s (joiner #{t})", []) from None
+            f"{timeout}s (joiner #{t})",
+            [],
+        ) from None
     admit = membership.unpack(raw, f"admit/{t}")
     gen, attempt = int(admit[0]), int(admit[1])
     base = f"{state.prefix}/g{gen}/a{attempt}"
@@ -420,16 +510,15 @@ async def join(state: ElasticState, timeout: float | None) -> Group:
     # Admitted: the participants of this attempt are fixed; a retry starts at attempt+1.
     old = {i: f"{base}/member/{i}" for i in members}
     old[me] = ticket
-    state = replace(state, chunk_bytes=int(decision["chunk_bytes"]),
-                    timeout=decision["timeout"])
+    state = replace(state, chunk_bytes=int(decision["chunk_bytes"]), timeout=decision["timeout"])
     watch = {}
     for i in members:
         if i != me and (owner := await membership.owner_at(store, old[i])):
             watch[i] = owner
     try:
-        return await _form(state, gen, attempt, members.index(me), len(members),
-                           Deadline.after(timeout), watch)
+        return await _form(
+            state, gen, attempt, members.index(me), len(members), Deadline.after(timeout), watch
+        )
     except (_Retry, RendezvousError, errors.PeerError, errors.GroupBrokenError) as exc:
         log.info("joiner #%d: generation %d attempt %d failed (%s)", t, gen, attempt, exc)
-    return await _generation(state, gen, me, members, set(), old, 1, timeout,
-                             attempt=attempt + 1)
+    return await _generation(state, gen, me, members, set(), old, 1, timeout, attempt=attempt + 1)

@@ -69,9 +69,15 @@ class Fields(NamedTuple):
     root: int
 
 
-def pack(coll: Collective, arr: np.ndarray[Any, np.dtype[Any]] | None, *,
-         count: int | None = None, op: OpLike | None = None, root: int = -1,
-         algorithm: str | None = None) -> Fingerprint:
+def pack(
+    coll: Collective,
+    arr: np.ndarray[Any, np.dtype[Any]] | None,
+    *,
+    count: int | None = None,
+    op: OpLike | None = None,
+    root: int = -1,
+    algorithm: str | None = None,
+) -> Fingerprint:
     """The fingerprint of an operation on ``arr`` (None: no array; ``count`` overrides its
     element count) run by ``algorithm`` (None: code 0).
 

@@ -65,8 +65,7 @@ class Group(GroupCore):
             StoreError: the store failed.
         """
         if self._elastic is None:  # sub-groups have none either
-            raise UsageError("regroup() needs the world group of open_group(..., "
-                             "elastic=True)")
+            raise UsageError("regroup() needs the world group of open_group(..., elastic=True)")
         result: Group = await self._elastic.regroup(self, min_size=min_size, timeout=timeout)
         return result
 
@@ -79,8 +78,9 @@ class Group(GroupCore):
 
     # -- point to point --------------------------------------------------------------------
 
-    def send(self, buf: Buffer, dst: int, *, tag: int = 0,
-             timeout: float | None = None) -> asyncio.Task[None]:
+    def send(
+        self, buf: Buffer, dst: int, *, tag: int = 0, timeout: float | None = None
+    ) -> asyncio.Task[None]:
         """Send ``buf`` to rank ``dst``; messages are matched by (source, tag) in order."""
         arr = as_array(buf, "buf", writable=False)
         dst = check_rank(dst, self.world_size, "dst")
@@ -96,8 +96,9 @@ class Group(GroupCore):
 
         return self._start("send", fp, body, timeout, p2p=(counter, tag))
 
-    def recv(self, buf: Buffer, src: int | None = None, *, tag: int = 0,
-             timeout: float | None = None) -> asyncio.Task[int]:
+    def recv(
+        self, buf: Buffer, src: int | None = None, *, tag: int = 0, timeout: float | None = None
+    ) -> asyncio.Task[int]:
         """Receive into ``buf`` from ``src`` (None: any rank); the handle gives the source."""
         arr = as_array(buf, "buf", writable=True)
         if src is not None:
@@ -133,15 +134,18 @@ class Group(GroupCore):
 
     # -- synchronisation and data movement -------------------------------------------------
 
-    def barrier(self, *, timeout: float | None = None,
-                algorithm: str | None = None) -> asyncio.Task[None]:
+    def barrier(
+        self, *, timeout: float | None = None, algorithm: str | None = None
+    ) -> asyncio.Task[None]:
         """Complete once every rank has entered the barrier (dissemination)."""
         alg = registry.BARRIER.choose(algorithm, 0, self.world_size)
-        return self._start("barrier", pack(Collective.BARRIER, None, algorithm=alg.name),
-                           alg.run, timeout)
+        return self._start(
+            "barrier", pack(Collective.BARRIER, None, algorithm=alg.name), alg.run, timeout
+        )
 
-    def broadcast(self, buf: B, *, root: int = 0, timeout: float | None = None,
-                  algorithm: str | None = None) -> asyncio.Future[B]:
+    def broadcast(
+        self, buf: B, *, root: int = 0, timeout: float | None = None, algorithm: str | None = None
+    ) -> asyncio.Future[B]:
         """Copy ``root``'s ``buf`` into every rank's ``buf`` (binomial tree or pipeline)."""
         arr = as_array(buf, "buf", writable=True)
         root = check_rank(root, self.world_size, "root")
@@ -160,8 +164,14 @@ class Group(GroupCore):
 
         return self._start("broadcast", fp, body, timeout)
 
-    def allreduce(self, buf: B, *, op: OpLike = ReduceOp.SUM, timeout: float | None = None,
-                  algorithm: str | None = None) -> asyncio.Future[B]:
+    def allreduce(
+        self,
+        buf: B,
+        *,
+        op: OpLike = ReduceOp.SUM,
+        timeout: float | None = None,
+        algorithm: str | None = None,
+    ) -> asyncio.Future[B]:
         """Reduce ``buf`` across ranks, in place on every rank. Algorithms: ``ring``
         (bandwidth), ``recursive_doubling`` (latency), ``halving_doubling``; default by size."""
         arr = as_array(buf, "buf", writable=True)
@@ -173,8 +183,9 @@ class Group(GroupCore):
         if alg.one_frame(arr.nbytes, n, self.chunk_bytes):
             steps = alg.steps
             assert steps is not None
-            return self._schedule("allreduce", fp, lambda o: steps(o, flat, ufunc, average),
-                                  buf, timeout)
+            return self._schedule(
+                "allreduce", fp, lambda o: steps(o, flat, ufunc, average), buf, timeout
+            )
         run = alg.run
 
         async def body(o: Op) -> B:
@@ -183,9 +194,15 @@ class Group(GroupCore):
 
         return self._start("allreduce", fp, body, timeout)
 
-    def reduce(self, buf: B, *, root: int = 0, op: OpLike = ReduceOp.SUM,
-               timeout: float | None = None,
-               algorithm: str | None = None) -> asyncio.Task[B]:
+    def reduce(
+        self,
+        buf: B,
+        *,
+        root: int = 0,
+        op: OpLike = ReduceOp.SUM,
+        timeout: float | None = None,
+        algorithm: str | None = None,
+    ) -> asyncio.Task[B]:
         """Reduce ``buf`` across ranks into ``root``'s ``buf``; others' stay unchanged."""
         arr = as_array(buf, "buf", writable=True)
         root = check_rank(root, self.world_size, "root")
@@ -200,15 +217,27 @@ class Group(GroupCore):
         return self._start("reduce", fp, body, timeout)
 
     @overload
-    def allgather(self, send: Buffer, out: None = None, *, timeout: float | None = None,
-                  algorithm: str | None = None) -> asyncio.Task[Array]: ...
+    def allgather(
+        self,
+        send: Buffer,
+        out: None = None,
+        *,
+        timeout: float | None = None,
+        algorithm: str | None = None,
+    ) -> asyncio.Task[Array]: ...
     @overload
-    def allgather(self, send: Buffer, out: B, *, timeout: float | None = None,
-                  algorithm: str | None = None) -> asyncio.Task[B]: ...
+    def allgather(
+        self, send: Buffer, out: B, *, timeout: float | None = None, algorithm: str | None = None
+    ) -> asyncio.Task[B]: ...
 
-    def allgather(self, send: Buffer, out: Buffer | None = None, *,
-                  timeout: float | None = None,
-                  algorithm: str | None = None) -> asyncio.Task[Any]:
+    def allgather(
+        self,
+        send: Buffer,
+        out: Buffer | None = None,
+        *,
+        timeout: float | None = None,
+        algorithm: str | None = None,
+    ) -> asyncio.Task[Any]:
         """Gather every rank's ``send`` into ``out`` of shape ``(world_size, *send.shape)``
         (``ring`` or ``direct``)."""
         arr = as_array(send, "send", writable=False)
@@ -225,16 +254,35 @@ class Group(GroupCore):
         return self._start("allgather", fp, body, timeout)
 
     @overload
-    def gather(self, send: Buffer, out: None = None, *, root: int = 0,
-               timeout: float | None = None,
-               algorithm: str | None = None) -> asyncio.Task[Array | None]: ...
+    def gather(
+        self,
+        send: Buffer,
+        out: None = None,
+        *,
+        root: int = 0,
+        timeout: float | None = None,
+        algorithm: str | None = None,
+    ) -> asyncio.Task[Array | None]: ...
     @overload
-    def gather(self, send: Buffer, out: B, *, root: int = 0, timeout: float | None = None,
-               algorithm: str | None = None) -> asyncio.Task[B | None]: ...
+    def gather(
+        self,
+        send: Buffer,
+        out: B,
+        *,
+        root: int = 0,
+        timeout: float | None = None,
+        algorithm: str | None = None,
+    ) -> asyncio.Task[B | None]: ...
 
-    def gather(self, send: Buffer, out: Buffer | None = None, *, root: int = 0,
-               timeout: float | None = None,
-               algorithm: str | None = None) -> asyncio.Task[Any]:
+    def gather(
+        self,
+        send: Buffer,
+        out: Buffer | None = None,
+        *,
+        root: int = 0,
+        timeout: float | None = None,
+        algorithm: str | None = None,
+    ) -> asyncio.Task[Any]:
         """Like allgather, but only ``root`` gets the result (None elsewhere)."""
         arr = as_array(send, "send", writable=False)
         n = self.world_size
@@ -252,9 +300,15 @@ class Group(GroupCore):
 
         return self._start("gather", fp, body, timeout)
 
-    def scatter(self, send: Buffer | None, out: B, *, root: int = 0,
-                timeout: float | None = None,
-                algorithm: str | None = None) -> asyncio.Task[B]:
+    def scatter(
+        self,
+        send: Buffer | None,
+        out: B,
+        *,
+        root: int = 0,
+        timeout: float | None = None,
+        algorithm: str | None = None,
+    ) -> asyncio.Task[B]:
         """Rank i receives block i of ``root``'s ``send`` (shape ``(world_size, *out.shape)``)."""
         n = self.world_size
         root = check_rank(root, n, "root")
@@ -267,7 +321,8 @@ class Group(GroupCore):
             if src.dtype != res.dtype or src.size != n * res.size:
                 raise UsageError(
                     f"scatter: send has shape {src.shape} and dtype {src.dtype}; expected "
-                    f"{(n, *res.shape)} of {res.dtype}")
+                    f"{(n, *res.shape)} of {res.dtype}"
+                )
         run = registry.SCATTER.choose(algorithm, 0, n).run
         fp = pack(Collective.SCATTER, res, root=root)
 
@@ -279,17 +334,35 @@ class Group(GroupCore):
         return self._start("scatter", fp, body, timeout)
 
     @overload
-    def reduce_scatter(self, send: Buffer, out: None = None, *, op: OpLike = ReduceOp.SUM,
-                       timeout: float | None = None,
-                       algorithm: str | None = None) -> asyncio.Task[Array]: ...
+    def reduce_scatter(
+        self,
+        send: Buffer,
+        out: None = None,
+        *,
+        op: OpLike = ReduceOp.SUM,
+        timeout: float | None = None,
+        algorithm: str | None = None,
+    ) -> asyncio.Task[Array]: ...
     @overload
-    def reduce_scatter(self, send: Buffer, out: B, *, op: OpLike = ReduceOp.SUM,
-                       timeout: float | None = None,
-                       algorithm: str | None = None) -> asyncio.Task[B]: ...
+    def reduce_scatter(
+        self,
+        send: Buffer,
+        out: B,
+        *,
+        op: OpLike = ReduceOp.SUM,
+        timeout: float | None = None,
+        algorithm: str | None = None,
+    ) -> asyncio.Task[B]: ...
 
-    def reduce_scatter(self, send: Buffer, out: Buffer | None = None, *,
-                       op: OpLike = ReduceOp.SUM, timeout: float | None = None,
-                       algorithm: str | None = None) -> asyncio.Task[Any]:
+    def reduce_scatter(
+        self,
+        send: Buffer,
+        out: Buffer | None = None,
+        *,
+        op: OpLike = ReduceOp.SUM,
+        timeout: float | None = None,
+        algorithm: str | None = None,
+    ) -> asyncio.Task[Any]:
         """Reduce ``send`` across ranks; rank r gets the r-th of ``world_size`` blocks
         (``ring`` or ``direct``)."""
         arr = as_array(send, "send", writable=False)
@@ -308,15 +381,27 @@ class Group(GroupCore):
         return self._start("reduce_scatter", fp, body, timeout)
 
     @overload
-    def alltoall(self, send: Buffer, out: None = None, *, timeout: float | None = None,
-                 algorithm: str | None = None) -> asyncio.Task[Array]: ...
+    def alltoall(
+        self,
+        send: Buffer,
+        out: None = None,
+        *,
+        timeout: float | None = None,
+        algorithm: str | None = None,
+    ) -> asyncio.Task[Array]: ...
     @overload
-    def alltoall(self, send: Buffer, out: B, *, timeout: float | None = None,
-                 algorithm: str | None = None) -> asyncio.Task[B]: ...
+    def alltoall(
+        self, send: Buffer, out: B, *, timeout: float | None = None, algorithm: str | None = None
+    ) -> asyncio.Task[B]: ...
 
-    def alltoall(self, send: Buffer, out: Buffer | None = None, *,
-                 timeout: float | None = None,
-                 algorithm: str | None = None) -> asyncio.Task[Any]:
+    def alltoall(
+        self,
+        send: Buffer,
+        out: Buffer | None = None,
+        *,
+        timeout: float | None = None,
+        algorithm: str | None = None,
+    ) -> asyncio.Task[Any]:
         """Block i of ``send`` (split along axis 0) goes to rank i; ``out`` gets block j from
         rank j."""
         arr = as_array(send, "send", writable=False)
@@ -334,8 +419,9 @@ class Group(GroupCore):
 
     # -- variable-size exchange ------------------------------------------------------------
 
-    def allgatherv(self, send: Buffer, *, timeout: float | None = None,
-                   algorithm: str | None = None) -> asyncio.Task[list[Array]]:
+    def allgatherv(
+        self, send: Buffer, *, timeout: float | None = None, algorithm: str | None = None
+    ) -> asyncio.Task[list[Array]]:
         """Gather arrays whose first axis may differ per rank; returns them in rank order."""
         arr = as_array(send, "send", writable=False)
         if arr.ndim == 0:
@@ -349,17 +435,35 @@ class Group(GroupCore):
         return self._start("allgatherv", fp, body, timeout)
 
     @overload
-    def alltoallv(self, send: Buffer, send_counts: Counts, *, out: None = None,
-                  timeout: float | None = None,
-                  algorithm: str | None = None) -> asyncio.Task[list[Array]]: ...
+    def alltoallv(
+        self,
+        send: Buffer,
+        send_counts: Counts,
+        *,
+        out: None = None,
+        timeout: float | None = None,
+        algorithm: str | None = None,
+    ) -> asyncio.Task[list[Array]]: ...
     @overload
-    def alltoallv(self, send: Buffer, send_counts: Counts, *, out: B,
-                  timeout: float | None = None,
-                  algorithm: str | None = None) -> asyncio.Task[B]: ...
+    def alltoallv(
+        self,
+        send: Buffer,
+        send_counts: Counts,
+        *,
+        out: B,
+        timeout: float | None = None,
+        algorithm: str | None = None,
+    ) -> asyncio.Task[B]: ...
 
-    def alltoallv(self, send: Buffer, send_counts: Counts, *, out: Buffer | None = None,
-                  timeout: float | None = None,
-                  algorithm: str | None = None) -> asyncio.Task[Any]:
+    def alltoallv(
+        self,
+        send: Buffer,
+        send_counts: Counts,
+        *,
+        out: Buffer | None = None,
+        timeout: float | None = None,
+        algorithm: str | None = None,
+    ) -> asyncio.Task[Any]:
         """Rows ``[sum(send_counts[:i]), sum(send_counts[:i+1]))`` of ``send`` go to rank i.
 
         Returns the blocks received from each rank as a list in rank order, or, when ``out``
@@ -375,8 +479,10 @@ class Group(GroupCore):
             raise UsageError(f"send_counts sum to {sum(counts)} but send has shape {arr.shape}")
         res = None if out is None else as_array(out, "out", writable=True)
         if res is not None and (res.dtype != arr.dtype or res.shape[1:] != arr.shape[1:]):
-            raise UsageError(f"out must have dtype {arr.dtype} and rows of shape "
-                             f"{arr.shape[1:]}, got {res.dtype} {res.shape}")
+            raise UsageError(
+                f"out must have dtype {arr.dtype} and rows of shape "
+                f"{arr.shape[1:]}, got {res.dtype} {res.shape}"
+            )
         run = registry.ALLTOALLV.choose(algorithm, 0, n).run
         fp = pack(Collective.ALLTOALLV, arr, count=0)
 
@@ -388,8 +494,14 @@ class Group(GroupCore):
 
     # -- objects ---------------------------------------------------------------------------
 
-    def broadcast_object(self, obj: Any = None, *, root: int = 0, allow_pickle: bool = False,
-                         timeout: float | None = None) -> asyncio.Task[Any]:
+    def broadcast_object(
+        self,
+        obj: Any = None,
+        *,
+        root: int = 0,
+        allow_pickle: bool = False,
+        timeout: float | None = None,
+    ) -> asyncio.Task[Any]:
         """Send ``root``'s value to every rank; every rank gets an equal value of the same
         types (see :mod:`aiocollect.objects` for what travels without pickle).
 
@@ -409,8 +521,9 @@ class Group(GroupCore):
 
         return self._start("broadcast_object", fp, body, timeout)
 
-    def allgather_object(self, obj: Any, *, allow_pickle: bool = False,
-                         timeout: float | None = None) -> asyncio.Task[list[Any]]:
+    def allgather_object(
+        self, obj: Any, *, allow_pickle: bool = False, timeout: float | None = None
+    ) -> asyncio.Task[list[Any]]:
         """Every rank's value, in rank order, on every rank (each an equal value of the
         same types as the one sent).
 
@@ -421,15 +534,17 @@ class Group(GroupCore):
         """
         return self._objects("allgather_object", obj, None, allow_pickle, timeout)
 
-    def gather_object(self, obj: Any, *, root: int = 0, allow_pickle: bool = False,
-                      timeout: float | None = None) -> asyncio.Task[list[Any] | None]:
+    def gather_object(
+        self, obj: Any, *, root: int = 0, allow_pickle: bool = False, timeout: float | None = None
+    ) -> asyncio.Task[list[Any] | None]:
         """Every rank's value, in rank order, on ``root`` (None elsewhere). Raises as
         allgather_object (the root decodes, so a malformed value fails there)."""
         root = check_rank(root, self.world_size, "root")
         return self._objects("gather_object", obj, root, allow_pickle, timeout)
 
-    def _objects(self, kind: str, obj: Any, root: int | None, allow_pickle: bool,
-                 timeout: float | None) -> asyncio.Task[Any]:
+    def _objects(
+        self, kind: str, obj: Any, root: int | None, allow_pickle: bool, timeout: float | None
+    ) -> asyncio.Task[Any]:
         """Serialise ``obj`` and start the gather of every rank's value, decoded on every
         rank (``root`` None) or on ``root`` only."""
         payload = np.frombuffer(objects.dumps(obj, allow_pickle), np.uint8)
@@ -442,14 +557,16 @@ class Group(GroupCore):
 
     # -- sub-groups ------------------------------------------------------------------------
 
-    def split(self, color: int | None, *, key: int = 0,
-              timeout: float | None = None) -> asyncio.Task[Group | None]:
+    def split(
+        self, color: int | None, *, key: int = 0, timeout: float | None = None
+    ) -> asyncio.Task[Group | None]:
         """Collective: ranks passing the same ``color`` form a new Group, ordered by
         ``key`` then rank; ``color=None`` opts out (the handle gives None). Sub-groups share
         this group's links, have their own sequence numbers, run concurrently with it and
         close with it."""
-        if color is not None and (isinstance(color, bool) or not isinstance(color, int)
-                                  or color < 0):
+        if color is not None and (
+            isinstance(color, bool) or not isinstance(color, int) or color < 0
+        ):
             raise UsageError(f"color must be a non-negative int or None, got {color!r}")
         if isinstance(key, bool) or not isinstance(key, int):
             raise UsageError(f"key must be an int, got {key!r}")
@@ -462,19 +579,32 @@ class Group(GroupCore):
         async def make() -> Group | None:
             entries = await task
             for r, entry in enumerate(entries):
-                if not (type(entry) is list and len(entry) == 2 and type(entry[1]) is int
-                        and (entry[0] is None or type(entry[0]) is int)):
+                if not (
+                    type(entry) is list
+                    and len(entry) == 2
+                    and type(entry[1]) is int
+                    and (entry[0] is None or type(entry[0]) is int)
+                ):
                     # a malformed (color, key) from a peer: break the group like in an op
-                    raise self._fabric.cause(ProtocolError(
-                        f"split (op #{split_seq}): rank {r} sent a malformed color and key"))
+                    raise self._fabric.cause(
+                        ProtocolError(
+                            f"split (op #{split_seq}): rank {r} sent a malformed color and key"
+                        )
+                    )
             if color is None:
                 return None
             members = sorted((k, r) for r, (c, k) in enumerate(entries) if c == color)
             ranks = [self._ranks[r] for _, r in members]
             gid = zlib.crc32(f"{self._gid}/{split_seq}/{color}".encode()) or 1
-            child = Group(self._fabric, gid, ranks, timeout=self.timeout,
-                          chunk_bytes=self.chunk_bytes, name=f"{self.name}.{color}",
-                          parent=root)
+            child = Group(
+                self._fabric,
+                gid,
+                ranks,
+                timeout=self.timeout,
+                chunk_bytes=self.chunk_bytes,
+                name=f"{self.name}.{color}",
+                parent=root,
+            )
             root._children.append(child)
             return child
 

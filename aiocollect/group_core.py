@@ -54,8 +54,17 @@ CLOSE_WAIT = 5.0
 class GroupCore:
     """State and plumbing shared by the collective methods (see :class:`Group`)."""
 
-    def __init__(self, fabric: Fabric, gid: int, ranks: list[int], *, timeout: float | None,
-                 chunk_bytes: int, name: str, parent: GroupCore | None = None) -> None:
+    def __init__(
+        self,
+        fabric: Fabric,
+        gid: int,
+        ranks: list[int],
+        *,
+        timeout: float | None,
+        chunk_bytes: int,
+        name: str,
+        parent: GroupCore | None = None,
+    ) -> None:
         self._fabric = fabric
         self._gid = gid
         self._ranks = ranks
@@ -108,15 +117,22 @@ class GroupCore:
         link, operations in flight, broken/closed (a :class:`~aiocollect.stats.Statistics`,
         which also reads like the dict it once was: ``stats["links"][1]["bytes_sent"]``)."""
         links = {
-            peer: LinkStatistics(link.bytes_sent, link.bytes_received, link.frames_sent,
-                                 link.frames_received)
+            peer: LinkStatistics(
+                link.bytes_sent, link.bytes_received, link.frames_sent, link.frames_received
+            )
             for peer, link in sorted(self._fabric.links.items())
         }
         ops = {f"{kind}_started": n for kind, n in self._stats.items()}
         ops.update((f"{kind}_completed", n) for kind, n in self._done.items())
-        return Statistics(rank=self.rank, world_size=self.world_size, ops=ops,
-                          in_flight=len(self._tasks), links=links, broken=self.broken,
-                          closed=self.closed)
+        return Statistics(
+            rank=self.rank,
+            world_size=self.world_size,
+            ops=ops,
+            in_flight=len(self._tasks),
+            links=links,
+            broken=self.broken,
+            closed=self.closed,
+        )
 
     # -- running operations ----------------------------------------------------------------
 
@@ -127,8 +143,13 @@ class GroupCore:
             raise UsageError(f"timeout must be a positive number of seconds, got {timeout!r}")
         return float(timeout)
 
-    def _new_op(self, kind: str, fp: tuple[int, int, int, int, int], timeout: float | None,
-                p2p: tuple[int, int] | None = None) -> tuple[Op, float | None]:
+    def _new_op(
+        self,
+        kind: str,
+        fp: tuple[int, int, int, int, int],
+        timeout: float | None,
+        p2p: tuple[int, int] | None = None,
+    ) -> tuple[Op, float | None]:
         """Check the group can start an operation, take its sequence number (a collective)
         or use ``p2p``'s (counter, tag), and count it. Returns the Op and its deadline in
         seconds (or None)."""
@@ -142,14 +163,19 @@ class GroupCore:
             fabric.register(self._gid, seq, fp, self._ranks)
             op = Op(fabric, self._gid, seq, fp, self._ranks, self.rank, self.chunk_bytes, DATA)
         else:
-            op = Op(fabric, self._gid, p2p[0], fp, self._ranks, self.rank,
-                    self.chunk_bytes, P2P)
+            op = Op(fabric, self._gid, p2p[0], fp, self._ranks, self.rank, self.chunk_bytes, P2P)
         self._stats[kind] += 1
         return op, timeout
 
-    def _start(self, kind: str, fp: tuple[int, int, int, int, int],
-               body: Callable[[Op], Awaitable[T]], timeout: float | None, *,
-               p2p: tuple[int, int] | None = None) -> asyncio.Task[T]:
+    def _start(
+        self,
+        kind: str,
+        fp: tuple[int, int, int, int, int],
+        body: Callable[[Op], Awaitable[T]],
+        timeout: float | None,
+        *,
+        p2p: tuple[int, int] | None = None,
+    ) -> asyncio.Task[T]:
         """Take a sequence number and start ``body`` as a task (the handle).
 
         This is the per-operation hot path: one Task and a heap entry for the deadline (no
@@ -175,9 +201,14 @@ class GroupCore:
     def _untrack(self, fut: asyncio.Future[Any]) -> None:
         self._tasks.pop(fut, None)
 
-    def _schedule(self, kind: str, fp: tuple[int, int, int, int, int],
-                  build: Callable[[Op], list[Step]], result: Any,
-                  timeout: float | None) -> asyncio.Future[Any]:
+    def _schedule(
+        self,
+        kind: str,
+        fp: tuple[int, int, int, int, int],
+        build: Callable[[Op], list[Step]],
+        result: Any,
+        timeout: float | None,
+    ) -> asyncio.Future[Any]:
         """Like :meth:`_start` for an operation of one-frame steps: ``build(op)`` lists
         them and a :class:`Schedule` runs them from callbacks; the handle is a Future."""
         op, timeout = self._new_op(kind, fp, timeout)
@@ -196,8 +227,13 @@ class GroupCore:
             self._watch(loop, now + timeout, handle, sched)
         return handle
 
-    def _watch(self, loop: asyncio.AbstractEventLoop, deadline: float,
-               task: asyncio.Future[Any], op: Op | Schedule) -> None:
+    def _watch(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        deadline: float,
+        task: asyncio.Future[Any],
+        op: Op | Schedule,
+    ) -> None:
         """Expire ``task`` at ``deadline``. One timer per group (a loop timer costs several
         microseconds, a heap push well under one): entries of finished tasks are dropped
         when they reach the top or when the heap outgrows the operations in flight."""
@@ -244,8 +280,14 @@ class GroupCore:
                 task.cancel()
         self._arm(loop)
 
-    async def _run(self, kind: str, op: Op, body: Callable[[Op], Awaitable[T]],
-                   timeout: float | None, registered: bool) -> T:
+    async def _run(
+        self,
+        kind: str,
+        op: Op,
+        body: Callable[[Op], Awaitable[T]],
+        timeout: float | None,
+        registered: bool,
+    ) -> T:
         fabric = self._fabric
         try:
             if fabric.failure is not None:  # broke after this op was called: its cause
@@ -264,9 +306,12 @@ class GroupCore:
                 assert fabric.failure is not None
                 raise fabric.failure from fabric.failure.__cause__
             if op.moved_data():
-                fabric.fail(GroupBrokenError(
-                    f"{kind} (op #{op.seq}) was cancelled on rank {self.rank} with data "
-                    "in flight"))
+                fabric.fail(
+                    GroupBrokenError(
+                        f"{kind} (op #{op.seq}) was cancelled on rank {self.rank} with data "
+                        "in flight"
+                    )
+                )
             raise
         except Exception as exc:
             # Not an aiocollect error: a bug, wrapped (InternalError) and breaking the group
@@ -280,8 +325,9 @@ class GroupCore:
             if registered:
                 fabric.unregister(self._gid, op.seq)
 
-    async def _timeout_error(self, kind: str, op: Op,
-                             timeout: float | None) -> PeerTimeout | MismatchError:
+    async def _timeout_error(
+        self, kind: str, op: Op, timeout: float | None
+    ) -> PeerTimeout | MismatchError:
         """Name the ranks to blame: those that do not answer a liveness probe, else those
         that have not called this operation, else those it was still waiting for. A peer
         that called another operation at this sequence number makes it a MismatchError."""
@@ -289,8 +335,7 @@ class GroupCore:
         others = [r for r in self._ranks if r != self._fabric.rank]
         absent: list[int] = []
         if op.kind == DATA:
-            dead, absent, fps = await self._fabric.survey(others, PROBE_SECONDS, self._gid,
-                                                          op.seq)
+            dead, absent, fps = await self._fabric.survey(others, PROBE_SECONDS, self._gid, op.seq)
             mismatch = self._fabric.check_fingerprints(self._gid, op.seq, fps, self._ranks)
             if mismatch is not None:
                 return mismatch
@@ -304,7 +349,9 @@ class GroupCore:
             silent, how = waited, "sent nothing"
         return PeerTimeout(
             f"{kind} (op #{op.seq} of group {self.name!r}) on rank {self.rank} timed out "
-            f"after {timeout:g} s: ranks {silent} {how}", silent)
+            f"after {timeout:g} s: ranks {silent} {how}",
+            silent,
+        )
 
     # -- seeing progress (and mismatches) while an operation waits ------------------------
 
@@ -368,19 +415,33 @@ class GroupCore:
         finally:
             st.checking = False
 
-    def _warn_stalled(self, kind: str, op: Op, st: _Progress, stalled: float,
-                      timeout: float | None, age: float) -> None:
-        what = (f"op #{op.seq} of group {self.name!r}" if op.kind == DATA
-                else f"point to point, group {self.name!r}")
+    def _warn_stalled(
+        self, kind: str, op: Op, st: _Progress, stalled: float, timeout: float | None, age: float
+    ) -> None:
+        what = (
+            f"op #{op.seq} of group {self.name!r}"
+            if op.kind == DATA
+            else f"point to point, group {self.name!r}"
+        )
         parts = [f"waiting for ranks {op.silent_peers()}"]
         if st.dead:
             parts.append(f"ranks {st.dead} did not answer a ping")
         if st.absent:
             parts.append(f"ranks {st.absent} have not called it")
-        end = ("no timeout" if timeout is None
-               else f"it times out in {max(timeout - age, 0):.0f} s (timeout={timeout:g})")
-        log.warning("%s (%s) on rank %d: no progress for %.0f s; %s; %s", kind, what,
-                    self.rank, stalled, "; ".join(parts), end)
+        end = (
+            "no timeout"
+            if timeout is None
+            else f"it times out in {max(timeout - age, 0):.0f} s (timeout={timeout:g})"
+        )
+        log.warning(
+            "%s (%s) on rank %d: no progress for %.0f s; %s; %s",
+            kind,
+            what,
+            self.rank,
+            stalled,
+            "; ".join(parts),
+            end,
+        )
 
     def _next_send(self, dst: int, tag: int) -> int:
         n = self._send_counters[(dst, tag)]
@@ -461,8 +522,9 @@ class GroupCore:
         if reason is None:
             exc = GroupBrokenError(f"group {self.name!r} aborted on rank {self.rank}")
         else:
-            exc = GroupBrokenError(f"rank {self.rank} raised {_describe(reason)} (group "
-                                   f"{self.name!r} aborted)")
+            exc = GroupBrokenError(
+                f"rank {self.rank} raised {_describe(reason)} (group {self.name!r} aborted)"
+            )
             exc.raised = True  # type: ignore[attr-defined]
             exc.__cause__ = reason
         if self._fabric.failure is not None:
@@ -511,8 +573,17 @@ def _progress_token(op: Op) -> tuple[int, int]:
 class _Progress:
     """What the ticker knows of one operation in flight for more than CHECK_SECONDS."""
 
-    __slots__ = ("absent", "check_every", "checking", "dead", "next_check", "next_warn",
-                 "since", "token", "warn_every")
+    __slots__ = (
+        "absent",
+        "check_every",
+        "checking",
+        "dead",
+        "next_check",
+        "next_warn",
+        "since",
+        "token",
+        "warn_every",
+    )
 
     def __init__(self, token: tuple[int, int], age: float, timeout: float | None) -> None:
         self.token = token

@@ -92,7 +92,8 @@ def _check(obj: Any, depth: int = 0) -> None:
         if obj.dtype.kind not in _KINDS or not _DTYPE.fullmatch(obj.dtype.str):
             raise _Unsupported(
                 f"has dtype {obj.dtype}; only bool, integer, float and complex numpy dtypes "
-                "are sent without pickle")
+                "are sent without pickle"
+            )
         return
     raise _Unsupported(f"is a {kind.__module__}.{kind.__qualname__}")
 
@@ -136,15 +137,18 @@ def dumps(obj: Any, allow_pickle: bool) -> bytes:
             why = exc if isinstance(exc, _Unsupported) else "it is nested too deeply"
             raise UsageError(
                 f"value cannot be sent exactly without pickle ({why}); pass "
-                "allow_pickle=True on every rank to use pickle") from None
+                "allow_pickle=True on every rank to use pickle"
+            ) from None
         try:
             data = _PICKLE_MARK + pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as err:
             raise UsageError(f"value cannot be pickled: {type(err).__name__}: {err}") from err
     if len(data) > MAX_OBJECT_BYTES:
-        raise UsageError(f"value is {len(data)} bytes serialised, more than the "
-                         f"{MAX_OBJECT_BYTES} an object collective carries (MAX_OBJECT_BYTES);"
-                         " send large arrays with broadcast/allgather instead")
+        raise UsageError(
+            f"value is {len(data)} bytes serialised, more than the "
+            f"{MAX_OBJECT_BYTES} an object collective carries (MAX_OBJECT_BYTES);"
+            " send large arrays with broadcast/allgather instead"
+        )
     return data
 
 
@@ -152,8 +156,12 @@ def _array(code: int, data: bytes) -> Any:
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(data), 1))
     unpacker.feed(data)
     header = unpacker.unpack()  # OutOfData when empty: loads turns it into ProtocolError
-    if not (type(header) is list and len(header) == 2 and type(header[0]) is str
-            and type(header[1]) is list):
+    if not (
+        type(header) is list
+        and len(header) == 2
+        and type(header[0]) is str
+        and type(header[1]) is list
+    ):
         raise ProtocolError(f"array header is a {type(header).__name__}, not [dtype, shape]")
     dtype_str, shape = header
     if not _DTYPE.fullmatch(dtype_str):
@@ -165,8 +173,10 @@ def _array(code: int, data: bytes) -> Any:
     dtype = np.dtype(dtype_str)
     offset = unpacker.tell()
     if dtype.kind not in _KINDS or dtype.itemsize * math.prod(shape) != len(data) - offset:
-        raise ProtocolError(f"array of {dtype_str} and shape {shape} does not match its "
-                            f"{len(data) - offset} bytes of data")
+        raise ProtocolError(
+            f"array of {dtype_str} and shape {shape} does not match its "
+            f"{len(data) - offset} bytes of data"
+        )
     arr = np.frombuffer(data, dtype=dtype, offset=offset).reshape(shape).copy()
     return arr[()] if code == _SCALAR else arr
 
@@ -211,12 +221,14 @@ def loads(data: bytes, allow_pickle: bool, origin: str = "a peer") -> Any:
         if not allow_pickle:
             raise ProtocolError(f"{origin} sent a pickled value but allow_pickle is False")
         try:
-            return pickle.loads(data[len(_PICKLE_MARK):])
+            return pickle.loads(data[len(_PICKLE_MARK) :])
         except Exception as exc:
-            raise ProtocolError(f"{origin} sent a malformed pickled value: "
-                                f"{type(exc).__name__}: {exc}") from exc
+            raise ProtocolError(
+                f"{origin} sent a malformed pickled value: {type(exc).__name__}: {exc}"
+            ) from exc
     try:
         return _unpack(data, _Decoder())
     except Exception as exc:  # anything a hostile payload can provoke
-        raise ProtocolError(f"{origin} sent a malformed value: {type(exc).__name__}: "
-                            f"{exc}") from exc
+        raise ProtocolError(
+            f"{origin} sent a malformed value: {type(exc).__name__}: {exc}"
+        ) from exc

@@ -55,8 +55,13 @@ def as_config(value: Any) -> TLSConfig:
         return value
     if isinstance(value, ssl.SSLContext):
         return TLSConfig(value, value)
-    if (isinstance(value, tuple) and len(value) == 2
-            and all(isinstance(v, ssl.SSLContext) for v in value)):
+    if (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and all(isinstance(v, ssl.SSLContext) for v in value)
+    ):
         return TLSConfig(value[0], value[1])
-    raise UsageError("ssl= must be aiocollect.tls.contexts(...), a (server, client) pair of "
-                     f"ssl.SSLContext, or one SSLContext; got {type(value).__name__}")
+    raise UsageError(
+        "ssl= must be aiocollect.tls.contexts(...), a (server, client) pair of "
+        f"ssl.SSLContext, or one SSLContext; got {type(value).__name__}"
+    )

@@ -41,9 +41,25 @@ _UFUNCS: dict[ReduceOp, np.ufunc] = {
 
 # Codes for the wire fingerprint. Order is part of the protocol: append only.
 DTYPE_NAMES: tuple[str, ...] = (
-    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-    "float16", "float32", "float64", "complex64", "complex128", "bfloat16", "longdouble",
-    "clongdouble", "float8_e4m3fn", "float8_e5m2",
+    "bool",
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "bfloat16",
+    "longdouble",
+    "clongdouble",
+    "float8_e4m3fn",
+    "float8_e5m2",
 )
 _DTYPE_CODE = {name: i + 1 for i, name in enumerate(DTYPE_NAMES)}
 

@@ -110,13 +110,18 @@ class MLP:
         at = 0
         for fan_in, fan_out in pairs:
             nw, size = fan_in * fan_out, fan_in * fan_out + fan_out
-            w = self.params[at:at + nw].reshape(fan_in, fan_out)
+            w = self.params[at : at + nw].reshape(fan_in, fan_out)
             w[...] = rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in)
-            bucket = self.grads[at:at + size]
-            self.layers.append(Layer(
-                w=w, b=self.params[at + nw:at + size],
-                grad_w=bucket[:nw].reshape(fan_in, fan_out), grad_b=bucket[nw:],
-                bucket=bucket))
+            bucket = self.grads[at : at + size]
+            self.layers.append(
+                Layer(
+                    w=w,
+                    b=self.params[at + nw : at + size],
+                    grad_w=bucket[:nw].reshape(fan_in, fan_out),
+                    grad_b=bucket[nw:],
+                    bucket=bucket,
+                )
+            )
             at += size
 
     def forward(self, x: F32) -> list[F32]:
@@ -154,8 +159,9 @@ class CommStats:
     max_in_flight: int = 0
 
 
-async def train_step(group: aiocollect.Group, model: MLP, x: F32, y: Labels,
-                     global_batch: int, stats: CommStats) -> tuple[float, int]:
+async def train_step(
+    group: aiocollect.Group, model: MLP, x: F32, y: Labels, global_batch: int, stats: CommStats
+) -> tuple[float, int]:
     """Forward and backward on this rank's shard, overlapping each layer's gradient allreduce
     with the backward pass of the layers below it. Returns (loss sum, correct) of the shard."""
     acts = model.forward(x)
@@ -197,8 +203,7 @@ def shard(indices: npt.NDArray[np.int64], rank: int, world_size: int) -> npt.NDA
     return indices[rank::world_size]
 
 
-async def bench_allreduce(group: aiocollect.Group, model: MLP, iters: int
-                          ) -> tuple[float, float]:
+async def bench_allreduce(group: aiocollect.Group, model: MLP, iters: int) -> tuple[float, float]:
     """Seconds per allreduce of the full gradient: as one buffer, and as per-layer buckets
     all in flight at once (as in training)."""
     flat = model.grads.copy()
@@ -225,8 +230,12 @@ def weights_digest(model: MLP) -> npt.NDArray[np.uint8]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--epochs", type=int, default=8, help="passes over the data (default 8)")
-    p.add_argument("--batch", type=int, default=256,
-                   help="global batch size, split between the ranks (default 256)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=256,
+        help="global batch size, split between the ranks (default 256)",
+    )
     p.add_argument("--hidden", type=int, default=128, help="width of both hidden layers")
     p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
@@ -234,8 +243,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=8192, help="training samples (default 8192)")
     p.add_argument("--features", type=int, default=32, help="input dimension (default 32)")
     p.add_argument("--classes", type=int, default=10, help="number of classes (default 10)")
-    p.add_argument("--bench-iters", type=int, default=20,
-                   help="timed allreduces of the full gradient at the end (default 20)")
+    p.add_argument(
+        "--bench-iters",
+        type=int,
+        default=20,
+        help="timed allreduces of the full gradient at the end (default 20)",
+    )
     args = p.parse_args(argv)
     for name in ("epochs", "batch", "hidden", "samples", "features", "bench_iters"):
         if getattr(args, name) < 1:
@@ -247,10 +260,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 async def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    x_all, y_all = make_dataset(args.samples + args.samples // 4, args.features, args.classes,
-                                args.seed)
-    x_train, y_train = x_all[:args.samples], y_all[:args.samples]
-    x_test, y_test = x_all[args.samples:], y_all[args.samples:]
+    x_all, y_all = make_dataset(
+        args.samples + args.samples // 4, args.features, args.classes, args.seed
+    )
+    x_train, y_train = x_all[: args.samples], y_all[: args.samples]
+    x_test, y_test = x_all[args.samples :], y_all[args.samples :]
 
     async with aiocollect.open_group() as group:
         rank, n = group.rank, group.world_size
@@ -262,9 +276,11 @@ async def main(argv: Sequence[str] | None = None) -> int:
         model = MLP([args.features, args.hidden, args.hidden, args.classes], args.seed)
         # Start every replica from rank 0's weights (as DDP does), whatever each rank drew.
         await group.broadcast(model.params, root=0)
-        say(f"data-parallel MLP {list(model.sizes)} ({model.params.size} parameters) on "
+        say(
+            f"data-parallel MLP {list(model.sizes)} ({model.params.size} parameters) on "
             f"{n} ranks: {args.samples} samples, global batch {args.batch} "
-            f"(~{-(-args.batch // n)} per rank), {args.epochs} epochs")
+            f"(~{-(-args.batch // n)} per rank), {args.epochs} epochs"
+        )
 
         stats = CommStats()
         losses: list[float] = []
@@ -276,10 +292,11 @@ async def main(argv: Sequence[str] | None = None) -> int:
             order = np.random.default_rng([args.seed, epoch]).permutation(args.samples)
             loss_sum, correct, seen = 0.0, 0, 0
             for start in range(0, args.samples, args.batch):
-                batch = order[start:start + args.batch]
+                batch = order[start : start + args.batch]
                 mine = shard(batch, rank, n)
-                loss, ok = await train_step(group, model, x_train[mine], y_train[mine],
-                                            len(batch), stats)
+                loss, ok = await train_step(
+                    group, model, x_train[mine], y_train[mine], len(batch), stats
+                )
                 model.step(args.lr, args.momentum)
                 loss_sum, correct, seen = loss_sum + loss, correct + ok, seen + len(mine)
 
@@ -289,39 +306,52 @@ async def main(argv: Sequence[str] | None = None) -> int:
             await group.allreduce(totals)  # SUM over ranks
             mean_loss = float(totals[0] / totals[2])
             losses.append(mean_loss)
-            say(f"epoch {epoch + 1:>2}/{args.epochs}  loss {mean_loss:.4f}  "
+            say(
+                f"epoch {epoch + 1:>2}/{args.epochs}  loss {mean_loss:.4f}  "
                 f"train acc {100 * totals[1] / totals[2]:5.1f}%  "
                 f"test acc {100 * totals[3] / totals[4]:5.1f}%  "
                 f"({time.perf_counter() - epoch_start:.2f} s, waited "
-                f"{stats.wait_seconds - wait_before:.2f} s for allreduces)")
+                f"{stats.wait_seconds - wait_before:.2f} s for allreduces)"
+            )
         train_seconds = time.perf_counter() - train_start
 
         one_buffer, bucketed = await bench_allreduce(group, model, args.bench_iters)
         nbytes = model.grads.nbytes
         bus = 2 * (n - 1) / n
-        say(f"training: {stats.allreduces} allreduces, {stats.bytes / 1e6:.2f} MB, "
+        say(
+            f"training: {stats.allreduces} allreduces, {stats.bytes / 1e6:.2f} MB, "
             f"{stats.wait_seconds:.2f} s of {train_seconds:.2f} s spent waiting for them "
-            f"(up to {stats.max_in_flight} in flight at once)")
-        for what, seconds in (("as one buffer", one_buffer),
-                              (f"as {len(model.layers)} concurrent buckets", bucketed)):
-            say(f"allreduce of the full gradient ({nbytes / 1e3:.1f} kB) {what}: "
+            f"(up to {stats.max_in_flight} in flight at once)"
+        )
+        for what, seconds in (
+            ("as one buffer", one_buffer),
+            (f"as {len(model.layers)} concurrent buckets", bucketed),
+        ):
+            say(
+                f"allreduce of the full gradient ({nbytes / 1e3:.1f} kB) {what}: "
                 f"{seconds * 1e3:.3f} ms, {nbytes / seconds / 1e6:.1f} MB/s, "
-                f"bus bandwidth {bus * nbytes / seconds / 1e6:.1f} MB/s")
+                f"bus bandwidth {bus * nbytes / seconds / 1e6:.1f} MB/s"
+            )
 
         digests = await group.allgather(weights_digest(model))
         differing = [r for r in range(n) if not np.array_equal(digests[r], digests[0])]
 
     if differing:
-        print(f"error: rank {rank}: the weights of ranks {differing} differ from rank 0's "
-              f"(sha256 {bytes(digests[0]).hex()[:16]}... vs "
-              f"{[bytes(digests[r]).hex()[:16] for r in differing]})", file=sys.stderr)
+        print(
+            f"error: rank {rank}: the weights of ranks {differing} differ from rank 0's "
+            f"(sha256 {bytes(digests[0]).hex()[:16]}... vs "
+            f"{[bytes(digests[r]).hex()[:16] for r in differing]})",
+            file=sys.stderr,
+        )
         return 1
     say(f"weights identical on all {n} ranks (sha256 {bytes(digests[0]).hex()[:16]}...)")
     if len(losses) > 1 and not losses[-1] < losses[0] * LOSS_RATIO:
         if rank == 0:
-            print(f"error: the loss did not decrease enough: {losses[0]:.4f} in the first "
-                  f"epoch, {losses[-1]:.4f} in the last (needed < {LOSS_RATIO:g} x first)",
-                  file=sys.stderr)
+            print(
+                f"error: the loss did not decrease enough: {losses[0]:.4f} in the first "
+                f"epoch, {losses[-1]:.4f} in the last (needed < {LOSS_RATIO:g} x first)",
+                file=sys.stderr,
+            )
         return 1
     if len(losses) > 1:
         say(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}: ok")

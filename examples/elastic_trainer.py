@@ -56,16 +56,27 @@ def batch(step: int, rank: int, world: int) -> tuple[np.ndarray[Any, Any], np.nd
     return x[lo:hi], y[lo:hi]
 
 
-async def train(url: str, rank: int | None, world: int, steps: int, kill_at: int,
-                victim: int, step_seconds: float) -> None:
+async def train(
+    url: str,
+    rank: int | None,
+    world: int,
+    steps: int,
+    kill_at: int,
+    victim: int,
+    step_seconds: float,
+) -> None:
     if rank is None:  # a replacement: wait for admission, then take the model from rank 0
         group = await ac.join_group(url, secret=SECRET, timeout=60.0)
         w, step = await group.broadcast_object(None)
-        print(f"[joiner] admitted as rank {group.rank} of {group.world_size} (generation "
-              f"{group.generation}) at step {step}", flush=True)
+        print(
+            f"[joiner] admitted as rank {group.rank} of {group.world_size} (generation "
+            f"{group.generation}) at step {step}",
+            flush=True,
+        )
     else:
-        group = await ac.open_group(rank, world, store=url, secret=SECRET, elastic=True,
-                                    timeout=30.0)
+        group = await ac.open_group(
+            rank, world, store=url, secret=SECRET, elastic=True, timeout=30.0
+        )
         w, step = np.zeros(FEATURES), 0
     while step < steps:
         try:
@@ -74,8 +85,11 @@ async def train(url: str, rank: int | None, world: int, steps: int, kill_at: int
                 if await group.broadcast_object(waiting) > 0:  # everyone agrees: regroup
                     group = await group.regroup(timeout=10.0)
                     w, step = await group.broadcast_object((w, step))  # to the joiner(s)
-                    print(f"[rank {group.rank}] generation {group.generation}: admitted "
-                          f"{group.world_size} ranks now, at step {step}", flush=True)
+                    print(
+                        f"[rank {group.rank}] generation {group.generation}: admitted "
+                        f"{group.world_size} ranks now, at step {step}",
+                        flush=True,
+                    )
                     continue  # the joiner starts at the top of the loop too
             if rank == victim and step == kill_at and group.generation == 0:
                 os.kill(os.getpid(), signal.SIGKILL)  # a crash in the middle of training
@@ -84,14 +98,16 @@ async def train(url: str, rank: int | None, world: int, steps: int, kill_at: int
             await group.allreduce(grad)
             await asyncio.sleep(step_seconds)  # stands for the forward/backward pass
         except (ac.PeerError, ac.GroupBrokenError) as exc:
-            print(f"[rank {group.rank}] step {step}: {type(exc).__name__}; regrouping",
-                  flush=True)
+            print(f"[rank {group.rank}] step {step}: {type(exc).__name__}; regrouping", flush=True)
             group = await group.regroup(timeout=10.0)
             # The failed step is redone; survivors hold the same w already, the broadcast
             # covers a joiner admitted at this regroup.
             w, step = await group.broadcast_object((w, step))
-            print(f"[rank {group.rank}] generation {group.generation}: "
-                  f"{group.world_size} ranks, redoing step {step}", flush=True)
+            print(
+                f"[rank {group.rank}] generation {group.generation}: "
+                f"{group.world_size} ranks, redoing step {step}",
+                flush=True,
+            )
             continue
         w = w - LR * grad  # the update after the allreduce succeeded: a failed step leaves w
         step += 1
@@ -99,14 +115,23 @@ async def train(url: str, rank: int | None, world: int, steps: int, kill_at: int
     if group.rank == 0:
         loss = float(np.mean((batch(0, 0, 1)[0] @ w - batch(0, 0, 1)[1]) ** 2))
         same = len(set(digests)) == 1
-        print(f"done: {group.world_size} live ranks, generation {group.generation}, loss "
-              f"{loss:.5f}, weights {'identical' if same else 'DIFFERENT'} on every rank",
-              flush=True)
+        print(
+            f"done: {group.world_size} live ranks, generation {group.generation}, loss "
+            f"{loss:.5f}, weights {'identical' if same else 'DIFFERENT'} on every rank",
+            flush=True,
+        )
     await group.aclose()
 
 
-def worker(url: str, rank: int | None, world: int, steps: int, kill_at: int,
-           victim: int, step_seconds: float) -> None:
+def worker(
+    url: str,
+    rank: int | None,
+    world: int,
+    steps: int,
+    kill_at: int,
+    victim: int,
+    step_seconds: float,
+) -> None:
     asyncio.run(train(url, rank, world, steps, kill_at, victim, step_seconds))
 
 
@@ -115,28 +140,36 @@ def main() -> int:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--kill-at", type=int, default=12)
-    parser.add_argument("--step-seconds", type=float, default=0.05,
-                        help="simulated compute per step (the replacement must arrive "
-                             "before training ends)")
+    parser.add_argument(
+        "--step-seconds",
+        type=float,
+        default=0.05,
+        help="simulated compute per step (the replacement must arrive before training ends)",
+    )
     args = parser.parse_args()
     victim = args.world_size - 2 if args.world_size > 1 else -1
     env = dict(os.environ, AIOCOLLECT_SECRET=SECRET)
-    store = subprocess.Popen([sys.executable, "-m", "aiocollect", "store", "--host",
-                              "127.0.0.1", "--port", "0"], stdout=subprocess.PIPE, text=True,
-                             env=env)
+    store = subprocess.Popen(
+        [sys.executable, "-m", "aiocollect", "store", "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert store.stdout is not None
     url = "tcp://" + store.stdout.readline().split("listening on ", 1)[1].split()[0]
     ctx = mp.get_context("spawn")
     common = (args.world_size, args.steps, args.kill_at, victim, args.step_seconds)
-    procs = [ctx.Process(target=worker, args=(url, r, *common))
-             for r in range(args.world_size)]
+    procs = [ctx.Process(target=worker, args=(url, r, *common)) for r in range(args.world_size)]
     try:
         for p in procs:
             p.start()
         if victim >= 0:
             procs[victim].join()  # the crash
-            print(f"[launcher] worker {victim} died (exit {procs[victim].exitcode}); "
-                  "starting a replacement", flush=True)
+            print(
+                f"[launcher] worker {victim} died (exit {procs[victim].exitcode}); "
+                "starting a replacement",
+                flush=True,
+            )
             joiner = ctx.Process(target=worker, args=(url, None, *common))
             joiner.start()
             procs.append(joiner)

@@ -51,8 +51,10 @@ async def server(group: ac.Group, steps: int, rounds: int) -> None:
             active -= 1
     await ckpt
     err = float(np.abs(weights - target()).max())
-    print(f"server: applied {applied} gradients, served {served} pulls, "
-          f"max error {err:.2e}", flush=True)
+    print(
+        f"server: applied {applied} gradients, served {served} pulls, max error {err:.2e}",
+        flush=True,
+    )
     if err > 1e-2:
         raise SystemExit(f"parameter server did not converge (max error {err:.3f})")
 

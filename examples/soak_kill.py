@@ -57,8 +57,13 @@ async def allreduce_loop(g: ac.Group, size: int, verbose: bool) -> dict[str, Any
         while True:
             await g.allreduce(buf)
             if buf[0] != g.world_size:
-                return {"error": "WrongResult", "message": f"{buf[0]}", "at": time.time(),
-                        "rank_attr": None, "done": done}
+                return {
+                    "error": "WrongResult",
+                    "message": f"{buf[0]}",
+                    "at": time.time(),
+                    "rank_attr": None,
+                    "done": done,
+                }
             buf[:] = 1
             done += 1
             if done == 3:
@@ -66,10 +71,15 @@ async def allreduce_loop(g: ac.Group, size: int, verbose: bool) -> dict[str, Any
     except ac.AiocollectError as exc:
         at = time.time()
         cause = exc.__cause__
-        return {"error": type(exc).__name__, "message": str(exc), "at": at,
-                "rank_attr": getattr(exc, "rank", None), "done": done,
-                "cause": type(cause).__name__ if cause is not None else None,
-                "cause_rank": getattr(cause, "rank", None)}
+        return {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "at": at,
+            "rank_attr": getattr(exc, "rank", None),
+            "done": done,
+            "cause": type(cause).__name__ if cause is not None else None,
+            "cause_rank": getattr(cause, "rank", None),
+        }
 
 
 async def wait_ready(store_url: str, world_size: int, timeout: float) -> None:
@@ -80,13 +90,18 @@ async def wait_ready(store_url: str, world_size: int, timeout: float) -> None:
         await store.close()
 
 
-async def one_run(world_size: int, rng: random.Random, args: argparse.Namespace
-                  ) -> dict[str, Any]:
+async def one_run(world_size: int, rng: random.Random, args: argparse.Namespace) -> dict[str, Any]:
     size = rng.choice(SIZES)
     victim = rng.randrange(world_size)
     pause = rng.uniform(0.0, args.max_pause)
-    job = spawn_ranks(world_size, allreduce_loop, size, args.verbose, timeout=args.timeout,
-                      transport=args.transport)
+    job = spawn_ranks(
+        world_size,
+        allreduce_loop,
+        size,
+        args.verbose,
+        timeout=args.timeout,
+        transport=args.transport,
+    )
     try:
         await wait_ready(job.store, world_size, args.timeout)
         await asyncio.sleep(pause)  # the random moment (not a synchronisation)
@@ -108,15 +123,26 @@ async def one_run(world_size: int, rng: random.Random, args: argparse.Namespace
         detections[rank] = res["at"] - killed_at
         if res["error"] == "PeerDisconnected" and res["rank_attr"] == victim:
             continue
-        if (res["error"] == "GroupBrokenError" and res["cause"] == "PeerDisconnected"
-                and res["cause_rank"] == victim):
+        if (
+            res["error"] == "GroupBrokenError"
+            and res["cause"] == "PeerDisconnected"
+            and res["cause_rank"] == victim
+        ):
             between.append(rank)
             if not args.strict:
                 continue
-        problems.append(f"rank {rank}: {res['error']} (rank={res['rank_attr']}, cause "
-                        f"{res['cause']} rank={res['cause_rank']}): {res['message']}")
-    return {"size": size, "victim": victim, "pause": pause, "detections": detections,
-            "problems": problems, "between": between}
+        problems.append(
+            f"rank {rank}: {res['error']} (rank={res['rank_attr']}, cause "
+            f"{res['cause']} rank={res['cause_rank']}): {res['message']}"
+        )
+    return {
+        "size": size,
+        "victim": victim,
+        "pause": pause,
+        "detections": detections,
+        "problems": problems,
+        "between": between,
+    }
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -126,9 +152,11 @@ def percentile(values: list[float], q: float) -> float:
 async def main(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
-    print(f"soak_kill: {args.runs} runs, {args.world_size} ranks, transport {args.transport}, "
-          f"seed {seed}, python {platform.python_version()}, {os.cpu_count()} cpus",
-          flush=True)
+    print(
+        f"soak_kill: {args.runs} runs, {args.world_size} ranks, transport {args.transport}, "
+        f"seed {seed}, python {platform.python_version()}, {os.cpu_count()} cpus",
+        flush=True,
+    )
     samples: list[float] = []
     runs: list[dict[str, Any]] = []
     failed = 0
@@ -138,8 +166,14 @@ async def main(args: argparse.Namespace) -> int:
         try:
             run = await one_run(args.world_size, rng, args)
         except Exception as exc:  # a run that could not even start counts as failed
-            run = {"size": None, "victim": None, "pause": 0.0, "detections": {},
-                   "problems": [f"driver: {type(exc).__name__}: {exc}"], "between": []}
+            run = {
+                "size": None,
+                "victim": None,
+                "pause": 0.0,
+                "detections": {},
+                "problems": [f"driver: {type(exc).__name__}: {exc}"],
+                "between": [],
+            }
         runs.append(run)
         times = list(run["detections"].values())
         samples.extend(times)
@@ -149,24 +183,41 @@ async def main(args: argparse.Namespace) -> int:
         status = "ok" if not run["problems"] else "FAIL " + "; ".join(run["problems"])
         if run["between"] and not run["problems"]:
             status += f" (ranks {run['between']} told between collectives)"
-        print(f"run {i + 1:3d}/{args.runs}: kill rank {run['victim']} "
-              f"(size {run['size']}, +{run['pause'] * 1000:3.0f} ms) detected in <= {worst}"
-              f"  {status}", flush=True)
+        print(
+            f"run {i + 1:3d}/{args.runs}: kill rank {run['victim']} "
+            f"(size {run['size']}, +{run['pause'] * 1000:3.0f} ms) detected in <= {worst}"
+            f"  {status}",
+            flush=True,
+        )
     elapsed = time.monotonic() - started
     ms = [t * 1000 for t in samples]
-    summary = {"runs": args.runs, "world_size": args.world_size, "seed": seed,
-               "transport": args.transport, "survivor_samples": len(ms),
-               "p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99),
-               "max_ms": max(ms) if ms else float("nan"), "failed_runs": failed,
-               "told_between_collectives": told_between,
-               "seconds": elapsed, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    print(f"\ndetection time (kill -> survivor's exception), {len(ms)} survivors: "
-          f"p50 {summary['p50_ms']:.1f} ms, p99 {summary['p99_ms']:.1f} ms, "
-          f"max {summary['max_ms']:.1f} ms")
-    print(f"survivors told between collectives (GroupBrokenError caused by "
-          f"PeerDisconnected naming the victim): {told_between}")
-    print(f"failed runs (a survivor without PeerDisconnected naming the victim): {failed}"
-          f" of {args.runs}; {elapsed:.0f} s")
+    summary = {
+        "runs": args.runs,
+        "world_size": args.world_size,
+        "seed": seed,
+        "transport": args.transport,
+        "survivor_samples": len(ms),
+        "p50_ms": percentile(ms, 50),
+        "p99_ms": percentile(ms, 99),
+        "max_ms": max(ms) if ms else float("nan"),
+        "failed_runs": failed,
+        "told_between_collectives": told_between,
+        "seconds": elapsed,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    print(
+        f"\ndetection time (kill -> survivor's exception), {len(ms)} survivors: "
+        f"p50 {summary['p50_ms']:.1f} ms, p99 {summary['p99_ms']:.1f} ms, "
+        f"max {summary['max_ms']:.1f} ms"
+    )
+    print(
+        f"survivors told between collectives (GroupBrokenError caused by "
+        f"PeerDisconnected naming the victim): {told_between}"
+    )
+    print(
+        f"failed runs (a survivor without PeerDisconnected naming the victim): {failed}"
+        f" of {args.runs}; {elapsed:.0f} s"
+    )
     if args.json:  # written off the loop, like any file I/O in a coroutine
         report = json.dumps({"summary": summary, "runs": runs}, indent=1)
         await asyncio.to_thread(Path(args.json).write_text, report)
@@ -178,15 +229,22 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=100)
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-pause", type=float, default=0.2,
-                   help="kill at a random moment up to this many seconds after readiness")
+    p.add_argument(
+        "--max-pause",
+        type=float,
+        default=0.2,
+        help="kill at a random moment up to this many seconds after readiness",
+    )
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per run")
     p.add_argument("--transport", default="tcp", help="tcp (default) or auto")
     p.add_argument("--json", help="write every sample and the summary here")
     p.add_argument("--verbose", action="store_true", help="let the ranks log their failures")
-    p.add_argument("--strict", action="store_true",
-                   help="also fail runs where a survivor learnt of the kill from its next "
-                   "call (GroupBrokenError caused by PeerDisconnected)")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="also fail runs where a survivor learnt of the kill from its next "
+        "call (GroupBrokenError caused by PeerDisconnected)",
+    )
     return p.parse_args(argv)
 
 

@@ -25,8 +25,9 @@ import aiocollect.torch  # noqa: F401 - registers the "aiocollect" backend
 
 def make_model() -> nn.Module:
     torch.manual_seed(0)  # identical initial weights on every rank (DDP broadcasts anyway)
-    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
-                         nn.Linear(32, 1))
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
+    )
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,8 +67,10 @@ def main() -> None:
     try:
         model, loss = train(args.steps)
         if dist.get_rank() == 0:
-            print(f"backend={args.backend} world_size={dist.get_world_size()} "
-                  f"steps={args.steps} loss={loss:.6f}")
+            print(
+                f"backend={args.backend} world_size={dist.get_world_size()} "
+                f"steps={args.steps} loss={loss:.6f}"
+            )
             print(f"final parameter checksum: {checksum(model):.10f}")
             if args.save:
                 torch.save([p.detach().clone() for p in model.parameters()], args.save)

@@ -52,13 +52,24 @@ MARKER = "another job is using group"
 
 
 def _rank(script: Path, url: str, name: str, base: int, rank: int) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("AIOCOLLECT_JOB_ID", "TORCHELASTIC_RUN_ID")}
-    env.update(AIOCOLLECT_STORE=url, AIOCOLLECT_RANK=str(rank), AIOCOLLECT_WORLD_SIZE="2",
-               AIOCOLLECT_TRANSPORT="tcp", AIOCOLLECT_INSECURE="1")
-    return subprocess.Popen([sys.executable, str(script), str(base), name], env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("AIOCOLLECT_JOB_ID", "TORCHELASTIC_RUN_ID")
+    }
+    env.update(
+        AIOCOLLECT_STORE=url,
+        AIOCOLLECT_RANK=str(rank),
+        AIOCOLLECT_WORLD_SIZE="2",
+        AIOCOLLECT_TRANSPORT="tcp",
+        AIOCOLLECT_INSECURE="1",
+    )
+    return subprocess.Popen(
+        [sys.executable, str(script), str(base), name],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def race(script: Path, url: str, name: str) -> list[str]:
@@ -94,10 +105,26 @@ def classify(lines: list[str]) -> str:
 
 def main(races: int) -> dict[str, object]:
     port = free_port("127.0.0.1")
-    with tempfile.TemporaryDirectory() as tmp, subprocess.Popen(
-            [sys.executable, "-m", "aiocollect", "store", "--host", "127.0.0.1", "--port",
-             str(port), "--insecure"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, text=True) as store:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "aiocollect",
+                "store",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--insecure",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        ) as store,
+    ):
         try:
             assert store.stdout is not None
             assert "listening" in store.stdout.readline()
@@ -108,8 +135,11 @@ def main(races: int) -> dict[str, object]:
             for i in range(races):
                 kind = classify(race(script, f"tcp://127.0.0.1:{port}", f"race{i}"))
                 tally[kind] = tally.get(kind, 0) + 1
-            return {"races": races, "outcomes": tally,
-                    "seconds": round(time.monotonic() - started, 1)}
+            return {
+                "races": races,
+                "outcomes": tally,
+                "seconds": round(time.monotonic() - started, 1),
+            }
         finally:
             store.terminate()
             store.wait(timeout=10)
@@ -121,5 +151,8 @@ if __name__ == "__main__":
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     result = main(args.races)
-    print(json.dumps(result) if args.json else
-          f"{result['races']} races in {result['seconds']} s: {result['outcomes']}")
+    print(
+        json.dumps(result)
+        if args.json
+        else f"{result['races']} races in {result['seconds']} s: {result['outcomes']}"
+    )

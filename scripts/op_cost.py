@@ -29,8 +29,14 @@ import numpy as np
 import aiocollect as ac
 from aiocollect.testing import run_ranks
 
-CASES = ("allreduce4", "broadcast4", "allgather4", "allreduce64K", "reduce_scatter64K",
-         "allreduce1M_ring")
+CASES = (
+    "allreduce4",
+    "broadcast4",
+    "allgather4",
+    "allreduce64K",
+    "reduce_scatter64K",
+    "allreduce1M_ring",
+)
 
 
 def _op(g: ac.Group, case: str) -> tuple[Callable[[], Awaitable[Any]], Callable[[], bool]]:
@@ -42,10 +48,10 @@ def _op(g: ac.Group, case: str) -> tuple[Callable[[], Awaitable[Any]], Callable[
     if case == "reduce_scatter64K":
         send = np.zeros(32768, np.float32)
         dest = np.empty(16384, np.float32)
-        return (lambda: g.reduce_scatter(send, dest, algorithm="ring"),
-                lambda: not dest.any())
-    elems = {"allreduce4": 1, "broadcast4": 1, "allreduce64K": 16384,
-             "allreduce1M_ring": 1 << 18}[case]
+        return (lambda: g.reduce_scatter(send, dest, algorithm="ring"), lambda: not dest.any())
+    elems = {"allreduce4": 1, "broadcast4": 1, "allreduce64K": 16384, "allreduce1M_ring": 1 << 18}[
+        case
+    ]
     buf = np.zeros(elems, np.float32)
     if case == "broadcast4":
         return lambda: g.broadcast(buf), lambda: not buf.any()

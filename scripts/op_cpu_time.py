@@ -33,8 +33,9 @@ async def _cpu_per_op(transport: str, iters: int) -> float:
     name = f"cpu-{next(_names)}"
 
     async def one(rank: int) -> float:
-        async with ac.open_group(rank, 2, store=MemoryStore(name), transport=transport,
-                                 name=name) as group:
+        async with ac.open_group(
+            rank, 2, store=MemoryStore(name), transport=transport, name=name
+        ) as group:
             buf = np.zeros(1, np.float32)
             for _ in range(200):
                 await group.allreduce(buf)

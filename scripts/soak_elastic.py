@@ -50,8 +50,9 @@ async def _loop(group: ac.Group, conn: Any, ident: str) -> None:
                 waiting = await group.joiners() if group.rank == 0 else 0
                 if await group.broadcast_object(waiting) > 0:
                     group = await group.regroup(timeout=10.0)
-                    conn.send(("gen", ident, group.generation, group.rank, group.world_size,
-                               time.time()))
+                    conn.send(
+                        ("gen", ident, group.generation, group.rank, group.world_size, time.time())
+                    )
                     done = 0
                     continue
             buf = np.full(COUNT, group.rank + 1.0)
@@ -64,8 +65,7 @@ async def _loop(group: ac.Group, conn: Any, ident: str) -> None:
                 conn.send(("looping", ident, group.generation))
         except (ac.PeerError, ac.GroupBrokenError):
             group = await group.regroup(timeout=10.0)
-            conn.send(("gen", ident, group.generation, group.rank, group.world_size,
-                       time.time()))
+            conn.send(("gen", ident, group.generation, group.rank, group.world_size, time.time()))
             done = 0
 
 
@@ -75,8 +75,9 @@ async def _member(url: str, rank: int | None, world: int, conn: Any) -> None:
     if rank is None:
         group = await ac.join_group(url, secret=SECRET, timeout=60.0)
     else:
-        group = await ac.open_group(rank, world, store=url, secret=SECRET, elastic=True,
-                                    timeout=30.0)
+        group = await ac.open_group(
+            rank, world, store=url, secret=SECRET, elastic=True, timeout=30.0
+        )
     await _loop(group, conn, ident)
 
 
@@ -99,8 +100,7 @@ class Driver:
 
     def start(self, rank: int | None) -> None:
         recv, send = self.ctx.Pipe(duplex=False)
-        p = self.ctx.Process(target=member, args=(self.url, rank, self.world, send),
-                             daemon=True)
+        p = self.ctx.Process(target=member, args=(self.url, rank, self.world, send), daemon=True)
         p.start()
         send.close()
         key = f"m{rank}" if rank is not None else f"j{p.pid}"
@@ -139,9 +139,12 @@ def main() -> int:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     env = dict(os.environ, AIOCOLLECT_SECRET=SECRET)
-    store = subprocess.Popen([sys.executable, "-m", "aiocollect", "store", "--host",
-                              "127.0.0.1", "--port", "0"], stdout=subprocess.PIPE, text=True,
-                             env=env)
+    store = subprocess.Popen(
+        [sys.executable, "-m", "aiocollect", "store", "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert store.stdout is not None
     url = "tcp://" + store.stdout.readline().split("listening on ", 1)[1].split()[0]
     d = Driver(url, args.world_size)
@@ -166,13 +169,18 @@ def main() -> int:
             d.start(None)  # the replacement
             asked = time.time()
             gen += 1
-            d.pump(lambda gen=gen: len([i for i in d.live() if d.gen.get(i, (-1,))[0] == gen])
-                   == args.world_size)
+            d.pump(
+                lambda gen=gen: (
+                    len([i for i in d.live() if d.gen.get(i, (-1,))[0] == gen]) == args.world_size
+                )
+            )
             admitted = max(v[3] for v in d.gen.values() if v[0] == gen) - asked
             admit_s.append(admitted)
-            print(f"kill {k + 1:2d}: {victim:>10s}  regroup {took * 1e3:7.1f} ms  "
-                  f"replacement admitted after {admitted:5.2f} s (generation {gen})",
-                  flush=True)
+            print(
+                f"kill {k + 1:2d}: {victim:>10s}  regroup {took * 1e3:7.1f} ms  "
+                f"replacement admitted after {admitted:5.2f} s (generation {gen})",
+                flush=True,
+            )
             if d.failures:
                 break
     except TimeoutError:
@@ -188,17 +196,18 @@ def main() -> int:
     def pct(xs: list[float], q: float) -> float:
         return float(np.percentile(xs, q)) if xs else float("nan")
 
-    print(f"\n{len(regroup_s)} kills, world size {args.world_size}: regroup after a kill "
-          f"p50 {pct(regroup_s, 50) * 1e3:.0f} ms, p99 {pct(regroup_s, 99) * 1e3:.0f} ms, "
-          f"max {max(regroup_s, default=float('nan')) * 1e3:.0f} ms; admission p50 "
-          f"{pct(admit_s, 50):.2f} s, p99 {pct(admit_s, 99):.2f} s (includes the "
-          f"replacement's start-up)")
+    print(
+        f"\n{len(regroup_s)} kills, world size {args.world_size}: regroup after a kill "
+        f"p50 {pct(regroup_s, 50) * 1e3:.0f} ms, p99 {pct(regroup_s, 99) * 1e3:.0f} ms, "
+        f"max {max(regroup_s, default=float('nan')) * 1e3:.0f} ms; admission p50 "
+        f"{pct(admit_s, 50):.2f} s, p99 {pct(admit_s, 99):.2f} s (includes the "
+        f"replacement's start-up)"
+    )
     for f in d.failures:
         print("FAILED:", f)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"regroup_s": regroup_s, "admit_s": admit_s, "failures": d.failures},
-                      fh)
+            json.dump({"regroup_s": regroup_s, "admit_s": admit_s, "failures": d.failures}, fh)
     return 1 if d.failures or len(regroup_s) < args.kills else 0
 
 

@@ -126,8 +126,10 @@ def _large_set(port: int, size: int = (64 << 20) - 256) -> dict[str, Any]:
     import msgpack
 
     value = bytes(range(256)) * (size // 256)  # as large as a frame may carry
-    frames = [frame(msgpack.packb(r, use_bin_type=True))
-              for r in ([1, "set", "large", value], [2, "get", "large", 10.0])]
+    frames = [
+        frame(msgpack.packb(r, use_bin_type=True))
+        for r in ([1, "set", "large", value], [2, "get", "large", 10.0])
+    ]
     sock = _blocking_connect(port)
     sock.settimeout(60)
     started = time.perf_counter()
@@ -144,8 +146,10 @@ def _large_set(port: int, size: int = (64 << 20) - 256) -> dict[str, Any]:
                 got += k
         took = time.perf_counter() - started
         answer = msgpack.unpackb(body)
-        return {"outcome": "same value back" if answer == [2, 0, value] else "WRONG VALUE",
-                "set_get_seconds": round(took, 3)}
+        return {
+            "outcome": "same value back" if answer == [2, 0, value] else "WRONG VALUE",
+            "set_get_seconds": round(took, 3),
+        }
     finally:
         sock.close()
 
@@ -172,8 +176,12 @@ def _half_send(port: int, socks: list[socket.socket]) -> None:
     socks.append(sock)
     sock.settimeout(3)  # a server that stops reading leaves the rest in the socket buffers
     with contextlib.suppress(OSError):
-        sock.sendall(_wire.HEADER.pack(64 << 20) + b"\x94\x01\xa3set\xa1k\xc6"
-                     + (64 << 20).to_bytes(4, "big") + b"\x00" * (32 << 20))
+        sock.sendall(
+            _wire.HEADER.pack(64 << 20)
+            + b"\x94\x01\xa3set\xa1k\xc6"
+            + (64 << 20).to_bytes(4, "big")
+            + b"\x00" * (32 << 20)
+        )
 
 
 async def halfsent(port: int) -> dict[str, Any]:
@@ -203,7 +211,8 @@ async def main(attack: str) -> dict[str, Any]:
     await good.set("k", b"v")
     stop, worst = asyncio.Event(), [0.0, 0.0]
     data = {"bomb": bomb, "nested": nested, "keys": keys, "bigset": bigset}.get(
-        attack, lambda: b"")()
+        attack, lambda: b""
+    )()
     before = rss_mib()
     tick = asyncio.create_task(ticker(stop, worst))
     await asyncio.sleep(0.05)
@@ -216,8 +225,12 @@ async def main(attack: str) -> dict[str, Any]:
         result.update(await halfsent(server.port))
     elif attack == "large-set":  # a client process of its own: its work holds no GIL here
         child = await asyncio.create_subprocess_exec(
-            sys.executable, __file__, "--large-set-client", str(server.port),
-            stdout=asyncio.subprocess.PIPE)
+            sys.executable,
+            __file__,
+            "--large-set-client",
+            str(server.port),
+            stdout=asyncio.subprocess.PIPE,
+        )
         out, _ = await child.communicate()
         result.update(json.loads(out))
     else:
@@ -236,10 +249,12 @@ async def main(attack: str) -> dict[str, Any]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--attack",
-                        choices=("bomb", "nested", "keys", "bigset", "large-set", "slow",
-                                 "halfsent"),
-                        default=None, help="one attack (default: all but slow)")
+    parser.add_argument(
+        "--attack",
+        choices=("bomb", "nested", "keys", "bigset", "large-set", "slow", "halfsent"),
+        default=None,
+        help="one attack (default: all but slow)",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--large-set-client", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -248,5 +263,7 @@ if __name__ == "__main__":
         sys.exit(0)
     for name in [args.attack] if args.attack else ["bomb", "nested", "keys"]:
         out = asyncio.run(main(name))
-        print(json.dumps(out) if args.json else
-              "  ".join(f"{k}={v}" for k, v in out.items()), flush=True)
+        print(
+            json.dumps(out) if args.json else "  ".join(f"{k}={v}" for k, v in out.items()),
+            flush=True,
+        )

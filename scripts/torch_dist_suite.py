@@ -102,8 +102,11 @@ class _Recorder(unittest.TextTestResult):
 
     def _put(self, test: unittest.TestCase, outcome: str, detail: str = "") -> None:
         name = test.id().rsplit(".", 1)[-1]
-        self.outcomes[name] = {"outcome": outcome, "detail": detail[-2000:],
-                               "seconds": round(time.monotonic() - self._started, 2)}
+        self.outcomes[name] = {
+            "outcome": outcome,
+            "detail": detail[-2000:],
+            "seconds": round(time.monotonic() - self._started, 2),
+        }
         self.stream.flush()
 
     def addSuccess(self, test: unittest.TestCase) -> None:
@@ -134,8 +137,9 @@ class _Recorder(unittest.TextTestResult):
 def _worker(pattern: list[str], out: Path) -> int:
     loader = unittest.TestLoader()
     if pattern:
-        loader.testNamePatterns = [p[1:] if p.startswith("=") else p if "*" in p else f"*{p}*"
-                                   for p in pattern]
+        loader.testNamePatterns = [
+            p[1:] if p.startswith("=") else p if "*" in p else f"*{p}*" for p in pattern
+        ]
     suite = loader.loadTestsFromTestCase(TestDistBackendWithSpawn)
     runner = unittest.TextTestRunner(stream=sys.stdout, verbosity=2, resultclass=_Recorder)
     result = runner.run(suite)
@@ -146,15 +150,28 @@ def _worker(pattern: list[str], out: Path) -> int:
 
 # -- the parent: one worker per backend ------------------------------------------------------
 
-def _run_backend(backend: str, world: int, pattern: list[str], log: Path | None,
-                 timeout: float, start: str, undeclared: bool,
-                 gates: str | None = None) -> dict[str, dict[str, Any]]:
+
+def _run_backend(
+    backend: str,
+    world: int,
+    pattern: list[str],
+    log: Path | None,
+    timeout: float,
+    start: str,
+    undeclared: bool,
+    gates: str | None = None,
+) -> dict[str, dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix=f"dist-suite-{backend}-") as tmp:
         for sub in ("barrier", "test_dir", "init_dir"):
             os.makedirs(os.path.join(tmp, sub), exist_ok=True)
         out = Path(tmp) / "outcomes.json"
-        env = dict(os.environ, BACKEND=backend, WORLD_SIZE=str(world), TEMP_DIR=tmp,
-                   **{_WORKER_ENV: "1", _START_ENV: start})
+        env = dict(
+            os.environ,
+            BACKEND=backend,
+            WORLD_SIZE=str(world),
+            TEMP_DIR=tmp,
+            **{_WORKER_ENV: "1", _START_ENV: start},
+        )
         if undeclared:
             env[_NAME_ONLY_ENV] = "1"
         if gates:
@@ -165,53 +182,87 @@ def _run_backend(backend: str, world: int, pattern: list[str], log: Path | None,
             cmd += ["-k", p]
         stream = open(log, "w") if log else None  # noqa: SIM115
         try:
-            proc = subprocess.run(cmd, env=env, stdout=stream or None,
-                                  stderr=subprocess.STDOUT if stream else None,
-                                  timeout=timeout, check=False)
+            proc = subprocess.run(
+                cmd,
+                env=env,
+                stdout=stream or None,
+                stderr=subprocess.STDOUT if stream else None,
+                timeout=timeout,
+                check=False,
+            )
         finally:
             if stream:
                 stream.close()
         if not out.exists():
-            raise SystemExit(f"{backend}: the suite ended (exit {proc.returncode}) without "
-                             "results" + (f"; see {log}" if log else ""))
+            raise SystemExit(
+                f"{backend}: the suite ended (exit {proc.returncode}) without "
+                "results" + (f"; see {log}" if log else "")
+            )
         outcomes: dict[str, dict[str, Any]] = json.loads(out.read_text())
         return outcomes
 
 
 def _counts(outcomes: dict[str, dict[str, Any]]) -> str:
-    n = {k: sum(1 for o in outcomes.values() if o["outcome"] == k)
-         for k in ("passed", "failed", "skipped")}
+    n = {
+        k: sum(1 for o in outcomes.values() if o["outcome"] == k)
+        for k in ("passed", "failed", "skipped")
+    }
     return f"{n['passed']} passed, {n['failed']} failed, {n['skipped']} skipped"
 
 
 def _last_line(detail: str) -> str:
-    lines = [ln.strip() for ln in detail.strip().splitlines() if ln.strip()
-             and "PYTORCH_PRINT_REPRO" not in ln and not ln.strip().startswith("To execute")]
+    lines = [
+        ln.strip()
+        for ln in detail.strip().splitlines()
+        if ln.strip()
+        and "PYTORCH_PRINT_REPRO" not in ln
+        and not ln.strip().startswith("To execute")
+    ]
     errors = [ln for ln in lines if "Error:" in ln or "Error(" in ln]
     return (errors or lines or [""])[-1][:200]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backends", default="aiocollect,gloo",
-                        help="comma-separated backends, run one after the other")
-    parser.add_argument("--world-size", type=int, default=3,
-                        help="ranks per test (3, as torch's CI runs gloo)")
-    parser.add_argument("-k", dest="pattern", action="append", default=[],
-                        help="run only tests whose name contains this (repeatable)")
+    parser.add_argument(
+        "--backends",
+        default="aiocollect,gloo",
+        help="comma-separated backends, run one after the other",
+    )
+    parser.add_argument(
+        "--world-size", type=int, default=3, help="ranks per test (3, as torch's CI runs gloo)"
+    )
+    parser.add_argument(
+        "-k",
+        dest="pattern",
+        action="append",
+        default=[],
+        help="run only tests whose name contains this (repeatable)",
+    )
     parser.add_argument("--json", type=Path, help="write per-test outcomes here")
-    parser.add_argument("--log-dir", type=Path,
-                        help="write each backend's unittest output to <dir>/<backend>.log")
-    parser.add_argument("--timeout", type=float, default=3 * 3600,
-                        help="wall limit per backend in seconds")
-    parser.add_argument("--start", choices=("fork", "spawn"), default="fork",
-                        help="how each test starts its rank processes (default: fork)")
-    parser.add_argument("--undeclared", action="store_true",
-                        help="do not declare aiocollect's features (ddp, subgroup) to the "
-                             "suite: the tests gated on them skip")
-    parser.add_argument("--no-gates", action="store_true",
-                        help="do not rerun the tests aiocollect skipped by name under "
-                             "gloo's skip decisions")
+    parser.add_argument(
+        "--log-dir", type=Path, help="write each backend's unittest output to <dir>/<backend>.log"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=3 * 3600, help="wall limit per backend in seconds"
+    )
+    parser.add_argument(
+        "--start",
+        choices=("fork", "spawn"),
+        default="fork",
+        help="how each test starts its rank processes (default: fork)",
+    )
+    parser.add_argument(
+        "--undeclared",
+        action="store_true",
+        help="do not declare aiocollect's features (ddp, subgroup) to the "
+        "suite: the tests gated on them skip",
+    )
+    parser.add_argument(
+        "--no-gates",
+        action="store_true",
+        help="do not rerun the tests aiocollect skipped by name under gloo's skip decisions",
+    )
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
@@ -225,10 +276,13 @@ def main(argv: list[str] | None = None) -> int:
             args.log_dir.mkdir(parents=True, exist_ok=True)
             log = args.log_dir / f"{backend}.log"
         started = time.monotonic()
-        results[backend] = _run_backend(backend, args.world_size, args.pattern, log,
-                                        args.timeout, args.start, args.undeclared)
-        print(f"{backend}: {_counts(results[backend])} "
-              f"({time.monotonic() - started:.0f} s)", flush=True)
+        results[backend] = _run_backend(
+            backend, args.world_size, args.pattern, log, args.timeout, args.start, args.undeclared
+        )
+        print(
+            f"{backend}: {_counts(results[backend])} ({time.monotonic() - started:.0f} s)",
+            flush=True,
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, sort_keys=True))
 
@@ -238,8 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     if "aiocollect" in results and "gloo" in results:
         ours, ref = results["aiocollect"], results["gloo"]
-        gaps = sorted(t for t, o in ref.items()
-                      if o["outcome"] == "passed" and ours.get(t, {}).get("outcome") != "passed")
+        gaps = sorted(
+            t
+            for t, o in ref.items()
+            if o["outcome"] == "passed" and ours.get(t, {}).get("outcome") != "passed"
+        )
         print(f"\npassed with gloo, not with aiocollect: {len(gaps)}")
         for t in gaps:
             o = ours.get(t, {"outcome": "missing", "detail": ""})
@@ -250,15 +307,27 @@ def main(argv: list[str] | None = None) -> int:
             # Skipped for aiocollect by a check of the backend's name: run them on aiocollect
             # with the skip decisions taken for gloo.
             log = args.log_dir / "aiocollect-gloo-gates.log" if args.log_dir else None
-            regated = _run_backend("aiocollect", args.world_size, [f"=*.{t}" for t in gated],
-                                   log, args.timeout, args.start, args.undeclared, "gloo")
+            regated = _run_backend(
+                "aiocollect",
+                args.world_size,
+                [f"=*.{t}" for t in gated],
+                log,
+                args.timeout,
+                args.start,
+                args.undeclared,
+                "gloo",
+            )
             results["aiocollect (gloo's gates)"] = regated
-            print(f"\nof those, skipped by a check of the backend's name, run on aiocollect "
-                  f"with gloo's skip decisions: {_counts(regated)}")
+            print(
+                f"\nof those, skipped by a check of the backend's name, run on aiocollect "
+                f"with gloo's skip decisions: {_counts(regated)}"
+            )
             for t in gated:
                 o = regated.get(t, {"outcome": "missing", "detail": ""})
-                print(f"  {t}: {o['outcome']}" + (f": {_last_line(o['detail'])}"
-                                                  if o["outcome"] != "passed" else ""))
+                print(
+                    f"  {t}: {o['outcome']}"
+                    + (f": {_last_line(o['detail'])}" if o["outcome"] != "passed" else "")
+                )
                 if o["outcome"] != "passed":
                     still.append(t)
             if args.json:
@@ -268,8 +337,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {t}")
         status = 1 if still else 0
     else:
-        status = 1 if any(o["outcome"] == "failed" for r in results.values()
-                          for o in r.values()) else 0
+        status = (
+            1 if any(o["outcome"] == "failed" for r in results.values() for o in r.values()) else 0
+        )
     for backend in backends:
         failed = sorted(t for t, o in results[backend].items() if o["outcome"] == "failed")
         if failed:

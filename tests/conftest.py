@@ -47,8 +47,9 @@ def _trap(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
     loop.default_exception_handler(context)
 
 
-def _trapped(factory: Callable[[], asyncio.AbstractEventLoop]) -> Callable[
-        [], asyncio.AbstractEventLoop]:
+def _trapped(
+    factory: Callable[[], asyncio.AbstractEventLoop],
+) -> Callable[[], asyncio.AbstractEventLoop]:
     def make() -> asyncio.AbstractEventLoop:
         loop = factory()
         loop.set_exception_handler(_trap)
@@ -63,10 +64,13 @@ _UVLOOP = None if uvloop is None else _trapped(uvloop.new_event_loop)
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "one_loop: run on asyncio only (the test drives spawned processes, "
-        "which pick their own loop)")
+        "markers",
+        "one_loop: run on asyncio only (the test drives spawned processes, "
+        "which pick their own loop)",
+    )
     config.addinivalue_line(
-        "markers", "both_loops: run this async test on asyncio and uvloop, in any suite")
+        "markers", "both_loops: run this async test on asyncio and uvloop, in any suite"
+    )
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
@@ -88,15 +92,18 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return DirectoryGroups(config, log)
 
 
-def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[
-        str, Callable[[], asyncio.AbstractEventLoop]]:
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
     try:
         suite = Path(str(item.path)).relative_to(_ROOT).parts[0]
     except ValueError:
         suite = ""
     both = item.get_closest_marker("both_loops") is not None or (
-        suite in LOOP_SUITES and not _drives_processes(item)
-        and item.get_closest_marker("one_loop") is None)
+        suite in LOOP_SUITES
+        and not _drives_processes(item)
+        and item.get_closest_marker("one_loop") is None
+    )
     if both and _UVLOOP is not None:
         return {"asyncio": _ASYNCIO, "uvloop": _UVLOOP}
     return {"asyncio": _ASYNCIO}
@@ -105,13 +112,16 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> M
 def _drives_processes(item: pytest.Item) -> bool:
     """Whether the test body starts rank processes itself (their loop is theirs to pick),
     or is a collective sweep over memory links only (``tests/collectives/*_memory``)."""
-    if getattr(item, "name", "").endswith("_memory") and "collectives" in Path(
-            str(item.path)).parts:
+    if (
+        getattr(item, "name", "").endswith("_memory")
+        and "collectives" in Path(str(item.path)).parts
+    ):
         return True  # a sweep over memory links: the loop only schedules, no transport
     code = getattr(getattr(item, "obj", None), "__code__", None)
     names = set(code.co_names) if code is not None else set()
     return bool(names & {"spawn_ranks", "SpawnedRanks"}) or "spawned" in getattr(
-        item, "fixturenames", ())
+        item, "fixturenames", ()
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -123,5 +133,6 @@ def loop_error_trap() -> Iterator[None]:
     seen, _unhandled[:] = list(_unhandled), []
     if seen:
         lines = [f"{c.get('message')}: {c.get('exception')!r}" for c in seen]
-        pytest.fail("unhandled errors reached the event loop:\n  " + "\n  ".join(lines),
-                    pytrace=False)
+        pytest.fail(
+            "unhandled errors reached the event loop:\n  " + "\n  ".join(lines), pytrace=False
+        )

@@ -23,14 +23,30 @@ CHUNK = 16  # bytes: tiny, so small inputs take the multi-chunk path
 
 #: The marks of a ``transport="shm"`` case of a test parametrized over transports: skipped
 #: where shared memory is unavailable.
-ON_SHM = (pytest.mark.skipif(_shm_unavailable() is not None,
-                             reason=f"shared memory unavailable: {_shm_unavailable()}"),)
+ON_SHM = (
+    pytest.mark.skipif(
+        _shm_unavailable() is not None, reason=f"shared memory unavailable: {_shm_unavailable()}"
+    ),
+)
 
-DTYPES = [np.dtype(d) for d in (
-    "bool", "int8", "int32", "int64", "uint8", "float16", "float32", "float64",
-    "complex64", "complex128")] + ([BF16] if BF16 is not None else [])
-CORE_DTYPES = [np.dtype(d) for d in ("bool", "int8", "int32", "int64", "float16",
-                                     "float32", "float64")]
+DTYPES = [
+    np.dtype(d)
+    for d in (
+        "bool",
+        "int8",
+        "int32",
+        "int64",
+        "uint8",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    )
+] + ([BF16] if BF16 is not None else [])
+CORE_DTYPES = [
+    np.dtype(d) for d in ("bool", "int8", "int32", "int64", "float16", "float32", "float64")
+]
 OPS = list(ac.ReduceOp)
 
 
@@ -51,8 +67,9 @@ def valid_ops(dtype: np.dtype[Any]) -> list[ac.ReduceOp]:
     return out
 
 
-def data(rank: int, count: int, dtype: np.dtype[Any], seed: int = 0,
-         op: Any = None) -> np.ndarray[Any, Any]:
+def data(
+    rank: int, count: int, dtype: np.dtype[Any], seed: int = 0, op: Any = None
+) -> np.ndarray[Any, Any]:
     """Per-rank deterministic data; PROD gets values near 1 so products stay finite."""
     rng = np.random.default_rng(seed * 1000 + rank * 7 + count)
     kind = dtype.kind if dtype != BF16 else "f"
@@ -87,8 +104,8 @@ def assert_close(got: np.ndarray[Any, Any], want: np.ndarray[Any, Any], what: st
         real = np.dtype(np.float32) if dtype == BF16 else np.empty(0, dtype).real.dtype
         eps = 2.0**-7 if dtype == BF16 else float(np.finfo(real).eps)
         rtol = 64 * eps
-        np.testing.assert_allclose(got.astype(want.dtype), want, rtol=rtol,
-                                   atol=rtol * 30, err_msg=what)
+        np.testing.assert_allclose(
+            got.astype(want.dtype), want, rtol=rtol, atol=rtol * 30, err_msg=what
+        )
     else:
         np.testing.assert_array_equal(got, want.astype(dtype), err_msg=what)
-

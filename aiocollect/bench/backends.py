@@ -39,8 +39,9 @@ class AiocollectBackend:
         self.world_size = group.world_size
         self.algorithm = algorithm or "auto"
         # Passed only when chosen, so the benchmark runs on versions without algorithm=.
-        self._extra: dict[str, Any] = ({} if self.algorithm == "auto"
-                                       else {"algorithm": self.algorithm})
+        self._extra: dict[str, Any] = (
+            {} if self.algorithm == "auto" else {"algorithm": self.algorithm}
+        )
 
     def algorithm_for(self, collective: str, shp: Shape) -> str:
         """The algorithm that runs: the one forced, else ``auto:NAME`` when this version
@@ -115,8 +116,9 @@ class GlooBackend:
         dist = self.dist
         # reduce_scatter_tensor is deprecated in favour of reduce_scatter_single where
         # the latter exists; both take (output, input).
-        self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or \
-            dist.reduce_scatter_tensor
+        self._reduce_scatter = (
+            getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        )
 
     def _tensor(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> tuple[Any, Array]:
         t = self.torch.empty(shape, dtype=getattr(self.torch, dtype.name))

@@ -46,8 +46,9 @@ _CTX = mp.get_context("fork")
 BARRIER_SECONDS = 60.0
 
 
-def _pull_worker(rank: int, n: int, nbytes: int, chunk: int, iters: int, table: Any,
-                 bar: Barrier, out: Any) -> None:
+def _pull_worker(
+    rank: int, n: int, nbytes: int, chunk: int, iters: int, table: Any, bar: Barrier, out: Any
+) -> None:
     count = nbytes // 4
     own = np.full(count, rank + 1, np.float32)
     scratch = np.empty(max(1, chunk // 4), np.float32)
@@ -71,17 +72,17 @@ def _pull_worker(rank: int, n: int, nbytes: int, chunk: int, iters: int, table: 
             off = lo
             while off < lo + blk:
                 m = min(scratch.size, lo + blk - off)
-                cma.pull(pid, sview[:m * 4], base + off * 4)
-                np.add(own[off:off + m], scratch[:m], out=own[off:off + m])
+                cma.pull(pid, sview[: m * 4], base + off * 4)
+                np.add(own[off : off + m], scratch[:m], out=own[off : off + m])
                 off += m
         bar.wait(BARRIER_SECONDS)
         for step in range(1, n):
             q = (rank + step) % n
             pid, base = peers[q]
-            cma.pull(pid, view[q * blk * 4:(q + 1) * blk * 4], base + q * blk * 4)
+            cma.pull(pid, view[q * blk * 4 : (q + 1) * blk * 4], base + q * blk * 4)
         bar.wait(BARRIER_SECONDS)
         times.append(time.perf_counter() - start)
-    ok = bool((own[:blk * n] == n * (n + 1) / 2).all())
+    ok = bool((own[: blk * n] == n * (n + 1) / 2).all())
     out.put((rank, float(np.median(times)), ok))
 
 
@@ -91,8 +92,7 @@ def _run(target: Any, n: int, args: tuple[Any, ...]) -> float:
     Raises:
         RuntimeError: a rank failed or computed a wrong result."""
     out = _CTX.Queue()
-    procs = [_CTX.Process(target=target, args=(r, n, *args, out), daemon=True)
-             for r in range(n)]
+    procs = [_CTX.Process(target=target, args=(r, n, *args, out), daemon=True) for r in range(n)]
     for p in procs:
         p.start()
     results: list[tuple[int, float, bool]] = []
@@ -103,8 +103,9 @@ def _run(target: Any, n: int, args: tuple[Any, ...]) -> float:
             except queue.Empty:
                 # a rank that died without a result leaves the others at a barrier
                 if any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError("a rank failed: exit codes "
-                                       f"{[p.exitcode for p in procs]}") from None
+                    raise RuntimeError(
+                        f"a rank failed: exit codes {[p.exitcode for p in procs]}"
+                    ) from None
     finally:
         for p in procs:
             if len(results) < n:
@@ -137,8 +138,9 @@ def bandwidth(n: int, nbytes: int, chunk: int = 1 << 20, iters: int = 15) -> flo
     return _run(_pull_worker, n, (nbytes, chunk, iters, table, bar))
 
 
-def _doubling_worker(rank: int, n: int, socks: dict[tuple[int, int], socket.socket],
-                     iters: int, out: Any) -> None:
+def _doubling_worker(
+    rank: int, n: int, socks: dict[tuple[int, int], socket.socket], iters: int, out: Any
+) -> None:
     val = np.ones(1, np.float32)
     raw = bytearray(4)
     got = np.frombuffer(raw, np.float32)
@@ -185,8 +187,10 @@ def latency(n: int, iters: int = 3000) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m aiocollect.bench.floor",
-                                     description=__doc__.split("\n\n")[0] if __doc__ else "")
+    parser = argparse.ArgumentParser(
+        prog="python -m aiocollect.bench.floor",
+        description=__doc__.split("\n\n")[0] if __doc__ else "",
+    )
     sub = parser.add_subparsers(dest="what", required=True)
     bw = sub.add_parser("bandwidth", help="pull-and-add allreduce, no framework")
     bw.add_argument("-n", "--nproc", default="2", help="rank counts, e.g. 2,4 (default 2)")
@@ -205,8 +209,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for size in parse_sizes(ns.sizes):
                     t = bandwidth(n, size, chunk, ns.iters)
                     busbw = size / t * 2 * (n - 1) / n / 1e9
-                    print(f"floor allreduce N={n} {size >> 20}MiB (chunk {chunk >> 10}KiB): "
-                          f"{t * 1e3:.2f} ms, busbw {busbw:.2f} GB/s", flush=True)
+                    print(
+                        f"floor allreduce N={n} {size >> 20}MiB (chunk {chunk >> 10}KiB): "
+                        f"{t * 1e3:.2f} ms, busbw {busbw:.2f} GB/s",
+                        flush=True,
+                    )
         else:
             for n in ranks:
                 t = latency(n, ns.iters)

@@ -41,8 +41,9 @@ async def _allreduces(group: Group, data: np.ndarray[Any, Any], count: int) -> f
     return time.perf_counter() - t0
 
 
-async def _pinger(group: Group, nbytes: int, until: asyncio.Future[Any] | None,
-                  count: int) -> list[float]:
+async def _pinger(
+    group: Group, nbytes: int, until: asyncio.Future[Any] | None, count: int
+) -> list[float]:
     """Rank 0's round trips (µs): ``count`` of them, or until ``until`` is done."""
     msg = np.zeros(max(1, nbytes // 4), dtype=np.float32)
     back = np.empty_like(msg)
@@ -66,8 +67,9 @@ async def _ponger(group: Group, nbytes: int) -> None:
         await group.send(msg, 0, tag=TAG)
 
 
-async def hol_rank(group: Group, size: int, allreduces: int, ping: int,
-                   idle_pings: int) -> dict[str, Any] | None:
+async def hol_rank(
+    group: Group, size: int, allreduces: int, ping: int, idle_pings: int
+) -> dict[str, Any] | None:
     """One rank of the measurement (a ``spawn_ranks`` target); rank 0 returns the report."""
     data = np.ones(max(1, size // 4), dtype=np.float32)
     await group.allreduce(data)  # warm-up: links, scratch windows
@@ -96,13 +98,21 @@ async def hol_rank(group: Group, size: int, allreduces: int, ping: int,
     def busbw(seconds: float) -> float:
         return factor * data.nbytes * allreduces / seconds / 1e9
 
-    return {"world_size": n, "size": data.nbytes, "allreduces": allreduces, "ping": ping,
-            "idle_rtt_us": {"n": len(idle), "p50": percentile(idle, 50),
-                            "p99": percentile(idle, 99)},
-            "loaded_rtt_us": {"n": len(loaded), "p50": percentile(loaded, 50),
-                              "p99": percentile(loaded, 99),
-                              "max": max(loaded) if loaded else float("nan")},
-            "busbw_gbps_alone": busbw(alone), "busbw_gbps_with_pings": busbw(with_pings)}
+    return {
+        "world_size": n,
+        "size": data.nbytes,
+        "allreduces": allreduces,
+        "ping": ping,
+        "idle_rtt_us": {"n": len(idle), "p50": percentile(idle, 50), "p99": percentile(idle, 99)},
+        "loaded_rtt_us": {
+            "n": len(loaded),
+            "p50": percentile(loaded, 50),
+            "p99": percentile(loaded, 99),
+            "max": max(loaded) if loaded else float("nan"),
+        },
+        "busbw_gbps_alone": busbw(alone),
+        "busbw_gbps_with_pings": busbw(with_pings),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,13 +134,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     async def run() -> list[Any]:
         results: list[Any] = await spawn_ranks(
-            ns.nproc, hol_rank, parse_size(ns.size), ns.allreduces, parse_size(ns.ping),
-            ns.idle_pings, timeout=600.0, transport=ns.transport, uvloop=True)
+            ns.nproc,
+            hol_rank,
+            parse_size(ns.size),
+            ns.allreduces,
+            parse_size(ns.ping),
+            ns.idle_pings,
+            timeout=600.0,
+            transport=ns.transport,
+            uvloop=True,
+        )
         return results
 
     results = asyncio.run(run())
-    report = {**results[0], "transport": ns.transport, "loadavg_start": start,
-              "loadavg_end": load_average()}
+    report = {
+        **results[0],
+        "transport": ns.transport,
+        "loadavg_start": start,
+        "loadavg_end": load_average(),
+    }
     text = json.dumps(report)
     print(text)
     if ns.json is not None:

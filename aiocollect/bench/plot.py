@@ -21,8 +21,10 @@ from typing import Any
 
 from aiocollect.bench.spec import format_size
 
-MISSING = ("--plot needs matplotlib, which is not installed "
-           "(pip install matplotlib, or pip install 'aiocollect[plot]')")
+MISSING = (
+    "--plot needs matplotlib, which is not installed "
+    "(pip install matplotlib, or pip install 'aiocollect[plot]')"
+)
 
 #: Where the latency panels split.
 SPLIT = 256 * 1024
@@ -36,30 +38,43 @@ def available() -> bool:
 def footer(date: str, load: dict[str, Any]) -> str:
     """The line printed under the figure: date and load averages (``report.LoadWatch``'s
     summary; empty means unknown)."""
+
     def fmt(key: str) -> str:
         value = load.get(key)
         return "?" if value is None else f"{value:.2f}"
 
-    text = (f"measured {date}; 1-min load average start {fmt('start')}, max {fmt('max')}, "
-            f"end {fmt('end')} on {load.get('cores', '?')} cores")
+    text = (
+        f"measured {date}; 1-min load average start {fmt('start')}, max {fmt('max')}, "
+        f"end {fmt('end')} on {load.get('cores', '?')} cores"
+    )
     if load.get("warning"):
         text += "\nWARNING: " + str(load["warning"])
     return text
 
 
-def _series(rows: list[dict[str, Any]], transport: str | None) -> list[tuple[str, str, str,
-                                                                             str]]:
+def _series(rows: list[dict[str, Any]], transport: str | None) -> list[tuple[str, str, str, str]]:
     compare = next((r["compare_transport"] for r in rows if "compare_transport" in r), None)
-    out = [("aiocollect", "-", "o",
-            f"aiocollect/{transport}" if compare is not None and transport else "aiocollect")]
+    out = [
+        (
+            "aiocollect",
+            "-",
+            "o",
+            f"aiocollect/{transport}" if compare is not None and transport else "aiocollect",
+        )
+    ]
     if compare is not None:
         out.append(("compare", ":", "s", f"aiocollect/{compare}"))
     out.append(("gloo", "--", "x", "gloo"))
     return out
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str,
-         transport: str | None = None, footer: str = "") -> None:
+def plot(
+    rows: list[dict[str, Any]],
+    path: Path,
+    title: str,
+    transport: str | None = None,
+    footer: str = "",
+) -> None:
     """Draw one PNG (the panels above) from :func:`report.aggregate` rows.
 
     Concurrent cases are left out (their times are for K collectives at once). Rows
@@ -80,19 +95,23 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str,
 
     fig, axes = plt.subplots(2, 2, figsize=(14, 9))
     (ax_ratio, ax_bw), (ax_small, ax_large) = axes
-    palette = (list(plt.get_cmap("tab10").colors)  # type: ignore[attr-defined]
-               + list(plt.get_cmap("Dark2").colors))  # type: ignore[attr-defined]
+    palette = (
+        list(plt.get_cmap("tab10").colors)  # type: ignore[attr-defined]
+        + list(plt.get_cmap("Dark2").colors)  # type: ignore[attr-defined]
+    )
     names = list(dict.fromkeys(r["name"] for r in rows if r["concurrency"] == 1))
     series = _series(rows, transport)
     has_gloo = any(r.get("gloo") is not None for r in rows)
-    ref_key, ref_tag = ("bw_ratio", "gloo") if has_gloo else ("compare_bw_ratio",
-                                                              series[-2][3])
+    ref_key, ref_tag = ("bw_ratio", "gloo") if has_gloo else ("compare_bw_ratio", series[-2][3])
     ticks: set[int] = set()
     n = 0
     for name in names:
         mine = [r for r in rows if r["name"] == name and r["concurrency"] == 1]
-        ratio = [(r["size"], r[ref_key]) for r in mine
-                 if r.get(ref_key) is not None and r[ref_key] == r[ref_key]]
+        ratio = [
+            (r["size"], r[ref_key])
+            for r in mine
+            if r.get(ref_key) is not None and r[ref_key] == r[ref_key]
+        ]
         for backend, style, marker, tag in series:
             # Requested sizes on the x axis: the bytes moved differ from them only by
             # rounding to whole elements per rank (see spec.shape).
@@ -108,25 +127,40 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str,
             small = [p for p in pts if p[0] < SPLIT]
             large = [p for p in pts if p[0] >= SPLIT]
             if small:
-                ax_small.plot([p[0] for p in small], [p[1]["p50_us"] for p in small], style,
-                              **kw)
+                ax_small.plot([p[0] for p in small], [p[1]["p50_us"] for p in small], style, **kw)
             if large:
-                ax_large.plot([p[0] for p in large], [p[1]["p50_us"] / 1000 for p in large],
-                              style, **kw)
+                ax_large.plot(
+                    [p[0] for p in large], [p[1]["p50_us"] / 1000 for p in large], style, **kw
+                )
             if backend == "aiocollect" and ratio:
-                ax_ratio.plot([p[0] for p in ratio], [p[1] for p in ratio], style,
-                              marker=marker, color=color, label=f"{name}: {tag} / {ref_tag}")
+                ax_ratio.plot(
+                    [p[0] for p in ratio],
+                    [p[1] for p in ratio],
+                    style,
+                    marker=marker,
+                    color=color,
+                    label=f"{name}: {tag} / {ref_tag}",
+                )
     ax_ratio.axhline(1.0, color="black", linewidth=0.8)
     ax_ratio.set_ylim(bottom=0)
     if not ax_ratio.get_lines()[:-1]:
-        ax_ratio.text(0.5, 0.5, "no baseline in this run", ha="center",
-                      transform=ax_ratio.transAxes)
-    panels = ((ax_ratio, f"busbw ratio vs {ref_tag} (>1: aiocollect faster)", ticks),
-              (ax_bw, "bus bandwidth (GB/s)", ticks),
-              (ax_small, f"p50 latency (µs), sizes < {format_size(SPLIT)}",
-               {t for t in ticks if t < SPLIT}),
-              (ax_large, f"p50 latency (ms), sizes ≥ {format_size(SPLIT)}",
-               {t for t in ticks if t >= SPLIT}))
+        ax_ratio.text(
+            0.5, 0.5, "no baseline in this run", ha="center", transform=ax_ratio.transAxes
+        )
+    panels = (
+        (ax_ratio, f"busbw ratio vs {ref_tag} (>1: aiocollect faster)", ticks),
+        (ax_bw, "bus bandwidth (GB/s)", ticks),
+        (
+            ax_small,
+            f"p50 latency (µs), sizes < {format_size(SPLIT)}",
+            {t for t in ticks if t < SPLIT},
+        ),
+        (
+            ax_large,
+            f"p50 latency (ms), sizes ≥ {format_size(SPLIT)}",
+            {t for t in ticks if t >= SPLIT},
+        ),
+    )
     for ax, ylabel, own in panels:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("size (bytes, NCCL-tests convention)")
@@ -143,8 +177,14 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str,
             ax.legend(fontsize="small")
     fig.suptitle(title)
     if footer:
-        fig.text(0.01, 0.005, footer, fontsize="small", va="bottom",
-                 color="darkred" if "WARNING" in footer else "black")
+        fig.text(
+            0.01,
+            0.005,
+            footer,
+            fontsize="small",
+            va="bottom",
+            color="darkred" if "WARNING" in footer else "black",
+        )
     fig.tight_layout(rect=(0, 0.05 if footer else 0, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -45,9 +45,14 @@ def _combine(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, An
         return median([s[key] for s in sums if key in s])
 
     out: dict[str, Any] = {
-        "rounds": len(sums), "iters": int(med("iters")), "p50_us": med("p50_us"),
-        "p99_us": med("p99_us"), "mean_us": med("mean_us"), "busbw_gbps": med("busbw_gbps"),
-        "algbw_gbps": med("algbw_gbps"), "lag_p99_ms": med("lag_p99_ms"),
+        "rounds": len(sums),
+        "iters": int(med("iters")),
+        "p50_us": med("p50_us"),
+        "p99_us": med("p99_us"),
+        "mean_us": med("mean_us"),
+        "busbw_gbps": med("busbw_gbps"),
+        "algbw_gbps": med("algbw_gbps"),
+        "lag_p99_ms": med("lag_p99_ms"),
         "rss_growth_mib": max((s["rss_growth_mib"] for s in sums), default=float("nan")),
         "correct": all(s["correct"] for s in sums),
         "wrong_ranks": sorted({r for rec, _ in pairs for r in rec.get("wrong_ranks", [])}),
@@ -60,8 +65,9 @@ def _combine(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, An
     return out
 
 
-def aggregate(rounds: list[dict[str, Any]], cases: list[Case], world_size: int,
-              compare: str | None = None) -> list[dict[str, Any]]:
+def aggregate(
+    rounds: list[dict[str, Any]], cases: list[Case], world_size: int, compare: str | None = None
+) -> list[dict[str, Any]]:
     """One summary row per case: per-backend medians over rounds and the ratios.
 
     With ``compare`` (the ``--compare`` transport) a row also holds ``"compare"`` (the
@@ -75,11 +81,18 @@ def aggregate(rounds: list[dict[str, Any]], cases: list[Case], world_size: int,
     rows = []
     for case in cases:
         key = (case.name, case.size)
-        row: dict[str, Any] = {"name": case.name, "collective": case.collective,
-                               "concurrency": case.concurrency, "size": case.size}
+        row: dict[str, Any] = {
+            "name": case.name,
+            "collective": case.collective,
+            "concurrency": case.concurrency,
+            "size": case.size,
+        }
         for backend in backends:
-            pairs = [(idx[backend][key], summarize(idx[backend][key], world_size))
-                     for idx in indexed if key in idx[backend]]
+            pairs = [
+                (idx[backend][key], summarize(idx[backend][key], world_size))
+                for idx in indexed
+                if key in idx[backend]
+            ]
             row[backend] = _combine(pairs) if pairs else None
             if pairs:
                 row.setdefault("bytes", pairs[0][0]["bytes"])
@@ -103,9 +116,13 @@ def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str) -> floa
 
 def all_correct(rows: list[dict[str, Any]]) -> bool:
     """False if any backend got a wrong result for any case (or measured nothing)."""
-    return all(row["aiocollect"] is not None and row["aiocollect"]["correct"]
-               and (row["gloo"] is None or row["gloo"]["correct"])
-               and (row.get("compare") is None or row["compare"]["correct"]) for row in rows)
+    return all(
+        row["aiocollect"] is not None
+        and row["aiocollect"]["correct"]
+        and (row["gloo"] is None or row["gloo"]["correct"])
+        and (row.get("compare") is None or row["compare"]["correct"])
+        for row in rows
+    )
 
 
 # -- the table ----------------------------------------------------------------------------
@@ -124,8 +141,9 @@ def _check(row: dict[str, Any]) -> str:
         return "MISSING"
     if not ac["correct"]:
         return f"WRONG (ranks {ac['wrong_ranks']})"
-    wrong = ([row["compare_transport"]] if cmp is not None and not cmp["correct"] else []) \
-        + (["gloo"] if gl is not None and not gl["correct"] else [])
+    wrong = ([row["compare_transport"]] if cmp is not None and not cmp["correct"] else []) + (
+        ["gloo"] if gl is not None and not gl["correct"] else []
+    )
     if wrong:
         return f"ok ({', '.join(wrong)} WRONG)"
     return "ok"
@@ -137,45 +155,67 @@ def _x(value: float) -> str:
 
 def _line(row: dict[str, Any], baseline: bool, compare: str | None) -> list[str]:
     ac, gl = row["aiocollect"], row["gloo"]
-    line = [format_size(row["size"]), row.get("aiocollect_algorithm", "auto"),
-            str(ac["iters"])]
+    line = [format_size(row["size"]), row.get("aiocollect_algorithm", "auto"), str(ac["iters"])]
     if row["concurrency"] > 1:
-        line += [format_time(ac["p50_us"]), format_time(ac["seq_p50_us"]),
-                 _x(ac["concurrent_ratio"])]
+        line += [
+            format_time(ac["p50_us"]),
+            format_time(ac["seq_p50_us"]),
+            _x(ac["concurrent_ratio"]),
+        ]
     else:
-        line += [format_time(ac["p50_us"]), format_time(ac["p99_us"]),
-                 format_time(ac["mean_us"])]
-    line += [format_number(ac["busbw_gbps"], 3), format_number(ac["lag_p99_ms"], 2),
-             format_number(ac["rss_growth_mib"], 1)]
+        line += [format_time(ac["p50_us"]), format_time(ac["p99_us"]), format_time(ac["mean_us"])]
+    line += [
+        format_number(ac["busbw_gbps"], 3),
+        format_number(ac["lag_p99_ms"], 2),
+        format_number(ac["rss_growth_mib"], 1),
+    ]
     if compare is not None:
         cmp = row["compare"]
-        line += [format_time(cmp["p50_us"]) if cmp else "-",
-                 format_number(cmp["busbw_gbps"], 3) if cmp else "-",
-                 _x(row["compare_bw_ratio"])]
+        line += [
+            format_time(cmp["p50_us"]) if cmp else "-",
+            format_number(cmp["busbw_gbps"], 3) if cmp else "-",
+            _x(row["compare_bw_ratio"]),
+        ]
     if baseline:
         if row["concurrency"] > 1:
             line += [_x(gl["concurrent_ratio"]) if gl else "-"]
         else:
-            line += [format_time(gl["p50_us"]) if gl else "-",
-                     format_number(gl["busbw_gbps"], 3) if gl else "-",
-                     _x(row["bw_ratio"]), _x(row["lat_ratio"])]
+            line += [
+                format_time(gl["p50_us"]) if gl else "-",
+                format_number(gl["busbw_gbps"], 3) if gl else "-",
+                _x(row["bw_ratio"]),
+                _x(row["lat_ratio"]),
+            ]
     return [*line, _check(row)]
 
 
-def _headers(concurrency: int, baseline: bool, transport: str = "",
-             compare: str | None = None) -> list[str]:
+def _headers(
+    concurrency: int, baseline: bool, transport: str = "", compare: str | None = None
+) -> list[str]:
     if concurrency > 1:
-        head = ["size", "algorithm", "iters", f"{concurrency} conc p50",
-                f"{concurrency} seq p50", "conc/seq"]
+        head = [
+            "size",
+            "algorithm",
+            "iters",
+            f"{concurrency} conc p50",
+            f"{concurrency} seq p50",
+            "conc/seq",
+        ]
     else:
         head = ["size", "algorithm", "iters", "p50", "p99", "mean"]
     head += ["busbw GB/s", "lag p99 ms", "rss+ MiB"]
     if compare is not None:
-        head += [f"{compare} conc p50" if concurrency > 1 else f"{compare} p50",
-                 f"{compare} GB/s", f"{transport}/{compare} bw"]
+        head += [
+            f"{compare} conc p50" if concurrency > 1 else f"{compare} p50",
+            f"{compare} GB/s",
+            f"{transport}/{compare} bw",
+        ]
     if baseline:
-        head += (["gloo conc/seq"] if concurrency > 1
-                 else ["gloo p50", "gloo GB/s", "bw ratio", "lat ratio"])
+        head += (
+            ["gloo conc/seq"]
+            if concurrency > 1
+            else ["gloo p50", "gloo GB/s", "bw ratio", "lat ratio"]
+        )
     return [*head, "check"]
 
 
@@ -191,8 +231,9 @@ def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     transport's p50 and busbw, and the busbw ratio), whether or not its rounds succeeded.
     """
     baseline = any(row["gloo"] is not None for row in rows)
-    compare: str | None = next((row["compare_transport"] for row in rows
-                                if "compare_transport" in row), None)
+    compare: str | None = next(
+        (row["compare_transport"] for row in rows if "compare_transport" in row), None
+    )
     transport = meta["transport"]
     out: list[str] = []
     names = list(dict.fromkeys(row["name"] for row in rows))
@@ -200,10 +241,14 @@ def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         group = [r for r in rows if r["name"] == name and r["aiocollect"] is not None]
         if not group:
             continue
-        out.append(f"{name}: {meta['world_size']} ranks, {over(transport, compare)}, "
-                   f"{meta['dtype']}, median of {meta['rounds']} rounds")
-        out += _render(_headers(group[0]["concurrency"], baseline, transport, compare),
-                       [_line(r, baseline, compare) for r in group])
+        out.append(
+            f"{name}: {meta['world_size']} ranks, {over(transport, compare)}, "
+            f"{meta['dtype']}, median of {meta['rounds']} rounds"
+        )
+        out += _render(
+            _headers(group[0]["concurrency"], baseline, transport, compare),
+            [_line(r, baseline, compare) for r in group],
+        )
         out.append("")
     out += [
         "p50/p99: per iteration, the slowest rank; mean: the slowest rank's batch time / "
@@ -213,19 +258,25 @@ def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "growth in the timed iterations, max over ranks and rounds.",
     ]
     if compare is not None:
-        out.append(f"{compare} p50, {compare} GB/s: aiocollect over {compare} (--compare); "
-                   f"{transport}/{compare} bw: busbw over {transport} / busbw over {compare}, "
-                   f"medians over rounds (>1 favours {transport}).")
+        out.append(
+            f"{compare} p50, {compare} GB/s: aiocollect over {compare} (--compare); "
+            f"{transport}/{compare} bw: busbw over {transport} / busbw over {compare}, "
+            f"medians over rounds (>1 favours {transport})."
+        )
     if baseline:
-        out.append("bw ratio: aiocollect/gloo busbw (>1 favours aiocollect); lat ratio: "
-                   "aiocollect/gloo p50 (<1 favours aiocollect); conc/seq: K in flight / K "
-                   "in sequence.")
+        out.append(
+            "bw ratio: aiocollect/gloo busbw (>1 favours aiocollect); lat ratio: "
+            "aiocollect/gloo p50 (<1 favours aiocollect); conc/seq: K in flight / K "
+            "in sequence."
+        )
     synced = [r for r in rows if r["aiocollect"] and "sync_p50_us" in r["aiocollect"]]
     if synced:
         which = ", ".join(dict.fromkeys(r["name"] for r in synced))
         floor = median([r["aiocollect"]["sync_p50_us"] for r in synced])
-        out.append(f"{which}: every iteration ends with a barrier, so the root waits for "
-                   f"the receivers (aiocollect's barrier alone: p50 {format_time(floor)}).")
+        out.append(
+            f"{which}: every iteration ends with a barrier, so the root waits for "
+            f"the receivers (aiocollect's barrier alone: p50 {format_time(floor)})."
+        )
     if meta.get("baseline_note"):
         out.append(meta["baseline_note"])
     if meta.get("load_warning"):
@@ -284,8 +335,7 @@ class LoadWatch:
         self.start_load = load_average()
         self.samples: list[float] = [self.start_load[0]] if self.start_load else []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-load-watch",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="bench-load-watch", daemon=True)
 
     def __enter__(self) -> LoadWatch:
         self._thread.start()
@@ -313,9 +363,14 @@ class LoadWatch:
     def summary(self) -> dict[str, Any]:
         end = self.samples[-1] if self.samples else None
         peak = max(self.samples) if self.samples else None
-        return {"cores": self.cores, "start": self.start_load[0] if self.start_load else None,
-                "end": end, "max": peak, "samples": len(self.samples),
-                "warning": load_warning(peak, self.cores)}
+        return {
+            "cores": self.cores,
+            "start": self.start_load[0] if self.start_load else None,
+            "end": end,
+            "max": peak,
+            "samples": len(self.samples),
+            "warning": load_warning(peak, self.cores),
+        }
 
 
 def load_warning(peak: float | None, ncores: int) -> str | None:
@@ -323,9 +378,11 @@ def load_warning(peak: float | None, ncores: int) -> str | None:
     CPUs, or None when it stayed at or below the cores."""
     if peak is None or peak <= ncores:
         return None
-    return (f"the load average reached {peak:.2f} on {ncores} cores during this run: "
-            "the machine was busy, so these figures are taken under load (compare "
-            "same-run ratios, not absolute times)")
+    return (
+        f"the load average reached {peak:.2f} on {ncores} cores during this run: "
+        "the machine was busy, so these figures are taken under load (compare "
+        "same-run ratios, not absolute times)"
+    )
 
 
 def machine_info(loop: str) -> dict[str, Any]:
@@ -337,12 +394,19 @@ def machine_info(loop: str) -> dict[str, Any]:
         affinity = None
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "hostname": platform.node(), "platform": platform.platform(), "cpu": _cpu_model(),
-        "nproc": os.cpu_count(), "affinity_cpus": affinity,
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "nproc": os.cpu_count(),
+        "affinity_cpus": affinity,
         "python": platform.python_version(),
-        "implementation": platform.python_implementation(), "aiocollect": __version__,
-        "numpy": np.__version__, "event_loop": loop, "uvloop": _version("uvloop"),
-        "torch": _version("torch"), "matplotlib": _version("matplotlib"),
+        "implementation": platform.python_implementation(),
+        "aiocollect": __version__,
+        "numpy": np.__version__,
+        "event_loop": loop,
+        "uvloop": _version("uvloop"),
+        "torch": _version("torch"),
+        "matplotlib": _version("matplotlib"),
         "loadavg_end": load_average(),
     }
 

@@ -73,11 +73,23 @@ class _Leg:
 def _legs(plan: Plan) -> list[_Leg]:
     """What one round runs, in order: aiocollect, the compared transport, the baseline."""
     main = plan.options
-    legs = [_Leg("aiocollect", "aiocollect", main,
-                 f"aiocollect/{main.transport}" if plan.compare else "aiocollect")]
+    legs = [
+        _Leg(
+            "aiocollect",
+            "aiocollect",
+            main,
+            f"aiocollect/{main.transport}" if plan.compare else "aiocollect",
+        )
+    ]
     if plan.compare:
-        legs.append(_Leg("compare", "aiocollect", replace(main, transport=plan.compare),
-                         f"aiocollect/{plan.compare}"))
+        legs.append(
+            _Leg(
+                "compare",
+                "aiocollect",
+                replace(main, transport=plan.compare),
+                f"aiocollect/{plan.compare}",
+            )
+        )
     if plan.baseline:
         legs.append(_Leg(plan.baseline, plan.baseline, main, plan.baseline))
     return legs
@@ -106,14 +118,17 @@ def run_rounds(plan: Plan) -> list[dict[str, Any]]:
         for leg in legs:
             result: dict[str, Any]
             try:
-                result = run_round(plan, leg.backend, label, options=leg.options,
-                                   name=leg.name)
+                result = run_round(plan, leg.backend, label, options=leg.options, name=leg.name)
             except RoundFailed as exc:
                 if leg.key == "aiocollect":
                     raise
                 role = "compared" if leg.key == "compare" else "baseline"
-                print(f"aiocollect bench: {leg.name} {role} round {label} failed: {exc}; "
-                      "continuing without it", file=sys.stderr, flush=True)
+                print(
+                    f"aiocollect bench: {leg.name} {role} round {label} failed: {exc}; "
+                    "continuing without it",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 result = {"error": str(exc)}
             if leg.key == "compare":
                 result["transport"] = plan.compare
@@ -122,8 +137,14 @@ def run_rounds(plan: Plan) -> list[dict[str, Any]]:
     return rounds
 
 
-def run_round(plan: Plan, backend: str, label: str, *, options: RankOptions | None = None,
-              name: str | None = None) -> dict[str, Any]:
+def run_round(
+    plan: Plan,
+    backend: str,
+    label: str,
+    *,
+    options: RankOptions | None = None,
+    name: str | None = None,
+) -> dict[str, Any]:
     """Start ``world_size`` ranks of ``backend``, wait for them, return rank 0's result.
 
     ``options`` replaces ``plan.options`` (e.g. another transport); ``name`` tags the
@@ -139,15 +160,33 @@ def run_round(plan: Plan, backend: str, label: str, *, options: RankOptions | No
         procs: list[subprocess.Popen[bytes]] = []
         try:
             for rank in range(plan.world_size):
-                cmd = [sys.executable, "-m", "aiocollect.bench.worker", "--backend", backend,
-                       "--rank", str(rank), "--world-size", str(plan.world_size),
-                       "--rendezvous", rendezvous, "--config", config, "--label", label,
-                       "--result", str(result)]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "aiocollect.bench.worker",
+                    "--backend",
+                    backend,
+                    "--rank",
+                    str(rank),
+                    "--world-size",
+                    str(plan.world_size),
+                    "--rendezvous",
+                    rendezvous,
+                    "--config",
+                    config,
+                    "--label",
+                    label,
+                    "--result",
+                    str(result),
+                ]
                 if name is not None and name != backend:
                     cmd += ["--name", name]
                 # Worker stdout goes to our stderr: our stdout is the table.
-                procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
-                                              stdout=sys.stderr.fileno()))
+                procs.append(
+                    subprocess.Popen(
+                        cmd, env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno()
+                    )
+                )
             wait_all(procs, plan.round_timeout, f"{what} round {label}")
         finally:
             stop_all(procs)
@@ -179,8 +218,7 @@ def wait_all(procs: list[subprocess.Popen[bytes]], timeout: float, what: str) ->
         if now > deadline:
             raise RoundFailed(f"{what} did not finish within {timeout:g} s")
         time.sleep(0.05)
-    bad = [(rank, p.returncode) for rank, p in enumerate(procs)
-           if p.returncode not in (None, 0)]
+    bad = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode not in (None, 0)]
     if bad:
         text = ", ".join(f"rank {rank} exited with status {code}" for rank, code in bad)
         raise RoundFailed(f"{what}: {text} (see its messages above)")

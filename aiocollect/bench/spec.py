@@ -131,8 +131,10 @@ def parse_collective(name: str) -> tuple[str, int]:
             raise ValueError(f"{name}: concurrency must be at least 2")
     text = text.replace("-", "_")
     if text not in COLLECTIVES:
-        raise ValueError(f"unknown collective {name!r}; choose from {', '.join(COLLECTIVES)}"
-                         " (optionally with -concurrentK, e.g. allreduce-concurrent4)")
+        raise ValueError(
+            f"unknown collective {name!r}; choose from {', '.join(COLLECTIVES)}"
+            " (optionally with -concurrentK, e.g. allreduce-concurrent4)"
+        )
     return text, concurrency
 
 
@@ -194,8 +196,9 @@ def _equal(actual: Array, base: int, ramp: Array, scale: int = 1) -> bool:
     return bool(np.array_equal(actual.reshape(-1), expected))
 
 
-def fill(collective: str, send: Array, out: Array | None, rank: int, world_size: int,
-         offset: int = 0) -> None:
+def fill(
+    collective: str, send: Array, out: Array | None, rank: int, world_size: int, offset: int = 0
+) -> None:
     """Write the rank-dependent input of ``collective`` (``offset`` tells concurrent
     instances apart) and clear the output."""
     n, c = world_size, send.size
@@ -218,8 +221,9 @@ def fill(collective: str, send: Array, out: Array | None, rank: int, world_size:
         raise ValueError(f"unknown collective {collective!r}")
 
 
-def verify(collective: str, send: Array, out: Array | None, rank: int, world_size: int,
-           offset: int = 0) -> bool:
+def verify(
+    collective: str, send: Array, out: Array | None, rank: int, world_size: int, offset: int = 0
+) -> bool:
     """Whether this rank's buffers hold the closed-form result of :func:`fill`'s input."""
     n = world_size
     total = n * (n + 1) // 2 + n * offset
@@ -231,12 +235,16 @@ def verify(collective: str, send: Array, out: Array | None, rank: int, world_siz
         return _equal(send, 1 + offset, _ramp(send.size, 13))
     assert out is not None
     if collective == "allgather":
-        return all(_equal(row, j + 1 + offset, _ramp(row.size, 5))
-                   for j, row in enumerate(out.reshape(n, -1)))
+        return all(
+            _equal(row, j + 1 + offset, _ramp(row.size, 5))
+            for j, row in enumerate(out.reshape(n, -1))
+        )
     if collective == "reduce_scatter":
         return _equal(out, total, _ramp(out.size, 7, rank * out.size), n)
     if collective == "alltoall":
         per = out.size // n
-        return all(_equal(block, j * n + rank + 1 + offset, _ramp(per, 3))
-                   for j, block in enumerate(out.reshape(n, per)))
+        return all(
+            _equal(block, j * n + rank + 1 + offset, _ramp(per, 3))
+            for j, block in enumerate(out.reshape(n, per))
+        )
     raise ValueError(f"unknown collective {collective!r}")

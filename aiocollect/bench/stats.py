@@ -43,11 +43,15 @@ def summarize(record: dict[str, Any], world_size: int) -> dict[str, Any]:
     mean = float(record.get("mean_us") or p50)
     algbw = nbytes / (mean * 1e-6) / 1e9 if mean > 0 else float("nan")
     out: dict[str, Any] = {
-        "p50_us": p50, "p99_us": percentile(times, 99), "mean_us": mean,
-        "busbw_gbps": factor * algbw, "algbw_gbps": algbw,
+        "p50_us": p50,
+        "p99_us": percentile(times, 99),
+        "mean_us": mean,
+        "busbw_gbps": factor * algbw,
+        "algbw_gbps": algbw,
         "iters": len(times),
         "rss_growth_mib": max(record.get("rss_growth_mib") or [float("nan")]),
-        "lag_p99_ms": float("nan"), "correct": bool(record["correct"]),
+        "lag_p99_ms": float("nan"),
+        "correct": bool(record["correct"]),
     }
     lag = record.get("lag_us")
     if lag and lag.get("samples"):
@@ -78,17 +82,22 @@ def format_number(value: float, digits: int = 2, suffix: str = "") -> str:
     return "-" if value != value else f"{value:.{digits}f}{suffix}"
 
 
-def progress_line(backend: str, round_label: str, record: dict[str, Any],
-                  world_size: int) -> str:
+def progress_line(backend: str, round_label: str, record: dict[str, Any], world_size: int) -> str:
     """``[aiocollect r1/3 allreduce 1M] 37 iters p50 … p99 … busbw … ok`` (one per case)."""
     s = summarize(record, world_size)
-    parts = [f"[{backend} {round_label} {record['name']} {format_size(record['size'])}]",
-             f"{s['iters']} iters", f"p50 {format_time(s['p50_us'])}",
-             f"p99 {format_time(s['p99_us'])}", f"mean {format_time(s['mean_us'])}",
-             f"busbw {format_number(s['busbw_gbps'], 3)} GB/s"]
+    parts = [
+        f"[{backend} {round_label} {record['name']} {format_size(record['size'])}]",
+        f"{s['iters']} iters",
+        f"p50 {format_time(s['p50_us'])}",
+        f"p99 {format_time(s['p99_us'])}",
+        f"mean {format_time(s['mean_us'])}",
+        f"busbw {format_number(s['busbw_gbps'], 3)} GB/s",
+    ]
     if "concurrent_ratio" in s:
-        parts.append(f"seq p50 {format_time(s['seq_p50_us'])} "
-                     f"conc/seq {format_number(s['concurrent_ratio'], 2)}")
+        parts.append(
+            f"seq p50 {format_time(s['seq_p50_us'])} "
+            f"conc/seq {format_number(s['concurrent_ratio'], 2)}"
+        )
     if s["lag_p99_ms"] == s["lag_p99_ms"]:
         parts.append(f"lag p99 {s['lag_p99_ms']:.2f}ms")
     parts.append(f"rss+ {format_number(s['rss_growth_mib'], 1)}MiB")

@@ -159,8 +159,12 @@ class LagProbe:
         with contextlib.suppress(asyncio.CancelledError):
             await task
         s = self.samples
-        return {"samples": len(s), "p50": percentile(s, 50), "p99": percentile(s, 99),
-                "max": max(s) if s else float("nan")}
+        return {
+            "samples": len(s),
+            "p50": percentile(s, 50),
+            "p99": percentile(s, 99),
+            "max": max(s) if s else float("nan"),
+        }
 
 
 # -- measuring ----------------------------------------------------------------------------
@@ -224,11 +228,17 @@ async def measure(backend: Backend, case: Case, cfg: SweepConfig) -> dict[str, A
     worst = per_rank.max(axis=0)
     extra: dict[str, Any] = {}
     if synced:
-        barriers = gathered[:, body:body + len(sync)].max(axis=0) * 1e6
+        barriers = gathered[:, body : body + len(sync)].max(axis=0) * 1e6
         extra = {"sync": "barrier", "sync_p50_us": round(float(np.median(barriers)), 1)}
     return {
-        "collective": coll, "name": case.name, "concurrency": k, "size": case.size,
-        "bytes": shp.total_bytes, "count": shp.count, "dtype": cfg.dtype, "iters": iters,
+        "collective": coll,
+        "name": case.name,
+        "concurrency": k,
+        "size": case.size,
+        "bytes": shp.total_bytes,
+        "count": shp.count,
+        "dtype": cfg.dtype,
+        "iters": iters,
         "algorithm": backend.algorithm_for(coll, shp),
         "times_us": [round(float(t), 1) for t in worst[0]],
         "seq_times_us": [round(float(t), 1) for t in worst[1]] if k > 1 else None,
@@ -263,8 +273,9 @@ async def _check(backend: Backend, coll: str, sets: list[Buffers]) -> bool:
         await backend.run(coll, sets[0])
     else:
         await backend.run_many(coll, sets)
-    return all(verify(coll, bufs.send, bufs.out, rank, n, offset)
-               for offset, bufs in enumerate(sets))
+    return all(
+        verify(coll, bufs.send, bufs.out, rank, n, offset) for offset, bufs in enumerate(sets)
+    )
 
 
 async def idle_lag(backend: Backend, seconds: float = 0.2) -> dict[str, Any] | None:

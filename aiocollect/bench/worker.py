@@ -60,8 +60,9 @@ def decode(text: str) -> tuple[SweepConfig, RankOptions]:
     return SweepConfig(**sweep), RankOptions(**doc["options"])
 
 
-async def sweep(backend: Backend, cfg: SweepConfig, label: str,
-                name: str | None = None) -> dict[str, Any]:
+async def sweep(
+    backend: Backend, cfg: SweepConfig, label: str, name: str | None = None
+) -> dict[str, Any]:
     """Measure every case once (one round); rank 0's result holds the records.
 
     ``name`` tags the progress lines (default: the backend's name).
@@ -72,28 +73,55 @@ async def sweep(backend: Backend, cfg: SweepConfig, label: str,
         record = await measure(backend, case, cfg)
         if record is not None:
             records.append(record)
-            print(progress_line(name or backend.name, label, record, backend.world_size),
-                  file=sys.stderr, flush=True)
-    return {"backend": backend.name, "label": label, "idle_lag_us": idle, "records": records,
-            "loop": type(asyncio.get_running_loop()).__module__.split(".")[0]}
+            print(
+                progress_line(name or backend.name, label, record, backend.world_size),
+                file=sys.stderr,
+                flush=True,
+            )
+    return {
+        "backend": backend.name,
+        "label": label,
+        "idle_lag_us": idle,
+        "records": records,
+        "loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
+    }
 
 
-async def aiocollect_rounds(rank: int, world_size: int, store: str, cfg: SweepConfig,
-                            opts: RankOptions, labels: Sequence[str],
-                            name: str | None = None) -> list[dict[str, Any]]:
+async def aiocollect_rounds(
+    rank: int,
+    world_size: int,
+    store: str,
+    cfg: SweepConfig,
+    opts: RankOptions,
+    labels: Sequence[str],
+    name: str | None = None,
+) -> list[dict[str, Any]]:
     """Open one aiocollect group and run one round per label in it (``name``: see
     :func:`sweep`)."""
     from aiocollect.api import open_group
 
-    async with open_group(rank, world_size, store=store, transport=opts.transport,
-                          chunk_bytes=opts.chunk_bytes, timeout=opts.timeout,
-                          name="bench") as group:
+    async with open_group(
+        rank,
+        world_size,
+        store=store,
+        transport=opts.transport,
+        chunk_bytes=opts.chunk_bytes,
+        timeout=opts.timeout,
+        name="bench",
+    ) as group:
         backend = AiocollectBackend(group, opts.algorithm)
         return [await sweep(backend, cfg, label, name) for label in labels]
 
 
-def gloo_round(rank: int, world_size: int, init_method: str, cfg: SweepConfig,
-               opts: RankOptions, label: str, name: str | None = None) -> dict[str, Any]:
+def gloo_round(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    cfg: SweepConfig,
+    opts: RankOptions,
+    label: str,
+    name: str | None = None,
+) -> dict[str, Any]:
     """Join a torch.distributed gloo group through ``init_method`` and run one round."""
     import warnings
 
@@ -103,8 +131,13 @@ def gloo_round(rank: int, world_size: int, init_method: str, cfg: SweepConfig,
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=opts.timeout))
+    dist.init_process_group(
+        "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=opts.timeout),
+    )
     try:
         return asyncio.run(sweep(GlooBackend(torch, rank, world_size), cfg, label, name))
     finally:
@@ -147,8 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("aiocollect", "gloo"), required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--rendezvous", required=True,
-                        help="aiocollect store URL or gloo init_method")
+    parser.add_argument(
+        "--rendezvous", required=True, help="aiocollect store URL or gloo init_method"
+    )
     parser.add_argument("--config", required=True)
     parser.add_argument("--label", required=True)
     parser.add_argument("--result", type=Path, required=True)
@@ -158,11 +192,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg, opts = decode(ns.config)
     try:
         if ns.backend == "aiocollect":
-            rounds = run_loop(opts.loop, aiocollect_rounds(
-                ns.rank, ns.world_size, ns.rendezvous, cfg, opts, [ns.label], ns.name))
+            rounds = run_loop(
+                opts.loop,
+                aiocollect_rounds(
+                    ns.rank, ns.world_size, ns.rendezvous, cfg, opts, [ns.label], ns.name
+                ),
+            )
         else:
-            rounds = [gloo_round(ns.rank, ns.world_size, ns.rendezvous, cfg, opts, ns.label,
-                                 ns.name)]
+            rounds = [
+                gloo_round(ns.rank, ns.world_size, ns.rendezvous, cfg, opts, ns.label, ns.name)
+            ]
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the parent reports
         return 130
     if ns.rank == 0:

@@ -64,41 +64,69 @@ class UsageFailure(Exception):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=PROG, description="Measure latency (p50/p99) and bus bandwidth of collectives "
+        prog=PROG,
+        description="Measure latency (p50/p99) and bus bandwidth of collectives "
         "over a sweep of sizes, optionally against torch.distributed's gloo backend.",
         epilog="Collectives: " + ", ".join(COLLECTIVES) + "; NAME-concurrentK runs K at "
         "once and compares with K in sequence. Sizes: 4, 4K, 1M, ranges A..B (x4 steps) "
-        "or A..B:F (xF steps), comma-separated.")
-    p.add_argument("collectives", nargs="*", metavar="COLLECTIVE", default=["allreduce"],
-                   help="collectives to measure (default: allreduce)")
+        "or A..B:F (xF steps), comma-separated.",
+    )
+    p.add_argument(
+        "collectives",
+        nargs="*",
+        metavar="COLLECTIVE",
+        default=["allreduce"],
+        help="collectives to measure (default: allreduce)",
+    )
     p.add_argument("-n", "--nproc", type=int, default=2, help="number of ranks (default 2)")
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"default {DEFAULT_SIZES}")
     p.add_argument("--transport", default="tcp", choices=TRANSPORTS)
-    p.add_argument("--compare", choices=TRANSPORTS, metavar="TRANSPORT",
-                   help="also measure aiocollect over this transport (not --transport) in "
-                   "every round and report busbw ratios; one of " + ", ".join(TRANSPORTS))
+    p.add_argument(
+        "--compare",
+        choices=TRANSPORTS,
+        metavar="TRANSPORT",
+        help="also measure aiocollect over this transport (not --transport) in "
+        "every round and report busbw ratios; one of " + ", ".join(TRANSPORTS),
+    )
     p.add_argument("--dtype", default="float32", choices=DTYPES)
-    p.add_argument("--iters", type=int, help="timed iterations per size (default: "
-                   "adaptive, about --seconds per size, at least 5)")
-    p.add_argument("--seconds", type=float, default=0.3,
-                   help="target time per size for adaptive iterations (default 0.3)")
+    p.add_argument(
+        "--iters",
+        type=int,
+        help="timed iterations per size (default: adaptive, about --seconds per size, at least 5)",
+    )
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=0.3,
+        help="target time per size for adaptive iterations (default 0.3)",
+    )
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations (default 5)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="repeat the sweep, report medians (default 3)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="repeat the sweep, report medians (default 3)"
+    )
     p.add_argument("--algorithm", default="auto", help="passed to the collectives unless auto")
-    p.add_argument("--concurrent", type=int, metavar="K",
-                   help="run every collective as NAME-concurrentK")
+    p.add_argument(
+        "--concurrent", type=int, metavar="K", help="run every collective as NAME-concurrentK"
+    )
     p.add_argument("--chunk-bytes", help="aiocollect pipelining chunk size (e.g. 1M)")
-    p.add_argument("--baseline", choices=("gloo", "none"), default="none",
-                   help="also measure torch.distributed with gloo (needs torch)")
+    p.add_argument(
+        "--baseline",
+        choices=("gloo", "none"),
+        default="none",
+        help="also measure torch.distributed with gloo (needs torch)",
+    )
     p.add_argument("--json", type=Path, metavar="F", help="write every number to F")
     p.add_argument("--plot", type=Path, metavar="F.png", help="draw bandwidth and latency")
-    p.add_argument("--loop", choices=("uvloop", "asyncio"),
-                   default="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-                   help="event loop of the aiocollect ranks (default: uvloop if installed)")
+    p.add_argument(
+        "--loop",
+        choices=("uvloop", "asyncio"),
+        default="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+        help="event loop of the aiocollect ranks (default: uvloop if installed)",
+    )
     p.add_argument("--no-lag-probe", action="store_true", help="do not probe loop lag")
-    p.add_argument("--timeout", type=float, default=900.0,
-                   help="seconds allowed per round (default 900)")
+    p.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds allowed per round (default 900)"
+    )
     p.add_argument("--store", help="join a multi-node run through this store URL")
     p.add_argument("--rank", type=int, help="this process's rank (with --store)")
     return p
@@ -118,8 +146,12 @@ def _cases(ns: argparse.Namespace) -> list[Case]:
 def _validate(ns: argparse.Namespace) -> None:
     if ns.nproc < 1:
         raise UsageFailure(f"-n must be at least 1, got {ns.nproc}")
-    for name, value, low in (("--iters", ns.iters, 1), ("--rounds", ns.rounds, 1),
-                             ("--warmup", ns.warmup, 0), ("--concurrent", ns.concurrent, 2)):
+    for name, value, low in (
+        ("--iters", ns.iters, 1),
+        ("--rounds", ns.rounds, 1),
+        ("--warmup", ns.warmup, 0),
+        ("--concurrent", ns.concurrent, 2),
+    ):
         if value is not None and value < low:
             raise UsageFailure(f"{name} must be at least {low}, got {value}")
     if ns.seconds <= 0 or ns.timeout <= 0:
@@ -129,14 +161,19 @@ def _validate(ns: argparse.Namespace) -> None:
     if ns.rank is not None and not 0 <= ns.rank < ns.nproc:
         raise UsageFailure(f"--rank must be in [0, {ns.nproc}), got {ns.rank}")
     if ns.store is not None and ns.baseline != "none":
-        raise UsageFailure("--baseline is only available when this command spawns the ranks "
-                           "(not with --store/--rank)")
+        raise UsageFailure(
+            "--baseline is only available when this command spawns the ranks "
+            "(not with --store/--rank)"
+        )
     if ns.compare is not None and ns.compare == ns.transport:
-        raise UsageFailure(f"--compare must name a transport other than --transport "
-                           f"(both are {ns.transport})")
+        raise UsageFailure(
+            f"--compare must name a transport other than --transport (both are {ns.transport})"
+        )
     if ns.store is not None and ns.compare is not None:
-        raise UsageFailure("--compare is only available when this command spawns the ranks "
-                           "(not with --store/--rank)")
+        raise UsageFailure(
+            "--compare is only available when this command spawns the ranks "
+            "(not with --store/--rank)"
+        )
     if ns.plot is not None and not plotting.available():
         raise UsageFailure(plotting.MISSING)
 
@@ -150,17 +187,35 @@ def _plan(ns: argparse.Namespace) -> tuple[Plan, list[Case], str | None]:
     note = None
     baseline = None if ns.baseline == "none" else ns.baseline
     if baseline == "gloo" and importlib.util.find_spec("torch") is None:
-        note = ("baseline gloo: torch is not installed, so this run has no gloo baseline "
-                "(pip install torch, or pip install 'aiocollect[torch]')")
+        note = (
+            "baseline gloo: torch is not installed, so this run has no gloo baseline "
+            "(pip install torch, or pip install 'aiocollect[torch]')"
+        )
         print(f"{PROG}: {note}", file=sys.stderr, flush=True)
         baseline = None
-    sweep = SweepConfig(cases=cases, dtype=ns.dtype, warmup=ns.warmup, iters=ns.iters,
-                        seconds=ns.seconds, lag_probe=not ns.no_lag_probe)
-    options = RankOptions(transport=ns.transport, chunk_bytes=chunk,
-                          algorithm=None if ns.algorithm == "auto" else ns.algorithm,
-                          loop=ns.loop)
-    plan = Plan(world_size=ns.nproc, rounds=ns.rounds, sweep=sweep, options=options,
-                baseline=baseline, compare=ns.compare, round_timeout=ns.timeout)
+    sweep = SweepConfig(
+        cases=cases,
+        dtype=ns.dtype,
+        warmup=ns.warmup,
+        iters=ns.iters,
+        seconds=ns.seconds,
+        lag_probe=not ns.no_lag_probe,
+    )
+    options = RankOptions(
+        transport=ns.transport,
+        chunk_bytes=chunk,
+        algorithm=None if ns.algorithm == "auto" else ns.algorithm,
+        loop=ns.loop,
+    )
+    plan = Plan(
+        world_size=ns.nproc,
+        rounds=ns.rounds,
+        sweep=sweep,
+        options=options,
+        baseline=baseline,
+        compare=ns.compare,
+        round_timeout=ns.timeout,
+    )
     return plan, cases, note
 
 
@@ -169,52 +224,92 @@ def _measure(ns: argparse.Namespace, plan: Plan) -> list[dict[str, Any]] | None:
     if ns.store is None:
         return run_rounds(plan)
     labels = [f"r{i + 1}/{plan.rounds}" for i in range(plan.rounds)]
-    results = run_loop(plan.options.loop, aiocollect_rounds(
-        ns.rank, plan.world_size, ns.store, plan.sweep, plan.options, labels))
+    results = run_loop(
+        plan.options.loop,
+        aiocollect_rounds(ns.rank, plan.world_size, ns.store, plan.sweep, plan.options, labels),
+    )
     if ns.rank != 0:
         return None
     return [{"round": i + 1, "aiocollect": r} for i, r in enumerate(results)]
 
 
-def _publish(ns: argparse.Namespace, argv: Sequence[str], plan: Plan, cases: list[Case],
-             rounds: list[dict[str, Any]], note: str | None,
-             load_start: list[float] | None, load: dict[str, Any] | None = None) -> bool:
+def _publish(
+    ns: argparse.Namespace,
+    argv: Sequence[str],
+    plan: Plan,
+    cases: list[Case],
+    rounds: list[dict[str, Any]],
+    note: str | None,
+    load_start: list[float] | None,
+    load: dict[str, Any] | None = None,
+) -> bool:
     """Print the table, write JSON and plot; True when every result was correct."""
     rows = report.aggregate(rounds, cases, plan.world_size, plan.compare)
-    idle = [r["aiocollect"]["idle_lag_us"]["p99"] for r in rounds
-            if r.get("aiocollect", {}).get("idle_lag_us")]
-    meta = {"world_size": plan.world_size, "transport": ns.transport, "dtype": ns.dtype,
-            "rounds": plan.rounds, "baseline_note": note,
-            "idle_lag_p99_ms": median(idle) / 1000 if idle else float("nan"),
-            "load_warning": load["warning"] if load else None}
+    idle = [
+        r["aiocollect"]["idle_lag_us"]["p99"]
+        for r in rounds
+        if r.get("aiocollect", {}).get("idle_lag_us")
+    ]
+    meta = {
+        "world_size": plan.world_size,
+        "transport": ns.transport,
+        "dtype": ns.dtype,
+        "rounds": plan.rounds,
+        "baseline_note": note,
+        "idle_lag_p99_ms": median(idle) / 1000 if idle else float("nan"),
+        "load_warning": load["warning"] if load else None,
+    }
     print(report.format_tables(rows, meta), flush=True)
     if meta["load_warning"]:
         print(f"{PROG}: WARNING: {meta['load_warning']}", file=sys.stderr)
     ok = report.all_correct(rows)
     loop = rounds[0].get("aiocollect", {}).get("loop", ns.loop) if rounds else ns.loop
     if ns.json is not None:
-        doc = {"tool": PROG, "command": shlex.join(["aiocollect", "bench", *argv]),
-               "machine": {**report.machine_info(loop), "loadavg_start": load_start},
-               "config": {"world_size": plan.world_size, "transport": ns.transport,
-                          "dtype": ns.dtype, "sizes": sorted({c.size for c in cases}),
-                          "collectives": list(dict.fromkeys(c.name for c in cases)),
-                          "rounds": plan.rounds, "iters": ns.iters, "warmup": ns.warmup,
-                          "seconds": ns.seconds, "algorithm": ns.algorithm,
-                          "chunk_bytes": plan.options.chunk_bytes, "loop": loop,
-                          "baseline": ns.baseline, "baseline_used": plan.baseline,
-                          "baseline_note": note, "multi_node": ns.store is not None,
-                          **({"compare": plan.compare} if plan.compare else {})},
-               "load": load, "load_warning": meta["load_warning"],
-               "ok": ok, "summary": rows, "rounds": rounds}
+        doc = {
+            "tool": PROG,
+            "command": shlex.join(["aiocollect", "bench", *argv]),
+            "machine": {**report.machine_info(loop), "loadavg_start": load_start},
+            "config": {
+                "world_size": plan.world_size,
+                "transport": ns.transport,
+                "dtype": ns.dtype,
+                "sizes": sorted({c.size for c in cases}),
+                "collectives": list(dict.fromkeys(c.name for c in cases)),
+                "rounds": plan.rounds,
+                "iters": ns.iters,
+                "warmup": ns.warmup,
+                "seconds": ns.seconds,
+                "algorithm": ns.algorithm,
+                "chunk_bytes": plan.options.chunk_bytes,
+                "loop": loop,
+                "baseline": ns.baseline,
+                "baseline_used": plan.baseline,
+                "baseline_note": note,
+                "multi_node": ns.store is not None,
+                **({"compare": plan.compare} if plan.compare else {}),
+            },
+            "load": load,
+            "load_warning": meta["load_warning"],
+            "ok": ok,
+            "summary": rows,
+            "rounds": rounds,
+        }
         ns.json.write_text(json.dumps(report.clean(doc), separators=(",", ":")))
         print(f"{PROG}: wrote {ns.json}", file=sys.stderr)
     if ns.plot is not None:
-        title = (f"aiocollect bench: {plan.world_size} ranks, "
-                 f"{report.over(ns.transport, plan.compare)}, {ns.dtype}, "
-                 f"median of {plan.rounds} rounds")
+        title = (
+            f"aiocollect bench: {plan.world_size} ranks, "
+            f"{report.over(ns.transport, plan.compare)}, {ns.dtype}, "
+            f"median of {plan.rounds} rounds"
+        )
         loads = load or {}
-        plotting.plot(rows, ns.plot, title, ns.transport,
-                      footer=plotting.footer(report.machine_info(loop)["date"], loads))
+        plotting.plot(
+            rows,
+            ns.plot,
+            title,
+            ns.transport,
+            footer=plotting.footer(report.machine_info(loop)["date"], loads),
+        )
         print(f"{PROG}: wrote {ns.plot}", file=sys.stderr)
     if not ok:
         print(f"{PROG}: WRONG RESULTS (see the check column)", file=sys.stderr)
@@ -241,12 +336,15 @@ def bench_main(argv: list[str]) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     sizes = sorted({c.size for c in cases})
-    print(f"{PROG}: {plan.world_size} ranks, {report.over(ns.transport, plan.compare)}, "
-          f"{ns.dtype}, "
-          f"{len(sizes)} sizes {format_size(sizes[0])}..{format_size(sizes[-1])}, "
-          f"{', '.join(dict.fromkeys(c.name for c in cases))}, {plan.rounds} rounds"
-          + (f", baseline {plan.baseline}" if plan.baseline else ""),
-          file=sys.stderr, flush=True)
+    print(
+        f"{PROG}: {plan.world_size} ranks, {report.over(ns.transport, plan.compare)}, "
+        f"{ns.dtype}, "
+        f"{len(sizes)} sizes {format_size(sizes[0])}..{format_size(sizes[-1])}, "
+        f"{', '.join(dict.fromkeys(c.name for c in cases))}, {plan.rounds} rounds"
+        + (f", baseline {plan.baseline}" if plan.baseline else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         load_start = report.load_average()
@@ -254,8 +352,9 @@ def bench_main(argv: list[str]) -> int:
             rounds = _measure(ns, plan)
         if rounds is None:
             return 0
-        return 0 if _publish(ns, argv, plan, cases, rounds, note, load_start,
-                             watch.summary()) else 1
+        return (
+            0 if _publish(ns, argv, plan, cases, rounds, note, load_start, watch.summary()) else 1
+        )
     except KeyboardInterrupt:
         print(f"\n{PROG}: interrupted; rank processes stopped", file=sys.stderr)
         return 130

@@ -76,8 +76,10 @@ def rdma_devices(root: Path = RDMA_SYSFS) -> list[dict[str, Any]]:
         ports = {}
         if ports_dir.is_dir():
             for port in sorted(ports_dir.iterdir()):
-                ports[port.name] = {"state": _read(port / "state"),
-                                    "link_layer": _read(port / "link_layer")}
+                ports[port.name] = {
+                    "state": _read(port / "state"),
+                    "link_layer": _read(port / "link_layer"),
+                }
         devices.append({"name": device.name, "ports": ports})
     return devices
 
@@ -92,8 +94,7 @@ def collect_info() -> dict[str, Any]:
             "executable": sys.executable,
         },
         "platform": platform.platform(),
-        "event_loop": {"asyncio_default": _default_loop(),
-                       "uvloop": package_version("uvloop")},
+        "event_loop": {"asyncio_default": _default_loop(), "uvloop": package_version("uvloop")},
         "numpy": package_version("numpy"),
         "msgpack": package_version("msgpack"),
         "transports": {t.name: _transport_status(t) for t in registry.transports()},
@@ -106,8 +107,11 @@ def format_info(info: dict[str, Any]) -> str:
     """The human-readable report for :func:`collect_info`'s data."""
     py = info["python"]
     loop = info["event_loop"]
-    uvloop = (f"uvloop {loop['uvloop']} installed (uvloop.run(main()) to use it)"
-              if loop["uvloop"] else "uvloop not installed")
+    uvloop = (
+        f"uvloop {loop['uvloop']} installed (uvloop.run(main()) to use it)"
+        if loop["uvloop"]
+        else "uvloop not installed"
+    )
     lines = [
         f"aiocollect   {info['aiocollect']}",
         f"python       {py['version']} ({py['implementation']}) {py['executable']}",
@@ -122,17 +126,24 @@ def format_info(info: dict[str, Any]) -> str:
     if not devices:
         lines.append("rdma devices none")
     for i, device in enumerate(devices):
-        ports = ", ".join(f"port {p}: {s['state']} ({s['link_layer']})"
-                          for p, s in device["ports"].items()) or "no ports"
-        lines.append(f"{'rdma devices' if i == 0 else ''}{' ' * (13 if i else 1)}"
-                     f"{device['name']}: {ports}")
+        ports = (
+            ", ".join(
+                f"port {p}: {s['state']} ({s['link_layer']})" for p, s in device["ports"].items()
+            )
+            or "no ports"
+        )
+        lines.append(
+            f"{'rdma devices' if i == 0 else ''}{' ' * (13 if i else 1)}{device['name']}: {ports}"
+        )
     return "\n".join(lines)
 
 
 def _block(title: str, entries: dict[str, str]) -> list[str]:
     width = max(len(k) for k in entries)
-    return [f"{title if i == 0 else '':<12} {k + ':':<{width + 1}} {v}"
-            for i, (k, v) in enumerate(entries.items())]
+    return [
+        f"{title if i == 0 else '':<12} {k + ':':<{width + 1}} {v}"
+        for i, (k, v) in enumerate(entries.items())
+    ]
 
 
 def info_main(argv: Sequence[str]) -> int:
@@ -141,9 +152,10 @@ def info_main(argv: Sequence[str]) -> int:
     Raises:
         SystemExit: status 2 on bad arguments.
     """
-    parser = argparse.ArgumentParser(prog="aiocollect info",
-                                     description="Show what this aiocollect installation "
-                                                 "can do: versions, transports, devices.")
+    parser = argparse.ArgumentParser(
+        prog="aiocollect info",
+        description="Show what this aiocollect installation can do: versions, transports, devices.",
+    )
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
     ns = parser.parse_args(list(argv))
     info = collect_info()

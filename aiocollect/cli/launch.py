@@ -105,60 +105,122 @@ def _parser() -> argparse.ArgumentParser:
         prog=PROG,
         usage=f"{PROG} [-n N] [options] (script.py | -m module) [args ...]",
         description="Start N local ranks of an aiocollect job, prefix their output with the "
-                    "rank, and stop them all with a report when one fails.",
+        "rank, and stop them all with a report when one fails.",
     )
     add = parser.add_argument
-    add("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=1,
-        metavar="N", help="ranks to start on this node (default: 1)")
+    add(
+        "-n",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ranks to start on this node (default: 1)",
+    )
     add("--nnodes", type=int, default=1, metavar="K", help="number of nodes (default: 1)")
-    add("--node-rank", "--node_rank", dest="node_rank", type=int, default=0, metavar="I",
-        help="rank of this node, 0..K-1 (default: 0)")
-    add("--master-addr", "--master_addr", dest="master_addr", default=None, metavar="A",
+    add(
+        "--node-rank",
+        "--node_rank",
+        dest="node_rank",
+        type=int,
+        default=0,
+        metavar="I",
+        help="rank of this node, 0..K-1 (default: 0)",
+    )
+    add(
+        "--master-addr",
+        "--master_addr",
+        dest="master_addr",
+        default=None,
+        metavar="A",
         help=f"address of node 0, where rank 0 hosts the store (default: {DEFAULT_MASTER_ADDR};"
-             " required with --nnodes > 1)")
-    add("--master-port", "--master_port", dest="master_port", type=int, default=None,
-        metavar="P", help="store port (default: a free port on one node, "
-                          f"{DEFAULT_MULTINODE_PORT} with several nodes)")
-    add("--transport", choices=TRANSPORT_CHOICES, default=None,
-        help="sets AIOCOLLECT_TRANSPORT for the ranks")
-    add("--group-timeout", type=float, default=None, metavar="S",
+        " required with --nnodes > 1)",
+    )
+    add(
+        "--master-port",
+        "--master_port",
+        dest="master_port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="store port (default: a free port on one node, "
+        f"{DEFAULT_MULTINODE_PORT} with several nodes)",
+    )
+    add(
+        "--transport",
+        choices=TRANSPORT_CHOICES,
+        default=None,
+        help="sets AIOCOLLECT_TRANSPORT for the ranks",
+    )
+    add(
+        "--group-timeout",
+        type=float,
+        default=None,
+        metavar="S",
         help="deadline in seconds of rendezvous and of each collective (sets "
-             "AIOCOLLECT_TIMEOUT for the ranks; default: 300)")
-    add("--timeout", type=float, default=None, metavar="S",
+        "AIOCOLLECT_TIMEOUT for the ranks; default: 300)",
+    )
+    add(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
         help="wall-clock limit of the whole job: stop every rank after S seconds (exit "
-             "status 124); not the deadline of a collective (--group-timeout)")
-    add("--grace", type=float, default=DEFAULT_GRACE, metavar="S",
+        "status 124); not the deadline of a collective (--group-timeout)",
+    )
+    add(
+        "--grace",
+        type=float,
+        default=DEFAULT_GRACE,
+        metavar="S",
         help="seconds between SIGTERM and SIGKILL when stopping ranks "
-             f"(default: {DEFAULT_GRACE:g})")
+        f"(default: {DEFAULT_GRACE:g})",
+    )
     auth = parser.add_mutually_exclusive_group()
     auth.add_argument(
-        "--secret", default=None, metavar="S",
+        "--secret",
+        default=None,
+        metavar="S",
         help="shared secret, passed to the ranks as AIOCOLLECT_SECRET (default: "
-             "$AIOCOLLECT_SECRET; needed across nodes; prefer the variable: arguments show "
-             "in `ps`)")
-    auth.add_argument("--insecure", action="store_true",
-                      help="no secret across nodes: the ranks accept connections from any "
-                           "host (sets AIOCOLLECT_INSECURE=1); only on a trusted network")
-    add("-m", "--module", action="store_true",
-        help="run the target as a module (python -m), like torchrun")
+        "$AIOCOLLECT_SECRET; needed across nodes; prefer the variable: arguments show "
+        "in `ps`)",
+    )
+    auth.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no secret across nodes: the ranks accept connections from any "
+        "host (sets AIOCOLLECT_INSECURE=1); only on a trusted network",
+    )
+    add(
+        "-m",
+        "--module",
+        action="store_true",
+        help="run the target as a module (python -m), like torchrun",
+    )
     add("script", metavar="script.py | module", help="the program every rank runs")
     add("args", nargs="*", metavar="args", help="arguments passed to every rank unchanged")
     return parser
 
 
-def _split_target(parser: argparse.ArgumentParser,
-                  argv: Sequence[str]) -> tuple[list[str], list[str]]:
+def _split_target(
+    parser: argparse.ArgumentParser, argv: Sequence[str]
+) -> tuple[list[str], list[str]]:
     """Split ``argv`` at the script name: launcher options before, the script's after.
 
     argparse alone would swallow a ``--`` or a ``-n`` meant for the script.
     """
-    takes_value = {flag for action in parser._actions if action.option_strings
-                   and action.nargs != 0 for flag in action.option_strings}
+    takes_value = {
+        flag
+        for action in parser._actions
+        if action.option_strings and action.nargs != 0
+        for flag in action.option_strings
+    }
     i = 0
     while i < len(argv):
         token = argv[i]
         if token == "--":
-            return list(argv[:i]), list(argv[i + 1:])
+            return list(argv[:i]), list(argv[i + 1 :])
         if not token.startswith("-") or token == "-":
             return list(argv[:i]), list(argv[i:])
         i += 2 if token in takes_value else 1
@@ -201,11 +263,22 @@ def parse_run_args(argv: Sequence[str]) -> LaunchConfig:
     port = ns.master_port
     if port is None:
         port = DEFAULT_MULTINODE_PORT if ns.nnodes > 1 else free_port(addr)
-    return LaunchConfig(nproc=ns.nproc, script=ns.script, args=ns.args, module=ns.module,
-                        nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=addr,
-                        master_port=port, transport=ns.transport, timeout=ns.timeout,
-                        group_timeout=ns.group_timeout, grace=ns.grace,
-                        secret=ns.secret or None, insecure=ns.insecure)
+    return LaunchConfig(
+        nproc=ns.nproc,
+        script=ns.script,
+        args=ns.args,
+        module=ns.module,
+        nnodes=ns.nnodes,
+        node_rank=ns.node_rank,
+        master_addr=addr,
+        master_port=port,
+        transport=ns.transport,
+        timeout=ns.timeout,
+        group_timeout=ns.group_timeout,
+        grace=ns.grace,
+        secret=ns.secret or None,
+        insecure=ns.insecure,
+    )
 
 
 def unprotected(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> str | None:
@@ -216,11 +289,13 @@ def unprotected(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> str
         return None
     if cfg.nnodes == 1 or _is_loopback(cfg.master_addr):
         return None
-    return (f"a job across {cfg.nnodes} nodes needs a shared secret: without one the ranks "
-            "accept connections from their own host only (protected mode). Run, on every "
-            "node, `export AIOCOLLECT_SECRET=<the same random string>` (e.g. from "
-            "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`), or pass "
-            "--secret; on a network you trust, --insecure opts out.")
+    return (
+        f"a job across {cfg.nnodes} nodes needs a shared secret: without one the ranks "
+        "accept connections from their own host only (protected mode). Run, on every "
+        "node, `export AIOCOLLECT_SECRET=<the same random string>` (e.g. from "
+        "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`), or pass "
+        "--secret; on a network you trust, --insecure opts out."
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -232,27 +307,30 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def rank_env(cfg: LaunchConfig, local_rank: int,
-             base: dict[str, str] | None = None) -> dict[str, str]:
+def rank_env(
+    cfg: LaunchConfig, local_rank: int, base: dict[str, str] | None = None
+) -> dict[str, str]:
     """The environment of local rank ``local_rank``: ``base`` (default: ours) plus the
     variables listed in the module docstring."""
     env = dict(os.environ if base is None else base)
     rank, world = str(cfg.global_rank(local_rank)), str(cfg.world_size)
-    env.update({
-        "AIOCOLLECT_RANK": rank,
-        "AIOCOLLECT_WORLD_SIZE": world,
-        "AIOCOLLECT_LOCAL_RANK": str(local_rank),
-        "AIOCOLLECT_LOCAL_WORLD_SIZE": str(cfg.nproc),
-        "AIOCOLLECT_STORE": cfg.store_url(),
-        "RANK": rank,
-        "WORLD_SIZE": world,
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(cfg.nproc),
-        "GROUP_RANK": str(cfg.node_rank),
-        "MASTER_ADDR": cfg.master_addr,
-        "MASTER_PORT": str(cfg.master_port),
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            "AIOCOLLECT_RANK": rank,
+            "AIOCOLLECT_WORLD_SIZE": world,
+            "AIOCOLLECT_LOCAL_RANK": str(local_rank),
+            "AIOCOLLECT_LOCAL_WORLD_SIZE": str(cfg.nproc),
+            "AIOCOLLECT_STORE": cfg.store_url(),
+            "RANK": rank,
+            "WORLD_SIZE": world,
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(cfg.nproc),
+            "GROUP_RANK": str(cfg.node_rank),
+            "MASTER_ADDR": cfg.master_addr,
+            "MASTER_PORT": str(cfg.master_port),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     if cfg.nnodes == 1:  # across nodes, AIOCOLLECT_JOB_ID (if any) comes from the user
         env["AIOCOLLECT_JOB_ID"] = cfg.job_id
     if cfg.transport is not None:
@@ -308,10 +386,13 @@ async def launch(cfg: LaunchConfig) -> int:
                 break
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *command, env=rank_env(cfg, local_rank),
+                    *command,
+                    env=rank_env(cfg, local_rank),
                     stdin=None if local_rank == 0 else asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                    start_new_session=True)
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    start_new_session=True,
+                )
             except OSError as exc:
                 _report(f"could not start rank {cfg.global_rank(local_rank)}: {exc}")
                 job.stop(signal.SIGKILL)

@@ -51,6 +51,7 @@ def _unavailable(name: str) -> SubMain:
         del argv
         print(f"aiocollect: {name} is not available yet", file=sys.stderr)
         return 2
+
     return not_available
 
 
@@ -85,7 +86,10 @@ def _bench_main(argv: list[str]) -> int:
 
 
 _DISPATCH: dict[str, SubMain] = {
-    "run": _run_main, "store": _store_main, "info": _info_main, "bench": _bench_main,
+    "run": _run_main,
+    "store": _store_main,
+    "info": _info_main,
+    "bench": _bench_main,
 }
 
 

@@ -130,9 +130,14 @@ class Job:
             ``EARLY_EXIT_NOTICE``.
     """
 
-    def __init__(self, *, grace: float, timeout: float | None,
-                 report: Callable[[str], None],
-                 early_exit_notice: float | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        grace: float,
+        timeout: float | None,
+        report: Callable[[str], None],
+        early_exit_notice: float | None = None,
+    ) -> None:
         self.ranks: list[RankProcess] = []
         self.failure: RankProcess | None = None
         self.signalled: int | None = None
@@ -209,16 +214,23 @@ class Job:
     async def _reap(self, entry: RankProcess) -> None:
         returncode = await entry.proc.wait()
         entry.exited_at = time.monotonic()
-        if returncode == 0 and not self.stopping and self._early_check is None and any(
-                e.proc.returncode is None for e in self.ranks):
+        if (
+            returncode == 0
+            and not self.stopping
+            and self._early_check is None
+            and any(e.proc.returncode is None for e in self.ranks)
+        ):
             self._early_check = asyncio.get_running_loop().call_later(
-                self.early_exit_notice, self._flag_early, entry)
+                self.early_exit_notice, self._flag_early, entry
+            )
         if returncode == 0 or self.stopping:
             return
         self.failure = entry
         others = sum(1 for e in self.ranks if e.proc.returncode is None)
-        self._report(f"rank {entry.rank} (pid {entry.proc.pid}) failed: "
-                     f"{describe_exit(returncode)}; stopping {others} other rank(s)")
+        self._report(
+            f"rank {entry.rank} (pid {entry.proc.pid}) failed: "
+            f"{describe_exit(returncode)}; stopping {others} other rank(s)"
+        )
         self.stop(signal.SIGTERM)
 
     def _flag_early(self, entry: RankProcess) -> None:
@@ -230,7 +242,8 @@ class Job:
         self._report(
             f"rank {entry.rank} exited 0 but rank(s) {_ranks(running)} are still running "
             f"{self.early_exit_notice:g} s later: if they wait for rank {entry.rank} in a "
-            "collective, they hang until their group timeout (--group-timeout)")
+            "collective, they hang until their group timeout (--group-timeout)"
+        )
 
     async def _watchdog(self, reapers: list[asyncio.Task[None]]) -> None:
         try:
@@ -244,8 +257,10 @@ class Job:
             _, pending = await asyncio.wait(reapers, timeout=self.grace)
             if pending:
                 late = sorted(e.rank for e in self.ranks if e.proc.returncode is None)
-                self._report(f"rank(s) {_ranks(late)} still running {self.grace:g} s "
-                             f"after being stopped; sending SIGKILL")
+                self._report(
+                    f"rank(s) {_ranks(late)} still running {self.grace:g} s "
+                    f"after being stopped; sending SIGKILL"
+                )
                 self.kill_remaining()
 
     def exit_status(self) -> int:
@@ -273,8 +288,10 @@ class Job:
                 state += f" early ({last - entry.exited_at:.0f} s before the last rank)"
             parts.append(f"{entry.rank} {state}")
         if self.failure is not None and self.failure.proc.returncode is not None:
-            cause = (f"job failed: rank {self.failure.rank} failed first, "
-                     f"{describe_exit(self.failure.proc.returncode)}")
+            cause = (
+                f"job failed: rank {self.failure.rank} failed first, "
+                f"{describe_exit(self.failure.proc.returncode)}"
+            )
         elif self.signalled is not None:
             cause = f"job interrupted by {signal_name(self.signalled)}"
         elif self.timed_out:
@@ -288,8 +305,13 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks)
 
 
-async def supervise(job: Job, *, report: Callable[[str], None],
-                    stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+async def supervise(
+    job: Job,
+    *,
+    report: Callable[[str], None],
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> int:
     """Pump the output of ``job``'s ranks while :meth:`Job.run` waits for them.
 
     Output still buffered in pipes held open by the ranks' own children is drained for at

@@ -23,8 +23,11 @@ def check_rank(value: Any, world_size: int, what: str) -> int:
 
 
 def check_tag(tag: Any) -> int:
-    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not (
-            0 <= int(tag) <= MAX_TAG):
+    if (
+        isinstance(tag, bool)
+        or not isinstance(tag, (int, np.integer))
+        or not (0 <= int(tag) <= MAX_TAG)
+    ):
         raise UsageError(f"tag must be an int in [0, 2**63), got {tag!r}")
     return int(tag)
 
@@ -49,4 +52,5 @@ def divisible(arr: Array, world_size: int, name: str) -> None:
     if arr.ndim == 0 or arr.shape[0] % world_size:
         raise UsageError(
             f"{name}.shape[0] must be divisible by the world size {world_size}, "
-            f"got shape {arr.shape}")
+            f"got shape {arr.shape}"
+        )

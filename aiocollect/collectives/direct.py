@@ -22,8 +22,9 @@ from aiocollect.engine.reduce import copy_into, reduce_into, settle
 SLOT = 0
 
 
-async def gather(op: Op, send: Array, blocks: Sequence[Array] | None, root: int,
-                 slot: int = SLOT) -> None:
+async def gather(
+    op: Op, send: Array, blocks: Sequence[Array] | None, root: int, slot: int = SLOT
+) -> None:
     if op.rank != root:
         await op.send_chunks(root, slot, send)
         return
@@ -45,8 +46,9 @@ async def scatter(op: Op, blocks: Sequence[Array] | None, out: Array, root: int)
     out[...] = blocks[root]
 
 
-async def alltoall(op: Op, send_blocks: Sequence[Array], out_blocks: Sequence[Array],
-                   slot: int = SLOT) -> None:
+async def alltoall(
+    op: Op, send_blocks: Sequence[Array], out_blocks: Sequence[Array], slot: int = SLOT
+) -> None:
     n, r = op.size, op.rank
     for k in range(1, n):
         op.recv_chunks((r - k) % n, slot, out_blocks[(r - k) % n])
@@ -68,8 +70,9 @@ async def allgather(op: Op, send: Array, blocks: Sequence[Array], slot: int = SL
         await op.send_chunks((r + k) % op.size, slot, blocks[r])
 
 
-async def reduce_scatter(op: Op, send: Array, dest: Array, ufunc: np.ufunc,
-                         average: bool, slot: int = SLOT) -> None:
+async def reduce_scatter(
+    op: Op, send: Array, dest: Array, ufunc: np.ufunc, average: bool, slot: int = SLOT
+) -> None:
     """Reduce the flat ``send`` across ranks; the flat ``dest`` gets this rank's block
     (divided by the world size when ``average``). Rank i receives block i from every rank
     and reduces them in rank order: one step of latency, (n-1)/n of the data sent per rank.

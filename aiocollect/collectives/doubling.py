@@ -69,9 +69,15 @@ def small_steps(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> list[Step
     mask, k = 1, 0
     while mask < n:
         partner = v ^ mask
-        steps.append(Step(partner, STEP_SLOT + k, buf, tmp,
-                          _lower(ufunc, buf, tmp) if v < partner else
-                          _upper(ufunc, buf, tmp)))
+        steps.append(
+            Step(
+                partner,
+                STEP_SLOT + k,
+                buf,
+                tmp,
+                _lower(ufunc, buf, tmp) if v < partner else _upper(ufunc, buf, tmp),
+            )
+        )
         mask, k = mask << 1, k + 1
     if average:
         last = steps[-1].then
@@ -93,6 +99,7 @@ def _upper(ufunc: np.ufunc, mine: Array, theirs: Array) -> Callable[[], None]:
     def combine() -> None:  # keep the lower rank's operand first
         ufunc(theirs, mine, out=theirs)
         np.copyto(mine, theirs)
+
     return combine
 
 
@@ -178,9 +185,10 @@ async def _halving_doubling(op: Op, buf: Array, ufunc: np.ufunc) -> None:
             mid = lo + (hi - lo) // 2
             keep, give = ((lo, mid), (mid, hi)) if v < partner else ((mid, hi), (lo, mid))
             size = keep[1] - keep[0]
-            await _transfer(op, _real(partner, rem), STEP_SLOT + k, buf[give[0]:give[1]],
-                            tmp[:size])
-            await _combine(ufunc, buf[keep[0]:keep[1]], tmp[:size], i_am_lower=v < partner)
+            await _transfer(
+                op, _real(partner, rem), STEP_SLOT + k, buf[give[0] : give[1]], tmp[:size]
+            )
+            await _combine(ufunc, buf[keep[0] : keep[1]], tmp[:size], i_am_lower=v < partner)
             history.append((partner, keep[0], keep[1], give[0], give[1]))
             lo, hi = keep
             mask, k = mask >> 1, k + 1

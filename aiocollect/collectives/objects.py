@@ -38,25 +38,25 @@ async def broadcast(o: Op, obj: Any, payload: bytes, root: int, allow_pickle: bo
     if o.rank == root:
         data = np.frombuffer(bytearray(payload), np.uint8)
     else:
-        parent = ((tree.tree_links((o.rank - root) % o.size, o.size)[0] or 0)
-                  + root) % o.size
+        parent = ((tree.tree_links((o.rank - root) % o.size, o.size)[0] or 0) + root) % o.size
         source = f"rank {root}" + ("" if parent == root else f" (through rank {parent})")
         declared = int(size[0])
         if not 0 <= declared <= objects.MAX_OBJECT_BYTES:
             raise ProtocolError(
                 f"broadcast_object (op #{o.seq}): {source} declared a value of "
-                f"{declared} bytes (at most {objects.MAX_OBJECT_BYTES})")
+                f"{declared} bytes (at most {objects.MAX_OBJECT_BYTES})"
+            )
         data = np.empty(declared, np.uint8)
     await tree.broadcast(o, data, root, slot=1)
     await o.finish()
     if o.rank == root:
         return obj
-    return objects.loads(data.tobytes(), allow_pickle,
-                         f"broadcast_object (op #{o.seq}): {source}")
+    return objects.loads(data.tobytes(), allow_pickle, f"broadcast_object (op #{o.seq}): {source}")
 
 
-async def gather(o: Op, payload: Array, kind: str, root: int | None,
-                 allow_pickle: bool) -> list[Any] | None:
+async def gather(
+    o: Op, payload: Array, kind: str, root: int | None, allow_pickle: bool
+) -> list[Any] | None:
     """Every rank's value (serialised as the uint8 ``payload``), in rank order, decoded on
     every rank (``root`` None) or on ``root`` only (None elsewhere). ``kind`` names the
     collective in errors.
@@ -67,5 +67,7 @@ async def gather(o: Op, payload: Array, kind: str, root: int | None,
     blocks = await vector.gather_v(o, payload, kind, objects.MAX_OBJECT_BYTES)
     if root is not None and o.rank != root:
         return None
-    return [objects.loads(b.tobytes(), allow_pickle, f"{kind} (op #{o.seq}): rank {r}")
-            for r, (_, b) in enumerate(blocks)]
+    return [
+        objects.loads(b.tobytes(), allow_pickle, f"{kind} (op #{o.seq}): rank {r}")
+        for r, (_, b) in enumerate(blocks)
+    ]

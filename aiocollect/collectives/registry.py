@@ -46,22 +46,32 @@ class Algorithm(Generic[P, T]):
     def one_frame(self, nbytes: int, world_size: int, chunk_bytes: int) -> bool:
         """Whether a message of ``nbytes`` runs as ``steps`` (one frame, a world size
         they cover, something to send)."""
-        return (self.steps is not None and self.covers is not None
-                and 0 < nbytes <= chunk_bytes and self.covers(world_size))
+        return (
+            self.steps is not None
+            and self.covers is not None
+            and 0 < nbytes <= chunk_bytes
+            and self.covers(world_size)
+        )
 
 
 class Registry(Generic[P, T]):
     """The algorithms of one collective, by name, and its automatic choice."""
 
-    def __init__(self, collective: Collective, algorithms: Sequence[Algorithm[P, T]],
-                 auto: Callable[[int, int], str] | None = None) -> None:
+    def __init__(
+        self,
+        collective: Collective,
+        algorithms: Sequence[Algorithm[P, T]],
+        auto: Callable[[int, int], str] | None = None,
+    ) -> None:
         self.collective = collective
         self.name = collective.name.lower()
         self.algorithms = {a.name: a for a in algorithms}
         codes = ALGORITHM_CODES[collective]
         if set(self.algorithms) != set(codes):
-            raise ValueError(f"{self.name}: registered algorithms {sorted(self.algorithms)} "
-                             f"differ from the fingerprint's codes {sorted(codes)}")
+            raise ValueError(
+                f"{self.name}: registered algorithms {sorted(self.algorithms)} "
+                f"differ from the fingerprint's codes {sorted(codes)}"
+            )
         #: The names, in the order of their wire codes.
         self.names = tuple(sorted(codes, key=codes.__getitem__))
         self._auto = auto
@@ -82,7 +92,8 @@ class Registry(Generic[P, T]):
         if found is None:
             raise UsageError(
                 f"{self.name} has no algorithm {algorithm!r}; choose one of "
-                f"{', '.join(self.names)} or 'auto'")
+                f"{', '.join(self.names)} or 'auto'"
+            )
         return found
 
 
@@ -90,53 +101,93 @@ class Registry(Generic[P, T]):
 # flat, blocks views of the caller's arrays, ``average``: divide by the world size).
 
 #: (buf, ufunc, average): buf reduced in place on every rank.
-ALLREDUCE: Registry[[Op, Array, np.ufunc, bool], None] = Registry(Collective.ALLREDUCE, [
-    Algorithm("ring", ring.allreduce),
-    Algorithm("recursive_doubling", doubling.recursive_doubling, doubling.small_steps,
-              doubling.small_covers),
-    Algorithm("halving_doubling", doubling.halving_doubling),
-], select.allreduce)
+ALLREDUCE: Registry[[Op, Array, np.ufunc, bool], None] = Registry(
+    Collective.ALLREDUCE,
+    [
+        Algorithm("ring", ring.allreduce),
+        Algorithm(
+            "recursive_doubling",
+            doubling.recursive_doubling,
+            doubling.small_steps,
+            doubling.small_covers,
+        ),
+        Algorithm("halving_doubling", doubling.halving_doubling),
+    ],
+    select.allreduce,
+)
 #: (buf, root): root's buf copied into every rank's.
-BROADCAST: Registry[[Op, Array, int], None] = Registry(Collective.BROADCAST, [
-    Algorithm("binomial", tree.broadcast, tree.small_steps, tree.small_covers),
-    Algorithm("pipeline", pipeline.broadcast),
-], select.broadcast)
+BROADCAST: Registry[[Op, Array, int], None] = Registry(
+    Collective.BROADCAST,
+    [
+        Algorithm("binomial", tree.broadcast, tree.small_steps, tree.small_covers),
+        Algorithm("pipeline", pipeline.broadcast),
+    ],
+    select.broadcast,
+)
 #: (buf, root, ufunc, average): buf reduced into root's; the others' unchanged.
-REDUCE: Registry[[Op, Array, int, np.ufunc, bool], None] = Registry(Collective.REDUCE, [
-    Algorithm("binomial", tree.reduce),
-])
+REDUCE: Registry[[Op, Array, int, np.ufunc, bool], None] = Registry(
+    Collective.REDUCE,
+    [
+        Algorithm("binomial", tree.reduce),
+    ],
+)
 #: (send, blocks): every rank's send into its block.
-ALLGATHER: Registry[[Op, Array, Sequence[Array]], None] = Registry(Collective.ALLGATHER, [
-    Algorithm("ring", ring.allgather),
-    Algorithm("direct", direct.allgather),
-], select.by_block)
+ALLGATHER: Registry[[Op, Array, Sequence[Array]], None] = Registry(
+    Collective.ALLGATHER,
+    [
+        Algorithm("ring", ring.allgather),
+        Algorithm("direct", direct.allgather),
+    ],
+    select.by_block,
+)
 #: (send, dest, ufunc, average): block op.rank of the reduction of send into dest.
 REDUCE_SCATTER: Registry[[Op, Array, Array, np.ufunc, bool], None] = Registry(
-    Collective.REDUCE_SCATTER, [
+    Collective.REDUCE_SCATTER,
+    [
         Algorithm("ring", ring.reduce_scatter),
         Algorithm("direct", direct.reduce_scatter),
-    ], select.by_block)
+    ],
+    select.by_block,
+)
 #: (send, blocks on the root else None, root).
 GATHER: Registry[[Op, Array, Sequence[Array] | None, int], None] = Registry(
-    Collective.GATHER, [Algorithm("direct", direct.gather)])
+    Collective.GATHER, [Algorithm("direct", direct.gather)]
+)
 #: (blocks on the root else None, out, root).
 SCATTER: Registry[[Op, Sequence[Array] | None, Array, int], None] = Registry(
-    Collective.SCATTER, [Algorithm("direct", direct.scatter)])
+    Collective.SCATTER, [Algorithm("direct", direct.scatter)]
+)
 #: (send blocks, out blocks): send block i to rank i.
 ALLTOALL: Registry[[Op, Sequence[Array], Sequence[Array]], None] = Registry(
-    Collective.ALLTOALL, [Algorithm("pairwise", direct.alltoall)])
+    Collective.ALLTOALL, [Algorithm("pairwise", direct.alltoall)]
+)
 #: (arr) -> every rank's arr, in rank order.
 ALLGATHERV: Registry[[Op, Array], list[Array]] = Registry(
-    Collective.ALLGATHERV, [Algorithm("ring", vector.allgatherv)])
+    Collective.ALLGATHERV, [Algorithm("ring", vector.allgatherv)]
+)
 #: (arr, counts, out or None) -> the blocks received, in rank order.
 ALLTOALLV: Registry[[Op, Array, list[int], Array | None], list[Array]] = Registry(
-    Collective.ALLTOALLV, [Algorithm("pairwise", vector.alltoallv)])
+    Collective.ALLTOALLV, [Algorithm("pairwise", vector.alltoallv)]
+)
 #: ().
 BARRIER: Registry[[Op], None] = Registry(
-    Collective.BARRIER, [Algorithm("dissemination", barrier.barrier)])
+    Collective.BARRIER, [Algorithm("dissemination", barrier.barrier)]
+)
 
 #: Every registry by collective name (``allreduce``...).
 REGISTRIES: dict[str, Registry[..., Any]] = {
-    r.name: r for r in (ALLREDUCE, BROADCAST, REDUCE, ALLGATHER, REDUCE_SCATTER, GATHER,
-                        SCATTER, ALLTOALL, ALLGATHERV, ALLTOALLV, BARRIER)
+    r.name: r
+    for r in (
+        ALLREDUCE,
+        BROADCAST,
+        REDUCE,
+        ALLGATHER,
+        REDUCE_SCATTER,
+        GATHER,
+        SCATTER,
+        ALLTOALL,
+        ALLGATHERV,
+        ALLTOALLV,
+        BARRIER,
+    )
 }

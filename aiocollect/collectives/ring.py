@@ -75,8 +75,7 @@ async def allreduce(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> None:
     await allgather_blocks(op, blocks, posted=gathered, first_sent=True)
 
 
-async def reduce_scatter(op: Op, send: Array, dest: Array, ufunc: np.ufunc,
-                         average: bool) -> None:
+async def reduce_scatter(op: Op, send: Array, dest: Array, ufunc: np.ufunc, average: bool) -> None:
     """Reduce the flat ``send`` across ranks; the flat ``dest`` gets this rank's block
     (block ``op.rank`` of ``op.size``), divided by the world size when ``average``.
 
@@ -113,9 +112,14 @@ async def allgather(op: Op, send: Array, blocks: Sequence[Array]) -> None:
         await allgather_blocks(op, blocks)
 
 
-async def reduce_scatter_blocks(op: Op, blocks: list[Array], ufunc: np.ufunc,
-                         slot0: int = RS_SLOT, finished: Forward | None = None,
-                         sources: list[Array] | None = None) -> None:
+async def reduce_scatter_blocks(
+    op: Op,
+    blocks: list[Array],
+    ufunc: np.ufunc,
+    slot0: int = RS_SLOT,
+    finished: Forward | None = None,
+    sources: list[Array] | None = None,
+) -> None:
     """After this, ``blocks[op.rank]`` holds the reduction of every rank's block.
 
     Each rank reduces every block but ``(r - 1) mod n`` exactly once. With ``sources``,
@@ -150,17 +154,20 @@ async def reduce_scatter_blocks(op: Op, blocks: list[Array], ufunc: np.ufunc,
         return
     nxt, prv = (r + 1) % n, (r - 1) % n
     # What this rank reduces, in order: step s, chunk c of block (r-s-2) mod n.
-    recvs = [(s, c, dst) for s in range(n - 1)
-             for c, dst in enumerate(op.chunks(blocks[(r - s - 2) % n]))]
+    recvs = [
+        (s, c, dst)
+        for s in range(n - 1)
+        for c, dst in enumerate(op.chunks(blocks[(r - s - 2) % n]))
+    ]
     bases: list[Array | None] = [None] * len(recvs)
     if sources is not None:
-        bases = [base for s in range(n - 1)
-                 for base in op.chunks(sources[(r - s - 2) % n])]
+        bases = [base for s in range(n - 1) for base in op.chunks(sources[(r - s - 2) % n])]
     # What it sends, in the order its successor reduces them: step s, chunk c of block
     # (r-s-1) mod n; step 0 is this rank's own data, step s+1 the chunk it reduced as
     # receive i at step s (sendable once i+1 receives are reduced).
     sends: list[tuple[int, int, Array, int]] = [
-        (0, c, part, 0) for c, part in enumerate(op.chunks(blocks[(r - 1) % n]))]
+        (0, c, part, 0) for c, part in enumerate(op.chunks(blocks[(r - 1) % n]))
+    ]
     sends += [(s + 1, c, dst, i + 1) for i, (s, c, dst) in enumerate(recvs) if s < n - 2]
     lead = window_slots(op.chunk_bytes, blocks[0].dtype.itemsize)
     sent = 0
@@ -182,13 +189,13 @@ async def reduce_scatter_blocks(op: Op, blocks: list[Array], ufunc: np.ufunc,
     if not op.link(nxt).caps.copies(frame):  # the successor pulls: it has the small window
         lead = RS_PULL_SLOTS
     window = SCRATCH.acquire(k * width, blocks[0].dtype)
-    slots = [window[j * width:(j + 1) * width] for j in range(k)]
+    slots = [window[j * width : (j + 1) * width] for j in range(k)]
     futs: list[asyncio.Future[None] | None] = [None] * k
     reducing = False
 
     def post(i: int) -> None:
         s, c, dst = recvs[i]
-        futs[i % k] = op.recv(prv, slot0 + s, c, slots[i % k][:dst.size])
+        futs[i % k] = op.recv(prv, slot0 + s, c, slots[i % k][: dst.size])
 
     try:
         for i in range(k):
@@ -199,7 +206,7 @@ async def reduce_scatter_blocks(op: Op, blocks: list[Array], ufunc: np.ufunc,
             assert fut is not None
             await fut
             reducing = True
-            await reduce_into(ufunc, dst, slots[i % k][:dst.size], bases[i])
+            await reduce_into(ufunc, dst, slots[i % k][: dst.size], bases[i])
             reducing = False
             if i + k < len(recvs):
                 post(i + k)
@@ -213,8 +220,9 @@ async def reduce_scatter_blocks(op: Op, blocks: list[Array], ufunc: np.ufunc,
     finally:
         # Reuse the window only if no transport can still write into it and no worker
         # thread still reads it; otherwise let it go with the failed operation.
-        if not reducing and all(f is None or (f.done() and not f.cancelled()
-                                              and f.exception() is None) for f in futs):
+        if not reducing and all(
+            f is None or (f.done() and not f.cancelled() and f.exception() is None) for f in futs
+        ):
             SCRATCH.release(window)
         else:
             SCRATCH.discard(window)
@@ -228,8 +236,9 @@ def window_slots(chunk_bytes: int, itemsize: int) -> int:
     return max(RS_MIN_SLOTS, RS_WINDOW_BYTES // chunk)
 
 
-def post_allgather(op: Op, blocks: Sequence[Array],
-                   slot0: int = AG_SLOT) -> list[list[asyncio.Future[None]]]:
+def post_allgather(
+    op: Op, blocks: Sequence[Array], slot0: int = AG_SLOT
+) -> list[list[asyncio.Future[None]]]:
     """Post every receive of the ring allgather straight into its destination block.
 
     An allreduce posts them before its reduce-scatter, so allgather frames of a peer that
@@ -239,14 +248,23 @@ def post_allgather(op: Op, blocks: Sequence[Array],
     """
     n, r = op.size, op.rank
     prv = (r - 1) % n
-    return [[op.recv(prv, slot0 + s, c, part)
-             for c, part in enumerate(op.chunks(blocks[(r - s - 1) % n]))]
-            for s in range(n - 1)]
+    return [
+        [
+            op.recv(prv, slot0 + s, c, part)
+            for c, part in enumerate(op.chunks(blocks[(r - s - 1) % n]))
+        ]
+        for s in range(n - 1)
+    ]
 
 
-async def allgather_blocks(op: Op, blocks: Sequence[Array], slot0: int = AG_SLOT,
-                    posted: list[list[asyncio.Future[None]]] | None = None,
-                    first_sent: bool = False, own: Array | None = None) -> None:
+async def allgather_blocks(
+    op: Op,
+    blocks: Sequence[Array],
+    slot0: int = AG_SLOT,
+    posted: list[list[asyncio.Future[None]]] | None = None,
+    first_sent: bool = False,
+    own: Array | None = None,
+) -> None:
     """Before: ``blocks[op.rank]`` holds this rank's data, or ``own`` does (it is sent
     from there, then copied into ``blocks[op.rank]`` while the successor receives it).
     After: every block is filled. ``first_sent``: the caller already sent this rank's

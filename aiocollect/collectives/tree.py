@@ -90,8 +90,10 @@ async def _reduce(op: Op, work: Array, root: int, ufunc: np.ufunc, slot: int = S
     real = [(c + root) % n for c in children]
     parts = op.chunks(work)
     tmps = {child: np.empty_like(work) for child in real}
-    futs = {child: [op.recv(child, slot, c, part) for c, part in enumerate(op.chunks(tmp))]
-            for child, tmp in tmps.items()}
+    futs = {
+        child: [op.recv(child, slot, c, part) for c, part in enumerate(op.chunks(tmp))]
+        for child, tmp in tmps.items()
+    }
     tparts = {child: op.chunks(tmp) for child, tmp in tmps.items()}
     for c, part in enumerate(parts):
         for child in reversed(real):

@@ -32,8 +32,9 @@ def _host_memory() -> int:
         return 1 << 56
 
 
-async def gather_v(o: Op, arr: Array, kind: str,
-                   limit: int | None = None) -> list[tuple[int, Array]]:
+async def gather_v(
+    o: Op, arr: Array, kind: str, limit: int | None = None
+) -> list[tuple[int, Array]]:
     """The two phases of allgatherv: every rank's (rows, row size), then the rows, by ring.
     Returns (rows, flat block) per rank, in rank order. Each rank's declared size is checked
     before anything is allocated: negative, or above ``limit`` bytes (default: this host's
@@ -53,15 +54,18 @@ async def gather_v(o: Op, arr: Array, kind: str,
             raise ProtocolError(
                 f"{kind} (op #{o.seq}): rank {r} declared {rows} rows of {rrow} elements of "
                 f"{arr.itemsize} bytes (at most {limit} bytes"
-                + ("" if via == r else f"; received from rank {via}") + ")")
+                + ("" if via == r else f"; received from rank {via}")
+                + ")"
+            )
     for r, (_, rrow) in enumerate(declared):
         if rrow != row:
             raise MismatchError(
                 f"{kind}: rank {r} sent rows of {rrow} elements, rank {o.rank} "
-                f"rows of {row} (shape {arr.shape})")
+                f"rows of {row} (shape {arr.shape})"
+            )
     bounds = np.concatenate([[0], np.cumsum(sizes[:, 0] * row)])
     total = np.empty(int(bounds[-1]), dtype=arr.dtype)
-    blocks = [total[bounds[i]:bounds[i + 1]] for i in range(n)]
+    blocks = [total[bounds[i] : bounds[i + 1]] for i in range(n)]
     blocks[o.rank][...] = arr.reshape(-1)
     await ring.allgather_blocks(o, blocks, slot0=ring.AG_SLOT)
     await o.finish()  # the last receives land after ring.allgather_blocks returns
@@ -91,8 +95,10 @@ async def alltoallv(o: Op, arr: Array, counts: list[int], res: Array | None) -> 
     await direct.alltoall(o, list(mine), list(theirs), slot=0)
     await o.finish()
     if (theirs[:, 1] != row).any():
-        raise MismatchError(f"alltoallv: ranks sent rows of {theirs[:, 1].tolist()} "
-                            f"elements, rank {o.rank} rows of {row}")
+        raise MismatchError(
+            f"alltoallv: ranks sent rows of {theirs[:, 1].tolist()} "
+            f"elements, rank {o.rank} rows of {row}"
+        )
     rows = theirs[:, 0]
     total = int(rows.sum())
     if res is not None and res.shape[0] != total:
@@ -101,6 +107,10 @@ async def alltoallv(o: Op, arr: Array, counts: list[int], res: Array | None) -> 
     rb = np.concatenate([[0], np.cumsum(rows * row)])
     sb = np.concatenate([[0], np.cumsum(np.array(counts, dtype=_I64) * row)])
     flat = arr.reshape(-1)
-    await direct.alltoall(o, [flat[sb[i]:sb[i + 1]] for i in range(n)],
-                          [dest[rb[i]:rb[i + 1]] for i in range(n)], slot=1)
-    return [dest[rb[i]:rb[i + 1]].reshape(int(rows[i]), *arr.shape[1:]) for i in range(n)]
+    await direct.alltoall(
+        o,
+        [flat[sb[i] : sb[i + 1]] for i in range(n)],
+        [dest[rb[i] : rb[i + 1]] for i in range(n)],
+        slot=1,
+    )
+    return [dest[rb[i] : rb[i + 1]].reshape(int(rows[i]), *arr.shape[1:]) for i in range(n)]

@@ -98,8 +98,9 @@ class Fabric:
         first use."""
         spinner = self._spinner
         if spinner is None:
-            spinner = self._spinner = Spinner(budget_for(self.links.values()),
-                                              asyncio.get_running_loop())
+            spinner = self._spinner = Spinner(
+                budget_for(self.links.values()), asyncio.get_running_loop()
+            )
         return spinner
 
     def spin(self, fut: asyncio.Future[None], link: Link) -> None:
@@ -107,8 +108,7 @@ class Fabric:
         unless the policy says not to or the link polls itself (shared memory)."""
         on = self._spin_on.get(link)
         if on is None:  # decided once per link
-            on = self._spin_on[link] = self.spinner.budget > 0 and not getattr(
-                link, "shm", False)
+            on = self._spin_on[link] = self.spinner.budget > 0 and not getattr(link, "shm", False)
         if on:
             self.spinner.wait(fut)
 
@@ -143,13 +143,21 @@ class Fabric:
         key = (gid, seq)
         return self._active.get(key) or self._done.get(key)
 
-    def _mismatch(self, gid: int, seq: int, mine: Fingerprint, peer: int, theirs: Fingerprint,
-                  ranks: list[int] | None = None) -> MismatchError:
+    def _mismatch(
+        self,
+        gid: int,
+        seq: int,
+        mine: Fingerprint,
+        peer: int,
+        theirs: Fingerprint,
+        ranks: list[int] | None = None,
+    ) -> MismatchError:
         grank = ranks.index(peer) if ranks and peer in ranks else peer
         where = "" if gid == WORLD_GID else f" of sub-group {gid:#x}"
         return MismatchError(
             f"operation #{seq}{where}: rank {self.rank} called {describe_fingerprint(mine)} "
-            f"but rank {grank} called {describe_fingerprint(theirs)}")
+            f"but rank {grank} called {describe_fingerprint(theirs)}"
+        )
 
     # -- LinkEvents ------------------------------------------------------------------------
 
@@ -166,7 +174,8 @@ class Fabric:
                 raise self._mismatch(h.gid, h.seq, done, link.peer, h.fingerprint)
             if h.seq <= self._started.get(h.gid, -1):
                 raise ProtocolError(
-                    f"rank {link.peer} sent a frame for finished operation #{h.seq}")
+                    f"rank {link.peer} sent a frame for finished operation #{h.seq}"
+                )
             early = self._early.get(key)
             if early is None:
                 self._early[key] = {link.peer: h.fingerprint}
@@ -177,7 +186,8 @@ class Fabric:
             elif seen != h.fingerprint:
                 raise ProtocolError(
                     f"{link.describe()} sent frames of operation #{h.seq} with different "
-                    "fingerprints")
+                    "fingerprints"
+                )
             return
         if mine != h.fingerprint:
             raise self._mismatch(h.gid, h.seq, mine, link.peer, h.fingerprint)
@@ -217,8 +227,11 @@ class Fabric:
             link.fail(GroupBrokenError(f"rank {link.peer} closed the group"), drop_early=False)
             return
         detail = f": {exc}" if exc else ""
-        self.fail(PeerDisconnected(
-            f"rank {link.peer} disconnected ({link.describe()}){detail}", link.peer))
+        self.fail(
+            PeerDisconnected(
+                f"rank {link.peer} disconnected ({link.describe()}){detail}", link.peer
+            )
+        )
 
     # -- liveness ---------------------------------------------------------------------------
 
@@ -229,8 +242,9 @@ class Fabric:
         replies = await self._ping(peers, timeout, b"")
         return sorted(p for p, reply in replies.items() if reply is None)
 
-    async def survey(self, peers: list[int], timeout: float, gid: int,
-                     seq: int) -> tuple[list[int], list[int], dict[int, Fingerprint]]:
+    async def survey(
+        self, peers: list[int], timeout: float, gid: int, seq: int
+    ) -> tuple[list[int], list[int], dict[int, Fingerprint]]:
         """Like :meth:`probe`, also asking whether each peer has called operation ``seq``
         of group ``gid``, and with which fingerprint. Returns (peers that did not answer,
         peers that answered no, the fingerprints of the peers that called it and still
@@ -241,14 +255,14 @@ class Fabric:
         absent = sorted(p for p, reply in replies.items() if reply == NOT_CALLED)
         fps: dict[int, Fingerprint] = {}
         for p, reply in replies.items():
-            if reply is not None and len(reply) == 1 + _FINGERPRINT.size \
-                    and reply[:1] == CALLED:
+            if reply is not None and len(reply) == 1 + _FINGERPRINT.size and reply[:1] == CALLED:
                 coll, dtype, count, op, root = _FINGERPRINT.unpack_from(reply, 1)
                 fps[p] = (coll, dtype, count, op, root)
         return dead, absent, fps
 
-    def check_fingerprints(self, gid: int, seq: int, fps: dict[int, Fingerprint],
-                           ranks: list[int]) -> MismatchError | None:
+    def check_fingerprints(
+        self, gid: int, seq: int, fps: dict[int, Fingerprint], ranks: list[int]
+    ) -> MismatchError | None:
         """The MismatchError naming this rank's operation ``seq`` and the first peer (world
         rank) in ``fps`` that called another one, if any."""
         mine = self.fingerprint(gid, seq)
@@ -259,8 +273,9 @@ class Fabric:
                 return self._mismatch(gid, seq, mine, peer, fps[peer], ranks)
         return None
 
-    async def _ping(self, peers: list[int], timeout: float,
-                    query: bytes) -> dict[int, bytes | None]:
+    async def _ping(
+        self, peers: list[int], timeout: float, query: bytes
+    ) -> dict[int, bytes | None]:
         """PING each peer with ``query``; its answer (what the PONG appended), or None."""
         loop = asyncio.get_running_loop()
         self._probes += 1
@@ -282,8 +297,10 @@ class Fabric:
             await asyncio.wait(waiting.values(), timeout=timeout)
         for peer in waiting:
             self._pongs.pop((peer, token), None)
-        return {p: f.result()[len(request):] if f.done() and not f.cancelled() else None
-                for p, f in waiting.items()}
+        return {
+            p: f.result()[len(request) :] if f.done() and not f.cancelled() else None
+            for p, f in waiting.items()
+        }
 
     def _called(self, ping: bytes) -> bytes:
         """The answer to a PING's question, if it asks one."""
@@ -380,7 +397,8 @@ class Fabric:
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         while self.failure is None and not all(
-                link.goodbye_received or link.closed for link in self.links.values()):
+            link.goodbye_received or link.closed for link in self.links.values()
+        ):
             left = end - loop.time()
             if left <= 0:
                 break
@@ -417,16 +435,19 @@ class Fabric:
 
     def _goodbye_payload(self) -> bytes:
         recent: dict[int, list[list[int]]] = {}
-        for (gid, seq) in reversed(self._done):
+        for gid, seq in reversed(self._done):
             entries = recent.setdefault(gid, [])
             if len(entries) < GOODBYE_RECENT:
                 entries.append([seq, *self._done[(gid, seq)]])
-        groups = {gid: [self._started[gid] + 1, digest, recent.get(gid, [])]
-                  for gid, digest in self._digests.items()}
+        groups = {
+            gid: [self._started[gid] + 1, digest, recent.get(gid, [])]
+            for gid, digest in self._digests.items()
+        }
         return bytes(msgpack.packb(groups, use_bin_type=True))
 
-    def _compare_digests(self, peer: int, theirs: dict[int, tuple[int, int, list[Any]]]
-                         ) -> MismatchError | None:
+    def _compare_digests(
+        self, peer: int, theirs: dict[int, tuple[int, int, list[Any]]]
+    ) -> MismatchError | None:
         """The MismatchError if ``peer``'s GOODBYE shows other operations than this rank
         called, in a group both are members of (the world group, and sub-groups both have
         used)."""
@@ -449,15 +470,18 @@ class Fabric:
                         f"operation #{seq}{where}: rank {self.rank} called "
                         f"{describe_fingerprint(mine)} but rank {peer} called "
                         f"{describe_fingerprint(theirs_fp)}"
-                        " (found when the group closed)")
+                        " (found when the group closed)"
+                    )
             if count != mine_count:
                 return MismatchError(
                     f"the group closed{where} after rank {self.rank} called {mine_count} "
-                    f"collective operations but rank {peer} called {count}")
+                    f"collective operations but rank {peer} called {count}"
+                )
             return MismatchError(
                 f"the group closed{where} after {count} collective operations, but ranks "
                 f"{self.rank} and {peer} called different ones (the operation is older than "
-                f"the last {GOODBYE_RECENT} each remembers)")
+                f"the last {GOODBYE_RECENT} each remembers)"
+            )
         return None
 
     def abort_links(self) -> None:
@@ -509,8 +533,11 @@ def _decode_abort(peer: int, payload: bytes) -> BaseException:
         ranks = [int(r) for r in info.get("ranks", [])]
     except Exception:
         return ProtocolError(f"rank {peer} sent a malformed ABORT frame")
-    text = message if info.get("raised") is True and message.startswith(f"rank {origin} ") \
+    text = (
+        message
+        if info.get("raised") is True and message.startswith(f"rank {origin} ")
         else f"rank {origin} aborted the group: {message}"
+    )
     cls = _ABORT_CLASSES.get(kind, GroupBrokenError)
     exc: errors.AiocollectError
     if cls is errors.PeerTimeout:

@@ -25,11 +25,32 @@ YIELD_BYTES = 64 * 1024
 class Op:
     """Context of one collective at sequence number ``seq`` of group ``gid``."""
 
-    __slots__ = ("_sent", "chunk_bytes", "expired", "fabric", "fp", "gid", "kind", "pending",
-                 "rank", "ranks", "seq", "size")
+    __slots__ = (
+        "_sent",
+        "chunk_bytes",
+        "expired",
+        "fabric",
+        "fp",
+        "gid",
+        "kind",
+        "pending",
+        "rank",
+        "ranks",
+        "seq",
+        "size",
+    )
 
-    def __init__(self, fabric: Fabric, gid: int, seq: int, fp: Fingerprint,
-                 ranks: list[int], rank: int, chunk_bytes: int, kind: int = DATA) -> None:
+    def __init__(
+        self,
+        fabric: Fabric,
+        gid: int,
+        seq: int,
+        fp: Fingerprint,
+        ranks: list[int],
+        rank: int,
+        chunk_bytes: int,
+        kind: int = DATA,
+    ) -> None:
         self.fabric = fabric
         self.gid = gid
         self.seq = seq
@@ -48,8 +69,20 @@ class Op:
 
     def header(self, slot: int, chunk: int, length: int, seq: int | None = None) -> bytes:
         coll, dtype, count, op, root = self.fp
-        return HEADER.pack(MAGIC, self.kind, coll, op, dtype, self.gid, chunk,
-                           self.seq if seq is None else seq, slot, root, count, length)
+        return HEADER.pack(
+            MAGIC,
+            self.kind,
+            coll,
+            op,
+            dtype,
+            self.gid,
+            chunk,
+            self.seq if seq is None else seq,
+            slot,
+            root,
+            count,
+            length,
+        )
 
     # -- chunking --------------------------------------------------------------------------
 
@@ -62,13 +95,20 @@ class Op:
         if arr.nbytes <= self.chunk_bytes:
             return [arr]
         step = max(1, self.chunk_bytes // max(1, arr.itemsize))
-        return [arr[i:i + step] for i in range(0, n, step)]
+        return [arr[i : i + step] for i in range(0, n, step)]
 
     # -- primitives ------------------------------------------------------------------------
 
-    def recv(self, peer: int, slot: int, chunk: int, dest: Array,
-             expect: Fingerprint | None = None, seq: int | None = None,
-             hook: Hook | None = None) -> asyncio.Future[None]:
+    def recv(
+        self,
+        peer: int,
+        slot: int,
+        chunk: int,
+        dest: Array,
+        expect: Fingerprint | None = None,
+        seq: int | None = None,
+        hook: Hook | None = None,
+    ) -> asyncio.Future[None]:
         """Post a receive of frame (slot, chunk) from group rank ``peer`` into ``dest``
         (``hook``: see :meth:`~aiocollect.transport.base.Link.post_recv`)."""
         kind = self.kind
@@ -76,8 +116,9 @@ class Op:
         link = self.link(peer)
         # Every frame of a collective carries the op's fingerprint (checked against it by
         # the fabric): with it posted too, a transport can match the frame in one step.
-        fut = link.post_recv(key, _bytes(dest),
-                             self.fp if expect is None and kind == DATA else expect, hook)
+        fut = link.post_recv(
+            key, _bytes(dest), self.fp if expect is None and kind == DATA else expect, hook
+        )
         self.pending.append((peer, key, fut))
         if not fut.done():
             self.fabric.spin(fut, link)
@@ -86,8 +127,9 @@ class Op:
     def recv_chunks(self, peer: int, slot: int, dest: Array) -> list[asyncio.Future[None]]:
         return [self.recv(peer, slot, c, part) for c, part in enumerate(self.chunks(dest))]
 
-    async def send(self, peer: int, slot: int, chunk: int, src: Array,
-                   seq: int | None = None) -> None:
+    async def send(
+        self, peer: int, slot: int, chunk: int, src: Array, seq: int | None = None
+    ) -> None:
         """Queue frame (slot, chunk) to group rank ``peer``; waits only when the link's
         user-space queue is above the send window."""
         link = self.link(peer)
@@ -97,8 +139,7 @@ class Op:
         if n >= YIELD_BYTES and link.caps.copies(n):
             await asyncio.sleep(0)  # one big write per loop step keeps the loop lag low
 
-    def send_now(self, peer: int, slot: int, chunk: int, src: Array,
-                 seq: int | None = None) -> int:
+    def send_now(self, peer: int, slot: int, chunk: int, src: Array, seq: int | None = None) -> int:
         """Queue frame (slot, chunk) without waiting for the send window (one-frame
         operations, where it cannot matter). Returns the payload's size in bytes."""
         link = self.link(peer)
@@ -130,15 +171,19 @@ class Op:
         """Whether any frame of this op was sent or received (cancelling it then breaks the
         group: the peers could not finish it consistently)."""
         # A cancelled task cancels the receive it awaited: that one moved nothing.
-        return bool(self._sent) or any(f.done() and not f.cancelled() and f.exception() is None
-                                       for _, _, f in self.pending)
+        return bool(self._sent) or any(
+            f.done() and not f.cancelled() and f.exception() is None for _, _, f in self.pending
+        )
 
     def silent_peers(self) -> list[int]:
         """Group ranks this op still waits for (for timeout messages)."""
         # The timeout that asks cancelled the receive being awaited: still not received.
         waiting = {peer for peer, _, fut in self.pending if not fut.done() or fut.cancelled()}
-        waiting.update(self.ranks.index(link.peer) for link in self._sent
-                       if link.write_buffer_size() and link.peer in self.ranks)
+        waiting.update(
+            self.ranks.index(link.peer)
+            for link in self._sent
+            if link.write_buffer_size() and link.peer in self.ranks
+        )
         return sorted(waiting)
 
     def wrap(self, kind: str, exc: BaseException) -> BaseException:
@@ -147,8 +192,10 @@ class Op:
         caused by it: anything else is a bug, and still breaks the group on every rank."""
         if isinstance(exc, AiocollectError) or not isinstance(exc, Exception):
             return exc
-        err = InternalError(f"{kind} (op #{self.seq}) on rank {self.rank} failed on an "
-                            f"unexpected {type(exc).__name__}: {exc}")
+        err = InternalError(
+            f"{kind} (op #{self.seq}) on rank {self.rank} failed on an "
+            f"unexpected {type(exc).__name__}: {exc}"
+        )
         err.__cause__ = exc
         return err
 
@@ -167,10 +214,10 @@ def flat_blocks(arr: Array, parts: int) -> list[Array]:
     """Split a flat array into ``parts`` contiguous blocks, sizes differing by at most one."""
     n = arr.size
     bounds = [n * i // parts for i in range(parts + 1)]
-    return [arr[bounds[i]:bounds[i + 1]] for i in range(parts)]
+    return [arr[bounds[i] : bounds[i + 1]] for i in range(parts)]
 
 
 def split_even(arr: Array, parts: int) -> Sequence[Array]:
     """Split a flat array into ``parts`` equal blocks (caller checked divisibility)."""
     step = arr.size // parts
-    return [arr[i * step:(i + 1) * step] for i in range(parts)]
+    return [arr[i * step : (i + 1) * step] for i in range(parts)]

@@ -17,8 +17,7 @@ THREAD_THRESHOLD = 4 * 1024 * 1024
 COPY_STEP = 4 * 1024 * 1024
 
 
-async def reduce_into(ufunc: np.ufunc, dst: Array, src: Array,
-                      base: Array | None = None) -> None:
+async def reduce_into(ufunc: np.ufunc, dst: Array, src: Array, base: Array | None = None) -> None:
     """``dst = ufunc(dst, src)`` elementwise, in place; with ``base``,
     ``dst = ufunc(base, src)`` (``dst`` is only written: no copy of ``base`` into it first).
 
@@ -41,7 +40,7 @@ async def copy_into(dst: Array, src: Array) -> None:
         dst[...] = src
         return
     for i in range(0, n, step):
-        dst[i:i + step] = src[i:i + step]
+        dst[i : i + step] = src[i : i + step]
         await asyncio.sleep(0)
 
 

@@ -44,8 +44,9 @@ class ScratchPool:
     small (at most ``cap_bytes / MIN_POOLED_BYTES``, in practice one or two).
     """
 
-    def __init__(self, cap_bytes: int = SCRATCH_RETAIN_BYTES,
-                 min_bytes: int = MIN_POOLED_BYTES) -> None:
+    def __init__(
+        self, cap_bytes: int = SCRATCH_RETAIN_BYTES, min_bytes: int = MIN_POOLED_BYTES
+    ) -> None:
         self.cap_bytes = cap_bytes
         self.min_bytes = min_bytes
         self._lock = threading.Lock()

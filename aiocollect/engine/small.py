@@ -30,7 +30,6 @@ from aiocollect.errors import GroupBrokenError
 log = logging.getLogger("aiocollect")
 
 
-
 class GroupCore(Protocol):
     """What a schedule needs of the group running it (group_core.GroupCore): its fabric,
     its rank, its bookkeeping of live and done operations, and its deadline probe. A
@@ -50,8 +49,9 @@ class GroupCore(Protocol):
 
     def _track(self, fut: asyncio.Future[Any]) -> None: ...
 
-    def _timeout_error(self, kind: str, op: Op,
-                       timeout: float | None) -> Awaitable[BaseException]: ...
+    def _timeout_error(
+        self, kind: str, op: Op, timeout: float | None
+    ) -> Awaitable[BaseException]: ...
 
 
 @dataclass(slots=True)
@@ -69,11 +69,30 @@ class Step:
 class Schedule:
     """Runs ``steps`` of ``op`` in order and resolves ``handle`` with ``result``."""
 
-    __slots__ = ("_i", "_released", "_timing_out", "_waiting", "core", "handle", "kind", "op",
-                 "result", "steps", "timeout")
+    __slots__ = (
+        "_i",
+        "_released",
+        "_timing_out",
+        "_waiting",
+        "core",
+        "handle",
+        "kind",
+        "op",
+        "result",
+        "steps",
+        "timeout",
+    )
 
-    def __init__(self, core: GroupCore, kind: str, op: Op, steps: list[Step],
-                 handle: asyncio.Future[Any], result: Any, timeout: float | None) -> None:
+    def __init__(
+        self,
+        core: GroupCore,
+        kind: str,
+        op: Op,
+        steps: list[Step],
+        handle: asyncio.Future[Any],
+        result: Any,
+        timeout: float | None,
+    ) -> None:
         self.core = core
         self.kind = kind
         self.op = op
@@ -90,8 +109,12 @@ class Schedule:
         # As asyncio does for a pending Task (the Task path gets asyncio's own warning).
         handle = getattr(self, "handle", None)
         if handle is not None and not handle.done():
-            log.warning("%s (op #%d) was garbage-collected while pending: its handle was "
-                        "never awaited and its group was dropped", self.kind, self.op.seq)
+            log.warning(
+                "%s (op #%d) was garbage-collected while pending: its handle was "
+                "never awaited and its group was dropped",
+                self.kind,
+                self.op.seq,
+            )
 
     # -- running ---------------------------------------------------------------------------
 
@@ -139,8 +162,11 @@ class Schedule:
         """The current step's receive (if any) is done: check it and run the step's
         callback. False if the schedule cannot go on synchronously."""
         if fut is not None:
-            exc = GroupBrokenError(f"{self.kind} (op #{self.op.seq}): receive withdrawn") \
-                if fut.cancelled() else fut.exception()
+            exc = (
+                GroupBrokenError(f"{self.kind} (op #{self.op.seq}): receive withdrawn")
+                if fut.cancelled()
+                else fut.exception()
+            )
             if exc is not None:
                 self._fail(exc)
                 return False
@@ -216,9 +242,12 @@ class Schedule:
         if handle.cancelled() and not self._timing_out:
             op = self.op
             if op.moved_data():
-                self.core._fabric.fail(GroupBrokenError(
-                    f"{self.kind} (op #{op.seq}) was cancelled on rank {self.core.rank} with "
-                    "data in flight"))
+                self.core._fabric.fail(
+                    GroupBrokenError(
+                        f"{self.kind} (op #{op.seq}) was cancelled on rank {self.core.rank} with "
+                        "data in flight"
+                    )
+                )
             if self._i or op.pending or op.moved_data():  # it started
                 self._release()
 

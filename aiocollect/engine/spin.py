@@ -67,8 +67,12 @@ def load_average() -> float:
         return 0.0
 
 
-def spin_budget(local_ranks: int, cores: int | None = None,
-                env: Mapping[str, str] | None = None, load: float | None = None) -> float:
+def spin_budget(
+    local_ranks: int,
+    cores: int | None = None,
+    env: Mapping[str, str] | None = None,
+    load: float | None = None,
+) -> float:
     """Seconds a rank busy-waits for an awaited frame: ``AIOCOLLECT_SPIN_US`` (in ``env``,
     default ``os.environ``) if set, else ``SPIN_SECONDS`` while ``local_ranks`` (rank
     processes on this host, this one included) are at most ``cores`` (default: this
@@ -101,8 +105,9 @@ def same_host(link: object) -> bool | None:
     return bool(peer[0] == here[0] or str(peer[0]).startswith("127.") or peer[0] == "::1")
 
 
-def budget_for(links: Iterable[object], cores: int | None = None,
-               env: Mapping[str, str] | None = None) -> float:
+def budget_for(
+    links: Iterable[object], cores: int | None = None, env: Mapping[str, str] | None = None
+) -> float:
     """:func:`spin_budget` for a rank with these links: the local rank processes are this
     one and every same-host socket peer; 0 when no link is a socket (nothing to poll)."""
     hosts = [same_host(link) for link in links]

@@ -108,7 +108,8 @@ async def _check_host(store: Store, mine: str) -> None:
         raise RendezvousError(
             f"the store {store!r} is hosted by rank 0 of another job ({host.describe()}), "
             f"not by this rank's job (job id {mine!r}): another job on the same store? "
-            "(give each job its own store or port)")
+            "(give each job its own store or port)"
+        )
 
 
 class _Keys:
@@ -156,8 +157,10 @@ class Claim:
     async def publish(self, record: dict[str, Any]) -> None:
         """Publish this rank's rendezvous record (with the job nonce) and mark it present."""
         k = self.keys
-        await self.store.set(k.record(self.rank), bytes(msgpack.packb(
-            {**record, "job": self.job}, use_bin_type=True)))
+        await self.store.set(
+            k.record(self.rank),
+            bytes(msgpack.packb({**record, "job": self.job}, use_bin_type=True)),
+        )
         await self.store.set(k.job(self.job, "here", self.rank), b"1")
 
     async def wait_records(self, deadline: Deadline) -> None:
@@ -189,16 +192,21 @@ class Claim:
             if ended:  # rank 0 was there; at its deadline (ours too) it deleted the keys
                 present[0] = True
             missing = [r for r, ok in enumerate(present) if not ok]
-            msg = (f"rank {self.rank}: ranks {missing} of group {self.name!r} never arrived "
-                   f"(world size {world_size})")
+            msg = (
+                f"rank {self.rank}: ranks {missing} of group {self.name!r} never arrived "
+                f"(world size {world_size})"
+            )
             if ended:
-                why = (await self.store.get(k.done(self.epoch), timeout=0)).decode(
-                    errors="replace")
+                why = (await self.store.get(k.done(self.epoch), timeout=0)).decode(errors="replace")
                 if self.rank == 0:
-                    raise RendezvousError(f"rank 0 of group {self.name!r}: its claim was "
-                                          f"ended before the group formed: {why}")
-                msg += (f"; rank 0 ({self.holder.describe()}) ended the job before the group "
-                        f"formed: {why}")
+                    raise RendezvousError(
+                        f"rank 0 of group {self.name!r}: its claim was "
+                        f"ended before the group formed: {why}"
+                    )
+                msg += (
+                    f"; rank 0 ({self.holder.describe()}) ended the job before the group "
+                    f"formed: {why}"
+                )
             raise RendezvousTimeout(msg, missing)
 
     async def check_conflict(self) -> None:
@@ -217,7 +225,8 @@ class Claim:
             f"job id the ranks of two jobs cannot be told apart, and this group may hold "
             f"ranks of both. Set AIOCOLLECT_JOB_ID to one value on every rank of a job (a "
             f"new one per job, e.g. $SLURM_JOB_ID), or give each job its own store, port "
-            f"or group name")
+            f"or group name"
+        )
 
     async def read_record(self, rank: int) -> dict[str, Any]:
         """Rank ``rank``'s record of this job.
@@ -232,15 +241,18 @@ class Claim:
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             raise RendezvousError(f"malformed rendezvous record for rank {rank}: {exc}") from None
         except errors.StoreTimeout:
-            raise RendezvousError(f"the rendezvous record of rank {rank} of group "
-                                  f"{self.name!r} disappeared from the store") from None
+            raise RendezvousError(
+                f"the rendezvous record of rank {rank} of group "
+                f"{self.name!r} disappeared from the store"
+            ) from None
         if not isinstance(rec, dict):
             raise RendezvousError(f"malformed rendezvous record for rank {rank}")
         if rec.get("job") != self.job:
             raise RendezvousError(
                 f"the rendezvous record of rank {rank} of group {self.name!r} belongs to "
                 f"another job (pid {rec.get('pid')} on host {rec.get('hostname')}): "
-                "another job on the same store?")
+                "another job on the same store?"
+            )
         return rec
 
     async def release(self, reason: str = "closed") -> None:
@@ -261,9 +273,13 @@ class Claim:
 
     async def _delete_job_keys(self) -> None:
         k = self.keys
-        await asyncio.gather(*(self.store.delete(k.job(self.job, what, r))
-                               for r in range(self.world_size)
-                               for what in ("claim", "owner", "here")))
+        await asyncio.gather(
+            *(
+                self.store.delete(k.job(self.job, what, r))
+                for r in range(self.world_size)
+                for what in ("claim", "owner", "here")
+            )
+        )
 
 
 async def _exists(store: Store, key: str) -> bool:
@@ -296,18 +312,22 @@ async def _owner(store: Store, key: str, deadline: Deadline, name: str, what: st
         raise RendezvousError(
             f"{what} of group {name!r} is claimed, but its claimant never said who it is "
             f"(it may have died while claiming): delete the store's keys "
-            f"'aiocollect/{name}/...' or use another group name") from None
+            f"'aiocollect/{name}/...' or use another group name"
+        ) from None
     return Owner.unpack(raw, key)
 
 
-async def _wait_key(store: Store, key: str, deadline: Deadline, rank: int, name: str,
-                    why: str = "") -> None:
+async def _wait_key(
+    store: Store, key: str, deadline: Deadline, rank: int, name: str, why: str = ""
+) -> None:
     try:
         await store.wait([key], timeout=deadline.remaining())
     except errors.StoreTimeout:
         raise RendezvousTimeout(
             f"rank {rank}: rank 0 of group {name!r} never arrived (it claims rank 0 first; "
-            f"the other ranks wait for it){why}", [0]) from None
+            f"the other ranks wait for it){why}",
+            [0],
+        ) from None
 
 
 async def _mark_conflict(store: Store, k: _Keys, e: int, rank: int, holder: Owner) -> None:
@@ -317,8 +337,10 @@ async def _mark_conflict(store: Store, k: _Keys, e: int, rank: int, holder: Owne
     first), while the rank >= 1 that lost to a rank of the other job may come too late."""
     if job_id():
         return
-    mark = (f"rank {rank}, {Owner.me(b'').describe()}, found rank {rank} of its epoch "
-            f"taken by {holder.describe()}")
+    mark = (
+        f"rank {rank}, {Owner.me(b'').describe()}, found rank {rank} of its epoch "
+        f"taken by {holder.describe()}"
+    )
     with contextlib.suppress(errors.AiocollectError, TimeoutError, OSError):
         async with asyncio.timeout(RELEASE_TIMEOUT):
             await store.set(k.conflict(e), mark.encode())
@@ -329,11 +351,11 @@ def _conflict(rank: int, name: str, holder: Owner) -> RendezvousError:
         f"rank {rank} of group {name!r} is already claimed by {holder.describe()}: another "
         f"job on the same store? (give each job its own store or port, or another group "
         f"name; if that process is gone, a claim from another host is not taken over: "
-        f"use another group name or a fresh store)")
+        f"use another group name or a fresh store)"
+    )
 
 
-async def claim(store: Store, name: str, rank: int, world_size: int,
-                deadline: Deadline) -> Claim:
+async def claim(store: Store, name: str, rank: int, world_size: int, deadline: Deadline) -> Claim:
     """Claim ``rank`` of group ``name`` on ``store`` for this process (see the module
     docstring for the rules).
 
@@ -362,7 +384,8 @@ async def claim(store: Store, name: str, rank: int, world_size: int,
             raise RendezvousError(
                 f"rank 0 of group {name!r} is held by {holder.describe()}, not by this "
                 f"rank's job (job id {me.job_id!r}): another job on the same store? (give "
-                f"each job its own store or port, or another group name)")
+                f"each job its own store or port, or another group name)"
+            )
         n = await store.add(k.job(holder.job, "claim", rank), 1)
         if n == 1:
             await store.set(k.job(holder.job, "owner", rank), me.pack())
@@ -372,26 +395,39 @@ async def claim(store: Store, name: str, rank: int, world_size: int,
             for what in ("claim", "owner"):
                 await store.delete(k.job(holder.job, what, rank))
             continue
-        other = await _owner(store, k.job(holder.job, "owner", rank), deadline, name,
-                             f"rank {rank}")
+        other = await _owner(
+            store, k.job(holder.job, "owner", rank), deadline, name, f"rank {rank}"
+        )
         if await _exists(store, k.done(e)):
             continue  # that job is over; wait for the next one
         if other.alive() is False:
             # That job lost its rank `rank`; it cannot form. Its rank 0 (or a successor that
             # takes over) ends the epoch; then look again.
-            log.warning("group %r: rank %d was claimed by %s, which has exited; waiting for "
-                        "rank 0 of its job (%s) to end it", name, rank, other.describe(),
-                        holder.describe())
-            await _wait_key(store, k.claim(e + 1), deadline, rank, name,
-                            f"; the last job's rank {rank} ({other.describe()}) has exited "
-                            f"but its rank 0 ({holder.describe()}) did not end that job")
+            log.warning(
+                "group %r: rank %d was claimed by %s, which has exited; waiting for "
+                "rank 0 of its job (%s) to end it",
+                name,
+                rank,
+                other.describe(),
+                holder.describe(),
+            )
+            await _wait_key(
+                store,
+                k.claim(e + 1),
+                deadline,
+                rank,
+                name,
+                f"; the last job's rank {rank} ({other.describe()}) has exited "
+                f"but its rank 0 ({holder.describe()}) did not end that job",
+            )
             continue
         await _mark_conflict(store, k, e, rank, other)
         raise _conflict(rank, name, other)
 
 
-async def _claim_first(store: Store, k: _Keys, name: str, world_size: int,
-                       deadline: Deadline) -> Claim:
+async def _claim_first(
+    store: Store, k: _Keys, name: str, world_size: int, deadline: Deadline
+) -> Claim:
     me = Owner.me(os.urandom(JOB_BYTES))
     e = await _latest(store, k)
     while True:
@@ -404,25 +440,34 @@ async def _claim_first(store: Store, k: _Keys, name: str, world_size: int,
             e += 1
             continue
         if holder.alive() is False:
-            log.warning("group %r: taking over rank 0 from %s, which has exited", name,
-                        holder.describe())
+            log.warning(
+                "group %r: taking over rank 0 from %s, which has exited", name, holder.describe()
+            )
             await store.set(k.done(e), b"taken over by " + me.describe().encode())
             e += 1
             continue
         if _hosts(store) and me.job_id and holder.job_id != me.job_id:
-            log.warning("group %r: taking over rank 0 from %s of another job, in the store "
-                        "this rank hosts", name, holder.describe())
-            await store.set(k.done(e), (f"taken over by the host of this store, "
-                                        f"{me.describe()}: another job on the same store?"
-                                        ).encode())
+            log.warning(
+                "group %r: taking over rank 0 from %s of another job, in the store this rank hosts",
+                name,
+                holder.describe(),
+            )
+            await store.set(
+                k.done(e),
+                (
+                    f"taken over by the host of this store, "
+                    f"{me.describe()}: another job on the same store?"
+                ).encode(),
+            )
             e += 1
             continue
         await _mark_conflict(store, k, e, 0, holder)
         raise _conflict(0, name, holder)
 
 
-async def _current_job(store: Store, k: _Keys, name: str, rank: int, deadline: Deadline,
-                       after: int) -> tuple[int, Owner]:
+async def _current_job(
+    store: Store, k: _Keys, name: str, rank: int, deadline: Deadline, after: int
+) -> tuple[int, Owner]:
     """The latest epoch after ``after`` that is not done, and its holder; waits for rank 0
     to claim one.
 
@@ -442,8 +487,9 @@ async def _current_job(store: Store, k: _Keys, name: str, rank: int, deadline: D
         raise RendezvousError(ended[-1]) from exc
 
 
-async def _next_job(store: Store, k: _Keys, name: str, rank: int, deadline: Deadline,
-                    after: int, ended: list[str]) -> tuple[int, Owner]:
+async def _next_job(
+    store: Store, k: _Keys, name: str, rank: int, deadline: Deadline, after: int, ended: list[str]
+) -> tuple[int, Owner]:
     e = max(await _latest(store, k), after + 1)
     mine = job_id()
     while True:
@@ -459,7 +505,8 @@ async def _next_job(store: Store, k: _Keys, name: str, rank: int, deadline: Dead
                     f"rank {rank}: rank 0 of group {name!r} ({holder.describe()}), which "
                     f"hosted the store, ended its job before this rank arrived ({why}); "
                     "then its store closed (this rank started too late, or belongs to "
-                    "another job on the same store?)")
+                    "another job on the same store?)"
+                )
             e += 1
             continue
         if holder.alive() is False:
@@ -474,4 +521,9 @@ async def _hosted_by(store: Store, owner: Owner) -> bool:
         return False
     host = Owner.unpack(await store.get(HOST_KEY, timeout=0), HOST_KEY)
     return (host.pid, host.hostname, host.boot_id, host.pidns, host.start) == (
-        owner.pid, owner.hostname, owner.boot_id, owner.pidns, owner.start)
+        owner.pid,
+        owner.hostname,
+        owner.boot_id,
+        owner.pidns,
+        owner.start,
+    )

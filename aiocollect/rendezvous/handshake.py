@@ -43,8 +43,16 @@ class AcceptorHandshake:
     """The listening side. ``admit(rank)`` returns an error string to refuse a rank
     (e.g. a duplicate connection), or None. ``job`` is this group's job nonce."""
 
-    def __init__(self, group: str, rank: int, world_size: int, secret: bytes | None,
-                 admit: Callable[[int], str | None], *, job: bytes = b"") -> None:
+    def __init__(
+        self,
+        group: str,
+        rank: int,
+        world_size: int,
+        secret: bytes | None,
+        admit: Callable[[int], str | None],
+        *,
+        job: bytes = b"",
+    ) -> None:
         self.group, self.rank, self.world_size = group, rank, world_size
         self.secret = secret
         self.admit = admit
@@ -69,31 +77,46 @@ class AcceptorHandshake:
             raise ProtocolError("handshake field 'job' is not bytes")
         ctx = _context(str(msg.get("group")), peer, self.rank, world, job)
         if self.secret is not None and not _auth.check(
-                self.secret, mac, b"connector", nonce, self.nonce, ctx):
-            raise self._reject("auth", AuthenticationError(
-                "peer failed to prove the shared secret"))
+            self.secret, mac, b"connector", nonce, self.nonce, ctx
+        ):
+            raise self._reject(
+                "auth", AuthenticationError("peer failed to prove the shared secret")
+            )
         if msg.get("v") != PROTOCOL_VERSION:
-            raise self._reject("version", RendezvousError(
-                f"protocol version {msg.get('v')!r} != {PROTOCOL_VERSION}"))
+            raise self._reject(
+                "version",
+                RendezvousError(f"protocol version {msg.get('v')!r} != {PROTOCOL_VERSION}"),
+            )
         if msg.get("group") != self.group:
-            raise self._reject("group", RendezvousError(
-                f"group {msg.get('group')!r} does not match this group {self.group!r}"))
+            raise self._reject(
+                "group",
+                RendezvousError(
+                    f"group {msg.get('group')!r} does not match this group {self.group!r}"
+                ),
+            )
         if world != self.world_size:
-            raise self._reject("group", RendezvousError(
-                f"world size {world} != {self.world_size}"))
+            raise self._reject("group", RendezvousError(f"world size {world} != {self.world_size}"))
         if msg.get("peer") != self.rank:
-            raise self._reject("group", RendezvousError(
-                f"connection meant for rank {msg.get('peer')!r} reached rank {self.rank}"))
+            raise self._reject(
+                "group",
+                RendezvousError(
+                    f"connection meant for rank {msg.get('peer')!r} reached rank {self.rank}"
+                ),
+            )
         if not 0 <= peer < self.world_size or peer == self.rank:
             raise self._reject("group", RendezvousError(f"invalid peer rank {peer}"))
         refusal = self.admit(peer)
         if refusal is not None:
             raise self._reject("group", RendezvousError(refusal))
         if job != self.job:
-            raise self._reject("job", RendezvousError(
-                f"rank {peer} belongs to another job (job {job.hex()[:12] or 'none'}, this "
-                f"group's is {self.job.hex()[:12] or 'none'}): another job on the same store "
-                f"with group name {self.group!r}?"))
+            raise self._reject(
+                "job",
+                RendezvousError(
+                    f"rank {peer} belongs to another job (job {job.hex()[:12] or 'none'}, this "
+                    f"group's is {self.job.hex()[:12] or 'none'}): another job on the same store "
+                    f"with group name {self.group!r}?"
+                ),
+            )
         reply = {"t": "welcome", "rank": self.rank, "mac": b""}
         if self.secret is not None:
             reply["mac"] = _auth.proof(self.secret, b"acceptor", self.nonce, nonce, ctx)
@@ -103,8 +126,16 @@ class AcceptorHandshake:
 class ConnectorHandshake:
     """The connecting side: rank ``rank`` connecting to rank ``peer``."""
 
-    def __init__(self, group: str, rank: int, peer: int, world_size: int,
-                 secret: bytes | None, *, job: bytes = b"") -> None:
+    def __init__(
+        self,
+        group: str,
+        rank: int,
+        peer: int,
+        world_size: int,
+        secret: bytes | None,
+        *,
+        job: bytes = b"",
+    ) -> None:
         self.group, self.rank, self.peer, self.world_size = group, rank, peer, world_size
         self.secret = secret
         self.job = job
@@ -121,15 +152,25 @@ class ConnectorHandshake:
             if msg.get("v") != PROTOCOL_VERSION:
                 raise RendezvousError(
                     f"rank {self.peer} speaks protocol {msg.get('v')!r}, we speak "
-                    f"{PROTOCOL_VERSION}")
+                    f"{PROTOCOL_VERSION}"
+                )
             self.peer_nonce = _field(msg, "nonce", bytes)
             mac = b""
             if self.secret is not None:
-                mac = _auth.proof(self.secret, b"connector", self.nonce, self.peer_nonce,
-                                  self.ctx)
-            return [{"t": "hello", "v": PROTOCOL_VERSION, "group": self.group,
-                     "rank": self.rank, "peer": self.peer, "world": self.world_size,
-                     "job": self.job, "nonce": self.nonce, "mac": mac}], None
+                mac = _auth.proof(self.secret, b"connector", self.nonce, self.peer_nonce, self.ctx)
+            return [
+                {
+                    "t": "hello",
+                    "v": PROTOCOL_VERSION,
+                    "group": self.group,
+                    "rank": self.rank,
+                    "peer": self.peer,
+                    "world": self.world_size,
+                    "job": self.job,
+                    "nonce": self.nonce,
+                    "mac": mac,
+                }
+            ], None
         if kind == "reject":
             text = f"rank {self.peer} refused the link: {msg.get('error')}"
             if msg.get("kind") == "auth":
@@ -139,8 +180,13 @@ class ConnectorHandshake:
             if msg.get("rank") != self.peer:
                 raise RendezvousError(f"expected rank {self.peer}, reached {msg.get('rank')!r}")
             if self.secret is not None and not _auth.check(
-                    self.secret, _field(msg, "mac", bytes), b"acceptor", self.peer_nonce,
-                    self.nonce, self.ctx):
+                self.secret,
+                _field(msg, "mac", bytes),
+                b"acceptor",
+                self.peer_nonce,
+                self.nonce,
+                self.ctx,
+            ):
                 raise AuthenticationError(f"rank {self.peer} failed to prove the shared secret")
             return [], self.peer
         raise ProtocolError(f"unexpected handshake message {kind!r}")

@@ -61,25 +61,48 @@ class Owner:
     @classmethod
     def me(cls, job: bytes) -> Owner:
         pid = os.getpid()
-        return cls(job, pid, socket.gethostname(), boot_id(), _pid_namespace(),
-                   _start_time(pid), job_id())
+        return cls(
+            job, pid, socket.gethostname(), boot_id(), _pid_namespace(), _start_time(pid), job_id()
+        )
 
     def pack(self) -> bytes:
-        return bytes(msgpack.packb({"job": self.job, "pid": self.pid, "host": self.hostname,
-                                    "boot_id": self.boot_id, "pidns": self.pidns,
-                                    "start": self.start, "job_id": self.job_id},
-                                   use_bin_type=True))
+        return bytes(
+            msgpack.packb(
+                {
+                    "job": self.job,
+                    "pid": self.pid,
+                    "host": self.hostname,
+                    "boot_id": self.boot_id,
+                    "pidns": self.pidns,
+                    "start": self.start,
+                    "job_id": self.job_id,
+                },
+                use_bin_type=True,
+            )
+        )
 
     @classmethod
     def unpack(cls, raw: bytes, key: str) -> Owner:
         """Raises: RendezvousError: not an owner record."""
         try:
             d = msgpack.unpackb(raw, raw=False)
-            owner = cls(d["job"], d["pid"], d["host"], d["boot_id"], d["pidns"], d["start"],
-                        d.get("job_id", ""))
-            ok = isinstance(owner.job, bytes) and isinstance(owner.pid, int) and all(
-                isinstance(x, str) for x in (owner.hostname, owner.boot_id, owner.pidns,
-                                             owner.start, owner.job_id))
+            owner = cls(
+                d["job"],
+                d["pid"],
+                d["host"],
+                d["boot_id"],
+                d["pidns"],
+                d["start"],
+                d.get("job_id", ""),
+            )
+            ok = (
+                isinstance(owner.job, bytes)
+                and isinstance(owner.pid, int)
+                and all(
+                    isinstance(x, str)
+                    for x in (owner.hostname, owner.boot_id, owner.pidns, owner.start, owner.job_id)
+                )
+            )
         except (ValueError, KeyError, TypeError, msgpack.UnpackException):
             ok = False
         if not ok:

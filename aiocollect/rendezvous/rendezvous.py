@@ -67,8 +67,9 @@ class Endpoint:
             await self.claim.release()
 
 
-async def rendezvous(store: Store, cfg: RendezvousConfig, events: LinkEvents,
-                     max_frame: int) -> tuple[Endpoint, dict[int, Link]]:
+async def rendezvous(
+    store: Store, cfg: RendezvousConfig, events: LinkEvents, max_frame: int
+) -> tuple[Endpoint, dict[int, Link]]:
     """Connect this rank to every other rank of the group.
 
     Returns:
@@ -100,16 +101,26 @@ async def rendezvous(store: Store, cfg: RendezvousConfig, events: LinkEvents,
     claim = await claims.claim(store, cfg.name, cfg.rank, cfg.world_size, cfg.deadline)
 
     def acceptor() -> AcceptorHandshake:
-        return AcceptorHandshake(cfg.name, cfg.rank, cfg.world_size, cfg.secret, admit,
-                                 job=claim.job)
+        return AcceptorHandshake(
+            cfg.name, cfg.rank, cfg.world_size, cfg.secret, admit, job=claim.job
+        )
 
     transport = registry.get(cfg.transport)
     if transport is None:
-        raise RendezvousError(f"no transport named {cfg.transport!r} is registered "
-                              f"(registered: {', '.join(registry.names())})")
-    setup = LinkSetup(rank=cfg.rank, events=events, max_frame=max_frame,
-                      host=cfg.host or "127.0.0.1", acceptor=acceptor, on_link=on_link,
-                      tls=cfg.ssl, screen=_protected_screen(cfg))
+        raise RendezvousError(
+            f"no transport named {cfg.transport!r} is registered "
+            f"(registered: {', '.join(registry.names())})"
+        )
+    setup = LinkSetup(
+        rank=cfg.rank,
+        events=events,
+        max_frame=max_frame,
+        host=cfg.host or "127.0.0.1",
+        acceptor=acceptor,
+        on_link=on_link,
+        tls=cfg.ssl,
+        screen=_protected_screen(cfg),
+    )
     try:
         endpoint = Endpoint(await transport.listen(setup))
     except BaseException as exc:
@@ -117,17 +128,24 @@ async def rendezvous(store: Store, cfg: RendezvousConfig, events: LinkEvents,
         raise
     endpoint.claim = claim
     try:
-        record = {"v": PROTOCOL_VERSION, "rank": cfg.rank, "world_size": cfg.world_size,
-                  **endpoint.listener.record, **host.identity(), "pid": os.getpid(),
-                  "chunk_bytes": cfg.chunk_bytes}
+        record = {
+            "v": PROTOCOL_VERSION,
+            "rank": cfg.rank,
+            "world_size": cfg.world_size,
+            **endpoint.listener.record,
+            **host.identity(),
+            "pid": os.getpid(),
+            "chunk_bytes": cfg.chunk_bytes,
+        }
         await claim.publish(record)
         peers = await _read_records(claim, cfg, record)
         endpoint.listener.prepare(peers)
         if expected == 0:
             arrived.set()
-        connects = [asyncio.ensure_future(_connect(cfg, endpoint.listener, peers[r],
-                                                   claim.job))
-                    for r in range(cfg.rank)]
+        connects = [
+            asyncio.ensure_future(_connect(cfg, endpoint.listener, peers[r], claim.job))
+            for r in range(cfg.rank)
+        ]
         try:
             remaining = cfg.deadline.remaining()
             async with asyncio.timeout(remaining):
@@ -138,7 +156,9 @@ async def rendezvous(store: Store, cfg: RendezvousConfig, events: LinkEvents,
             missing = [r for r in range(cfg.world_size) if r != cfg.rank and r not in links]
             raise RendezvousTimeout(
                 f"rank {cfg.rank}: no link from ranks {missing} of group {cfg.name!r} "
-                f"before the deadline", missing) from None
+                f"before the deadline",
+                missing,
+            ) from None
         finally:
             for fut in connects:
                 fut.cancel()
@@ -172,8 +192,7 @@ async def _check_early(claim: claims.Claim, cfg: RendezvousConfig) -> None:
             remaining = cfg.deadline.remaining()
             if remaining is not None and remaining <= 0:
                 return
-            slice_ = EARLY_CHECK_SLICE if remaining is None else min(EARLY_CHECK_SLICE,
-                                                                      remaining)
+            slice_ = EARLY_CHECK_SLICE if remaining is None else min(EARLY_CHECK_SLICE, remaining)
             try:
                 await store.wait([keys.job(claim.job, "here", r)], timeout=slice_)
                 break
@@ -190,17 +209,25 @@ async def _check_early(claim: claims.Claim, cfg: RendezvousConfig) -> None:
                 theirs = rec.get("world_size") if isinstance(rec, dict) else None
                 n = max(cfg.world_size, theirs if isinstance(theirs, int) else 0)
                 with contextlib.suppress(errors.StoreTimeout):
-                    await store.wait([keys.job(claim.job, "here", q) for q in range(n)],
-                                     timeout=min(EARLY_CHECK_SLICE * 2,
-                                                 cfg.deadline.remaining() or 2.0))
+                    await store.wait(
+                        [keys.job(claim.job, "here", q) for q in range(n)],
+                        timeout=min(EARLY_CHECK_SLICE * 2, cfg.deadline.remaining() or 2.0),
+                    )
             raise
 
 
 def _check_settings(cfg: RendezvousConfig, r: int, rec: dict[str, Any]) -> None:
     try:
-        bad = [k for k in ("world_size", "chunk_bytes", "v")
-               if rec[k] != {"world_size": cfg.world_size, "chunk_bytes": cfg.chunk_bytes,
-                             "v": PROTOCOL_VERSION}[k]]
+        bad = [
+            k
+            for k in ("world_size", "chunk_bytes", "v")
+            if rec[k]
+            != {
+                "world_size": cfg.world_size,
+                "chunk_bytes": cfg.chunk_bytes,
+                "v": PROTOCOL_VERSION,
+            }[k]
+        ]
     except (ValueError, KeyError, TypeError) as exc:
         raise RendezvousError(f"malformed rendezvous record for rank {r}: {exc}") from None
     if bad:
@@ -208,11 +235,13 @@ def _check_settings(cfg: RendezvousConfig, r: int, rec: dict[str, Any]) -> None:
             f"rank {r} joined group {cfg.name!r} with "
             + ", ".join(f"{k}={rec[k]!r}" for k in bad)
             + f" but rank {cfg.rank} has world_size={cfg.world_size}, "
-            f"chunk_bytes={cfg.chunk_bytes}, protocol {PROTOCOL_VERSION}")
+            f"chunk_bytes={cfg.chunk_bytes}, protocol {PROTOCOL_VERSION}"
+        )
 
 
-async def _read_records(claim: claims.Claim, cfg: RendezvousConfig,
-                        mine: Record) -> dict[int, Record]:
+async def _read_records(
+    claim: claims.Claim, cfg: RendezvousConfig, mine: Record
+) -> dict[int, Record]:
     await _check_early(claim, cfg)
     await claim.wait_records(cfg.deadline)
     peers: dict[int, Record] = {}
@@ -223,7 +252,8 @@ async def _read_records(claim: claims.Claim, cfg: RendezvousConfig,
         if rec["transport"] != mine["transport"]:
             raise RendezvousError(
                 f"rank {r} uses transport {rec['transport']!r}, rank {cfg.rank} uses "
-                f"{mine['transport']!r}")
+                f"{mine['transport']!r}"
+            )
     return peers
 
 
@@ -244,8 +274,7 @@ def _protected_screen(cfg: RendezvousConfig) -> Screen | None:
     return screen
 
 
-async def _connect(cfg: RendezvousConfig, listener: Listener, rec: Record,
-                   job: bytes) -> Link:
+async def _connect(cfg: RendezvousConfig, listener: Listener, rec: Record, job: bytes) -> Link:
     peer = int(rec["rank"])
     hs = ConnectorHandshake(cfg.name, cfg.rank, peer, cfg.world_size, cfg.secret, job=job)
     return await listener.connect(rec, hs)

@@ -81,8 +81,9 @@ async def open_store(
     if scheme == "tcp":
         host, port = _tcp_address(spec, url)
         is_host = rank == 0
-        store = await connect_tcp_store(host, port, is_host=is_host, secret=secret,
-                                        insecure=insecure, timeout=timeout)
+        store = await connect_tcp_store(
+            host, port, is_host=is_host, secret=secret, insecure=insecure, timeout=timeout
+        )
         return store, True
     if scheme == "file":
         if url.netloc not in ("", "localhost"):

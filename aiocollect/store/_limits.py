@@ -58,7 +58,8 @@ class Quota:
             f"{nkeys} keys, over the limit of {self.max_bytes} bytes / {self.max_keys} "
             "keys (delete keys you no longer need, or raise the limits: "
             "`aiocollect store --max-bytes/--max-keys`, TCPStoreServer(max_bytes=, "
-            "max_keys=))")
+            "max_keys=))"
+        )
 
     def set(self, key: str, value: Value) -> None:
         """Store ``value``, or raise StoreError if that would exceed a limit."""

@@ -24,8 +24,11 @@ CHUNK = 256 * 1024
 
 
 async def read_body(
-    reader: asyncio.StreamReader, size: int, idle_timeout: float | None = None,
-    *, check: bool = False,
+    reader: asyncio.StreamReader,
+    size: int,
+    idle_timeout: float | None = None,
+    *,
+    check: bool = False,
 ) -> bytearray:
     """Read a frame body of ``size`` bytes a chunk at a time.
 
@@ -119,7 +122,7 @@ class FrameWriter:
                 for start in range(0, len(view), CHUNK):
                     if writer.transport.is_closing():
                         raise ConnectionResetError("the store connection was closed")
-                    writer.write(view[start:start + CHUNK])
+                    writer.write(view[start : start + CHUNK])
                     await writer.drain()
                     await asyncio.sleep(0)  # drain() returns at once while under the mark
             except BaseException:

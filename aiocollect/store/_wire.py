@@ -88,8 +88,18 @@ _ARRAY, _STR, _BIN, _REFUSED = -1, -2, -3, -4
 _SIZE = [_REFUSED] * 256
 for _b in (*range(0x00, 0x80), *range(0xE0, 0x100), 0xC0, 0xC2, 0xC3):
     _SIZE[_b] = 1
-for _b, _n in ((0xCA, 5), (0xCB, 9), (0xCC, 2), (0xCD, 3), (0xCE, 5), (0xCF, 9), (0xD0, 2),
-               (0xD1, 3), (0xD2, 5), (0xD3, 9)):
+for _b, _n in (
+    (0xCA, 5),
+    (0xCB, 9),
+    (0xCC, 2),
+    (0xCD, 3),
+    (0xCE, 5),
+    (0xCF, 9),
+    (0xD0, 2),
+    (0xD1, 3),
+    (0xD2, 5),
+    (0xD3, 9),
+):
     _SIZE[_b] = _n
 for _b in (*range(0x90, 0xA0), 0xDC, 0xDD):
     _SIZE[_b] = _ARRAY
@@ -146,7 +156,8 @@ def check_shape(body: Buffer, max_items: int = MAX_ITEMS, *, partial: bool = Fal
             continue
         if n == _REFUSED:
             raise ProtocolError(
-                "malformed store message: maps and extension types are not part of it")
+                "malformed store message: maps and extension types are not part of it"
+            )
         if 0xA0 <= b <= 0xBF:
             pos += 1 + (b & 0x1F)
             continue
@@ -154,7 +165,7 @@ def check_shape(body: Buffer, max_items: int = MAX_ITEMS, *, partial: bool = Fal
             count, pos = b & 0x0F, pos + 1
         else:
             width = _LENGTH_BYTES[b]
-            count = int.from_bytes(body[pos + 1:pos + 1 + width], "big")
+            count = int.from_bytes(body[pos + 1 : pos + 1 + width], "big")
             pos += 1 + width
             if n != _ARRAY:
                 pos += count
@@ -166,8 +177,9 @@ def check_shape(body: Buffer, max_items: int = MAX_ITEMS, *, partial: bool = Fal
             raise ProtocolError(f"malformed store message: more than {max_items} values")
         left.append(count)
     if pos != end and not (partial and pos > end):
-        raise ProtocolError("malformed store message: "
-                            + ("truncated" if pos > end else "trailing bytes"))
+        raise ProtocolError(
+            "malformed store message: " + ("truncated" if pos > end else "trailing bytes")
+        )
     return [] if partial else starts
 
 
@@ -193,7 +205,7 @@ def decode(body: Buffer, max_items: int = MAX_ITEMS) -> Any:
     for start, end in zip(starts, [*starts[1:], len(body)], strict=True):
         b = body[start]
         if 0xC4 <= b <= 0xC6 and end - start > VIEW_MIN:
-            items.append(view[start + 1 + _LENGTH_BYTES[b]:end])
+            items.append(view[start + 1 + _LENGTH_BYTES[b] : end])
         else:
             items.append(_unpack(view[start:end], max_items))
     return items
@@ -202,9 +214,15 @@ def decode(body: Buffer, max_items: int = MAX_ITEMS) -> Any:
 def _unpack(body: Buffer, max_items: int) -> Any:
     try:
         return msgpack.unpackb(
-            body, raw=False, strict_map_key=True, max_str_len=MAX_KEY_BYTES,
-            max_bin_len=max(len(body), 1), max_array_len=max_items, max_map_len=0,
-            max_ext_len=0)
+            body,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=MAX_KEY_BYTES,
+            max_bin_len=max(len(body), 1),
+            max_array_len=max_items,
+            max_map_len=0,
+            max_ext_len=0,
+        )
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"malformed store message: {exc}") from None
 
@@ -234,7 +252,8 @@ def encode_parts(items: list[object], blob: Buffer) -> tuple[bytes, Buffer]:
     if len(items) >= 15:
         raise ValueError("encode_parts: at most 14 items before the blob")
     head = bytes([0x90 | (len(items) + 1)]) + b"".join(
-        msgpack.packb(x, use_bin_type=True) for x in items)
+        msgpack.packb(x, use_bin_type=True) for x in items
+    )
     head += b"\xc6" + len(blob).to_bytes(4, "big")
     return HEADER.pack(len(head) + len(blob)) + head, blob
 
@@ -358,8 +377,13 @@ def parse_hello(msg: Any) -> bytes | None:
         Refused: the server refused the connection (its message says why and what to do).
         ProtocolError: not an aiocollect store, or another protocol version.
     """
-    if (isinstance(msg, list) and len(msg) == 4 and msg[0] == MAGIC and msg[2] is False
-            and isinstance(msg[3], str)):
+    if (
+        isinstance(msg, list)
+        and len(msg) == 4
+        and msg[0] == MAGIC
+        and msg[2] is False
+        and isinstance(msg[3], str)
+    ):
         raise Refused(msg[3])
     if not (isinstance(msg, list) and len(msg) == 3 and msg[0] == MAGIC):
         raise ProtocolError("the peer is not an aiocollect TCP store")

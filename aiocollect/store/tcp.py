@@ -99,8 +99,7 @@ async def connect_tcp_store(
         remaining = deadline.remaining()
         grace = TAKEN_GRACE if remaining is None else min(TAKEN_GRACE, remaining)
         try:
-            return await _connect_with_retry(host, port, secret, timeout,
-                                             Deadline.after(grace))
+            return await _connect_with_retry(host, port, secret, timeout, Deadline.after(grace))
         except StoreTimeout:
             raise StoreError(
                 f"cannot host the TCP store at {format_address(host, port)}: the port is in "
@@ -114,7 +113,11 @@ async def connect_tcp_store(
 
 
 async def _host(
-    host: str, port: int, secret: bytes | str | None, insecure: bool, timeout: float,
+    host: str,
+    port: int,
+    secret: bytes | str | None,
+    insecure: bool,
+    timeout: float,
     deadline: Deadline,
 ) -> TCPStore | None:
     """Connect to a store already there, else start one; None if another process won the

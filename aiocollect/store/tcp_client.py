@@ -141,8 +141,9 @@ class TCPStore(Store):
         try:
             nonce_s = _wire.parse_hello(await _wire.read_frame(reader, _wire.MAX_HANDSHAKE_FRAME))
         except _wire.Refused as exc:
-            raise StoreError(f"the TCP store at {self.address} refused this connection: "
-                             f"{exc}") from None
+            raise StoreError(
+                f"the TCP store at {self.address} refused this connection: {exc}"
+            ) from None
         except ProtocolError as exc:
             raise StoreError(f"{self.address} is not an aiocollect TCP store: {exc}") from exc
         if nonce_s is None:
@@ -222,11 +223,14 @@ class TCPStore(Store):
         self._life.ensure_open()
         for key in keys:  # only a key of over a quarter of the limit can have too many bytes
             if len(key) > _wire.MAX_KEY_BYTES // 4 and len(key.encode()) > _wire.MAX_KEY_BYTES:
-                raise UsageError(f"{op}: a TCP store key has at most {_wire.MAX_KEY_BYTES} "
-                                 f"bytes, {key[:40]!r}... has more")
+                raise UsageError(
+                    f"{op}: a TCP store key has at most {_wire.MAX_KEY_BYTES} "
+                    f"bytes, {key[:40]!r}... has more"
+                )
         if len(keys) > _wire.MAX_KEYS:
-            raise UsageError(f"{op}: a TCP store request names at most {_wire.MAX_KEYS} keys, "
-                             f"not {len(keys)}")
+            raise UsageError(
+                f"{op}: a TCP store request names at most {_wire.MAX_KEYS} keys, not {len(keys)}"
+            )
         if self._writer is None:
             await self.connect()
         if self._failure is not None:

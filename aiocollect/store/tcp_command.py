@@ -53,8 +53,8 @@ def _store_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="aiocollect store",
         description="Standalone TCP store server for multi-node aiocollect jobs. With no "
-                    "secret (--secret or $AIOCOLLECT_SECRET) and no --insecure, it "
-                    "generates a secret and prints the line to export on every node.",
+        "secret (--secret or $AIOCOLLECT_SECRET) and no --insecure, it "
+        "generates a secret and prints the line to export on every node.",
     )
     parser.add_argument("--host", default=None, help="address to bind (default: all interfaces)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0: pick a free one)")
@@ -63,17 +63,28 @@ def _store_parser() -> argparse.ArgumentParser:
         "--secret",
         default=None,
         help="shared secret clients must prove (default: $AIOCOLLECT_SECRET, else a "
-             "generated one; prefer the variable: arguments show in `ps`)",
+        "generated one; prefer the variable: arguments show in `ps`)",
     )
     auth.add_argument(
-        "--insecure", action="store_true",
+        "--insecure",
+        action="store_true",
         help="no secret: accept any client from any host (also $AIOCOLLECT_INSECURE=1); "
-             "only on a network you trust",
+        "only on a network you trust",
     )
-    parser.add_argument("--max-bytes", type=int, default=MAX_BYTES, metavar="N",
-                        help=f"quota of stored keys and values in bytes (default {MAX_BYTES})")
-    parser.add_argument("--max-keys", type=int, default=MAX_KEYS, metavar="N",
-                        help=f"quota of stored keys (default {MAX_KEYS})")
+    parser.add_argument(
+        "--max-bytes",
+        type=int,
+        default=MAX_BYTES,
+        metavar="N",
+        help=f"quota of stored keys and values in bytes (default {MAX_BYTES})",
+    )
+    parser.add_argument(
+        "--max-keys",
+        type=int,
+        default=MAX_KEYS,
+        metavar="N",
+        help=f"quota of stored keys (default {MAX_KEYS})",
+    )
     return parser
 
 
@@ -99,26 +110,38 @@ def store_main(argv: list[str]) -> int:
         print(f"aiocollect store listening on {srv.address} ({mode})", flush=True)
         if generated is not None:
             print(f"export AIOCOLLECT_SECRET={generated}", flush=True)
-            print("aiocollect store: generated the secret above (no --secret, no "
-                  "$AIOCOLLECT_SECRET); run that line on every node before starting the "
-                  "ranks, e.g. `aiocollect run` or torchrun, which pass it on", flush=True)
+            print(
+                "aiocollect store: generated the secret above (no --secret, no "
+                "$AIOCOLLECT_SECRET); run that line on every node before starting the "
+                "ranks, e.g. `aiocollect run` or torchrun, which pass it on",
+                flush=True,
+            )
 
     limits = {"max_bytes": args.max_bytes, "max_keys": args.max_keys}
     try:
-        asyncio.run(_run_until_signal(args.host, args.port, _auth.as_secret(secret),
-                                      insecure, ready, limits))
+        asyncio.run(
+            _run_until_signal(
+                args.host, args.port, _auth.as_secret(secret), insecure, ready, limits
+            )
+        )
     except OSError as exc:
         print(f"aiocollect store: cannot listen on port {args.port}: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
-async def _run_until_signal(host: str | None, port: int, secret: bytes | None,
-                            insecure: bool, ready: Callable[[TCPStoreServer], object],
-                            limits: dict[str, Any]) -> None:
+async def _run_until_signal(
+    host: str | None,
+    port: int,
+    secret: bytes | None,
+    insecure: bool,
+    ready: Callable[[TCPStoreServer], object],
+    limits: dict[str, Any],
+) -> None:
     loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(
-        serve_store(host, port, secret, insecure=insecure, ready=ready, **limits))
+        serve_store(host, port, secret, insecure=insecure, ready=ready, **limits)
+    )
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)
     with contextlib.suppress(asyncio.CancelledError):

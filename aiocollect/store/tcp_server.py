@@ -219,8 +219,10 @@ class TCPStoreServer:
             log.warning("closing store connection from %s: %s", conn.peer, exc)
         except TimeoutError:
             # info, not warning: a peer that opens many connections must not flood the log
-            log.info("store client %s stalled (handshake or a frame not completed in time); "
-                     "closing", conn.peer)
+            log.info(
+                "store client %s stalled (handshake or a frame not completed in time); closing",
+                conn.peer,
+            )
         except asyncio.CancelledError:
             # Only close() and loop shutdown cancel handlers; nobody awaits this task, and
             # asyncio would log a cancelled connection callback as an error.
@@ -238,16 +240,23 @@ class TCPStoreServer:
         """Refuse, with a message, a connection from another host when there is no secret
         (protected mode) and one beyond ``max_connections``."""
         reason = None
-        if (self._secret is None and not self._insecure
-                and not _protect.is_local(conn.peername, conn.sockname)):
-            reason = _protect.refusal(f"the aiocollect TCP store at {self.address}",
-                                      conn.peername)
+        if (
+            self._secret is None
+            and not self._insecure
+            and not _protect.is_local(conn.peername, conn.sockname)
+        ):
+            reason = _protect.refusal(f"the aiocollect TCP store at {self.address}", conn.peername)
             _protect.log_refusal(log, f"TCP store {self.address}", conn.peername)
         elif len(self._conns) > self._max_connections:
-            reason = (f"the aiocollect TCP store at {self.address} serves at most "
-                      f"{self._max_connections} connections at once (max_connections)")
-            log.warning("store refused a connection from %s: %d connections already",
-                        conn.peer, self._max_connections)
+            reason = (
+                f"the aiocollect TCP store at {self.address} serves at most "
+                f"{self._max_connections} connections at once (max_connections)"
+            )
+            log.warning(
+                "store refused a connection from %s: %d connections already",
+                conn.peer,
+                self._max_connections,
+            )
         if reason is None:
             return True
         with contextlib.suppress(ConnectionError):
@@ -281,8 +290,12 @@ class TCPStoreServer:
                 while True:
                     msg = await self._read_request(conn)
                     await self._dispatch(conn, _wire.parse_request(msg), tg)
-            except (ConnectionError, asyncio.IncompleteReadError, AiocollectError,
-                    TimeoutError) as exc:
+            except (
+                ConnectionError,
+                asyncio.IncompleteReadError,
+                AiocollectError,
+                TimeoutError,
+            ) as exc:
                 error = exc  # raised below: a TaskGroup would wrap it in an ExceptionGroup
             finally:
                 # Whatever ended the loop ends the pending waits too (no answers owed).
@@ -307,7 +320,8 @@ class TCPStoreServer:
         (size,) = _wire.HEADER.unpack(first + rest)
         if size > self._max_frame:
             raise ProtocolError(
-                f"store message of {size} bytes exceeds the limit of {self._max_frame}")
+                f"store message of {size} bytes exceeds the limit of {self._max_frame}"
+            )
         if size <= SMALL_FRAME:
             async with asyncio.timeout(self._idle_timeout):
                 return _wire.decode(await reader.readexactly(size))
@@ -318,9 +332,7 @@ class TCPStoreServer:
             self._budget.release(size)
         return _wire.decode(body)  # a large value: a view of body, not a copy
 
-    async def _dispatch(
-        self, conn: _Connection, req: _wire.Request, tg: asyncio.TaskGroup
-    ) -> None:
+    async def _dispatch(self, conn: _Connection, req: _wire.Request, tg: asyncio.TaskGroup) -> None:
         table = self._table
         if req.op == "cancel":
             task = conn.waits.get(req.target)
@@ -337,11 +349,19 @@ class TCPStoreServer:
                 await self._answer(conn, req.rid, _wire.OK, None)
                 return
             nkeys = max(1, len(req.keys))
-            if (len(conn.waits) >= MAX_PENDING_WAITS
-                    or conn.wait_keys + nkeys > MAX_PENDING_WAIT_KEYS):
-                await self._answer(conn, req.rid, _wire.ERROR, (
-                    f"too many waits pending on this connection (at most {MAX_PENDING_WAITS}"
-                    f" waits naming {MAX_PENDING_WAIT_KEYS} keys in all)"))
+            if (
+                len(conn.waits) >= MAX_PENDING_WAITS
+                or conn.wait_keys + nkeys > MAX_PENDING_WAIT_KEYS
+            ):
+                await self._answer(
+                    conn,
+                    req.rid,
+                    _wire.ERROR,
+                    (
+                        f"too many waits pending on this connection (at most {MAX_PENDING_WAITS}"
+                        f" waits naming {MAX_PENDING_WAIT_KEYS} keys in all)"
+                    ),
+                )
                 return
             task = tg.create_task(self._wait(conn, req))
             conn.waits[req.rid] = task

@@ -25,10 +25,17 @@ from aiocollect.transport.tcp import LINGER, TcpLink
 _names = itertools.count()
 
 
-async def run_ranks(world_size: int, fn: Callable[..., Awaitable[Any]], *args: Any,
-                    transport: str = "memory", timeout: float | None = 60.0,
-                    chunk_bytes: int | None = None, store: Any = None,
-                    name: str | None = None, **options: Any) -> list[Any]:
+async def run_ranks(
+    world_size: int,
+    fn: Callable[..., Awaitable[Any]],
+    *args: Any,
+    transport: str = "memory",
+    timeout: float | None = 60.0,
+    chunk_bytes: int | None = None,
+    store: Any = None,
+    name: str | None = None,
+    **options: Any,
+) -> list[Any]:
     """Run ``fn(group, *args)`` for every rank of a new group on the current event loop.
     ``store`` is a Store or URL shared by all ranks, or a callable giving each rank's
     (``store(rank)``); by default a fresh ``memory://`` store. Extra keyword ``options``
@@ -51,9 +58,16 @@ async def run_ranks(world_size: int, fn: Callable[..., Awaitable[Any]], *args: A
     async def one(rank: int) -> Any:
         try:
             mine = spec(rank) if callable(spec) else spec
-            group = await open_group(rank, world_size, store=mine, transport=transport,
-                                     timeout=timeout, name=name, chunk_bytes=chunk_bytes,
-                                     **options)
+            group = await open_group(
+                rank,
+                world_size,
+                store=mine,
+                transport=transport,
+                timeout=timeout,
+                name=name,
+                chunk_bytes=chunk_bytes,
+                **options,
+            )
             groups.append(group)
             try:
                 result = await fn(group, *args)
@@ -81,8 +95,15 @@ async def run_ranks(world_size: int, fn: Callable[..., Awaitable[Any]], *args: A
         first = min(failures, key=lambda f: failed_at.get(f.rank, float("inf")))
         cause = first.__cause__
         assert cause is not None
-        raise ExceptionGroup(headline(first.rank, f"{type(cause).__name__}: {cause}",
-                                      [f.rank for f in failures], world_size), failures)
+        raise ExceptionGroup(
+            headline(
+                first.rank,
+                f"{type(cause).__name__}: {cause}",
+                [f.rank for f in failures],
+                world_size,
+            ),
+            failures,
+        )
     return [t.result() for t in tasks]
 
 
@@ -91,9 +112,12 @@ async def links_settled(groups: list[Group], timeout: float = LINGER + 1.0) -> N
     end. A broken group's links flush their ABORT before closing, for up to the transport's
     linger time; a test whose loop ends before that leaves sockets open. Only this
     process's own loop is waited on, never a peer."""
-    waits = [asyncio.ensure_future(link.gone.wait()) for g in groups
-             for link in g._fabric.links.values()
-             if isinstance(link, TcpLink) and link.transport is not None]
+    waits = [
+        asyncio.ensure_future(link.gone.wait())
+        for g in groups
+        for link in g._fabric.links.values()
+        if isinstance(link, TcpLink) and link.transport is not None
+    ]
     if not waits:
         return
     _, pending = await asyncio.wait(waits, timeout=timeout)
@@ -102,5 +126,13 @@ async def links_settled(groups: list[Group], timeout: float = LINGER + 1.0) -> N
     await asyncio.gather(*pending, return_exceptions=True)
 
 
-__all__ = ["AiocollectError", "Group", "RankFailed", "SpawnedRanks", "free_port",
-           "links_settled", "run_ranks", "spawn_ranks"]
+__all__ = [
+    "AiocollectError",
+    "Group",
+    "RankFailed",
+    "SpawnedRanks",
+    "free_port",
+    "links_settled",
+    "run_ranks",
+    "spawn_ranks",
+]

@@ -79,8 +79,7 @@ class _Trigger:
 
     __slots__ = ("action", "dirs", "remaining")
 
-    def __init__(self, dirs: tuple[str, ...], remaining: int,
-                 action: Callable[[], None]) -> None:
+    def __init__(self, dirs: tuple[str, ...], remaining: int, action: Callable[[], None]) -> None:
         self.dirs = dirs
         self.remaining = remaining
         self.action = action
@@ -90,9 +89,14 @@ class _Pipe:
     """One direction of one proxied connection: a reader task queues segments with their
     release times, a writer task forwards them when due and the direction is not stalled."""
 
-    def __init__(self, proxy: FaultProxy, conn: _Connection,
-                 direction: Literal["forward", "reverse"], src: asyncio.StreamReader,
-                 dst: asyncio.StreamWriter) -> None:
+    def __init__(
+        self,
+        proxy: FaultProxy,
+        conn: _Connection,
+        direction: Literal["forward", "reverse"],
+        src: asyncio.StreamReader,
+        dst: asyncio.StreamWriter,
+    ) -> None:
         self.proxy = proxy
         self.conn = conn
         self.direction = direction
@@ -171,12 +175,17 @@ class _Pipe:
 class _Connection:
     """A client connection and its upstream connection, with their two pipes."""
 
-    def __init__(self, proxy: FaultProxy, client: tuple[asyncio.StreamReader,
-                 asyncio.StreamWriter], upstream: tuple[asyncio.StreamReader,
-                 asyncio.StreamWriter]) -> None:
+    def __init__(
+        self,
+        proxy: FaultProxy,
+        client: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+    ) -> None:
         self.writers = (client[1], upstream[1])
-        self.pipes = (_Pipe(proxy, self, FORWARD, client[0], upstream[1]),
-                      _Pipe(proxy, self, REVERSE, upstream[0], client[1]))
+        self.pipes = (
+            _Pipe(proxy, self, FORWARD, client[0], upstream[1]),
+            _Pipe(proxy, self, REVERSE, upstream[0], client[1]),
+        )
         self.task: asyncio.Task[Any] | None = None
         self.closed = False
 
@@ -234,10 +243,19 @@ class FaultProxy:
         segment_bytes: the largest read, i.e. the unit of emulated loss.
     """
 
-    def __init__(self, target_host: str, target_port: int, *, listen_host: str = "127.0.0.1",
-                 listen_port: int = 0, faults: LinkFaults | None = None,
-                 reverse: LinkFaults | None = None, seed: int | str | None = None,
-                 window_bytes: int = 4 << 20, segment_bytes: int = 64 << 10) -> None:
+    def __init__(
+        self,
+        target_host: str,
+        target_port: int,
+        *,
+        listen_host: str = "127.0.0.1",
+        listen_port: int = 0,
+        faults: LinkFaults | None = None,
+        reverse: LinkFaults | None = None,
+        seed: int | str | None = None,
+        window_bytes: int = 4 << 20,
+        segment_bytes: int = 64 << 10,
+    ) -> None:
         self.target = (target_host, target_port)
         self._listen = (listen_host, listen_port)
         base = faults or LinkFaults()
@@ -262,8 +280,10 @@ class FaultProxy:
         self.port = listen_port
 
     def __repr__(self) -> str:
-        return (f"FaultProxy({self.host}:{self.port} -> {self.target[0]}:{self.target[1]}, "
-                f"forwarded={self.forwarded})")
+        return (
+            f"FaultProxy({self.host}:{self.port} -> {self.target[0]}:{self.target[1]}, "
+            f"forwarded={self.forwarded})"
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -355,8 +375,9 @@ class FaultProxy:
         for d in dirs:
             self.gates[d].set()
 
-    def cut(self, *, reset: bool = True, after_bytes: int = 0,
-            direction: Direction = "both") -> None:
+    def cut(
+        self, *, reset: bool = True, after_bytes: int = 0, direction: Direction = "both"
+    ) -> None:
         """Close both sides of every current connection: at once, or once ``after_bytes``
         more bytes crossed in ``direction``. ``reset`` sends RST (like a middlebox dropping
         the flow); otherwise both sides see a clean EOF. The listener stays open."""
@@ -369,8 +390,9 @@ class FaultProxy:
 
         self._schedule(_directions(direction), after_bytes, cut_all)
 
-    def _schedule(self, dirs: tuple[str, ...], after_bytes: int,
-                  action: Callable[[], None]) -> None:
+    def _schedule(
+        self, dirs: tuple[str, ...], after_bytes: int, action: Callable[[], None]
+    ) -> None:
         if after_bytes < 0:
             raise ValueError(f"after_bytes must be >= 0, not {after_bytes}")
         if after_bytes == 0:
@@ -398,8 +420,12 @@ class FaultProxy:
 
     def statistics(self) -> dict[str, Any]:
         """Bytes forwarded and segments "lost" per direction, connections accepted."""
-        return {"forwarded": dict(self.forwarded), "lost": dict(self.lost),
-                "connections": self.connections_accepted, "active": self.active}
+        return {
+            "forwarded": dict(self.forwarded),
+            "lost": dict(self.lost),
+            "connections": self.connections_accepted,
+            "active": self.active,
+        }
 
 
 _RECORD_KEY = re.compile(r"^aiocollect/(?P<name>.+)/rank/(?P<rank>\d+)$")
@@ -453,8 +479,14 @@ class ProxyNetwork:
         seed: base seed; each proxy gets its own generator derived from it.
     """
 
-    def __init__(self, inner: Store, *, faults: LinkFaults | None = None,
-                 host: str = "127.0.0.1", seed: int | None = 0) -> None:
+    def __init__(
+        self,
+        inner: Store,
+        *,
+        faults: LinkFaults | None = None,
+        host: str = "127.0.0.1",
+        seed: int | None = 0,
+    ) -> None:
         self.inner = inner
         self.faults = faults or LinkFaults()
         self.host = host
@@ -486,11 +518,13 @@ class ProxyNetwork:
                 if proxy is not None:
                     await proxy.close()
                 seed = None if self.seed is None else f"{self.seed}/{proxy_key}"
-                proxy = FaultProxy(address, port, listen_host=self.host, faults=self.faults,
-                                   seed=seed)
+                proxy = FaultProxy(
+                    address, port, listen_host=self.host, faults=self.faults, seed=seed
+                )
                 self.proxies[proxy_key] = await proxy.start()
-        return bytes(msgpack.packb({**rec, "address": proxy.host, "port": proxy.port},
-                                   use_bin_type=True))
+        return bytes(
+            msgpack.packb({**rec, "address": proxy.host, "port": proxy.port}, use_bin_type=True)
+        )
 
     def link(self, a: int, b: int, name: str | None = None) -> FaultProxy:
         """The proxy carrying the link between ranks ``a`` and ``b`` (of group ``name``,
@@ -499,12 +533,16 @@ class ProxyNetwork:
         Raises:
             LookupError: no connection between them went through a proxy.
         """
-        found = [p for (n, r, t), p in self.proxies.items()
-                 if {r, t} == {a, b} and (name is None or n == name)
-                 and p.connections_accepted]
+        found = [
+            p
+            for (n, r, t), p in self.proxies.items()
+            if {r, t} == {a, b} and (name is None or n == name) and p.connections_accepted
+        ]
         if len(found) != 1:
-            raise LookupError(f"{len(found)} proxied links between ranks {a} and {b}"
-                              + ("" if name is None else f" of group {name!r}"))
+            raise LookupError(
+                f"{len(found)} proxied links between ranks {a} and {b}"
+                + ("" if name is None else f" of group {name!r}")
+            )
         return found[0]
 
     def set_faults(self, faults: LinkFaults, direction: Direction = "both") -> None:
@@ -526,9 +564,15 @@ class ProxyNetwork:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    async def run_ranks(self, world_size: int, fn: Callable[..., Awaitable[Any]], *args: Any,
-                        name: str, timeout: float | None = 60.0,
-                        **options: Any) -> list[Any]:
+    async def run_ranks(
+        self,
+        world_size: int,
+        fn: Callable[..., Awaitable[Any]],
+        *args: Any,
+        name: str,
+        timeout: float | None = 60.0,
+        **options: Any,
+    ) -> list[Any]:
         """Like :func:`aiocollect.testing.run_ranks` over TCP with every link proxied:
         open group ``name`` for each rank on this loop, run ``fn(group, *args)``, close it.
 
@@ -541,8 +585,9 @@ class ProxyNetwork:
         from aiocollect.testing import run_ranks
 
         options.setdefault("transport", "tcp")
-        return await run_ranks(world_size, fn, *args, store=self.store_for, name=name,
-                               timeout=timeout, **options)
+        return await run_ranks(
+            world_size, fn, *args, store=self.store_for, name=name, timeout=timeout, **options
+        )
 
 
 __all__ = ["FORWARD", "REVERSE", "FaultProxy", "LinkFaults", "ProxiedStore", "ProxyNetwork"]

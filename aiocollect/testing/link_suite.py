@@ -45,8 +45,9 @@ WAIT = 20.0
 #: The largest frame the pairs of these checks are made for.
 MAX_FRAME = 64 << 20
 
-PairFactory = Callable[[LinkEvents, LinkEvents, int],
-                       AbstractAsyncContextManager[tuple[Link, Link]]]
+PairFactory = Callable[
+    [LinkEvents, LinkEvents, int], AbstractAsyncContextManager[tuple[Link, Link]]
+]
 T = TypeVar("T")
 
 
@@ -89,9 +90,11 @@ class Recorder:
 
     async def until(self, what: str, condition: Callable[[], bool]) -> None:
         """Wait (bounded) until ``condition()`` holds; it is re-checked at every event."""
+
         async def wait() -> None:
             while not condition():
                 await self.changed.wait()
+
         await within(what, wait())
 
 
@@ -123,14 +126,18 @@ async def _received(fut: asyncio.Future[None], buf: bytearray, want: bytes, what
 
 # -- the checks --------------------------------------------------------------------------
 
+
 async def check_frames_in_order(make_pair: PairFactory) -> None:
     """Frames of a stream (same kind, group, seq and slot) arrive in chunk order, posted or
     not, whatever their sizes; each lands whole in its receive."""
     ra, rb = Recorder(), Recorder()
     async with make_pair(ra, rb, MAX_FRAME) as (a, b):
         sizes = [1, 300, 70_000, 3 << 20, 5, 1 << 20, 0, 64 << 10]
-        frames = [(slot, chunk, payload(n, slot * 16 + chunk))
-                  for slot in (1, 2) for chunk, n in enumerate(sizes)]
+        frames = [
+            (slot, chunk, payload(n, slot * 16 + chunk))
+            for slot in (1, 2)
+            for chunk, n in enumerate(sizes)
+        ]
         pending = []
         for i, (slot, chunk, data) in enumerate(frames):
             if i % 2 == 0:  # half posted before, half after the frames are sent
@@ -150,7 +157,8 @@ async def check_frames_in_order(make_pair: PairFactory) -> None:
         for slot in (1, 2):
             chunks = [k[4] for k in rb.headers if k[3] == slot]
             assert chunks == sorted(chunks) == list(range(len(sizes))), (
-                f"stream {slot} arrived out of order: chunks {chunks}")
+                f"stream {slot} arrived out of order: chunks {chunks}"
+            )
         assert b.early_bytes == 0, "staged frames were not released once received"
 
 
@@ -289,8 +297,7 @@ async def check_fail(make_pair: PairFactory) -> None:
         a.send(staged_hdr, data)
         a.send(fence_hdr, b"")
         await within("the frames before fail()", fence)
-        posted = [b.post_recv(frame(DATA, s, b"xy")[0], memoryview(bytearray(2)))
-                  for s in (5, 6)]
+        posted = [b.post_recv(frame(DATA, s, b"xy")[0], memoryview(bytearray(2))) for s in (5, 6)]
         exc = PeerDisconnected("failed by the check", 0)
         b.fail(exc, drop_early=False)
         for fut in posted:
@@ -300,8 +307,12 @@ async def check_fail(make_pair: PairFactory) -> None:
         assert later.done(), "a receive posted after fail()"
         assert later.exception() is exc, "a receive posted after fail()"
         buf = bytearray(len(data))
-        await _received(b.post_recv(staged_key, memoryview(buf)), buf, data,
-                        "a frame staged before fail(drop_early=False)")
+        await _received(
+            b.post_recv(staged_key, memoryview(buf)),
+            buf,
+            data,
+            "a frame staged before fail(drop_early=False)",
+        )
 
 
 async def check_close_flushes_abort(make_pair: PairFactory) -> None:
@@ -317,21 +328,27 @@ async def check_close_flushes_abort(make_pair: PairFactory) -> None:
             fut = b.post_recv(key, memoryview(buf))
             a.send(hdr, bulk)
             reason = b"rank 0 failed: the check"
-            a.send(pack_header(Header(ABORT, 0, 0, 0, 0, 0, 0, 0, -1, 0, len(reason))),
-                   reason)
+            a.send(pack_header(Header(ABORT, 0, 0, 0, 0, 0, 0, 0, -1, 0, len(reason))), reason)
             a.close() if how == "close" else a.abort()
             assert a.closed
             await within(f"the peer to see the link end after {how}()", rb.lost.wait())
             if how == "close":
                 assert rb.controls == [(ABORT, reason)], (
-                    f"the ABORT queued before close() did not arrive: {rb.controls}")
+                    f"the ABORT queued before close() did not arrive: {rb.controls}"
+                )
                 await _received(fut, buf, bulk, "the frame queued before close()")
 
 
 LINK_CHECKS: tuple[Callable[[PairFactory], Awaitable[None]], ...] = (
-    check_frames_in_order, check_early_frames, check_staging_limit,
-    check_post_while_arriving, check_zero_length, check_send_after_close,
-    check_drained_after_loss, check_fail, check_close_flushes_abort,
+    check_frames_in_order,
+    check_early_frames,
+    check_staging_limit,
+    check_post_while_arriving,
+    check_zero_length,
+    check_send_after_close,
+    check_drained_after_loss,
+    check_fail,
+    check_close_flushes_abort,
 )
 
 
@@ -347,61 +364,80 @@ async def check_link(make_pair: PairFactory) -> None:
 
 # -- pairs of the built-in transports ----------------------------------------------------
 
+
 def _handshakers() -> tuple[Handshaker, Handshaker]:
     """Connector (rank 0) and acceptor (rank 1) of a two-rank group without a secret."""
-    return (ConnectorHandshake("link-suite", 0, 1, 2, None),
-            AcceptorHandshake("link-suite", 1, 2, None, lambda peer: None))
+    return (
+        ConnectorHandshake("link-suite", 0, 1, 2, None),
+        AcceptorHandshake("link-suite", 1, 2, None, lambda peer: None),
+    )
 
 
-def transport_pair(transport: Transport, tls: tuple[TLSConfig, TLSConfig] | None = None,
-                   expect_pulls: bool | None = None) -> PairFactory:
+def transport_pair(
+    transport: Transport,
+    tls: tuple[TLSConfig, TLSConfig] | None = None,
+    expect_pulls: bool | None = None,
+) -> PairFactory:
     """A factory of two links made by ``transport`` exactly as rendezvous makes them: two
     listeners (ranks 0 and 1, each with its record, both prepared with both records) and
     rank 0 connecting to rank 1. ``tls``: each rank's contexts, for a transport that needs
     them. With ``expect_pulls``, the pair must (or must not) pull large payloads out of
     the sender's memory (:attr:`~aiocollect.transport.base.LinkCaps.pull_min`)."""
+
     @asynccontextmanager
-    async def pair(ea: LinkEvents, eb: LinkEvents,
-                   max_frame: int) -> AsyncIterator[tuple[Link, Link]]:
+    async def pair(
+        ea: LinkEvents, eb: LinkEvents, max_frame: int
+    ) -> AsyncIterator[tuple[Link, Link]]:
         hs_a, hs_b = _handshakers()
         accepted: asyncio.Future[Link] = asyncio.get_running_loop().create_future()
         listeners: list[Listener] = []
         links: list[Link] = []
         try:
             for rank, events, acceptor in ((0, ea, None), (1, eb, hs_b)):
-                setup = LinkSetup(rank=rank, events=events, max_frame=max_frame,
-                                  host="127.0.0.1", acceptor=_only(acceptor),
-                                  on_link=accepted.set_result,
-                                  tls=None if tls is None else tls[rank])
+                setup = LinkSetup(
+                    rank=rank,
+                    events=events,
+                    max_frame=max_frame,
+                    host="127.0.0.1",
+                    acceptor=_only(acceptor),
+                    on_link=accepted.set_result,
+                    tls=None if tls is None else tls[rank],
+                )
                 listeners.append(await transport.listen(setup))
-            records = {r: {**lst.record, **host.identity(), "rank": r}
-                       for r, lst in enumerate(listeners)}
+            records = {
+                r: {**lst.record, **host.identity(), "rank": r} for r, lst in enumerate(listeners)
+            }
             for listener in listeners:
                 listener.prepare(records)
             links.append(await within("the connection", listeners[0].connect(records[1], hs_a)))
             links.append(await within("the accepted link", accepted))
             if expect_pulls is not None and links[0].caps.pulls(1 << 24) != expect_pulls:
-                raise AssertionError(f"the {transport.name} pair "
-                                     f"{'does not pull' if expect_pulls else 'pulls'} "
-                                     "large frames")
+                raise AssertionError(
+                    f"the {transport.name} pair "
+                    f"{'does not pull' if expect_pulls else 'pulls'} "
+                    "large frames"
+                )
             yield links[0], links[1]
         finally:
             for listener in listeners:
                 listener.close()
             for link in links:
                 link.abort()
-            await within("both connections to end",
-                         asyncio.gather(*(link.wait_closed() for link in links)))
+            await within(
+                "both connections to end", asyncio.gather(*(link.wait_closed() for link in links))
+            )
 
     return pair
 
 
 def _only(handshaker: Handshaker | None) -> Callable[[], Handshaker]:
     """An acceptor factory handing out ``handshaker`` (the pair accepts one link)."""
+
     def acceptor() -> Handshaker:
         if handshaker is None:
             raise AssertionError("the connecting rank accepted a connection")
         return handshaker
+
     return acceptor
 
 
@@ -409,14 +445,16 @@ def _only(handshaker: Handshaker | None) -> Callable[[], Handshaker]:
 memory_pair = transport_pair(memory.MEMORY)
 
 
-def tcp_pair(server_ssl: ssl.SSLContext | None = None,
-             client_ssl: ssl.SSLContext | None = None) -> PairFactory:
+def tcp_pair(
+    server_ssl: ssl.SSLContext | None = None, client_ssl: ssl.SSLContext | None = None
+) -> PairFactory:
     """A factory of two links over one loopback TCP connection, TLS when given the
     ``ssl.SSLContext`` of each side (:mod:`aiocollect.transport.tcp`)."""
     if server_ssl is None or client_ssl is None:
         return transport_pair(tcp.TCP)
-    return transport_pair(tcp.TLS, (TLSConfig(client_ssl, client_ssl),
-                                    TLSConfig(server_ssl, server_ssl)))
+    return transport_pair(
+        tcp.TLS, (TLSConfig(client_ssl, client_ssl), TLSConfig(server_ssl, server_ssl))
+    )
 
 
 def shm_pair(expect_pulls: bool | None = None) -> PairFactory:
@@ -426,5 +464,15 @@ def shm_pair(expect_pulls: bool | None = None) -> PairFactory:
     return transport_pair(shm.SHM, expect_pulls=expect_pulls)
 
 
-__all__ = ["LINK_CHECKS", "MAX_FRAME", "WAIT", "PairFactory", "Recorder", "check_link",
-           "memory_pair", "shm_pair", "tcp_pair", "transport_pair"]
+__all__ = [
+    "LINK_CHECKS",
+    "MAX_FRAME",
+    "WAIT",
+    "PairFactory",
+    "Recorder",
+    "check_link",
+    "memory_pair",
+    "shm_pair",
+    "tcp_pair",
+    "transport_pair",
+]

@@ -32,8 +32,9 @@ def spawned() -> Iterator[Callable[..., SpawnedRanks]]:
     """Start ranks as processes; all are reaped at teardown."""
     jobs: list[SpawnedRanks] = []
 
-    def start(world_size: int, target: Callable[..., Awaitable[Any]], *args: Any,
-              **kwargs: Any) -> SpawnedRanks:
+    def start(
+        world_size: int, target: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any
+    ) -> SpawnedRanks:
         job = spawn_ranks(world_size, target, *args, **kwargs)
         jobs.append(job)
         return job

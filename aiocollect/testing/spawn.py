@@ -33,9 +33,15 @@ class RankFailed(AiocollectError):
         self.exc_type = exc_type
 
 
-def _child(rank: int, world_size: int, store: str, conn: Connection,
-           target: Callable[..., Awaitable[Any]], args: tuple[Any, ...],
-           options: dict[str, Any]) -> None:
+def _child(
+    rank: int,
+    world_size: int,
+    store: str,
+    conn: Connection,
+    target: Callable[..., Awaitable[Any]],
+    args: tuple[Any, ...],
+    options: dict[str, Any],
+) -> None:
     async def main() -> Any:
         from aiocollect.api import open_group
 
@@ -61,8 +67,15 @@ def _child(rank: int, world_size: int, store: str, conn: Connection,
             result = asyncio.run(main())
         conn.send(("ok", result))
     except BaseException as exc:
-        conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc(),
-                   failed[0] or time.time()))
+        conn.send(
+            (
+                "error",
+                type(exc).__name__,
+                str(exc),
+                traceback.format_exc(),
+                failed[0] or time.time(),
+            )
+        )
     finally:
         conn.close()
 
@@ -70,8 +83,14 @@ def _child(rank: int, world_size: int, store: str, conn: Connection,
 class SpawnedRanks:
     """Running rank processes. ``await`` it for the results in rank order."""
 
-    def __init__(self, world_size: int, target: Callable[..., Awaitable[Any]],
-                 args: tuple[Any, ...], timeout: float, options: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        target: Callable[..., Awaitable[Any]],
+        args: tuple[Any, ...],
+        timeout: float,
+        options: dict[str, Any],
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self.timeout = timeout
@@ -81,9 +100,12 @@ class SpawnedRanks:
         self._failed_at: dict[int, float] = {}  # when a rank failed (time.time)
         for rank in range(world_size):
             parent, child = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_child, name=f"aiocollect-rank-{rank}", daemon=True,
-                               args=(rank, world_size, self.store, child, target, args,
-                                     dict(options)))
+            proc = ctx.Process(
+                target=_child,
+                name=f"aiocollect-rank-{rank}",
+                daemon=True,
+                args=(rank, world_size, self.store, child, target, args, dict(options)),
+            )
             proc.start()
             child.close()
             self.processes.append(proc)
@@ -130,8 +152,11 @@ class SpawnedRanks:
             proc = self.processes[rank]
             await asyncio.to_thread(proc.join, 5)
             code = proc.exitcode
-            how = (f"signal {signal.Signals(-code).name}" if code is not None and code < 0
-                   else f"exit code {code}")
+            how = (
+                f"signal {signal.Signals(-code).name}"
+                if code is not None and code < 0
+                else f"exit code {code}"
+            )
             return ("died", how)
 
     async def outcomes(self, wait_for: Iterable[int] | None = None) -> list[tuple[Any, ...]]:
@@ -171,28 +196,30 @@ class SpawnedRanks:
         """
         try:
             async with asyncio.timeout(self.timeout):
-                outcomes = await asyncio.gather(*(self._outcome(r)
-                                                  for r in range(self.world_size)))
+                outcomes = await asyncio.gather(*(self._outcome(r) for r in range(self.world_size)))
         except TimeoutError:
             self.terminate()
-            raise ExceptionGroup(f"spawned ranks did not finish within {self.timeout} s", [
-                RankFailed(r, f"rank {r} timed out") for r, p in enumerate(self.processes)
-            ]) from None
+            raise ExceptionGroup(
+                f"spawned ranks did not finish within {self.timeout} s",
+                [RankFailed(r, f"rank {r} timed out") for r, p in enumerate(self.processes)],
+            ) from None
         finally:
             self.terminate()
         failures = []
         for rank, out in enumerate(outcomes):
             if out[0] == "error":
-                failures.append(RankFailed(rank, f"rank {rank} raised {out[1]}: {out[2]}",
-                                           out[3], out[1]))
+                failures.append(
+                    RankFailed(rank, f"rank {rank} raised {out[1]}: {out[2]}", out[3], out[1])
+                )
             elif out[0] == "died":
                 failures.append(RankFailed(rank, f"rank {rank} died ({out[1]})", "", "died"))
         if failures:
             first = min(failures, key=lambda f: self._failed_at.get(f.rank, float("inf")))
             what = outcomes[first.rank]
             detail = f"{what[1]}: {what[2]}" if what[0] == "error" else f"died ({what[1]})"
-            raise ExceptionGroup(headline(first.rank, detail, [f.rank for f in failures],
-                                          self.world_size), failures)
+            raise ExceptionGroup(
+                headline(first.rank, detail, [f.rank for f in failures], self.world_size), failures
+            )
         return [out[1] for out in outcomes]
 
     def terminate(self) -> None:
@@ -219,12 +246,19 @@ def headline(rank: int, detail: str, failed: list[int], world_size: int) -> str:
     first_line = detail.splitlines()[0] if detail else ""
     if len(first_line) > 300:
         first_line = first_line[:297] + "..."
-    return (f"rank {rank} failed first: {first_line} ({len(failed)} of {world_size} ranks "
-            f"failed: ranks {failed})")
+    return (
+        f"rank {rank} failed first: {first_line} ({len(failed)} of {world_size} ranks "
+        f"failed: ranks {failed})"
+    )
 
 
-def spawn_ranks(world_size: int, target: Callable[..., Awaitable[Any]], *args: Any,
-                timeout: float = 60.0, **options: Any) -> SpawnedRanks:
+def spawn_ranks(
+    world_size: int,
+    target: Callable[..., Awaitable[Any]],
+    *args: Any,
+    timeout: float = 60.0,
+    **options: Any,
+) -> SpawnedRanks:
     """Start one process per rank running ``target(group, *args)``; ``await`` the result
     for their return values in rank order. ``options`` go to ``open_group`` (plus
     ``uvloop=True`` to run the children on uvloop, and ``group_timeout=`` for

@@ -48,8 +48,7 @@ async def _stores(make: StoreFactory) -> AsyncIterator[Maker]:
             await store.close()
 
 
-async def _raises(exc_type: type[BaseException], aw: Awaitable[Any],
-                  what: str) -> BaseException:
+async def _raises(exc_type: type[BaseException], aw: Awaitable[Any], what: str) -> BaseException:
     """The exception ``aw`` raises, which must be an ``exc_type``."""
     try:
         await aw
@@ -118,7 +117,8 @@ async def check_add(make: StoreFactory) -> None:
         stores = [await one() for _ in range(3)]
         per_store = 20
         results = await asyncio.gather(
-            *(s.add("counter", 1) for s in stores for _ in range(per_store)))
+            *(s.add("counter", 1) for s in stores for _ in range(per_store))
+        )
         total = len(stores) * per_store
         assert sorted(results) == list(range(1, total + 1)), sorted(results)
         assert await stores[0].get("counter") == str(total).encode()
@@ -148,8 +148,11 @@ async def check_wait(make: StoreFactory) -> None:
             waiter.cancel()
         await a.wait([])
         await a.set("here", b"1")
-        exc = await _raises(StoreTimeout, a.wait(["here", "gone-1", "gone-2", "gone-1"],
-                                                 timeout=0.2), "wait timeout")
+        exc = await _raises(
+            StoreTimeout,
+            a.wait(["here", "gone-1", "gone-2", "gone-1"], timeout=0.2),
+            "wait timeout",
+        )
         assert isinstance(exc, StoreTimeout), exc
         assert exc.keys == ["gone-1", "gone-2"], exc
         assert "gone-1" in str(exc)
@@ -189,8 +192,20 @@ async def check_binary_values(make: StoreFactory) -> None:
 
 #: Key names that a backend mapping keys to paths or escaping them could confuse.
 TRICKY_KEYS = [
-    "a/b", "a%2Fb", "a_b", "a b", ".", "..", "", "/", "ünï/çødé", "tab\tnew\nline",
-    "x" * 300, "x" * 300 + "y", "k_a", "h_" + "0" * 64,
+    "a/b",
+    "a%2Fb",
+    "a_b",
+    "a b",
+    ".",
+    "..",
+    "",
+    "/",
+    "ünï/çødé",
+    "tab\tnew\nline",
+    "x" * 300,
+    "x" * 300 + "y",
+    "k_a",
+    "h_" + "0" * 64,
 ]
 
 
@@ -242,8 +257,15 @@ async def check_close(make: StoreFactory) -> None:
 
 
 STORE_CHECKS: tuple[Callable[[StoreFactory], Awaitable[None]], ...] = (
-    check_set_get, check_get_waits, check_timeouts, check_add, check_wait,
-    check_check_and_delete, check_binary_values, check_key_names, check_bad_arguments,
+    check_set_get,
+    check_get_waits,
+    check_timeouts,
+    check_add,
+    check_wait,
+    check_check_and_delete,
+    check_binary_values,
+    check_key_names,
+    check_bad_arguments,
     check_close,
 )
 

@@ -62,9 +62,12 @@ def _autoload() -> None:
     try:
         register()
     except Exception as exc:
-        warnings.warn(f"aiocollect: the torch backend 'aiocollect' was not registered "
-                      f"({exc!r}); `import aiocollect.torch` registers it explicitly",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"aiocollect: the torch backend 'aiocollect' was not registered "
+            f"({exc!r}); `import aiocollect.torch` registers it explicitly",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def get_process_group(group: Any = None) -> AiocollectProcessGroup:
@@ -94,8 +97,7 @@ def check(group: Any = None) -> None:
     get_process_group(group).check()
 
 
-def monitored_barrier(group: Any = None, timeout: Any = None,
-                      wait_all_ranks: bool = False) -> None:
+def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
     """gloo's ``monitored_barrier`` for an aiocollect group (default: the world), which
     ``torch.distributed.monitored_barrier`` refuses for any backend but gloo.
 
@@ -125,5 +127,14 @@ def _register_on_import() -> None:
 
 _register_on_import()
 
-__all__ = ["BACKEND_NAME", "AiocollectProcessGroup", "TorchStore", "Work", "check",
-           "create_process_group", "get_process_group", "monitored_barrier", "register"]
+__all__ = [
+    "BACKEND_NAME",
+    "AiocollectProcessGroup",
+    "TorchStore",
+    "Work",
+    "check",
+    "create_process_group",
+    "get_process_group",
+    "monitored_barrier",
+    "register",
+]

@@ -48,18 +48,25 @@ def type_and_sizes(call: str, tensors: list[torch.Tensor], like: torch.Tensor) -
     """Every tensor has ``like``'s dtype and shape."""
     for i, t in enumerate(tensors):
         if t.dtype != like.dtype:
-            raise fail(call, f"invalid tensor type at index {i} (expected {like.dtype}, got "
-                             f"{t.dtype})")
+            raise fail(
+                call, f"invalid tensor type at index {i} (expected {like.dtype}, got {t.dtype})"
+            )
         if t.shape != like.shape:
-            raise fail(call, f"invalid tensor size at index {i} (expected "
-                             f"{list(like.shape)}, got {list(t.shape)})")
+            raise fail(
+                call,
+                f"invalid tensor size at index {i} (expected "
+                f"{list(like.shape)}, got {list(t.shape)})",
+            )
 
 
 def same_layout(call: str, tensors: list[torch.Tensor]) -> None:
     for i, t in enumerate(tensors):
         if t.layout != tensors[0].layout:
-            raise fail(call, f"invalid tensor layout at index {i} (expected "
-                             f"{tensors[0].layout}, got {t.layout})")
+            raise fail(
+                call,
+                f"invalid tensor layout at index {i} (expected "
+                f"{tensors[0].layout}, got {t.layout})",
+            )
 
 
 def contiguous(call: str, tensor: torch.Tensor) -> None:

@@ -49,8 +49,9 @@ class LoopThread:
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._groups: weakref.WeakSet[Group] = weakref.WeakSet()
-        self._thread = threading.Thread(target=self._main, name="aiocollect-torch-loop",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._main, name="aiocollect-torch-loop", daemon=True
+        )
         self._thread.start()
         self._ready.wait()
 
@@ -91,8 +92,10 @@ class LoopThread:
         """
         if self.in_thread():
             coro.close()
-            raise RuntimeError("aiocollect.torch: a blocking call was made from the event-loop "
-                               "thread (e.g. a Future callback); it would wait for itself")
+            raise RuntimeError(
+                "aiocollect.torch: a blocking call was made from the event-loop "
+                "thread (e.g. a Future callback); it would wait for itself"
+            )
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return fut.result(timeout)
@@ -107,8 +110,9 @@ class LoopThread:
     async def _close_groups(self, timeout: float) -> None:
         groups = [g for g in list(self._groups) if not g.closed]
         if groups:
-            await asyncio.wait([asyncio.ensure_future(g.aclose(timeout)) for g in groups],
-                               timeout=timeout + 1.0)
+            await asyncio.wait(
+                [asyncio.ensure_future(g.aclose(timeout)) for g in groups], timeout=timeout + 1.0
+            )
 
     def stop(self, timeout: float = 2.0) -> None:
         """Close the tracked groups (waiting up to ``timeout`` s for their pending work), then

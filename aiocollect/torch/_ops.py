@@ -64,7 +64,7 @@ def combine(kind: str, plans: list[Plan]) -> Plan:
     def finish(results: list[Any]) -> int | None:
         offset = 0
         for p, n in zip(plans, counts, strict=True):
-            p.finish(results[offset:offset + n])
+            p.finish(results[offset : offset + n])
             offset += n
         return None
 
@@ -92,6 +92,7 @@ def _prescaled(arr: Array, factor: float | None, *, copy: bool) -> Array:
 
 # -- reductions -------------------------------------------------------------------------------
 
+
 def _local_reduce(tensors: list[torch.Tensor], op: Any) -> torch.Tensor:
     """The element-wise reduction of ``tensors`` (same dtype and shape) by a c10d ``op``,
     as one new contiguous tensor: a rank's several inputs count as that many inputs."""
@@ -110,8 +111,9 @@ def _local_reduce(tensors: list[torch.Tensor], op: Any) -> torch.Tensor:
         elif name == "MAX":
             out = stacked.amax(0)
         elif name in ("BAND", "BOR", "BXOR"):
-            fn = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or,
-                  "BXOR": torch.bitwise_xor}[name]
+            fn = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[
+                name
+            ]
             out = tensors[0].detach().clone()
             for t in tensors[1:]:
                 out = fn(out, t.detach())
@@ -179,7 +181,7 @@ def allreduce_coalesced(tensors: list[torch.Tensor], op: Any, timeout: float | N
         with torch.no_grad():
             for t in tensors:
                 n = numel(t)
-                t.copy_(flat[offset:offset + n].reshape(t.shape))
+                t.copy_(flat[offset : offset + n].reshape(t.shape))
                 offset += n
         return None
 
@@ -191,12 +193,16 @@ def sparse_allreduce(tensors: list[torch.Tensor], op: Any, timeout: float | None
     (uneven sizes) and adds them up; each tensor is replaced by the coalesced sum."""
     kind = getattr(op, "op", op)
     if getattr(kind, "name", str(kind)).upper() != "SUM":
-        raise _checks.fail("allreduce", f"unsupported reduction operation {op!r} for "
-                                        "sparse tensors (only SUM)")
+        raise _checks.fail(
+            "allreduce", f"unsupported reduction operation {op!r} for sparse tensors (only SUM)"
+        )
     for i, t in enumerate(tensors):
         if t.shape != tensors[0].shape:
-            raise _checks.fail("allreduce", f"invalid tensor size at index {i} (expected "
-                                            f"{list(tensors[0].shape)}, got {list(t.shape)})")
+            raise _checks.fail(
+                "allreduce",
+                f"invalid tensor size at index {i} (expected "
+                f"{list(tensors[0].shape)}, got {list(t.shape)})",
+            )
         if t.dtype != tensors[0].dtype:
             raise _checks.fail("allreduce", f"invalid tensor type at index {i}")
         if t.device.type != "cpu":
@@ -213,17 +219,27 @@ def sparse_allreduce(tensors: list[torch.Tensor], op: Any, timeout: float | None
     values = as_numpy(local.values().contiguous())
 
     def start(group: Group) -> Handles:
-        return [group.allgatherv(indices, timeout=timeout),
-                group.allgatherv(values, timeout=timeout)]
+        return [
+            group.allgatherv(indices, timeout=timeout),
+            group.allgatherv(values, timeout=timeout),
+        ]
 
     def finish(results: list[Any]) -> int | None:
-        idx_parts = [torch.from_numpy(np.ascontiguousarray(p)).reshape(sparse_dims, -1)
-                     for p in results[0]]
-        val_parts = [torch.from_numpy(np.ascontiguousarray(p)).view(dtype)
-                     .reshape(-1, *dense_shape) for p in results[1]]
+        idx_parts = [
+            torch.from_numpy(np.ascontiguousarray(p)).reshape(sparse_dims, -1) for p in results[0]
+        ]
+        val_parts = [
+            torch.from_numpy(np.ascontiguousarray(p)).view(dtype).reshape(-1, *dense_shape)
+            for p in results[1]
+        ]
         with torch.no_grad():
-            total = torch.sparse_coo_tensor(torch.cat(idx_parts, 1), torch.cat(val_parts, 0),
-                                            size, dtype=dtype, check_invariants=True).coalesce()
+            total = torch.sparse_coo_tensor(
+                torch.cat(idx_parts, 1),
+                torch.cat(val_parts, 0),
+                size,
+                dtype=dtype,
+                check_invariants=True,
+            ).coalesce()
             for t in tensors:
                 t.copy_(total)
         return None
@@ -231,8 +247,16 @@ def sparse_allreduce(tensors: list[torch.Tensor], op: Any, timeout: float | None
     return Plan("sparse_allreduce", list(tensors), start, finish)
 
 
-def reduce(tensors: list[torch.Tensor], root: int, op: Any, rank: int,
-           timeout: float | None, *, world: int, root_tensor: int = 0) -> Plan:
+def reduce(
+    tensors: list[torch.Tensor],
+    root: int,
+    op: Any,
+    rank: int,
+    timeout: float | None,
+    *,
+    world: int,
+    root_tensor: int = 0,
+) -> Plan:
     _checks.root_rank("reduce", root, world)
     _checks.root_tensor("reduce", root_tensor, len(tensors))
     _checks.single("reduce", list(tensors), "tensor list")
@@ -243,8 +267,9 @@ def reduce(tensors: list[torch.Tensor], root: int, op: Any, rank: int,
         if rank == root:
             arrays.append(_prescaled(staging.write(t, reducing=True), factor, copy=False))
         else:  # other ranks' tensors stay unchanged
-            arrays.append(_prescaled(staging.read(t, reducing=True), factor,
-                                     copy=factor is not None))
+            arrays.append(
+                _prescaled(staging.read(t, reducing=True), factor, copy=factor is not None)
+            )
 
     def start(group: Group) -> Handles:
         return [group.reduce(a, root=root, op=rop, timeout=timeout) for a in arrays]
@@ -252,12 +277,15 @@ def reduce(tensors: list[torch.Tensor], root: int, op: Any, rank: int,
     return Plan("reduce", list(tensors), start, flushing(staging))
 
 
-def reduce_scatter_single(output: torch.Tensor, input_: torch.Tensor, op: Any, world: int,
-                          timeout: float | None) -> Plan:
+def reduce_scatter_single(
+    output: torch.Tensor, input_: torch.Tensor, op: Any, world: int, timeout: float | None
+) -> Plan:
     rop, factor = reduce_op(op)
     if numel(input_) != world * numel(output) or input_.dtype != output.dtype:
-        raise UsageError(f"reduce_scatter: input has {numel(input_)} elements of "
-                         f"{input_.dtype}; expected {world} x {numel(output)} of {output.dtype}")
+        raise UsageError(
+            f"reduce_scatter: input has {numel(input_)} elements of "
+            f"{input_.dtype}; expected {world} x {numel(output)} of {output.dtype}"
+        )
     staging = Staging()
     send = _prescaled(staging.read(input_, reducing=True), factor, copy=factor is not None)
     out = staging.write(output, reducing=True)
@@ -268,14 +296,18 @@ def reduce_scatter_single(output: torch.Tensor, input_: torch.Tensor, op: Any, w
     return Plan("reduce_scatter", [output], start, flushing(staging))
 
 
-def _reduce_scatter_v(output: torch.Tensor, inputs: list[torch.Tensor], op: Any, rank: int,
-                      timeout: float | None) -> Plan:
+def _reduce_scatter_v(
+    output: torch.Tensor, inputs: list[torch.Tensor], op: Any, rank: int, timeout: float | None
+) -> Plan:
     """reduce_scatter where rank i's block has its own size (``inputs[i]`` is shaped like
     rank i's output): one allreduce of all the blocks, then this rank's block."""
     if numel(inputs[rank]) != numel(output):
-        raise _checks.fail("reduce_scatter", f"invalid tensor size: input {rank} has "
-                                             f"{numel(inputs[rank])} elements, the output "
-                                             f"{numel(output)}")
+        raise _checks.fail(
+            "reduce_scatter",
+            f"invalid tensor size: input {rank} has "
+            f"{numel(inputs[rank])} elements, the output "
+            f"{numel(output)}",
+        )
     for i, t in enumerate(inputs):
         if t.dtype != output.dtype:
             raise _checks.fail("reduce_scatter", f"invalid tensor type at index {i}")
@@ -290,17 +322,25 @@ def _reduce_scatter_v(output: torch.Tensor, inputs: list[torch.Tensor], op: Any,
 
     def finish(results: list[Any]) -> int | None:
         with torch.no_grad():
-            output.copy_(flat[start_at:start_at + numel(output)].reshape(output.shape))
+            output.copy_(flat[start_at : start_at + numel(output)].reshape(output.shape))
         return None
 
     return Plan("reduce_scatter", [output], start, finish)
 
 
-def reduce_scatter(output: torch.Tensor, inputs: list[torch.Tensor], op: Any, world: int,
-                   timeout: float | None, rank: int = 0) -> Plan:
+def reduce_scatter(
+    output: torch.Tensor,
+    inputs: list[torch.Tensor],
+    op: Any,
+    world: int,
+    timeout: float | None,
+    rank: int = 0,
+) -> Plan:
     if len(inputs) != world:
-        raise _checks.fail("reduce_scatter", f"invalid input tensor list (expected length "
-                                             f"{world}, got {len(inputs)})")
+        raise _checks.fail(
+            "reduce_scatter",
+            f"invalid input tensor list (expected length {world}, got {len(inputs)})",
+        )
     if any(numel(t) != numel(inputs[0]) for t in inputs):
         return _reduce_scatter_v(output, inputs, op, rank, timeout)
     check_same(inputs, numel(output), output.dtype, "reduce_scatter input")
@@ -310,8 +350,16 @@ def reduce_scatter(output: torch.Tensor, inputs: list[torch.Tensor], op: Any, wo
 
 # -- data movement ----------------------------------------------------------------------------
 
-def broadcast(tensors: list[torch.Tensor], root: int, timeout: float | None, *,
-              world: int, rank: int, root_tensor: int = 0) -> Plan:
+
+def broadcast(
+    tensors: list[torch.Tensor],
+    root: int,
+    timeout: float | None,
+    *,
+    world: int,
+    rank: int,
+    root_tensor: int = 0,
+) -> Plan:
     """The root's ``tensors[root_tensor]`` into every tensor of every rank."""
     _checks.root_rank("broadcast", root, world)
     _checks.root_tensor("broadcast", root_tensor, len(tensors))
@@ -336,14 +384,17 @@ def _copy_blocks(buf: torch.Tensor, outputs: list[torch.Tensor]) -> None:
     n = numel(buf) // max(1, len(outputs))
     with torch.no_grad():
         for i, out in enumerate(outputs):
-            out.copy_(buf[i * n:(i + 1) * n].reshape(out.shape))
+            out.copy_(buf[i * n : (i + 1) * n].reshape(out.shape))
 
 
-def all_gather_single(output: torch.Tensor, input_: torch.Tensor, world: int,
-                      timeout: float | None) -> Plan:
+def all_gather_single(
+    output: torch.Tensor, input_: torch.Tensor, world: int, timeout: float | None
+) -> Plan:
     if numel(output) != world * numel(input_) or input_.dtype != output.dtype:
-        raise UsageError(f"all_gather: output has {numel(output)} elements of {output.dtype}; "
-                         f"expected {world} x {numel(input_)} of {input_.dtype}")
+        raise UsageError(
+            f"all_gather: output has {numel(output)} elements of {output.dtype}; "
+            f"expected {world} x {numel(input_)} of {input_.dtype}"
+        )
     staging = Staging()
     send = staging.read(input_)
     out = staging.write(output)
@@ -363,11 +414,14 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def allgather(outputs: list[torch.Tensor], input_: torch.Tensor, world: int,
-              timeout: float | None) -> Plan:
+def allgather(
+    outputs: list[torch.Tensor], input_: torch.Tensor, world: int, timeout: float | None
+) -> Plan:
     if len(outputs) != world:
-        raise _checks.fail("allgather", f"invalid output tensor list at index 0 (expected "
-                                        f"length {world}, got {len(outputs)})")
+        raise _checks.fail(
+            "allgather",
+            f"invalid output tensor list at index 0 (expected length {world}, got {len(outputs)})",
+        )
     n = numel(input_)
     if any(numel(o) != n for o in outputs):
         return _allgatherv(outputs, input_, timeout)
@@ -383,27 +437,35 @@ def allgather(outputs: list[torch.Tensor], input_: torch.Tensor, world: int,
     return Plan("allgather", list(outputs), plan.start, finish)
 
 
-def allgather_multi(outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], world: int,
-                    timeout: float | None) -> Plan:
+def allgather_multi(
+    outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], world: int, timeout: float | None
+) -> Plan:
     """gloo's allgather of N inputs per rank: every ``outputs[i]`` holds N x world tensors,
     ``outputs[i][r * N + k]`` = rank r's input k."""
     _checks.non_empty("allgather", inputs, "input tensor list")
     if len(outputs) != len(inputs):
-        raise _checks.fail("allgather", "requires input/output tensor lists to have the same "
-                                        "length")
+        raise _checks.fail(
+            "allgather", "requires input/output tensor lists to have the same length"
+        )
     expected = len(inputs) * world
     for i, out in enumerate(outputs):
         if len(out) != expected:
-            raise _checks.fail("allgather", f"invalid output tensor list at index {i} "
-                                            f"(expected length {expected}, got {len(out)})")
+            raise _checks.fail(
+                "allgather",
+                f"invalid output tensor list at index {i} "
+                f"(expected length {expected}, got {len(out)})",
+            )
     _checks.type_and_sizes("allgather", inputs, inputs[0])
     if len(inputs) == 1:  # outputs of other sizes: ranks gather tensors of their own sizes
         for out in outputs:
             for i, t in enumerate(out):
                 if t.dtype != inputs[0].dtype:
-                    raise _checks.fail("allgather", f"invalid tensor type at index {i} "
-                                                    f"(expected {inputs[0].dtype}, got "
-                                                    f"{t.dtype})")
+                    raise _checks.fail(
+                        "allgather",
+                        f"invalid tensor type at index {i} "
+                        f"(expected {inputs[0].dtype}, got "
+                        f"{t.dtype})",
+                    )
         plans = [allgather(o, inputs[0], world, timeout) for o in outputs]
         return combine("allgather", plans)
     for out in outputs:
@@ -419,23 +481,34 @@ def allgather_multi(outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor
         return None
 
     # gloo's future value: the nested output lists when there are several
-    return Plan("allgather", [t for o in outputs for t in o], plan.start, finish,
-                value=[list(o) for o in outputs])
+    return Plan(
+        "allgather",
+        [t for o in outputs for t in o],
+        plan.start,
+        finish,
+        value=[list(o) for o in outputs],
+    )
 
 
-def allgather_coalesced(outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-                        world: int, timeout: float | None) -> Plan:
+def allgather_coalesced(
+    outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], world: int, timeout: float | None
+) -> Plan:
     """``outputs[r][i]`` = rank r's ``inputs[i]`` (torch's [rank][input] layout); the
     inputs may differ in size, and travel as one flat buffer."""
     call = "allgather_coalesced"
     if len(outputs) != world:
-        raise _checks.fail(call, f"number of output lists should be equal to world size "
-                                 f"{world}, got {len(outputs)}")
+        raise _checks.fail(
+            call,
+            f"number of output lists should be equal to world size {world}, got {len(outputs)}",
+        )
     _checks.non_empty(call, inputs, "input tensor list")
     for out in outputs:
         if len(out) != len(inputs):
-            raise _checks.fail(call, f"invalid output size: each output list should hold "
-                                     f"{len(inputs)} tensors, got {len(out)}")
+            raise _checks.fail(
+                call,
+                f"invalid output size: each output list should hold "
+                f"{len(inputs)} tensors, got {len(out)}",
+            )
         for i, (o, t) in enumerate(zip(out, inputs, strict=True)):
             if o.dtype != t.dtype or t.dtype != inputs[0].dtype:
                 raise _checks.fail(call, f"invalid tensor type at index {i}")
@@ -452,16 +525,20 @@ def allgather_coalesced(outputs: list[list[torch.Tensor]], inputs: list[torch.Te
             for r, out in enumerate(outputs):
                 offset = r * per_rank
                 for o in out:
-                    o.copy_(buf[offset:offset + numel(o)].reshape(o.shape))
+                    o.copy_(buf[offset : offset + numel(o)].reshape(o.shape))
                     offset += numel(o)
         return None
 
-    return Plan(call, [t for o in outputs for t in o], plan.start, finish,
-                value=[list(o) for o in outputs] if len(outputs) > 1 else None)
+    return Plan(
+        call,
+        [t for o in outputs for t in o],
+        plan.start,
+        finish,
+        value=[list(o) for o in outputs] if len(outputs) > 1 else None,
+    )
 
 
-def _allgatherv(outputs: list[torch.Tensor], input_: torch.Tensor,
-                timeout: float | None) -> Plan:
+def _allgatherv(outputs: list[torch.Tensor], input_: torch.Tensor, timeout: float | None) -> Plan:
     """all_gather with tensors of different sizes per rank (outputs give the sizes)."""
     for i, o in enumerate(outputs):
         if o.dtype != input_.dtype:
@@ -475,8 +552,9 @@ def _allgatherv(outputs: list[torch.Tensor], input_: torch.Tensor,
         parts: list[Array] = results[0]
         for i, (o, part) in enumerate(zip(outputs, parts, strict=True)):
             if part.size != numel(o):
-                raise UsageError(f"all_gather: rank {i} sent {part.size} elements, "
-                                 f"output[{i}] holds {numel(o)}")
+                raise UsageError(
+                    f"all_gather: rank {i} sent {part.size} elements, output[{i}] holds {numel(o)}"
+                )
             staging = Staging()
             staging.write(o)[...] = part.reshape(-1)
             staging.flush()
@@ -485,15 +563,23 @@ def _allgatherv(outputs: list[torch.Tensor], input_: torch.Tensor,
     return Plan("allgather", list(outputs), start, finish)
 
 
-def gather(outputs: list[torch.Tensor], input_: torch.Tensor, root: int, rank: int, world: int,
-           timeout: float | None) -> Plan:
+def gather(
+    outputs: list[torch.Tensor],
+    input_: torch.Tensor,
+    root: int,
+    rank: int,
+    world: int,
+    timeout: float | None,
+) -> Plan:
     send = Staging().read(input_)
     n = numel(input_)
     buf: torch.Tensor | None = None
     if rank == root:
         if len(outputs) != world:
-            raise _checks.fail("gather", f"Incorrect output list size {len(outputs)}. Output "
-                                         f"list size should be {world}")
+            raise _checks.fail(
+                "gather",
+                f"Incorrect output list size {len(outputs)}. Output list size should be {world}",
+            )
         _checks.type_and_sizes("gather", outputs, input_)
         check_same(outputs, n, input_.dtype, "gather output")
         buf = torch.empty(world * n, dtype=input_.dtype)
@@ -510,15 +596,23 @@ def gather(outputs: list[torch.Tensor], input_: torch.Tensor, root: int, rank: i
     return Plan("gather", list(outputs), start, finish)
 
 
-def scatter(output: torch.Tensor, inputs: list[torch.Tensor], root: int, rank: int, world: int,
-            timeout: float | None) -> Plan:
+def scatter(
+    output: torch.Tensor,
+    inputs: list[torch.Tensor],
+    root: int,
+    rank: int,
+    world: int,
+    timeout: float | None,
+) -> Plan:
     staging = Staging()
     out = staging.write(output)
     send: Array | None = None
     if rank == root:
         if len(inputs) != world:
-            raise _checks.fail("scatter", f"Incorrect input list size {len(inputs)}. Input "
-                                          f"list size should be {world}")
+            raise _checks.fail(
+                "scatter",
+                f"Incorrect input list size {len(inputs)}. Input list size should be {world}",
+            )
         _checks.type_and_sizes("scatter", inputs, output)
         check_same(inputs, numel(output), output.dtype, "scatter input")
         flat = torch.cat([t.detach().reshape(-1) for t in inputs])
@@ -544,6 +638,7 @@ def barrier(timeout: float | None) -> Plan:
 
 # -- point to point ---------------------------------------------------------------------------
 
+
 def send(tensors: list[torch.Tensor], dst: int, tag: int, timeout: float | None) -> Plan:
     arrays = [Staging().read(t) for t in tensors]
     t_ = user_tag(tag)
@@ -567,4 +662,3 @@ def recv(tensors: list[torch.Tensor], src: int | None, tag: int, timeout: float 
         return int(results[0]) if results else src
 
     return Plan("recv", list(tensors), start, finish)
-

@@ -18,14 +18,31 @@ from aiocollect.errors import UsageError
 from aiocollect.types import ReduceOp
 
 _NUMPY_DTYPES = {
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.uint16, torch.uint32, torch.uint64, torch.float16, torch.float32, torch.float64,
-    torch.complex64, torch.complex128,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
 }
 
 _OPS = {
-    "SUM": ReduceOp.SUM, "PRODUCT": ReduceOp.PROD, "MIN": ReduceOp.MIN, "MAX": ReduceOp.MAX,
-    "AVG": ReduceOp.AVG, "BAND": ReduceOp.BAND, "BOR": ReduceOp.BOR, "BXOR": ReduceOp.BXOR,
+    "SUM": ReduceOp.SUM,
+    "PRODUCT": ReduceOp.PROD,
+    "MIN": ReduceOp.MIN,
+    "MAX": ReduceOp.MAX,
+    "AVG": ReduceOp.AVG,
+    "BAND": ReduceOp.BAND,
+    "BOR": ReduceOp.BOR,
+    "BXOR": ReduceOp.BXOR,
 }
 
 
@@ -35,8 +52,10 @@ def _bfloat16(flat: torch.Tensor, reducing: bool) -> Array:
         import ml_dtypes
     except ImportError:
         if reducing:
-            raise UsageError("reductions on bfloat16 tensors need the ml_dtypes package "
-                             "(pip install 'aiocollect[bfloat16]')") from None
+            raise UsageError(
+                "reductions on bfloat16 tensors need the ml_dtypes package "
+                "(pip install 'aiocollect[bfloat16]')"
+            ) from None
         return raw
     return raw.view(ml_dtypes.bfloat16)
 
@@ -55,8 +74,10 @@ def as_numpy(tensor: torch.Tensor, *, reducing: bool = False) -> Array:
         raise UsageError("internal: tensor must be contiguous here")
     flat = tensor.detach().reshape(-1)
     if flat.is_conj() or flat.is_neg():
-        raise UsageError("tensors with a lazy conj/neg bit are not supported; call "
-                         "resolve_conj()/resolve_neg() first")
+        raise UsageError(
+            "tensors with a lazy conj/neg bit are not supported; call "
+            "resolve_conj()/resolve_neg() first"
+        )
     if tensor.dtype in _NUMPY_DTYPES:
         arr: Array = flat.numpy()
         return arr
@@ -143,8 +164,7 @@ def numel(tensor: torch.Tensor) -> int:
     return int(tensor.numel())
 
 
-def check_same(tensors: list[torch.Tensor], numel_: int, dtype: torch.dtype,
-               what: str) -> None:
+def check_same(tensors: list[torch.Tensor], numel_: int, dtype: torch.dtype, what: str) -> None:
     """Every tensor has ``numel_`` elements of ``dtype``.
 
     Raises:
@@ -152,6 +172,6 @@ def check_same(tensors: list[torch.Tensor], numel_: int, dtype: torch.dtype,
     """
     for i, t in enumerate(tensors):
         if numel(t) != numel_ or t.dtype != dtype:
-            raise UsageError(f"{what}[{i}] has {numel(t)} elements of {t.dtype}; expected "
-                             f"{numel_} of {dtype}")
-
+            raise UsageError(
+                f"{what}[{i}] has {numel(t)} elements of {t.dtype}; expected {numel_} of {dtype}"
+            )

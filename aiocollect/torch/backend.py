@@ -82,8 +82,9 @@ def _timeout_error(exc: PeerTimeout, kind: str, seconds: float | None) -> PeerTi
     if _TIMEOUT_WORDING.search(str(exc)):
         return exc
     waited = f"{seconds * 1000:.0f}ms" if seconds is not None else "past the group deadline"
-    err = CollectiveTimeout(f"aiocollect {kind}: Timed out waiting {waited} for ranks "
-                            f"{exc.ranks}: {exc}", exc.ranks)
+    err = CollectiveTimeout(
+        f"aiocollect {kind}: Timed out waiting {waited} for ranks {exc.ranks}: {exc}", exc.ranks
+    )
     err.__cause__ = exc
     return err
 
@@ -104,8 +105,11 @@ def _called_by_autograd() -> bool:
     return not outside
 
 
-_DDP_PATHS = ("/torch/autograd/", "/torch/nn/parallel/",
-              "/torch/distributed/algorithms/ddp_comm_hooks/")
+_DDP_PATHS = (
+    "/torch/autograd/",
+    "/torch/nn/parallel/",
+    "/torch/distributed/algorithms/ddp_comm_hooks/",
+)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -188,8 +192,8 @@ class AiocollectProcessGroup(dist.ProcessGroup):
         """Raise GroupBrokenError (caused by the first failure) if a collective failed."""
         if self._failure is not None:
             raise GroupBrokenError(
-                f"aiocollect process group (rank {self._rank}) failed earlier: "
-                f"{self._failure!r}") from self._failure
+                f"aiocollect process group (rank {self._rank}) failed earlier: {self._failure!r}"
+            ) from self._failure
 
     # -- running plans ---------------------------------------------------------------------
 
@@ -197,9 +201,15 @@ class AiocollectProcessGroup(dist.ProcessGroup):
         given = timeout_seconds(_opt(opts, "timeout", None))
         return given if given is not None else self._default_timeout
 
-    def _launch(self, plan: _ops.Plan, timeout: float | None = None, title: str = "",
-                inputs: list[torch.Tensor] | None = None, *,
-                after: int | None = None) -> Work:
+    def _launch(
+        self,
+        plan: _ops.Plan,
+        timeout: float | None = None,
+        title: str = "",
+        inputs: list[torch.Tensor] | None = None,
+        *,
+        after: int | None = None,
+    ) -> Work:
         """Start ``plan`` on the loop thread; return its Work at once.
 
         ``after``: the Work completes only once every operation issued on this group with a
@@ -208,41 +218,58 @@ class AiocollectProcessGroup(dist.ProcessGroup):
         self.check()
         seq = self._seq
         self._seq += 1
-        work = Work(plan.result if plan.value is None else plan.value, self._thread,
-                    plan.kind, fail_future=not _called_by_autograd())
+        work = Work(
+            plan.result if plan.value is None else plan.value,
+            self._thread,
+            plan.kind,
+            fail_future=not _called_by_autograd(),
+        )
         group = self._group
-        profile = _profile_start(f"{BACKEND_NAME}:{title or plan.kind}",
-                                 plan.result if inputs is None else inputs)
-        inference = torch.is_inference_mode_enabled() or any(
-            t.is_inference() for t in plan.result)
+        profile = _profile_start(
+            f"{BACKEND_NAME}:{title or plan.kind}", plan.result if inputs is None else inputs
+        )
+        inference = torch.is_inference_mode_enabled() or any(t.is_inference() for t in plan.result)
 
         def begin() -> None:
             loop = asyncio.get_running_loop()
             done: asyncio.Future[None] = loop.create_future()
-            prior = [] if after is None else [
-                f for s, f in self._inflight.items() if after <= s < seq]
+            prior = (
+                [] if after is None else [f for s, f in self._inflight.items() if after <= s < seq]
+            )
             self._inflight[seq] = done
             try:
                 handles = plan.start(group)
             except BaseException as exc:
                 self._settled(work, exc, None, seq, timeout, profile)
                 return
-            task = loop.create_task(self._settle(plan, handles, prior, work, seq, timeout,
-                                                 profile, inference))
+            task = loop.create_task(
+                self._settle(plan, handles, prior, work, seq, timeout, profile, inference)
+            )
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
         self._thread.call(begin)
         return work
 
-    async def _settle(self, plan: _ops.Plan, handles: _ops.Handles,
-                      prior: list[asyncio.Future[None]], work: Work, seq: int,
-                      timeout: float | None, profile: Any, inference: bool) -> None:
+    async def _settle(
+        self,
+        plan: _ops.Plan,
+        handles: _ops.Handles,
+        prior: list[asyncio.Future[None]],
+        work: Work,
+        seq: int,
+        timeout: float | None,
+        profile: Any,
+        inference: bool,
+    ) -> None:
         if handles or prior:
             await asyncio.wait([*handles, *prior])
         exc: BaseException | None = None
         for h in handles:
-            err = GroupBrokenError(f"{plan.kind} was cancelled: its group was closed or "
-                                   "aborted") if h.cancelled() else h.exception()
+            err = (
+                GroupBrokenError(f"{plan.kind} was cancelled: its group was closed or aborted")
+                if h.cancelled()
+                else h.exception()
+            )
             if err is not None and exc is None:
                 exc = err
         source = None
@@ -254,11 +281,19 @@ class AiocollectProcessGroup(dist.ProcessGroup):
                 exc = err
         self._settled(work, exc, source, seq, timeout, profile)
 
-    def _settled(self, work: Work, exc: BaseException | None, source: int | None, seq: int,
-                 timeout: float | None, profile: Any) -> None:
+    def _settled(
+        self,
+        work: Work,
+        exc: BaseException | None,
+        source: int | None,
+        seq: int,
+        timeout: float | None,
+        profile: Any,
+    ) -> None:
         if isinstance(exc, PeerTimeout):
-            exc = _timeout_error(exc, work._kind,
-                                 timeout if timeout is not None else self._group.timeout)
+            exc = _timeout_error(
+                exc, work._kind, timeout if timeout is not None else self._group.timeout
+            )
         if exc is not None and not isinstance(exc, UsageError) and self._failure is None:
             self._failure = exc
             log.error("aiocollect.torch: %s failed on rank %d: %r", work, self._rank, exc)
@@ -298,26 +333,40 @@ class AiocollectProcessGroup(dist.ProcessGroup):
         receives it. Sparse COO tensors: SUM only."""
         op = opts if _is_op(opts) else _opt(opts, "reduceOp", dist.ReduceOp.SUM)
         timeout = self._timeout(None if _is_op(opts) else opts)
-        return self._launch(_ops.allreduce(_tensor_list(tensors), op, timeout), timeout,
-                            "all_reduce")
+        return self._launch(
+            _ops.allreduce(_tensor_list(tensors), op, timeout), timeout, "all_reduce"
+        )
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> Work:
         """All-reduce each tensor of ``tensors`` (one dtype), as one flat buffer."""
         op = opts if _is_op(opts) else _opt(opts, "reduceOp", dist.ReduceOp.SUM)
         timeout = self._timeout(None if _is_op(opts) else opts)
-        return self._launch(_ops.allreduce_coalesced(_tensor_list(tensors), op, timeout),
-                            timeout, "allreduce_coalesced")
+        return self._launch(
+            _ops.allreduce_coalesced(_tensor_list(tensors), op, timeout),
+            timeout,
+            "allreduce_coalesced",
+        )
 
     def reduce(self, tensors: Any, opts: Any = None) -> Work:  # type: ignore[override]
         """Reduce into ``opts.rootRank``'s tensor; other ranks' tensors are unchanged."""
         timeout = self._timeout(opts)
-        plan = _ops.reduce(_tensor_list(tensors), _opt(opts, "rootRank", 0),
-                           _opt(opts, "reduceOp", dist.ReduceOp.SUM), self._rank, timeout,
-                           world=self._world, root_tensor=_opt(opts, "rootTensor", 0))
+        plan = _ops.reduce(
+            _tensor_list(tensors),
+            _opt(opts, "rootRank", 0),
+            _opt(opts, "reduceOp", dist.ReduceOp.SUM),
+            self._rank,
+            timeout,
+            world=self._world,
+            root_tensor=_opt(opts, "rootTensor", 0),
+        )
         return self._launch(plan, timeout, "reduce")
 
-    def reduce_scatter(self, output_tensors: Any, input_tensors: Any,  # type: ignore[override]
-                       opts: Any = None) -> Work:
+    def reduce_scatter(  # type: ignore[override]
+        self,
+        output_tensors: Any,
+        input_tensors: Any,
+        opts: Any = None,
+    ) -> Work:
         """Reduce the inputs (one list of world-size tensors per output), scatter blocks;
         ``inputs[i]`` may be shaped like rank i's output when ranks' outputs differ."""
         outputs = _tensor_list(output_tensors)
@@ -326,51 +375,74 @@ class AiocollectProcessGroup(dist.ProcessGroup):
             inputs = [list(input_tensors)]
         _checks.non_empty("reduce_scatter", outputs)
         if len(outputs) != len(inputs):
-            raise _checks.fail("reduce_scatter", "requires input/output tensor lists to have "
-                                                 "the same length")
+            raise _checks.fail(
+                "reduce_scatter", "requires input/output tensor lists to have the same length"
+            )
         op = _opt(opts, "reduceOp", dist.ReduceOp.SUM)
         timeout = self._timeout(opts)
-        plans = [_ops.reduce_scatter(o, i, op, self._world, timeout, self._rank)
-                 for o, i in zip(outputs, inputs, strict=True)]
+        plans = [
+            _ops.reduce_scatter(o, i, op, self._world, timeout, self._rank)
+            for o, i in zip(outputs, inputs, strict=True)
+        ]
         return self._launch(_ops.combine("reduce_scatter", plans), timeout, "reduce_scatter")
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
-                              opts: Any = None) -> Work:
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> Work:
         """Reduce ``input`` (world-size blocks) across ranks; this rank's block to ``output``."""
         op = _opt(opts, "reduceOp", dist.ReduceOp.SUM)
         timeout = self._timeout(opts)
-        return self._launch(_ops.reduce_scatter_single(output, input, op, self._world, timeout),
-                            timeout, "_reduce_scatter_base")
+        return self._launch(
+            _ops.reduce_scatter_single(output, input, op, self._world, timeout),
+            timeout,
+            "_reduce_scatter_base",
+        )
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
-    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
-                                        inputs: list[torch.Tensor], opts: Any = None) -> Work:
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work:
         op = _opt(opts, "reduceOp", dist.ReduceOp.SUM)
         timeout = self._timeout(opts)
-        plans = [_ops.reduce_scatter_single(o, i, op, self._world, timeout)
-                 for o, i in zip(outputs, inputs, strict=True)]
-        return self._launch(_ops.combine("reduce_scatter", plans), timeout,
-                            "reduce_scatter_tensor_coalesced")
+        plans = [
+            _ops.reduce_scatter_single(o, i, op, self._world, timeout)
+            for o, i in zip(outputs, inputs, strict=True)
+        ]
+        return self._launch(
+            _ops.combine("reduce_scatter", plans), timeout, "reduce_scatter_tensor_coalesced"
+        )
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
     # -- data movement ---------------------------------------------------------------------
 
-    def broadcast(self, tensors: Any, opts: Any = None,  # type: ignore[override]
-                  root: int | None = None) -> Work:
+    def broadcast(  # type: ignore[override]
+        self,
+        tensors: Any,
+        opts: Any = None,
+        root: int | None = None,
+    ) -> Work:
         """Copy ``opts.rootRank``'s ``tensors[opts.rootTensor]`` into every tensor of every
         rank (``broadcast(tensor, root=r)`` works too)."""
         if root is None:
             root = opts if isinstance(opts, int) else _opt(opts, "rootRank", 0)
         root_tensor = 0 if isinstance(opts, int) else _opt(opts, "rootTensor", 0)
         timeout = self._timeout(None if isinstance(opts, int) else opts)
-        return self._launch(_ops.broadcast(_tensor_list(tensors), root, timeout,
-                                           world=self._world, rank=self._rank,
-                                           root_tensor=root_tensor), timeout, "broadcast")
+        return self._launch(
+            _ops.broadcast(
+                _tensor_list(tensors),
+                root,
+                timeout,
+                world=self._world,
+                rank=self._rank,
+                root_tensor=root_tensor,
+            ),
+            timeout,
+            "broadcast",
+        )
 
-    def allgather(self, output_tensors: Any, input_tensors: Any,
-                  opts: Any = None) -> Work:
+    def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Work:
         """Gather every rank's inputs: ``output_tensors[i][r * N + k]`` receives rank r's
         input k (N inputs per rank, as with gloo)."""
         inputs = _tensor_list(input_tensors)
@@ -378,38 +450,63 @@ class AiocollectProcessGroup(dist.ProcessGroup):
         if output_tensors and isinstance(output_tensors[0], torch.Tensor):
             outputs = [list(output_tensors)]
         timeout = self._timeout(opts)
-        return self._launch(_ops.allgather_multi(outputs, inputs, self._world, timeout),
-                            timeout, "all_gather", inputs)
+        return self._launch(
+            _ops.allgather_multi(outputs, inputs, self._world, timeout),
+            timeout,
+            "all_gather",
+            inputs,
+        )
 
-    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
-                            input_list: list[torch.Tensor], opts: Any = None) -> Work:
+    def allgather_coalesced(
+        self,
+        output_lists: list[list[torch.Tensor]],
+        input_list: list[torch.Tensor],
+        opts: Any = None,
+    ) -> Work:
         """``output_lists[r][i]`` receives rank r's ``input_list[i]``."""
         timeout = self._timeout(opts)
-        plan = _ops.allgather_coalesced([list(o) for o in output_lists], list(input_list),
-                                        self._world, timeout)
+        plan = _ops.allgather_coalesced(
+            [list(o) for o in output_lists], list(input_list), self._world, timeout
+        )
         return self._launch(plan, timeout, "allgather_coalesced", list(input_list))
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
-                          opts: Any = None) -> Work:
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> Work:
         """Gather every rank's ``input`` into consecutive blocks of ``output``."""
         timeout = self._timeout(opts)
-        return self._launch(_ops.all_gather_single(output, input, self._world, timeout),
-                            timeout, "_allgather_base", [input])
+        return self._launch(
+            _ops.all_gather_single(output, input, self._world, timeout),
+            timeout,
+            "_allgather_base",
+            [input],
+        )
 
     _allgather_base = all_gather_single
 
-    def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
-                                    inputs: list[torch.Tensor], opts: Any = None) -> Work:
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work:
         timeout = self._timeout(opts)
-        plans = [_ops.all_gather_single(o, i, self._world, timeout)
-                 for o, i in zip(outputs, inputs, strict=True)]
-        return self._launch(_ops.combine("allgather", plans), timeout,
-                            "allgather_into_tensor_coalesced", list(inputs))
+        plans = [
+            _ops.all_gather_single(o, i, self._world, timeout)
+            for o, i in zip(outputs, inputs, strict=True)
+        ]
+        return self._launch(
+            _ops.combine("allgather", plans),
+            timeout,
+            "allgather_into_tensor_coalesced",
+            list(inputs),
+        )
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
 
-    def gather(self, output_tensors: Any, input_tensors: Any,  # type: ignore[override]
-               opts: Any = None) -> Work:
+    def gather(  # type: ignore[override]
+        self,
+        output_tensors: Any,
+        input_tensors: Any,
+        opts: Any = None,
+    ) -> Work:
         """Gather every rank's input on ``opts.rootRank`` (``output_tensors[0]`` there)."""
         root = _opt(opts, "rootRank", 0)
         _checks.root_rank("gather", root, self._world)
@@ -417,8 +514,12 @@ class AiocollectProcessGroup(dist.ProcessGroup):
         _checks.single("gather", inputs, "input tensor list")
         outputs = self._root_tensors("gather", output_tensors, root, "output")
         timeout = self._timeout(opts)
-        return self._launch(_ops.gather(outputs, inputs[0], root, self._rank, self._world,
-                                        timeout), timeout, "gather", inputs)
+        return self._launch(
+            _ops.gather(outputs, inputs[0], root, self._rank, self._world, timeout),
+            timeout,
+            "gather",
+            inputs,
+        )
 
     def _root_tensors(self, name: str, nested: Any, root: int, what: str) -> list[Any]:
         """The root's list of per-rank tensors of gather/scatter (``[[t0, t1, ...]]``, or
@@ -433,8 +534,12 @@ class AiocollectProcessGroup(dist.ProcessGroup):
         _checks.single(name, outer, f"{what} list")
         return list(outer[0])
 
-    def scatter(self, output_tensors: Any, input_tensors: Any,  # type: ignore[override]
-                opts: Any = None) -> Work:
+    def scatter(  # type: ignore[override]
+        self,
+        output_tensors: Any,
+        input_tensors: Any,
+        opts: Any = None,
+    ) -> Work:
         """Scatter ``input_tensors[0]`` of ``opts.rootRank``, block i to rank i."""
         root = _opt(opts, "rootRank", 0)
         _checks.root_rank("scatter", root, self._world)
@@ -442,28 +547,57 @@ class AiocollectProcessGroup(dist.ProcessGroup):
         _checks.single("scatter", outputs, "output tensor list")
         inputs = self._root_tensors("scatter", input_tensors, root, "input")
         timeout = self._timeout(opts)
-        return self._launch(_ops.scatter(outputs[0], inputs, root, self._rank, self._world,
-                                         timeout), timeout, "scatter", inputs)
+        return self._launch(
+            _ops.scatter(outputs[0], inputs, root, self._rank, self._world, timeout),
+            timeout,
+            "scatter",
+            inputs,
+        )
 
-    def alltoall(self, output_tensors: list[torch.Tensor],
-                 input_tensors: list[torch.Tensor], opts: Any = None) -> Work:
+    def alltoall(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> Work:
         """Send ``input_tensors[i]`` to rank i; receive rank j's into ``output_tensors[j]``."""
         timeout = self._timeout(opts)
-        return self._launch(_alltoall.alltoall(list(output_tensors), list(input_tensors),
-                                               self._rank, self._world, timeout), timeout,
-                            "all_to_all", list(input_tensors))
+        return self._launch(
+            _alltoall.alltoall(
+                list(output_tensors), list(input_tensors), self._rank, self._world, timeout
+            ),
+            timeout,
+            "all_to_all",
+            list(input_tensors),
+        )
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
-                          output_split_sizes: list[int], input_split_sizes: list[int],
-                          opts: Any = None) -> Work:
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> Work:
         """All-to-all along dim 0, evenly or with the given split sizes (rows per rank).
         Both tensors must be contiguous (as with gloo)."""
         _checks.contiguous("alltoall_base", input)
         _checks.contiguous("alltoall_base", output)
         timeout = self._timeout(opts)
-        return self._launch(_alltoall.all_to_all_single(
-            output, input, list(output_split_sizes), list(input_split_sizes), self._rank,
-            self._world, timeout), timeout, "all_to_all", [input])
+        return self._launch(
+            _alltoall.all_to_all_single(
+                output,
+                input,
+                list(output_split_sizes),
+                list(input_split_sizes),
+                self._rank,
+                self._world,
+                timeout,
+            ),
+            timeout,
+            "all_to_all",
+            [input],
+        )
 
     alltoall_base = all_to_all_single  # type: ignore[assignment]
 
@@ -476,8 +610,9 @@ class AiocollectProcessGroup(dist.ProcessGroup):
             seconds = self._default_timeout
         return self._launch(_ops.barrier(seconds), seconds, "barrier", [], after=0)
 
-    def monitored_barrier(self, timeout: timedelta | None = None,
-                          wait_all_ranks: bool = False) -> None:
+    def monitored_barrier(
+        self, timeout: timedelta | None = None, wait_all_ranks: bool = False
+    ) -> None:
         """A barrier that names the ranks that did not arrive (gloo's monitored_barrier).
 
         Waits for this rank's earlier operations on the group, then meets the other ranks
@@ -503,21 +638,26 @@ class AiocollectProcessGroup(dist.ProcessGroup):
         ms = f"{seconds * 1000:.0f} ms"
         if self._rank != 0:
             try:
-                self._store.wait([f"{prefix}/released"],
-                                 timedelta(seconds=max(0.001, deadline - time.monotonic())))
+                self._store.wait(
+                    [f"{prefix}/released"],
+                    timedelta(seconds=max(0.001, deadline - time.monotonic())),
+                )
             except Exception as exc:
                 raise MonitoredBarrierError(
                     f"Rank {self._rank} successfully reached monitoredBarrier, but received "
                     f"errors while waiting for rank 0 to release it within {ms} ({exc}). "
-                    "Please check rank 0 logs for faulty rank.", [0]) from exc
+                    "Please check rank 0 logs for faulty rank.",
+                    [0],
+                ) from exc
             return
         missing: list[int] = []
         for peer in range(1, self._world):
             key = f"{prefix}/{peer}"
             left = deadline - time.monotonic()
             if left <= 0 and not missing and not self._store.check([key]):
-                raise MonitoredBarrierError(f"Rank 0 timed out in monitoredBarrier after "
-                                            f"{ms}", [peer])
+                raise MonitoredBarrierError(
+                    f"Rank 0 timed out in monitoredBarrier after {ms}", [peer]
+                )
             try:
                 if left <= 0 or missing:
                     if not self._store.check([key]):
@@ -529,10 +669,12 @@ class AiocollectProcessGroup(dist.ProcessGroup):
                 if not wait_all_ranks:
                     break
         if missing:
-            who = (f"Rank {missing[0]}" if len(missing) == 1 and not wait_all_ranks
-                   else "Ranks " + ", ".join(map(str, missing)))
-            raise MonitoredBarrierError(f"{who} failed to pass monitoredBarrier in {ms}",
-                                        missing)
+            who = (
+                f"Rank {missing[0]}"
+                if len(missing) == 1 and not wait_all_ranks
+                else "Ranks " + ", ".join(map(str, missing))
+            )
+            raise MonitoredBarrierError(f"{who} failed to pass monitoredBarrier in {ms}", missing)
         self._store.set(f"{prefix}/released", "1")
 
     def barrier_local(self, timeout: float | None = None) -> None:
@@ -546,20 +688,32 @@ class AiocollectProcessGroup(dist.ProcessGroup):
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Work:
         """Send to group rank ``dstRank``; matched by (source, tag) in order."""
         tensors = _tensor_list(tensors)
-        return self._launch(_ops.send(tensors, dstRank, tag, self._default_timeout),
-                            self._default_timeout, "send", tensors)
+        return self._launch(
+            _ops.send(tensors, dstRank, tag, self._default_timeout),
+            self._default_timeout,
+            "send",
+            tensors,
+        )
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work:
         """Receive from group rank ``srcRank``."""
         tensors = _tensor_list(tensors)
-        return self._launch(_ops.recv(tensors, srcRank, tag, self._default_timeout),
-                            self._default_timeout, "recv", tensors)
+        return self._launch(
+            _ops.recv(tensors, srcRank, tag, self._default_timeout),
+            self._default_timeout,
+            "recv",
+            tensors,
+        )
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Work:
         """Receive from any rank; ``work._source_rank()`` tells which."""
         tensors = _tensor_list(tensors)
-        return self._launch(_ops.recv(tensors, None, tag, self._default_timeout),
-                            self._default_timeout, "recvAnySource", tensors)
+        return self._launch(
+            _ops.recv(tensors, None, tag, self._default_timeout),
+            self._default_timeout,
+            "recvAnySource",
+            tensors,
+        )
 
     # -- coalescing ------------------------------------------------------------------------
 
@@ -611,7 +765,8 @@ def _profile_start(name: str, inputs: list[torch.Tensor]) -> Any:
         return None
     try:
         return torch.autograd._record_function_with_args_enter(  # type: ignore[attr-defined]
-            name, *[t for t in inputs if isinstance(t, torch.Tensor)])
+            name, *[t for t in inputs if isinstance(t, torch.Tensor)]
+        )
     except Exception as exc:  # the profiler must never break a collective
         log.debug("aiocollect.torch: profiler record %s: %r", name, exc)
         return None
@@ -641,8 +796,9 @@ def _listen_address(store: Store) -> str:
     return listen_host(None, f"tcp://{target or '127.0.0.1'}:0")
 
 
-def create_process_group(store: Store, rank: int, world_size: int,
-                         timeout: timedelta) -> AiocollectProcessGroup:
+def create_process_group(
+    store: Store, rank: int, world_size: int, timeout: timedelta
+) -> AiocollectProcessGroup:
     """The backend creator torch calls for ``init_process_group("aiocollect")`` and for
     every ``new_group`` of this backend.
 
@@ -662,9 +818,9 @@ def create_process_group(store: Store, rank: int, world_size: int,
     async def form() -> Group:
         # Incarnations of a group on one store (destroy + init again) get distinct names.
         generation = (await adapter.add("aiocollect/generation", 1) - 1) // world_size
-        return await aiocollect.open_group(rank, world_size, store=adapter,
-                                           name=f"torch-{generation}", timeout=seconds,
-                                           host=host)
+        return await aiocollect.open_group(
+            rank, world_size, store=adapter, name=f"torch-{generation}", timeout=seconds, host=host
+        )
 
     group = thread.run(form())
     thread.track(group)

@@ -51,8 +51,9 @@ class TorchStore(Store):
 
     def __init__(self, store: C10dStore, timeout: float = 300.0) -> None:
         if not isinstance(store, C10dStore):
-            raise UsageError(f"TorchStore needs a torch.distributed.Store, not "
-                             f"{type(store).__name__}")
+            raise UsageError(
+                f"TorchStore needs a torch.distributed.Store, not {type(store).__name__}"
+            )
         self.torch_store = store
         self.timeout = timeout
         self._life = Lifecycle(repr(self))
@@ -107,8 +108,7 @@ class TorchStore(Store):
             UsageError: ``key`` is not a str or ``amount`` not an int.
             StoreError: the value is not a counter, the store failed, or it is closed.
         """
-        return int(await self._call(self.torch_store.add, check_key(key),
-                                    check_amount(amount)))
+        return int(await self._call(self.torch_store.add, check_key(key), check_amount(amount)))
 
     def _missing(self, keys: list[str]) -> list[str]:
         return [k for k in keys if not self._exists(k)]

@@ -37,8 +37,9 @@ class Work(dist.Work):
             (False: with the output tensors, for DistributedDataParallel).
     """
 
-    def __init__(self, result: list[Any], thread: LoopThread, kind: str, *,
-                 fail_future: bool = True) -> None:
+    def __init__(
+        self, result: list[Any], thread: LoopThread, kind: str, *, fail_future: bool = True
+    ) -> None:
         super().__init__()
         self._fail_future = fail_future
         self._result = result
@@ -51,8 +52,11 @@ class Work(dist.Work):
         self._future: torch.futures.Future[list[Any]] = torch.futures.Future()
 
     def __repr__(self) -> str:
-        state = "pending" if not self._finished else (
-            "ok" if self._exc is None else f"failed: {self._exc!r}")
+        state = (
+            "pending"
+            if not self._finished
+            else ("ok" if self._exc is None else f"failed: {self._exc!r}")
+        )
         return f"<aiocollect Work {self._kind} {state}>"
 
     # -- completion (loop thread) ----------------------------------------------------------
@@ -92,12 +96,14 @@ class Work(dist.Work):
             if not self._finished:
                 raise RuntimeError(
                     f"aiocollect.torch: {self._kind} waited on from the event-loop thread (a "
-                    "Future callback) before it finished; this would deadlock")
+                    "Future callback) before it finished; this would deadlock"
+                )
         elif not self._done.is_set():
             seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
             if not self._done.wait(seconds if seconds and seconds > 0 else None):
-                raise TimeoutError(f"aiocollect.torch: {self._kind} did not finish within "
-                                   f"{seconds:g} s")
+                raise TimeoutError(
+                    f"aiocollect.torch: {self._kind} did not finish within {seconds:g} s"
+                )
         if self._exc is not None:
             raise self._exc
         return True

@@ -142,8 +142,13 @@ Hook = Callable[[asyncio.Future[None]], None]
 class _Recv:
     __slots__ = ("expect", "fut", "hook", "view")
 
-    def __init__(self, view: memoryview, fut: asyncio.Future[None],
-                 expect: Fingerprint | None, hook: Hook | None) -> None:
+    def __init__(
+        self,
+        view: memoryview,
+        fut: asyncio.Future[None],
+        expect: Fingerprint | None,
+        hook: Hook | None,
+    ) -> None:
         self.view = view
         self.fut = fut
         self.expect = expect
@@ -190,8 +195,13 @@ class Link(abc.ABC):
 
     # -- receiving -------------------------------------------------------------------------
 
-    def post_recv(self, key: Key, view: memoryview, expect: Fingerprint | None = None,
-                  hook: Hook | None = None) -> asyncio.Future[None]:
+    def post_recv(
+        self,
+        key: Key,
+        view: memoryview,
+        expect: Fingerprint | None = None,
+        hook: Hook | None = None,
+    ) -> asyncio.Future[None]:
         """Receive the frame with ``key`` into ``view`` (exact length). With ``expect``,
         the frame's fingerprint must equal it. The future fails with the link's failure if
         the link breaks first.
@@ -230,8 +240,8 @@ class Link(abc.ABC):
     def has_frame(self, key: Key) -> bool:
         """Whether a frame with ``key`` arrived (or is arriving) with no receive posted."""
         return key in self._early or (
-            self._frame is not None and self._frame_staging is not None
-            and self._frame.key == key)
+            self._frame is not None and self._frame_staging is not None and self._frame.key == key
+        )
 
     def unpost(self, key: Key) -> None:
         """Withdraw a posted receive (used when an operation is abandoned)."""
@@ -239,16 +249,22 @@ class Link(abc.ABC):
 
     def _check(self, h: Header, want: int, expect: Fingerprint | None) -> bool:
         if expect is not None and h.fingerprint != expect:
-            self._raise_error(MismatchError(
-                f"rank {self.peer} sent a message of {h.elems} x {dtype_label(h.dtype)} "
-                f"(tag {h.slot}) but this rank receives {expect[2]} x "
-                f"{dtype_label(expect[1])}"))
+            self._raise_error(
+                MismatchError(
+                    f"rank {self.peer} sent a message of {h.elems} x {dtype_label(h.dtype)} "
+                    f"(tag {h.slot}) but this rank receives {expect[2]} x "
+                    f"{dtype_label(expect[1])}"
+                )
+            )
             return False
         if h.length == want:
             return True
-        self._raise_error(MismatchError(
-            f"frame {h.key} from rank {self.peer} carries {h.length} bytes but this rank "
-            f"expects {want}: the ranks passed buffers of different sizes"))
+        self._raise_error(
+            MismatchError(
+                f"frame {h.key} from rank {self.peer} carries {h.length} bytes but this rank "
+                f"expects {want}: the ranks passed buffers of different sizes"
+            )
+        )
         return False
 
     def _raise_error(self, exc: BaseException) -> None:
@@ -293,7 +309,8 @@ class Link(abc.ABC):
                 f"{self.describe()} sent more than this rank has receives for: "
                 f"{frames} frames ({self._early_bytes + h.length} bytes) staged would "
                 f"exceed the limit of {self.early_limit} bytes (MAX_EARLY_BYTES in "
-                "aiocollect.transport.base)")
+                "aiocollect.transport.base)"
+            )
         return None
 
     def _end_frame(self) -> None:

@@ -43,8 +43,14 @@ def _load() -> Callable[..., int] | None:
         fn: Any = ctypes.CDLL(None, use_errno=True).process_vm_readv
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                   ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+    fn.argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
     fn.restype = ctypes.c_ssize_t
     return fn  # type: ignore[no-any-return]
 
@@ -108,8 +114,9 @@ def pull(pid: int, dst: memoryview, src: int) -> None:
                 raise ProcessLookupError(err, f"process {pid} is gone")
             if err == errno.EPERM:
                 raise PermissionError(err, f"may not read the memory of process {pid}")
-            raise OSError(err, f"process_vm_readv from process {pid} at {src + done:#x}: "
-                          f"{os.strerror(err)}")
+            raise OSError(
+                err, f"process_vm_readv from process {pid} at {src + done:#x}: {os.strerror(err)}"
+            )
         if got == 0:
             raise OSError(errno.EFAULT, f"process {pid} does not map {src + done:#x}")
         done += got
@@ -152,6 +159,8 @@ def status() -> str:
     except OSError:
         scope = ""
     if scope not in ("", "0"):
-        return (f"off between ranks: Yama ptrace_scope={scope} forbids reading a sibling "
-                "process's memory; links copy through the ring")
+        return (
+            f"off between ranks: Yama ptrace_scope={scope} forbids reading a sibling "
+            "process's memory; links copy through the ring"
+        )
     return f"on for payloads of {limit} bytes or more"

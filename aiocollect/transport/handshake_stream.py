@@ -50,7 +50,7 @@ class HandshakeStream:
 
     def buffer(self) -> memoryview:
         """Where the next bytes read go: the rest of the current prefix or message."""
-        return memoryview(self._buf)[self._got:]
+        return memoryview(self._buf)[self._got :]
 
     def received(self, nbytes: int) -> int | None:
         """``nbytes`` were read into :meth:`buffer`. Returns the peer's rank once the

@@ -24,5 +24,4 @@ def identity() -> dict[str, str]:
 def same_host(rec: dict[str, Any]) -> bool:
     """Whether a rendezvous record comes from this machine (same hostname and boot id)."""
     mine = boot_id()
-    return bool(mine) and rec.get("boot_id") == mine and rec.get("hostname") == \
-        socket.gethostname()
+    return bool(mine) and rec.get("boot_id") == mine and rec.get("hostname") == socket.gethostname()

@@ -36,7 +36,8 @@ class MemoryLink(Link):
         other = self.other
         if self.closed or other is None:
             raise self._failure or PeerDisconnected(
-                f"link to rank {self.peer} is closed", self.peer)
+                f"link to rank {self.peer} is closed", self.peer
+            )
         self._loop.call_soon(other._deliver, header, bytes(payload))
         self.bytes_sent += len(payload)
         self.frames_sent += 1
@@ -107,7 +108,8 @@ def connect(address: str, link: MemoryLink) -> MemoryLink:
         raise RendezvousError(f"no in-process listener at {address}") from None
     acceptor = make_link()
     inbox: list[tuple[MemoryLink, dict[str, Any]]] = [
-        (link, m) for m in acceptor.handshaker.start()]
+        (link, m) for m in acceptor.handshaker.start()
+    ]
     done: dict[int, int] = {}
     while inbox:
         target, msg = inbox.pop(0)
@@ -136,13 +138,15 @@ class MemoryListener(Listener):
 
     def __init__(self, setup: LinkSetup) -> None:
         self.setup = setup
-        address = listen(lambda: MemoryLink(setup.events, setup.max_frame, setup.acceptor()),
-                         setup.on_link)
+        address = listen(
+            lambda: MemoryLink(setup.events, setup.max_frame, setup.acceptor()), setup.on_link
+        )
         self.record: Record = {"transport": "memory", "address": address}
 
     async def connect(self, record: Record, handshaker: Handshaker) -> Link:
-        return connect(str(record["address"]),
-                       MemoryLink(self.setup.events, self.setup.max_frame, handshaker))
+        return connect(
+            str(record["address"]), MemoryLink(self.setup.events, self.setup.max_frame, handshaker)
+        )
 
     def close(self) -> None:
         unlisten(str(self.record["address"]))

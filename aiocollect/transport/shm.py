@@ -83,11 +83,20 @@ class ShmLink(RingReader):
             once every rank's record is known).
     """
 
-    def __init__(self, events: LinkEvents, max_frame: int, handshaker: Handshaker, *,
-                 role: str, required: bool = False, policy: ShmPolicy | None = None) -> None:
+    def __init__(
+        self,
+        events: LinkEvents,
+        max_frame: int,
+        handshaker: Handshaker,
+        *,
+        role: str,
+        required: bool = False,
+        policy: ShmPolicy | None = None,
+    ) -> None:
         policy = policy or ShmPolicy()
-        self._shm_setup = ShmSetup(handshaker, self._activate, role, required,
-                                   lambda: policy.capacity)
+        self._shm_setup = ShmSetup(
+            handshaker, self._activate, role, required, lambda: policy.capacity
+        )
         super().__init__(events, max_frame, self._shm_setup, policy)
         self._segment: Segment | None = None
         self._tx: Ring | None = None
@@ -147,7 +156,6 @@ class ShmLink(RingReader):
 
     # -- reading ---------------------------------------------------------------------------
 
-
     # -- sending ---------------------------------------------------------------------------
 
     def send(self, header: bytes, payload: memoryview | bytes) -> None:
@@ -161,7 +169,8 @@ class ShmLink(RingReader):
             return
         if self._lost or self.closed or self._tx_dead or self._tx is None:
             raise self._failure or PeerDisconnected(
-                f"link to {self.describe()} is closed", self.peer)
+                f"link to {self.describe()} is closed", self.peer
+            )
         n = len(payload)
         if n >= BULK_MIN and self._bulk_cap:
             if self._held or self._must_hold(n):
@@ -267,7 +276,8 @@ class ShmLink(RingReader):
         tx = self._tx
         if tx is None:
             raise self._failure or PeerDisconnected(
-                f"link to {self.describe()} is closed", self.peer)
+                f"link to {self.describe()} is closed", self.peer
+            )
         if self._by_reference(tx, n):
             # by reference: the reader copies the payload out of this process's memory
             header = REF_MAGIC_BYTES + header[2:] + REF_DESC.pack(cma.address(view), n)
@@ -302,7 +312,8 @@ class ShmLink(RingReader):
         transport = self.transport
         if transport is None or transport.is_closing():
             raise self._failure or PeerDisconnected(
-                f"link to {self.describe()} is closed", self.peer)
+                f"link to {self.describe()} is closed", self.peer
+            )
         transport.write(ESCAPE + header + bytes(payload))
 
     @property
@@ -312,8 +323,12 @@ class ShmLink(RingReader):
 
     def _by_reference(self, ring: Ring | None, nbytes: int) -> bool:
         """Whether a payload of ``nbytes`` through ``ring`` goes as a reference record."""
-        return (self.shm and ring is not None and nbytes >= self.policy.pull_min > 0
-                and ring.pulls_enabled())
+        return (
+            self.shm
+            and ring is not None
+            and nbytes >= self.policy.pull_min > 0
+            and ring.pulls_enabled()
+        )
 
     @property
     def caps(self) -> LinkCaps:
@@ -404,8 +419,10 @@ class ShmLink(RingReader):
         if done == before:
             return
         if not before < done <= self._refs_sent:
-            raise ProtocolError(f"corrupt shared-memory ring: {done} pulls reported after "
-                                f"{before}, with {self._refs_sent} references sent")
+            raise ProtocolError(
+                f"corrupt shared-memory ring: {done} pulls reported after "
+                f"{before}, with {self._refs_sent} references sent"
+            )
         for _ in range(done - before):
             self._ref_bytes -= refs.popleft()[1]
         if not refs and not self._queue:
@@ -484,7 +501,8 @@ class ShmLink(RingReader):
         while self._queue or self._refs or self._held:
             if self._lost or self._tx_dead:
                 raise self._failure or PeerDisconnected(
-                    f"link to {self.describe()} closed", self.peer)
+                    f"link to {self.describe()} closed", self.peer
+                )
             if self._held:
                 # _release_held (on the reader's doorbell) wakes the drain
                 if self._drain is None or self._drain.done():
@@ -575,9 +593,14 @@ class ShmListener(SocketListener):
         setup, mode = self.setup, self.mode
         if mode == "off" or (record is not None and not SHM.accepts(record)):
             return TcpLink(setup.events, setup.max_frame, handshaker)
-        return ShmLink(setup.events, setup.max_frame, handshaker,
-                       role="acceptor" if record is None else "connector",
-                       required=mode == "force", policy=self.policy)
+        return ShmLink(
+            setup.events,
+            setup.max_frame,
+            handshaker,
+            role="acceptor" if record is None else "connector",
+            required=mode == "force",
+            policy=self.policy,
+        )
 
     def prepare(self, peers: dict[int, Record]) -> None:
         if self.mode == "force":
@@ -600,11 +623,13 @@ class ShmListener(SocketListener):
                     f"transport='shm' needs every rank on one host: rank {r} runs on "
                     f"{rec.get('hostname')!r} (boot id {rec.get('boot_id')!r}), rank {rank} "
                     f"on {me['hostname']!r} (boot id {me['boot_id']!r}); use "
-                    "transport='auto'")
+                    "transport='auto'"
+                )
             if rec.get("shm", "off") == "off":
                 raise RendezvousError(
                     f"rank {r} does not use shared memory but rank {rank} has "
-                    f"transport='shm'; give every rank the same transport")
+                    f"transport='shm'; give every rank the same transport"
+                )
 
 
 class ShmTransport(Transport):
@@ -639,5 +664,13 @@ SHM = ShmTransport("shm", required=True)
 AUTO = ShmTransport("auto", required=False)
 
 
-__all__ = ["AUTO", "SHM", "SPIN_ENV", "SPIN_SECONDS", "ShmLink", "ShmPolicy", "ShmTransport",
-           "spin_budget"]
+__all__ = [
+    "AUTO",
+    "SHM",
+    "SPIN_ENV",
+    "SPIN_SECONDS",
+    "ShmLink",
+    "ShmPolicy",
+    "ShmTransport",
+    "spin_budget",
+]

@@ -111,8 +111,9 @@ class RingReader(TcpLink):
     """Reading frames out of the incoming ring (``self._rx``) once the link is in shared
     memory mode (``self.shm``); before that, and on TCP fallback, plain TcpLink."""
 
-    def __init__(self, events: LinkEvents, max_frame: int, handshaker: Handshaker,
-                 policy: ShmPolicy) -> None:
+    def __init__(
+        self, events: LinkEvents, max_frame: int, handshaker: Handshaker, policy: ShmPolicy
+    ) -> None:
         super().__init__(events, max_frame, handshaker)
         self.shm = False  # set once both sides have the segment mapped
         self.policy = policy
@@ -159,7 +160,7 @@ class RingReader(TcpLink):
             self._rx_dead = True  # the peer says the rings are broken: never read them again
             self._spin_until = None
             self._unpark()
-            self._escaped_bytes(_BELLS[at + 1:nbytes])
+            self._escaped_bytes(_BELLS[at + 1 : nbytes])
         else:
             self._service()
 
@@ -174,12 +175,15 @@ class RingReader(TcpLink):
         try:
             h = parse_header(buf, self.max_frame)
             if h.kind != ABORT or h.length > MAX_ESCAPED:
-                raise ProtocolError(f"a frame of kind {h.kind} and {h.length} bytes after "
-                                    "an escape (only an ABORT may follow)")
+                raise ProtocolError(
+                    f"a frame of kind {h.kind} and {h.length} bytes after "
+                    "an escape (only an ABORT may follow)"
+                )
         except ProtocolError as exc:
             self._escaped = None
-            self._raise_error(ProtocolError(
-                f"{self.describe()} sent a malformed frame on its socket: {exc}"))
+            self._raise_error(
+                ProtocolError(f"{self.describe()} sent a malformed frame on its socket: {exc}")
+            )
             return
         if len(buf) < HEADER_SIZE + h.length:
             return
@@ -187,7 +191,7 @@ class RingReader(TcpLink):
         self._discard = True  # nothing may follow the ABORT
         self.frames_received += 1
         self.bytes_received += h.length
-        self.events.on_control(self, ABORT, bytes(buf[HEADER_SIZE:HEADER_SIZE + h.length]))
+        self.events.on_control(self, ABORT, bytes(buf[HEADER_SIZE : HEADER_SIZE + h.length]))
 
     def _service(self) -> None:
         """A doorbell rang (or reading may resume): read what arrived, then write what
@@ -291,7 +295,7 @@ class RingReader(TcpLink):
                         return True
                     got = self._got
                     n = min(avail, len(payload) - got)
-                    rx.read(payload[got:got + n])
+                    rx.read(payload[got : got + n])
                     avail -= n
                     self._got = got = got + n
                     if got == len(payload):
@@ -315,8 +319,13 @@ class RingReader(TcpLink):
                         return True  # the writer publishes the rest on its own, as above
                     self._hdr[:2] = _MAGIC_BYTES
                 h = parse_header(self._hdr, self.max_frame)
-                if not final and h.kind == DATA and h.length >= PARK_MIN \
-                        and h.key not in self._posted and self._park(h):
+                if (
+                    not final
+                    and h.kind == DATA
+                    and h.length >= PARK_MIN
+                    and h.key not in self._posted
+                    and self._park(h)
+                ):
                     return False
                 rx.skip(HEADER_SIZE)
                 avail -= HEADER_SIZE
@@ -324,11 +333,11 @@ class RingReader(TcpLink):
                     rx.read(self._desc_view)
                     avail -= REF_DESC.size
                     addr, length = REF_DESC.unpack(self._desc)
-                    if length != h.length or not length or addr == 0 \
-                            or h.kind not in (DATA, P2P):
+                    if length != h.length or not length or addr == 0 or h.kind not in (DATA, P2P):
                         raise ProtocolError(
                             f"{self.describe()} sent a bad reference record: {length} bytes "
-                            f"at {addr:#x} for a frame of {h.length}")
+                            f"at {addr:#x} for a frame of {h.length}"
+                        )
                     self._take_header(h)
                     if self._payload is not None:
                         self._ref_addr = addr
@@ -353,14 +362,15 @@ class RingReader(TcpLink):
         got = self._got
         n = min(PULL_STEP, len(payload) - got)
         try:
-            cma.pull(self._peer_pid, payload[got:got + n], addr + got)
+            cma.pull(self._peer_pid, payload[got : got + n], addr + got)
         except ProcessLookupError:
             # the peer is gone: its socket's end reports that; nothing more can be read
             self._rx_dead = True
             return False
         except OSError as exc:
-            raise ProtocolError(f"{self.describe()} sent a reference its memory does not "
-                                f"back ({exc})") from None
+            raise ProtocolError(
+                f"{self.describe()} sent a reference its memory does not back ({exc})"
+            ) from None
         self._got = got = got + n
         if got < len(payload):
             if not final:
@@ -398,8 +408,7 @@ class RingReader(TcpLink):
             return False  # this operation's receives were slow once: stage the rest
         self._parked = h.key
         self._parked_op = op
-        self._park_timer = asyncio.get_running_loop().call_later(PARK_SECONDS,
-                                                                 self._park_expired)
+        self._park_timer = asyncio.get_running_loop().call_later(PARK_SECONDS, self._park_expired)
         return True
 
     def _park_expired(self) -> None:
@@ -414,15 +423,25 @@ class RingReader(TcpLink):
             self._park_timer.cancel()
             self._park_timer = None
 
-    def post_recv(self, key: Key, view: memoryview, expect: Fingerprint | None = None,
-                  hook: Hook | None = None) -> asyncio.Future[None]:
+    def post_recv(
+        self,
+        key: Key,
+        view: memoryview,
+        expect: Fingerprint | None = None,
+        hook: Hook | None = None,
+    ) -> asyncio.Future[None]:
         fut = super().post_recv(key, view, expect, hook)
         if key == self._parked:
             self._unpark()
             # the caller is an algorithm posting receives: read on the loop's next turn
             self._loop.call_soon(self._service)
-        elif self.policy.spin > 0 and self._spin_until is None and not fut.done() \
-                and self._rx is not None and not self._rx_dead:
+        elif (
+            self.policy.spin > 0
+            and self._spin_until is None
+            and not fut.done()
+            and self._rx is not None
+            and not self._rx_dead
+        ):
             self._start_spin(self._rx)  # a receive that has to wait
         return fut
 

@@ -172,9 +172,9 @@ class Ring:
 
     def __init__(self, view: memoryview, index: int, capacity: int) -> None:
         off = _CTL_OFFSET[index]
-        self.ctl = view[off:off + _CTL_BYTES].cast("Q")
+        self.ctl = view[off : off + _CTL_BYTES].cast("Q")
         start = DATA_OFFSET + index * capacity
-        self.data = view[start:start + capacity]
+        self.data = view[start : start + capacity]
         self.cap = capacity
         #: head (as writer) or tail (as reader): our own position; a new ring starts at 0
         self.pos = 0
@@ -194,8 +194,10 @@ class Ring:
         tail = self.ctl[_TAIL]
         fill = self.pos - tail
         if not 0 <= fill <= self.cap:
-            raise ProtocolError(f"corrupt shared-memory ring: reader position {tail} with "
-                                f"writer at {self.pos} and capacity {self.cap}")
+            raise ProtocolError(
+                f"corrupt shared-memory ring: reader position {tail} with "
+                f"writer at {self.pos} and capacity {self.cap}"
+            )
         return self.cap - fill
 
     def write(self, src: memoryview) -> None:
@@ -203,9 +205,9 @@ class Ring:
         n = len(src)
         off = self.pos % self.cap
         first = min(n, self.cap - off)
-        self.data[off:off + first] = src[:first]
+        self.data[off : off + first] = src[:first]
         if first < n:
-            self.data[:n - first] = src[first:]
+            self.data[: n - first] = src[first:]
         self.pos += n
 
     def publish_head(self) -> None:
@@ -236,8 +238,10 @@ class Ring:
         head = self.ctl[_HEAD]
         fill = head - self.pos
         if not 0 <= fill <= self.cap:
-            raise ProtocolError(f"corrupt shared-memory ring: writer position {head} with "
-                                f"reader at {self.pos} and capacity {self.cap}")
+            raise ProtocolError(
+                f"corrupt shared-memory ring: writer position {head} with "
+                f"reader at {self.pos} and capacity {self.cap}"
+            )
         return fill
 
     def read(self, dst: memoryview) -> None:
@@ -245,9 +249,9 @@ class Ring:
         n = len(dst)
         off = self.pos % self.cap
         first = min(n, self.cap - off)
-        dst[:first] = self.data[off:off + first]
+        dst[:first] = self.data[off : off + first]
         if first < n:
-            dst[first:] = self.data[:n - first]
+            dst[first:] = self.data[: n - first]
         self.pos += n
 
     def peek(self, dst: memoryview) -> None:
@@ -338,10 +342,16 @@ class Segment:
                 look at the peer's descriptors, the peer closed it).
             ProtocolError: the offer is malformed, or what it names is not such a segment.
         """
-        if (not 0 < pid < 1 << 31 or not 0 <= fd < 1 << 31 or len(token) != TOKEN_BYTES
-                or not MIN_CAPACITY <= capacity <= MAX_CAPACITY):
-            raise ProtocolError(f"bad shared-memory offer: descriptor {fd} of process {pid}, "
-                                f"{capacity} bytes per ring")
+        if (
+            not 0 < pid < 1 << 31
+            or not 0 <= fd < 1 << 31
+            or len(token) != TOKEN_BYTES
+            or not MIN_CAPACITY <= capacity <= MAX_CAPACITY
+        ):
+            raise ProtocolError(
+                f"bad shared-memory offer: descriptor {fd} of process {pid}, "
+                f"{capacity} bytes per ring"
+            )
         size = cls.size_for(capacity)
         mine = _reopen(pid, fd)
         try:
@@ -351,21 +361,28 @@ class Segment:
                 seals = fcntl.fcntl(mine, fcntl.F_GET_SEALS)
             except OSError:  # not a file that can be sealed
                 seals = 0
-            if (not what.startswith(f"/memfd:{PREFIX}") or not stat.S_ISREG(st.st_mode)
-                    or st.st_uid != os.geteuid() or st.st_size != size
-                    or seals & SEALS != SEALS):
+            if (
+                not what.startswith(f"/memfd:{PREFIX}")
+                or not stat.S_ISREG(st.st_mode)
+                or st.st_uid != os.geteuid()
+                or st.st_size != size
+                or seals & SEALS != SEALS
+            ):
                 raise ProtocolError(
                     f"descriptor {fd} of process {pid} is not a sealed {size}-byte "
                     f"aiocollect segment of this user ({what}, {st.st_size} bytes, "
-                    f"seals {seals:#x})")
+                    f"seals {seals:#x})"
+                )
             mm = mmap.mmap(mine, size)
         finally:
             os.close(mine)
         header = _SEG_HEADER.unpack_from(mm, 0)
         if header != (MAGIC, VERSION, capacity, token):
             mm.close()
-            raise ProtocolError(f"shared-memory segment of process {pid} has header "
-                                f"{header[:3]!r} and another token than offered")
+            raise ProtocolError(
+                f"shared-memory segment of process {pid} has header "
+                f"{header[:3]!r} and another token than offered"
+            )
         return cls(capacity, mm, token, None)
 
     def handed_over(self) -> None:

@@ -44,9 +44,14 @@ class ShmSetup:
     acceptor's welcome offers a segment, the connector answers ``shm-ok`` or ``shm-fail``.
     The link is ready (``on_message`` returns the peer) once both sides know the outcome."""
 
-    def __init__(self, inner: Handshaker, activate: Callable[[Segment, int, int], None],
-                 role: str,
-                 required: bool, capacity: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        inner: Handshaker,
+        activate: Callable[[Segment, int, int], None],
+        role: str,
+        required: bool,
+        capacity: Callable[[], int],
+    ) -> None:
         if role not in ("connector", "acceptor"):
             raise ValueError(f"role must be connector or acceptor, not {role!r}")
         self.inner = inner
@@ -80,22 +85,25 @@ class ShmSetup:
         offer = msg.get("shm")
         if not isinstance(offer, dict):  # the acceptor is already on TCP: nothing to answer
             why = f"rank {peer} offered no shared memory" + (
-                f": {msg['shm_error']}" if "shm_error" in msg else "")
+                f": {msg['shm_error']}" if "shm_error" in msg else ""
+            )
             if self.required:
                 raise RendezvousError(why)
             log.info("link to rank %d stays on TCP: %s", peer, why)
             return replies, peer
         try:
-            pid, fd, capacity, token = (offer.get(k) for k in ("pid", "fd", "capacity",
-                                                               "token"))
-            if not (isinstance(pid, int) and isinstance(fd, int)
-                    and isinstance(capacity, int) and isinstance(token, bytes)):
+            pid, fd, capacity, token = (offer.get(k) for k in ("pid", "fd", "capacity", "token"))
+            if not (
+                isinstance(pid, int)
+                and isinstance(fd, int)
+                and isinstance(capacity, int)
+                and isinstance(token, bytes)
+            ):
                 raise ProtocolError(f"malformed shared-memory offer from rank {peer}")
             segment = Segment.attach(pid, fd, capacity, token)
         except (OSError, ProtocolError) as exc:
             if self.required:
-                raise RendezvousError(
-                    f"no shared-memory link to rank {peer}: {exc}") from None
+                raise RendezvousError(f"no shared-memory link to rank {peer}: {exc}") from None
             log.info("link to rank %d stays on TCP: %s", peer, exc)
             return [*replies, {"t": "shm-fail", "error": str(exc)}], peer
         pid = _enable_pulls(segment, 0, offer, peer)
@@ -109,9 +117,12 @@ class ShmSetup:
                 return replies, peer
             if not msg.get("shm"):
                 if self.required:
-                    raise _refuse(RendezvousError(
-                        f"rank {peer} did not ask for shared memory, which this rank "
-                        "requires (transport='shm')"))
+                    raise _refuse(
+                        RendezvousError(
+                            f"rank {peer} did not ask for shared memory, which this rank "
+                            "requires (transport='shm')"
+                        )
+                    )
                 return replies, peer
             extra: dict[str, Any]
             try:
@@ -119,14 +130,21 @@ class ShmSetup:
                 self.segment = Segment.create(size)
             except OSError as exc:
                 if self.required:
-                    raise _refuse(RendezvousError(
-                        f"cannot create a shared-memory segment: {exc}")) from None
+                    raise _refuse(
+                        RendezvousError(f"cannot create a shared-memory segment: {exc}")
+                    ) from None
                 log.warning("cannot create a shared-memory segment: %s", exc)
                 extra = {"shm_error": str(exc)}
             else:
-                extra = {"shm": {"pid": os.getpid(), "fd": self.segment.fd,
-                                 "token": self.segment.token, "capacity": size,
-                                 "addr": self.segment.address}}
+                extra = {
+                    "shm": {
+                        "pid": os.getpid(),
+                        "fd": self.segment.fd,
+                        "token": self.segment.token,
+                        "capacity": size,
+                        "addr": self.segment.address,
+                    }
+                }
             replies = [dict(r, **extra) if r.get("t") == "welcome" else r for r in replies]
             if self.segment is None:
                 return replies, peer
@@ -144,8 +162,9 @@ class ShmSetup:
             return [], self.peer
         segment.close()
         if self.required:
-            raise RendezvousError(f"rank {self.peer} could not map shared memory: "
-                                  f"{msg.get('error')}")
+            raise RendezvousError(
+                f"rank {self.peer} could not map shared memory: {msg.get('error')}"
+            )
         log.info("link to rank %d stays on TCP: %s", self.peer, msg.get("error"))
         return [], self.peer
 

@@ -150,13 +150,18 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         if self._linger is not None:
             self._linger.cancel()
         if self._drain is not None and not self._drain.done():
-            self._drain.set_exception(PeerDisconnected(
-                f"link to {self.describe()} closed with data queued", self.peer))
+            self._drain.set_exception(
+                PeerDisconnected(f"link to {self.describe()} closed with data queued", self.peer)
+            )
             self._drain.exception()  # mark retrieved: waiters may have gone
         if not self.ready.done():
-            self.ready.set_exception(PeerDisconnected(
-                f"connection to {self.address} closed during the handshake"
-                + (f": {exc}" if exc else ""), None))
+            self.ready.set_exception(
+                PeerDisconnected(
+                    f"connection to {self.address} closed during the handshake"
+                    + (f": {exc}" if exc else ""),
+                    None,
+                )
+            )
             return
         if self.ready.cancelled() or self.ready.exception() is not None:
             return  # a rejected handshake: this connection never joined the group
@@ -180,11 +185,11 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         payload = self._payload
         if payload is not None and len(payload) - self._got >= READ_AHEAD:
             self._direct = True
-            return payload[self._got:]
+            return payload[self._got :]
         self._direct = False
         if self.handshake is not None:
             return self.handshake.buffer()
-        return self._rview[self._rlen:]
+        return self._rview[self._rlen :]
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._discard:
@@ -215,7 +220,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
             if payload is not None:
                 got = self._got
                 n = min(len(payload) - got, end - pos)
-                payload[got:got + n] = view[pos:pos + n]
+                payload[got : got + n] = view[pos : pos + n]
                 pos += n
                 if got + n < len(payload):
                     self._got = got + n
@@ -224,7 +229,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
                 self._got = 0
                 self._end_frame()
             elif end - pos < HEADER_SIZE:
-                self._rbuf[:end - pos] = view[pos:end]
+                self._rbuf[: end - pos] = view[pos:end]
                 self._rlen = end - pos
                 return
             elif (fast := self._fast_frame(pos, end)) is not None:
@@ -233,8 +238,9 @@ class TcpLink(Link, asyncio.BufferedProtocol):
                 try:
                     h = parse_header(self._rbuf, self.max_frame, pos)
                 except ProtocolError as exc:
-                    self._raise_error(ProtocolError(
-                        f"{self.describe()} sent a malformed frame: {exc}"))
+                    self._raise_error(
+                        ProtocolError(f"{self.describe()} sent a malformed frame: {exc}")
+                    )
                     return
                 pos += HEADER_SIZE
                 self._take_header(h)
@@ -248,21 +254,27 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         ``Op.recv`` posts). Its payload is copied into place and the receive landed;
         returns the position after it. None for every other frame (the general path
         then checks, routes or stages it and reports errors)."""
-        magic, kind, coll, rop, dtype, gid, chunk, seq, slot, root, elems, n = \
-            _unpack_header(self._rbuf, pos)
+        magic, kind, coll, rop, dtype, gid, chunk, seq, slot, root, elems, n = _unpack_header(
+            self._rbuf, pos
+        )
         if kind != DATA:
             return None
         key = Key(kind, gid, seq, slot, chunk)
         recv = self._posted.get(key)
         start = pos + HEADER_SIZE
-        if (recv is None or end - start < n or len(recv.view) != n or magic != MAGIC
-                or recv.expect != (coll, dtype, elems, rop, root)):
+        if (
+            recv is None
+            or end - start < n
+            or len(recv.view) != n
+            or magic != MAGIC
+            or recv.expect != (coll, dtype, elems, rop, root)
+        ):
             return None
         del self._posted[key]
         self.frames_received += 1
         self.bytes_received += n
         if n:
-            recv.view[:] = self._rview[start:start + n]
+            recv.view[:] = self._rview[start : start + n]
         recv.landed()
         after: int = start + n
         return after
@@ -339,7 +351,8 @@ class TcpLink(Link, asyncio.BufferedProtocol):
 
     def _handshake_failed(self, exc: BaseException) -> None:
         if isinstance(exc, (ValueError, msgpack.exceptions.ExtraData)) and not isinstance(
-                exc, ProtocolError):
+            exc, ProtocolError
+        ):
             exc = ProtocolError(f"malformed handshake from {self.address}: {exc}")
         if not self.ready.done():
             self.ready.set_exception(exc)
@@ -357,7 +370,8 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         transport = self.transport
         if transport is None or self._lost or self.closed:
             raise self._failure or PeerDisconnected(
-                f"link to {self.describe()} is closed", self.peer)
+                f"link to {self.describe()} is closed", self.peer
+            )
         n = len(payload)
         self.bytes_sent += n
         self.frames_sent += 1
@@ -493,12 +507,16 @@ async def listen(
     when given, sees each connection first and may refuse it (its reply is sent, then the
     connection closed; the screen does its own logging)."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(accepting(make_link, on_link, screen), host, port,
-                                    ssl=ssl, reuse_address=True)
+    return await loop.create_server(
+        accepting(make_link, on_link, screen), host, port, ssl=ssl, reuse_address=True
+    )
 
 
-def accepting(make_link: Callable[[], TcpLink], on_link: Callable[[TcpLink], None],
-              screen: Screen | None = None) -> Callable[[], TcpLink]:
+def accepting(
+    make_link: Callable[[], TcpLink],
+    on_link: Callable[[TcpLink], None],
+    screen: Screen | None = None,
+) -> Callable[[], TcpLink]:
     """The protocol factory of a listener of stream links (any ``loop.create_*_server``):
     see :func:`listen`."""
 
@@ -547,9 +565,13 @@ class SocketListener(Listener):
     other links on the same connections (:meth:`make_link`: shared memory) or use other
     sockets (:meth:`serve` and :meth:`dial`: a Unix socket, say)."""
 
-    def __init__(self, setup: LinkSetup, family: str,
-                 server_ssl: ssl_module.SSLContext | None = None,
-                 client_ssl: ssl_module.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        setup: LinkSetup,
+        family: str,
+        server_ssl: ssl_module.SSLContext | None = None,
+        client_ssl: ssl_module.SSLContext | None = None,
+    ) -> None:
         self.setup = setup
         self.server_ssl, self.client_ssl = server_ssl, client_ssl
         self.record: Record = {"transport": family}
@@ -568,7 +590,8 @@ class SocketListener(Listener):
         """Start the server whose connections ``factory`` makes links for, and add its
         address to ``self.record``."""
         server = await asyncio.get_running_loop().create_server(
-            factory, self.setup.host, 0, ssl=self.server_ssl, reuse_address=True)
+            factory, self.setup.host, 0, ssl=self.server_ssl, reuse_address=True
+        )
         self.record.update(address=self.setup.host, port=server.sockets[0].getsockname()[1])
         return server
 
@@ -606,13 +629,18 @@ class SocketListener(Listener):
             await self.dial(record, link)
             return await link.ready
         except OSError as exc:
-            raise RendezvousError(f"rank {rank} could not connect to rank {peer} at "
-                                  f"{self.where(record)}: {exc}") from None
+            raise RendezvousError(
+                f"rank {rank} could not connect to rank {peer} at {self.where(record)}: {exc}"
+            ) from None
         except PeerDisconnected as exc:  # closed before the handshake completed
-            hint = (f" (rank {peer} may have rejected this rank's TLS certificate)"
-                    if self.client_ssl is not None else "")
-            raise RendezvousError(f"rank {rank} could not link to rank {peer} at "
-                                  f"{self.where(record)}: {exc}{hint}") from None
+            hint = (
+                f" (rank {peer} may have rejected this rank's TLS certificate)"
+                if self.client_ssl is not None
+                else ""
+            )
+            raise RendezvousError(
+                f"rank {rank} could not link to rank {peer} at {self.where(record)}: {exc}{hint}"
+            ) from None
 
     def close(self) -> None:
         if self._server is not None:
@@ -634,8 +662,9 @@ class TcpTransport(Transport):
 
     async def listen(self, setup: LinkSetup) -> Listener:
         tls = setup.tls if self.needs_tls else None
-        listener = SocketListener(setup, self.name, tls.server if tls else None,
-                                  tls.client if tls else None)
+        listener = SocketListener(
+            setup, self.name, tls.server if tls else None, tls.client if tls else None
+        )
         await listener.start()
         return listener
 

@@ -100,8 +100,7 @@ def control_header(kind: int, length: int) -> bytes:
     return HEADER.pack(MAGIC, kind, 0, 0, 0, 0, 0, 0, 0, -1, 0, length)
 
 
-def parse_header(buf: bytes | bytearray | memoryview, max_length: int,
-                 offset: int = 0) -> Header:
+def parse_header(buf: bytes | bytearray | memoryview, max_length: int, offset: int = 0) -> Header:
     """Decode and bounds-check the header at ``buf[offset:]``.
 
     Raises:

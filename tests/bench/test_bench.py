@@ -24,9 +24,15 @@ SMOKE = ("--rounds", "1", "--iters", "3", "--warmup", "1")
 
 
 def run_bench(*args: str, cwd: Path, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "aiocollect", "bench", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "aiocollect", "bench", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
 
 
 def _positive(value: Any) -> bool:
@@ -36,8 +42,21 @@ def _positive(value: Any) -> bool:
 @pytest.mark.timeout(60)
 def test_smoke_table_and_json(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    done = run_bench("allreduce", "broadcast", "-n", "2", "--sizes", "4..4K", "--rounds", "1",
-                     "--iters", "3", "--json", str(out), cwd=tmp_path)
+    done = run_bench(
+        "allreduce",
+        "broadcast",
+        "-n",
+        "2",
+        "--sizes",
+        "4..4K",
+        "--rounds",
+        "1",
+        "--iters",
+        "3",
+        "--json",
+        str(out),
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     for title in ("allreduce: 2 ranks, tcp, float32", "broadcast: 2 ranks"):
         assert title in done.stdout
@@ -56,8 +75,9 @@ def test_smoke_table_and_json(tmp_path: Path) -> None:
     assert doc["config"]["world_size"] == 2
     assert doc["config"]["rounds"] == 1
     rows = doc["summary"]
-    assert [(r["name"], r["size"]) for r in rows] == \
-        [(c, s) for c in ("allreduce", "broadcast") for s in (4, 16, 64, 256, 1024, 4096)]
+    assert [(r["name"], r["size"]) for r in rows] == [
+        (c, s) for c in ("allreduce", "broadcast") for s in (4, 16, 64, 256, 1024, 4096)
+    ]
     for row in rows:
         ac = row["aiocollect"]
         assert ac["iters"] == 3
@@ -70,8 +90,7 @@ def test_smoke_table_and_json(tmp_path: Path) -> None:
     (round1,) = doc["rounds"]
     records = round1["aiocollect"]["records"]
     assert len(records) == 12
-    assert all(len(r["times_us"]) == 3 and all(t > 0 for t in r["times_us"])
-               for r in records)
+    assert all(len(r["times_us"]) == 3 and all(t > 0 for t in r["times_us"]) for r in records)
     assert all(len(r["rss_growth_mib"]) == 2 for r in records)
 
 
@@ -80,8 +99,20 @@ def test_gloo_baseline(tmp_path: Path) -> None:
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch not installed: the gloo baseline cannot run")
     out = tmp_path / "bench.json"
-    done = run_bench("allreduce", "-n", "2", "--sizes", "4,64K", *SMOKE, "--baseline", "gloo",
-                     "--json", str(out), cwd=tmp_path, timeout=80)
+    done = run_bench(
+        "allreduce",
+        "-n",
+        "2",
+        "--sizes",
+        "4,64K",
+        *SMOKE,
+        "--baseline",
+        "gloo",
+        "--json",
+        str(out),
+        cwd=tmp_path,
+        timeout=80,
+    )
     assert done.returncode == 0, done.stderr
     assert "gloo p50" in done.stdout
     assert "bw ratio" in done.stdout
@@ -101,8 +132,18 @@ def test_plot_and_concurrent_mode(tmp_path: Path) -> None:
     if importlib.util.find_spec("matplotlib") is None:
         pytest.skip("matplotlib not installed: --plot cannot run")
     png = tmp_path / "bench.png"
-    done = run_bench("allreduce", "allreduce-concurrent2", "-n", "2", "--sizes", "1K,64K",
-                     *SMOKE, "--plot", str(png), cwd=tmp_path)
+    done = run_bench(
+        "allreduce",
+        "allreduce-concurrent2",
+        "-n",
+        "2",
+        "--sizes",
+        "1K,64K",
+        *SMOKE,
+        "--plot",
+        str(png),
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert "allreduce-concurrent2:" in done.stdout
@@ -113,9 +154,16 @@ def test_plot_and_concurrent_mode(tmp_path: Path) -> None:
 def test_join_mode_two_processes(tmp_path: Path) -> None:
     store = f"tcp://127.0.0.1:{free_port()}"
     args = ["allgather", "-n", "2", "--sizes", "64", *SMOKE, "--store", store]
-    procs = [subprocess.Popen([sys.executable, "-m", "aiocollect", "bench", *args,
-                               "--rank", str(rank)], cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "aiocollect", "bench", *args, "--rank", str(rank)],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     try:
         outputs = [p.communicate(timeout=50) for p in procs]
     finally:
@@ -127,12 +175,23 @@ def test_join_mode_two_processes(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("args", [
-    ["--sizes", "lots"], ["nosuch"], ["-n", "0"], ["--rounds", "0"], ["--iters", "0"],
-    ["--store", "tcp://127.0.0.1:1"], ["--rank", "0"], ["--concurrent", "1"],
-    ["--store", "tcp://127.0.0.1:1", "--rank", "0", "--baseline", "gloo"],
-    ["--dtype", "complex64"], ["--bogus"], ["--chunk-bytes", "0"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--sizes", "lots"],
+        ["nosuch"],
+        ["-n", "0"],
+        ["--rounds", "0"],
+        ["--iters", "0"],
+        ["--store", "tcp://127.0.0.1:1"],
+        ["--rank", "0"],
+        ["--concurrent", "1"],
+        ["--store", "tcp://127.0.0.1:1", "--rank", "0", "--baseline", "gloo"],
+        ["--dtype", "complex64"],
+        ["--bogus"],
+        ["--chunk-bytes", "0"],
+    ],
+)
 def test_bad_arguments_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.bench_main(args) == 2
     assert "error" in capsys.readouterr().err
@@ -146,13 +205,32 @@ def test_bad_arguments_exit_2_from_the_command(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(30)
-def test_wrong_result_exits_1(monkeypatch: pytest.MonkeyPatch,
-                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_wrong_result_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     # One rank in this process (join mode): a check that fails must make the exit 1.
     monkeypatch.setattr("aiocollect.bench.sweep.verify", lambda *args, **kwargs: False)
-    status = bench.bench_main(["allreduce", "-n", "1", "--sizes", "64", "--rounds", "1",
-                               "--iters", "2", "--warmup", "1", "--loop", "asyncio",
-                               "--store", f"tcp://127.0.0.1:{free_port()}", "--rank", "0"])
+    status = bench.bench_main(
+        [
+            "allreduce",
+            "-n",
+            "1",
+            "--sizes",
+            "64",
+            "--rounds",
+            "1",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--loop",
+            "asyncio",
+            "--store",
+            f"tcp://127.0.0.1:{free_port()}",
+            "--rank",
+            "0",
+        ]
+    )
     captured = capsys.readouterr()
     assert status == 1, captured.err
     assert "WRONG" in captured.out
@@ -170,10 +248,27 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
 def test_interrupt_stops_every_rank(tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "aiocollect", "bench", "allreduce", "-n",
-                             "2", "--sizes", "4", "--iters", "20000000", "--rounds", "1"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "aiocollect",
+            "bench",
+            "allreduce",
+            "-n",
+            "2",
+            "--sizes",
+            "4",
+            "--iters",
+            "20000000",
+            "--rounds",
+            "1",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         ranks: list[int] = []

@@ -27,8 +27,18 @@ from aiocollect.cli import bench
 from tests.bench.test_bench import SMOKE, _positive, run_bench
 
 #: The columns of a plain (concurrency 1) table without --compare or --baseline.
-PLAIN_HEADER = ["size", "algorithm", "iters", "p50", "p99", "mean", "busbw GB/s",
-                "lag p99 ms", "rss+ MiB", "check"]
+PLAIN_HEADER = [
+    "size",
+    "algorithm",
+    "iters",
+    "p50",
+    "p99",
+    "mean",
+    "busbw GB/s",
+    "lag p99 ms",
+    "rss+ MiB",
+    "check",
+]
 
 
 def _cells(line: str) -> list[str]:
@@ -41,7 +51,7 @@ def _table(stdout: str, title: str) -> tuple[list[str], list[list[str]]]:
     lines = stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(title))
     body: list[list[str]] = []
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.strip():
             break
         body.append(_cells(line))
@@ -59,8 +69,7 @@ def _check_compare_row(row: dict[str, Any], transport: str) -> None:
     assert cmp["p99_us"] >= cmp["p50_us"]
     assert row["compare_algorithm"]
     # The ratios are those of the reported medians.
-    assert row["compare_bw_ratio"] == pytest.approx(ac["busbw_gbps"] / cmp["busbw_gbps"],
-                                                    rel=1e-12)
+    assert row["compare_bw_ratio"] == pytest.approx(ac["busbw_gbps"] / cmp["busbw_gbps"], rel=1e-12)
     assert row["compare_lat_ratio"] == pytest.approx(ac["p50_us"] / cmp["p50_us"], rel=1e-12)
 
 
@@ -70,8 +79,22 @@ def _check_compare_row(row: dict[str, Any], transport: str) -> None:
 @pytest.mark.timeout(90)
 def test_compare_columns_json_and_ratio(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    done = run_bench("allreduce", "-n", "2", "--sizes", "4,64K", *SMOKE, "--transport", "shm",
-                     "--compare", "tcp", "--json", str(out), cwd=tmp_path, timeout=80)
+    done = run_bench(
+        "allreduce",
+        "-n",
+        "2",
+        "--sizes",
+        "4,64K",
+        *SMOKE,
+        "--transport",
+        "shm",
+        "--compare",
+        "tcp",
+        "--json",
+        str(out),
+        cwd=tmp_path,
+        timeout=80,
+    )
     assert done.returncode == 0, done.stderr
     assert "allreduce: 2 ranks, shm vs tcp, float32, median of 1 rounds" in done.stdout
     header, body = _table(done.stdout, "allreduce: ")
@@ -112,10 +135,28 @@ def test_compare_rounds_interleave_and_use_medians(tmp_path: Path) -> None:
     --transport, --compare, baseline; the summary holds the medians over rounds."""
     gloo = importlib.util.find_spec("torch") is not None
     out = tmp_path / "bench.json"
-    done = run_bench("allreduce", "-n", "2", "--sizes", "4K", "--rounds", "2", "--iters", "3",
-                     "--warmup", "1", "--transport", "tcp", "--compare", "shm",
-                     *(("--baseline", "gloo") if gloo else ()), "--json", str(out),
-                     cwd=tmp_path, timeout=110)
+    done = run_bench(
+        "allreduce",
+        "-n",
+        "2",
+        "--sizes",
+        "4K",
+        "--rounds",
+        "2",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--transport",
+        "tcp",
+        "--compare",
+        "shm",
+        *(("--baseline", "gloo") if gloo else ()),
+        "--json",
+        str(out),
+        cwd=tmp_path,
+        timeout=110,
+    )
     assert done.returncode == 0, done.stderr
     tags = re.findall(r"^\[(\S+) (r\d/2) allreduce 4K\]", done.stderr, re.MULTILINE)
     per_round = ["aiocollect/tcp", "aiocollect/shm", *(["gloo"] if gloo else [])]
@@ -126,8 +167,9 @@ def test_compare_rounds_interleave_and_use_medians(tmp_path: Path) -> None:
     assert header == [*PLAIN_HEADER[:-1], *compare_cols, *gloo_cols, "check"]
 
     doc = json.loads(out.read_text())
-    assert [list(r) for r in doc["rounds"]] == \
-        [["round", "aiocollect", "compare", *(["gloo"] if gloo else [])]] * 2
+    assert [list(r) for r in doc["rounds"]] == [
+        ["round", "aiocollect", "compare", *(["gloo"] if gloo else [])]
+    ] * 2
     (row,) = doc["summary"]
     _check_compare_row(row, "shm")
     for key, backend in (("aiocollect", "aiocollect"), ("compare", "compare")):
@@ -142,8 +184,9 @@ def test_compare_rounds_interleave_and_use_medians(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_without_compare_the_output_is_unchanged(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    done = run_bench("allreduce", "-n", "2", "--sizes", "64", *SMOKE, "--json", str(out),
-                     cwd=tmp_path)
+    done = run_bench(
+        "allreduce", "-n", "2", "--sizes", "64", *SMOKE, "--json", str(out), cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     assert "allreduce: 2 ranks, tcp, float32, median of 1 rounds\n" in done.stdout
     header, _ = _table(done.stdout, "allreduce: ")
@@ -162,10 +205,15 @@ def test_failing_compared_round_is_recorded(capfd: pytest.CaptureFixture[str]) -
     """A compared round that fails (here: a transport aiocollect does not know) is
     recorded like a failing baseline round; the run goes on and reports '-'."""
     case = Case("allreduce", 64)
-    plan = Plan(world_size=2, rounds=1,
-                sweep=SweepConfig(cases=[case], dtype="float32", warmup=1, iters=2,
-                                  seconds=0.05, lag_probe=False),
-                options=RankOptions(transport="tcp", loop="asyncio"), compare="nosuch")
+    plan = Plan(
+        world_size=2,
+        rounds=1,
+        sweep=SweepConfig(
+            cases=[case], dtype="float32", warmup=1, iters=2, seconds=0.05, lag_probe=False
+        ),
+        options=RankOptions(transport="tcp", loop="asyncio"),
+        compare="nosuch",
+    )
     (entry,) = run_rounds(plan)
     assert entry["aiocollect"]["records"][0]["correct"] is True
     assert entry["compare"]["transport"] == "nosuch"
@@ -175,24 +223,28 @@ def test_failing_compared_round_is_recorded(capfd: pytest.CaptureFixture[str]) -
     assert row["compare"] is None
     assert row["compare_bw_ratio"] != row["compare_bw_ratio"]
     assert report.all_correct([row])
-    table = report.format_tables([row], {"world_size": 2, "transport": "tcp",
-                                         "dtype": "float32", "rounds": 1})
+    table = report.format_tables(
+        [row], {"world_size": 2, "transport": "tcp", "dtype": "float32", "rounds": 1}
+    )
     header, (cells,) = _table(table, "allreduce: ")
-    assert cells[header.index("nosuch p50"):header.index("check")] == ["-", "-", "-"]
+    assert cells[header.index("nosuch p50") : header.index("check")] == ["-", "-", "-"]
 
 
 # -- arguments ----------------------------------------------------------------------------
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("args", [
-    ["--compare", "tcp"],
-    ["--transport", "shm", "--compare", "shm"],
-    ["--transport", "auto", "--compare", "auto", "--baseline", "gloo"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--compare", "tcp"],
+        ["--transport", "shm", "--compare", "shm"],
+        ["--transport", "auto", "--compare", "auto", "--baseline", "gloo"],
+    ],
+)
 def test_compare_equal_to_transport_is_a_usage_error(
-        args: list[str], monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     def must_not_run(plan: Plan) -> list[dict[str, Any]]:
         raise AssertionError("ranks were started")
 
@@ -205,13 +257,15 @@ def test_compare_equal_to_transport_is_a_usage_error(
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("args", [
-    ["--compare", "nosuch"],
-    ["--compare"],
-    ["--compare", "shm", "--store", "tcp://127.0.0.1:1", "--rank", "0"],
-])
-def test_bad_compare_arguments_exit_2(args: list[str],
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--compare", "nosuch"],
+        ["--compare"],
+        ["--compare", "shm", "--store", "tcp://127.0.0.1:1", "--rank", "0"],
+    ],
+)
+def test_bad_compare_arguments_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.bench_main(args) == 2
     assert "error" in capsys.readouterr().err
 
@@ -221,47 +275,69 @@ def test_compare_equal_to_transport_from_the_command(tmp_path: Path) -> None:
     done = run_bench("allreduce", "--transport", "tcp", "--compare", "tcp", cwd=tmp_path)
     assert done.returncode == 2
     assert done.stdout == ""
-    assert "--compare must name a transport other than --transport (both are tcp)" \
-        in done.stderr
+    assert "--compare must name a transport other than --transport (both are tcp)" in done.stderr
     assert "2 ranks" not in done.stderr  # failed before the start line
 
 
 # -- the report, from synthetic rounds ----------------------------------------------------
 
 CASES = [Case("allreduce", 4), Case("allreduce", 65536), Case("allreduce", 65536, 2)]
-META = {"world_size": 2, "transport": "shm", "dtype": "float32", "rounds": 2,
-        "baseline_note": None, "idle_lag_p99_ms": 0.19}
+META = {
+    "world_size": 2,
+    "transport": "shm",
+    "dtype": "float32",
+    "rounds": 2,
+    "baseline_note": None,
+    "idle_lag_p99_ms": 0.19,
+}
 
 
 def _record(case: Case, scale: float, algorithm: str, correct: bool) -> dict[str, Any]:
     k = case.concurrency
-    return {"collective": case.collective, "name": case.name, "concurrency": k,
-            "size": case.size, "bytes": case.size, "count": max(1, case.size // 4),
-            "dtype": "float32", "iters": 3, "algorithm": algorithm,
-            "times_us": [t * scale for t in (100.0, 120.0, 110.0)],
-            "seq_times_us": [t * scale * k for t in (90.0, 95.0, 99.0)] if k > 1 else None,
-            "mean_us": 111.0 * scale,
-            "lag_us": {"samples": 5, "p50": 100.0, "p99": 250.0 * scale, "max": 300.0},
-            "rss_growth_mib": [0.5, 0.25], "correct": correct,
-            "wrong_ranks": [] if correct else [1]}
+    return {
+        "collective": case.collective,
+        "name": case.name,
+        "concurrency": k,
+        "size": case.size,
+        "bytes": case.size,
+        "count": max(1, case.size // 4),
+        "dtype": "float32",
+        "iters": 3,
+        "algorithm": algorithm,
+        "times_us": [t * scale for t in (100.0, 120.0, 110.0)],
+        "seq_times_us": [t * scale * k for t in (90.0, 95.0, 99.0)] if k > 1 else None,
+        "mean_us": 111.0 * scale,
+        "lag_us": {"samples": 5, "p50": 100.0, "p99": 250.0 * scale, "max": 300.0},
+        "rss_growth_mib": [0.5, 0.25],
+        "correct": correct,
+        "wrong_ranks": [] if correct else [1],
+    }
 
 
-def _result(backend: str, scale: float, algorithm: str,
-            correct: bool = True) -> dict[str, Any]:
-    return {"backend": backend, "label": "r/2", "idle_lag_us": {"p99": 190.0},
-            "records": [_record(c, scale, algorithm, correct) for c in CASES],
-            "loop": "asyncio"}
+def _result(backend: str, scale: float, algorithm: str, correct: bool = True) -> dict[str, Any]:
+    return {
+        "backend": backend,
+        "label": "r/2",
+        "idle_lag_us": {"p99": 190.0},
+        "records": [_record(c, scale, algorithm, correct) for c in CASES],
+        "loop": "asyncio",
+    }
 
 
-def _rounds(gloo: bool, compare: bool = False,
-            compare_correct: bool = True) -> list[dict[str, Any]]:
+def _rounds(
+    gloo: bool, compare: bool = False, compare_correct: bool = True
+) -> list[dict[str, Any]]:
     out = []
     for i, s in enumerate((1.0, 1.5)):
-        entry: dict[str, Any] = {"round": i + 1,
-                                 "aiocollect": _result("aiocollect", s, "auto:ring")}
+        entry: dict[str, Any] = {
+            "round": i + 1,
+            "aiocollect": _result("aiocollect", s, "auto:ring"),
+        }
         if compare:
-            entry["compare"] = {**_result("aiocollect", 4 * s, "auto:ring", compare_correct),
-                                "transport": "tcp"}
+            entry["compare"] = {
+                **_result("aiocollect", 4 * s, "auto:ring", compare_correct),
+                "transport": "tcp",
+            }
         if gloo:
             entry["gloo"] = _result("gloo", 2 * s, "gloo")
         out.append(entry)
@@ -314,8 +390,10 @@ def test_table_without_compare_is_byte_for_byte_unchanged(gloo: bool) -> None:
     rows = report.aggregate(_rounds(gloo), CASES, 2)
     assert report.format_tables(rows, META) == GOLDEN[gloo]
     # Rounds that somehow hold a "compare" entry change nothing unless asked for.
-    assert report.format_tables(report.aggregate(_rounds(gloo, compare=True), CASES, 2),
-                                META) == GOLDEN[gloo]
+    assert (
+        report.format_tables(report.aggregate(_rounds(gloo, compare=True), CASES, 2), META)
+        == GOLDEN[gloo]
+    )
 
 
 @pytest.mark.timeout(10)
@@ -326,34 +404,32 @@ def test_table_with_compare(gloo: bool) -> None:
     plain, conc = text.split("\n\n")[:2]
     gloo_cols = ["gloo p50", "gloo GB/s", "bw ratio", "lat ratio"] if gloo else []
     header, body = _table(plain, "allreduce: 2 ranks, shm vs tcp, float32")
-    assert header == [*PLAIN_HEADER[:-1], "tcp p50", "tcp GB/s", "shm/tcp bw", *gloo_cols,
-                      "check"]
+    assert header == [*PLAIN_HEADER[:-1], "tcp p50", "tcp GB/s", "shm/tcp bw", *gloo_cols, "check"]
     # The compared transport is 4x slower: p50 4 x 137.5 us, busbw ratio 4.
-    assert [c[9:12] for c in body] == [["550.0us", "0.000", "4.00x"],
-                                       ["550.0us", "0.123", "4.00x"]]
+    assert [c[9:12] for c in body] == [["550.0us", "0.000", "4.00x"], ["550.0us", "0.123", "4.00x"]]
     header, (cells,) = _table(conc, "allreduce-concurrent2: 2 ranks, shm vs tcp")
     assert header[9:12] == ["tcp conc p50", "tcp GB/s", "shm/tcp bw"]
     assert cells[9:12] == ["550.0us", "0.246", "4.00x"]
     for row in rows:
         assert row["compare_bw_ratio"] == pytest.approx(4.0)
         assert row["compare_lat_ratio"] == pytest.approx(0.25)
-    assert ("tcp p50, tcp GB/s: aiocollect over tcp (--compare); shm/tcp bw: busbw over shm "
-            "/ busbw over tcp, medians over rounds (>1 favours shm).") in text
+    assert (
+        "tcp p50, tcp GB/s: aiocollect over tcp (--compare); shm/tcp bw: busbw over shm "
+        "/ busbw over tcp, medians over rounds (>1 favours shm)."
+    ) in text
     assert report.all_correct(rows)
 
 
 @pytest.mark.timeout(10)
 def test_wrong_compared_result_fails_the_check() -> None:
-    rows = report.aggregate(_rounds(True, compare=True, compare_correct=False), CASES, 2,
-                            "tcp")
+    rows = report.aggregate(_rounds(True, compare=True, compare_correct=False), CASES, 2, "tcp")
     assert not report.all_correct(rows)
     assert "ok (tcp WRONG)" in report.format_tables(rows, META)
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not plotting.available(), reason="matplotlib not installed")
-def test_plot_draws_the_compared_transport(tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plot_draws_the_compared_transport(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import matplotlib.figure
 
     labels: list[str] = []
@@ -369,5 +445,8 @@ def test_plot_draws_the_compared_transport(tmp_path: Path,
     rows = report.aggregate(_rounds(True, compare=True), CASES, 2, "tcp")
     plotting.plot(rows, png, "test", "shm")
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
-    assert sorted(set(labels)) == ["allreduce (aiocollect/shm)", "allreduce (aiocollect/tcp)",
-                                   "allreduce (gloo)"]
+    assert sorted(set(labels)) == [
+        "allreduce (aiocollect/shm)",
+        "allreduce (aiocollect/tcp)",
+        "allreduce (gloo)",
+    ]

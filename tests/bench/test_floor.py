@@ -18,27 +18,47 @@ import pytest
 from aiocollect.bench import floor
 from aiocollect.transport import cma
 
-needs_pulls = pytest.mark.skipif(cma.self_check() is not None,
-                                 reason="process_vm_readv is unavailable or forbidden here")
+needs_pulls = pytest.mark.skipif(
+    cma.self_check() is not None, reason="process_vm_readv is unavailable or forbidden here"
+)
 
 
 def run_floor(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "aiocollect.bench.floor", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=90,
-                          stdin=subprocess.DEVNULL, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "aiocollect.bench.floor", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
 
 
 @needs_pulls
 @pytest.mark.timeout(120)
 def test_bandwidth_floor_runs_and_reports(tmp_path: Path) -> None:
-    done = run_floor("bandwidth", "-n", "2,4", "--sizes", "64K,1M", "--chunk", "16K",
-                     "--iters", "3", cwd=tmp_path)
+    done = run_floor(
+        "bandwidth",
+        "-n",
+        "2,4",
+        "--sizes",
+        "64K,1M",
+        "--chunk",
+        "16K",
+        "--iters",
+        "3",
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) == 4, done.stdout
     for line in lines:
-        m = re.fullmatch(r"floor allreduce N=(\d) (\d+)MiB \(chunk 16KiB\): ([\d.]+) ms, "
-                         r"busbw ([\d.]+) GB/s", line)
+        m = re.fullmatch(
+            r"floor allreduce N=(\d) (\d+)MiB \(chunk 16KiB\): ([\d.]+) ms, "
+            r"busbw ([\d.]+) GB/s",
+            line,
+        )
         assert m is not None, line
         assert float(m.group(3)) > 0
         assert float(m.group(4)) >= 0
@@ -48,16 +68,19 @@ def test_bandwidth_floor_runs_and_reports(tmp_path: Path) -> None:
 def test_latency_floor_runs_and_reports(tmp_path: Path) -> None:
     done = run_floor("latency", "-n", "2,4", "--iters", "200", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    got = [re.fullmatch(r"floor allreduce N=(\d) 4B: p50 (\d+) us", line)
-           for line in done.stdout.splitlines()]
+    got = [
+        re.fullmatch(r"floor allreduce N=(\d) 4B: p50 (\d+) us", line)
+        for line in done.stdout.splitlines()
+    ]
     assert [m.group(1) for m in got if m] == ["2", "4"], done.stdout
     assert all(m is not None and int(m.group(2)) > 0 for m in got)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("args", [["latency", "-n", "3"],
-                                  ["bandwidth", "-n", "2", "--sizes", "6"],
-                                  ["bandwidth", "-n", "1"]])
+@pytest.mark.parametrize(
+    "args",
+    [["latency", "-n", "3"], ["bandwidth", "-n", "2", "--sizes", "6"], ["bandwidth", "-n", "1"]],
+)
 def test_bad_arguments_exit_1_with_a_reason(tmp_path: Path, args: list[str]) -> None:
     done = run_floor(*args, cwd=tmp_path)
     assert done.returncode == 1
@@ -82,8 +105,9 @@ def test_a_wrong_result_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @needs_pulls
 @pytest.mark.timeout(60)
-def test_a_dead_rank_fails_the_run_promptly(monkeypatch: pytest.MonkeyPatch,
-                                            tmp_path: Path) -> None:
+def test_a_dead_rank_fails_the_run_promptly(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """Fault injection: one rank dies (a real exit, from inside its first pull) while the
     others go on to a barrier it never reaches; the run ends with an error within seconds
     instead of leaving them waiting."""

@@ -31,13 +31,28 @@ def _capture(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     save = matplotlib.figure.Figure.savefig
 
     def spy(fig: matplotlib.figure.Figure, *args: Any, **kwargs: Any) -> None:
-        figs.append({"axes": [{"lines": [(str(ln.get_label()), list(ln.get_xdata()),
-                                          list(ln.get_ydata()), ln.get_color())
-                                         for ln in ax.get_lines()],
-                               "yscale": ax.get_yscale(), "ylabel": ax.get_ylabel(),
-                               "texts": [t.get_text() for t in ax.texts]}
-                              for ax in fig.axes],
-                     "texts": [t.get_text() for t in fig.texts]})
+        figs.append(
+            {
+                "axes": [
+                    {
+                        "lines": [
+                            (
+                                str(ln.get_label()),
+                                list(ln.get_xdata()),
+                                list(ln.get_ydata()),
+                                ln.get_color(),
+                            )
+                            for ln in ax.get_lines()
+                        ],
+                        "yscale": ax.get_yscale(),
+                        "ylabel": ax.get_ylabel(),
+                        "texts": [t.get_text() for t in ax.texts],
+                    }
+                    for ax in fig.axes
+                ],
+                "texts": [t.get_text() for t in fig.texts],
+            }
+        )
         save(fig, *args, **kwargs)
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
@@ -58,12 +73,20 @@ def _sized_rows() -> list[dict[str, Any]]:
 @needs_mpl
 @pytest.mark.timeout(60)
 def test_plot_panels_ratio_split_axes_colours_and_footer(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     figs = _capture(monkeypatch)
     rows = _sized_rows()
-    text = plotting.footer("2026-12-02T01:00:00+00:00",
-                           {"cores": 2, "start": 1.5, "max": 3.25, "end": 2.0,
-                            "warning": report.load_warning(3.25, 2)})
+    text = plotting.footer(
+        "2026-12-02T01:00:00+00:00",
+        {
+            "cores": 2,
+            "start": 1.5,
+            "max": 3.25,
+            "end": 2.0,
+            "warning": report.load_warning(3.25, 2),
+        },
+    )
     plotting.plot(rows, tmp_path / "b.png", "t", "tcp", footer=text)
     (fig,) = figs
     ratio, bw, small, large = fig["axes"]
@@ -92,8 +115,7 @@ def test_plot_panels_ratio_split_axes_colours_and_footer(
 
 @needs_mpl
 @pytest.mark.timeout(60)
-def test_plot_without_baseline_says_so(tmp_path: Path,
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plot_without_baseline_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     figs = _capture(monkeypatch)
     rows = report.aggregate(_rounds(False), CASES, 2)
     plotting.plot(rows, tmp_path / "b.png", "t")
@@ -123,14 +145,34 @@ def test_load_warning_in_table_and_summary(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.timeout(60)
-def test_busy_run_warns_in_table_and_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_busy_run_warns_in_table_and_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(report, "load_average", lambda: [64.0, 1.0, 1.0])
     out = tmp_path / "b.json"
-    status = bench.bench_main(["allreduce", "-n", "1", "--sizes", "64", "--rounds", "1",
-                               "--iters", "2", "--warmup", "1", "--loop", "asyncio",
-                               "--json", str(out),
-                               "--store", f"tcp://127.0.0.1:{free_port()}", "--rank", "0"])
+    status = bench.bench_main(
+        [
+            "allreduce",
+            "-n",
+            "1",
+            "--sizes",
+            "64",
+            "--rounds",
+            "1",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--loop",
+            "asyncio",
+            "--json",
+            str(out),
+            "--store",
+            f"tcp://127.0.0.1:{free_port()}",
+            "--rank",
+            "0",
+        ]
+    )
     captured = capsys.readouterr()
     assert status == 0, captured.err
     assert "WARNING: the load average reached 64.00" in captured.out
@@ -143,8 +185,23 @@ def test_busy_run_warns_in_table_and_json(tmp_path: Path, monkeypatch: pytest.Mo
 @pytest.mark.timeout(60)
 def test_broadcast_iterations_end_with_a_barrier(tmp_path: Path) -> None:
     out = tmp_path / "b.json"
-    done = run_bench("broadcast", "allreduce", "-n", "2", "--sizes", "4", "--rounds", "1",
-                     "--iters", "5", "--warmup", "1", "--json", str(out), cwd=tmp_path)
+    done = run_bench(
+        "broadcast",
+        "allreduce",
+        "-n",
+        "2",
+        "--sizes",
+        "4",
+        "--rounds",
+        "1",
+        "--iters",
+        "5",
+        "--warmup",
+        "1",
+        "--json",
+        str(out),
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     doc = json.loads(out.read_text())
     bcast, allreduce = doc["summary"]

@@ -12,30 +12,50 @@ from aiocollect.bench.stats import summarize
 from aiocollect.bench.sweep import MAX_ITERS, MIN_ITERS, calibrate
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("4", [4]), ("4K", [4096]), ("1m", [1 << 20]), ("2GiB", [2 << 30]), ("1KB", [1024]),
-    ("4..4K", [4, 16, 64, 256, 1024, 4096]),
-    ("4..64M", [4 * 4 ** i for i in range(13)]),
-    ("1K..8K:2", [1024, 2048, 4096, 8192]),
-    ("4..100", [4, 16, 64, 100]),
-    ("1M,4,4", [4, 1 << 20]),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("4", [4]),
+        ("4K", [4096]),
+        ("1m", [1 << 20]),
+        ("2GiB", [2 << 30]),
+        ("1KB", [1024]),
+        ("4..4K", [4, 16, 64, 256, 1024, 4096]),
+        ("4..64M", [4 * 4**i for i in range(13)]),
+        ("1K..8K:2", [1024, 2048, 4096, 8192]),
+        ("4..100", [4, 16, 64, 100]),
+        ("1M,4,4", [4, 1 << 20]),
+    ],
+)
 def test_parse_sizes(text: str, expected: list[int]) -> None:
     assert spec.parse_sizes(text) == expected
 
 
-@pytest.mark.parametrize(("text", "why"), [
-    ("", "no sizes given"), ("x", "not a size: 'x'"), ("0", "at least 1 byte"),
-    ("4..2", "empty size range"), ("4..4K:1", "range factor must be at least 2"),
-    ("-4", "not a size: '-4'"), ("1T", "not a size: '1T'")])
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("", "no sizes given"),
+        ("x", "not a size: 'x'"),
+        ("0", "at least 1 byte"),
+        ("4..2", "empty size range"),
+        ("4..4K:1", "range factor must be at least 2"),
+        ("-4", "not a size: '-4'"),
+        ("1T", "not a size: '1T'"),
+    ],
+)
 def test_parse_sizes_rejects(text: str, why: str) -> None:
     with pytest.raises(ValueError, match=why):
         spec.parse_sizes(text)
 
 
 def test_format_size() -> None:
-    assert [spec.format_size(n) for n in (4, 1024, 1536, 64 << 20, 1 << 30)] == \
-        ["4", "1K", "1536", "64M", "1G"]
+    assert [spec.format_size(n) for n in (4, 1024, 1536, 64 << 20, 1 << 30)] == [
+        "4",
+        "1K",
+        "1536",
+        "64M",
+        "1G",
+    ]
 
 
 def test_parse_collective() -> None:
@@ -59,8 +79,7 @@ def test_shapes_follow_nccl_tests() -> None:
     assert spec.busbw_factor("broadcast", 4) == 1.0
 
 
-def _simulate(collective: str, sends: list[np.ndarray[Any, Any]],
-              outs: list[Any]) -> None:
+def _simulate(collective: str, sends: list[np.ndarray[Any, Any]], outs: list[Any]) -> None:
     """What a correct library would leave in the buffers (numpy reference)."""
     n = len(sends)
     if collective in ("allreduce", "reduce"):
@@ -107,10 +126,20 @@ def test_calibrate_bounds() -> None:
 
 
 def _record(times: list[float], correct: bool = True, **extra: Any) -> dict[str, Any]:
-    return {"collective": "allreduce", "name": "allreduce", "concurrency": 1, "size": 1 << 20,
-            "bytes": 1 << 20, "algorithm": "auto", "times_us": times,
-            "rss_growth_mib": [1.0, 2.0], "correct": correct, "wrong_ranks": [],
-            "lag_us": {"samples": 3, "p50": 10.0, "p99": 500.0, "max": 600.0}, **extra}
+    return {
+        "collective": "allreduce",
+        "name": "allreduce",
+        "concurrency": 1,
+        "size": 1 << 20,
+        "bytes": 1 << 20,
+        "algorithm": "auto",
+        "times_us": times,
+        "rss_growth_mib": [1.0, 2.0],
+        "correct": correct,
+        "wrong_ranks": [],
+        "lag_us": {"samples": 3, "p50": 10.0, "p99": 500.0, "max": 600.0},
+        **extra,
+    }
 
 
 def test_summarize_bus_bandwidth() -> None:
@@ -124,8 +153,13 @@ def test_summarize_bus_bandwidth() -> None:
 def test_aggregate_medians_ratios_and_correctness() -> None:
     case = spec.Case("allreduce", 1 << 20)
     rounds: list[dict[str, Any]] = [
-        {"round": i, "aiocollect": {"records": [_record([t] * 5)]},
-         "gloo": {"records": [_record([2 * t] * 5)]}} for i, t in enumerate((1, 3, 2))]
+        {
+            "round": i,
+            "aiocollect": {"records": [_record([t] * 5)]},
+            "gloo": {"records": [_record([2 * t] * 5)]},
+        }
+        for i, t in enumerate((1, 3, 2))
+    ]
     (row,) = report.aggregate(rounds, [case], world_size=2)
     assert row["aiocollect"]["p50_us"] == 2
     assert row["gloo"]["p50_us"] == 4
@@ -135,8 +169,9 @@ def test_aggregate_medians_ratios_and_correctness() -> None:
     rounds[1]["aiocollect"]["records"][0]["correct"] = False
     (row,) = report.aggregate(rounds, [case], world_size=2)
     assert not report.all_correct([row])
-    table = report.format_tables([row], {"world_size": 2, "transport": "tcp",
-                                         "dtype": "float32", "rounds": 3})
+    table = report.format_tables(
+        [row], {"world_size": 2, "transport": "tcp", "dtype": "float32", "rounds": 3}
+    )
     assert "WRONG" in table
     assert "gloo p50" in table
     assert report.clean({"a": [float("nan"), 1.0]}) == {"a": [None, 1.0]}

@@ -15,8 +15,15 @@ def run_cli(tmp_path: Path) -> RunCli:
     """Run ``aiocollect ARGS`` in ``tmp_path`` to completion (bounded by ``timeout``)."""
 
     def run(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(cli_command(*args), cwd=tmp_path, capture_output=True, text=True,
-                              timeout=timeout, stdin=subprocess.DEVNULL, check=False)
+        return subprocess.run(
+            cli_command(*args),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
 
     return run
 

@@ -21,8 +21,20 @@ def test_info_text(run_cli: RunCli) -> None:
     done = run_cli("info")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"aiocollect   {aiocollect.__version__}\n")
-    for word in ("python", "event loop", "numpy", "msgpack", "auto:", "tcp:", "tls:", "memory:",
-                 "shm:", "torch:", "pyverbs:", "rdma devices"):
+    for word in (
+        "python",
+        "event loop",
+        "numpy",
+        "msgpack",
+        "auto:",
+        "tcp:",
+        "tls:",
+        "memory:",
+        "shm:",
+        "torch:",
+        "pyverbs:",
+        "rdma devices",
+    ):
         assert word in done.stdout
 
 
@@ -42,8 +54,9 @@ def test_info_json(run_cli: RunCli) -> None:
 
 @pytest.mark.timeout(60)
 def test_console_script_and_version(tmp_path: Path) -> None:
-    done = subprocess.run(cli_command("--version"), capture_output=True, text=True,
-                          timeout=50, check=False)
+    done = subprocess.run(
+        cli_command("--version"), capture_output=True, text=True, timeout=50, check=False
+    )
     assert done.returncode == 0
     assert done.stdout.strip() == f"aiocollect {aiocollect.__version__}"
 
@@ -65,8 +78,7 @@ BAD_RUN_ARGS = [
     (["-n", "2", "no_such_script.py"], "script not found"),
     (["-n", "two", "SCRIPT"], "invalid int value"),
     (["--nnodes", "2", "SCRIPT"], "--master-addr"),
-    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", "SCRIPT"],
-     "--node-rank"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", "SCRIPT"], "--node-rank"),
     (["--master-port", "70000", "SCRIPT"], "--master-port"),
     (["--timeout", "0", "SCRIPT"], "--timeout"),
     (["--transport", "carrier-pigeon", "SCRIPT"], "invalid choice"),
@@ -78,8 +90,9 @@ BAD_RUN_ARGS = [
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("args", "message"), BAD_RUN_ARGS)
-def test_run_bad_arguments_exit_2(args: list[str], message: str, run_cli: RunCli,
-                                  write_script: WriteScript) -> None:
+def test_run_bad_arguments_exit_2(
+    args: list[str], message: str, run_cli: RunCli, write_script: WriteScript
+) -> None:
     script = write_script("ok_script.py", "print('should not run')\n")
     done = run_cli("run", *[str(script) if a == "SCRIPT" else a for a in args])
     assert done.returncode == 2, done.stderr
@@ -106,9 +119,13 @@ def test_bench_dispatch(run_cli: RunCli) -> None:
 
 @pytest.mark.timeout(60)
 def test_store_serves_until_sigterm() -> None:
-    server = subprocess.Popen(cli_command("store", "--host", "127.0.0.1", "--port", "0"),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              stdin=subprocess.DEVNULL, text=True)
+    server = subprocess.Popen(
+        cli_command("store", "--host", "127.0.0.1", "--port", "0"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         assert server.stdout is not None
         assert "aiocollect store listening on 127.0.0.1:" in server.stdout.readline()
@@ -124,7 +141,8 @@ def test_store_serves_until_sigterm() -> None:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("transport", ["rdma", "memory", "tls"])
 def test_bench_offers_only_registered_process_transports(
-        transport: str, capsys: pytest.CaptureFixture[str]) -> None:
+    transport: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``bench --transport`` offers what links processes without certificates: never a
     transport every rank would reject (rdma, not registered), nor memory or tls."""
     from aiocollect.cli import bench

@@ -71,12 +71,13 @@ WAIT_SCRIPT = """\
 
 def lines_of(text: str, rank: int) -> list[str]:
     prefix = f"[rank {rank}] "
-    return [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
+    return [line[len(prefix) :] for line in text.splitlines() if line.startswith(prefix)]
 
 
 @pytest.mark.timeout(60)
-def test_three_ranks_get_env_and_prefixed_output(run_cli: RunCli,
-                                                 write_script: WriteScript) -> None:
+def test_three_ranks_get_env_and_prefixed_output(
+    run_cli: RunCli, write_script: WriteScript
+) -> None:
     script = write_script("env_script.py", ENV_SCRIPT)
     done = run_cli("run", "-n", "3", str(script), "--", "-n", "5", "--flag")
     assert done.returncode == 0, done.stderr
@@ -86,7 +87,9 @@ def test_three_ranks_get_env_and_prefixed_output(run_cli: RunCli,
         out = lines_of(done.stdout, rank)
         match = re.fullmatch(
             rf"rank={rank} world=3 local={rank}/3 torch={rank}/3/{rank}/3 "
-            r"store=tcp://127\.0\.0\.1:(\d+) master=127\.0\.0\.1:(\d+) unbuffered=1", out[0])
+            r"store=tcp://127\.0\.0\.1:(\d+) master=127\.0\.0\.1:(\d+) unbuffered=1",
+            out[0],
+        )
         assert match is not None, out
         assert match[1] == match[2]
         stores.add(match[1])
@@ -97,10 +100,13 @@ def test_three_ranks_get_env_and_prefixed_output(run_cli: RunCli,
 
 @pytest.mark.timeout(60)
 def test_module_mode(run_cli: RunCli, write_script: WriteScript) -> None:
-    write_script("cli_mod_target.py", """\
+    write_script(
+        "cli_mod_target.py",
+        """\
         import os, sys
         print(__name__, os.environ["RANK"], sys.argv[1:])
-    """)
+    """,
+    )
     done = run_cli("run", "--nproc-per-node", "2", "-m", "cli_mod_target", "a", "-m")
     assert done.returncode == 0, done.stderr
     for rank in range(2):
@@ -109,8 +115,9 @@ def test_module_mode(run_cli: RunCli, write_script: WriteScript) -> None:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("nproc", [2, 3])
-def test_ranks_open_a_group_and_allreduce(nproc: int, run_cli: RunCli,
-                                          write_script: WriteScript) -> None:
+def test_ranks_open_a_group_and_allreduce(
+    nproc: int, run_cli: RunCli, write_script: WriteScript
+) -> None:
     script = write_script("allreduce_script.py", ALLREDUCE_SCRIPT)
     done = run_cli("run", "-n", str(nproc), str(script), timeout=80)
     assert done.returncode == 0, done.stderr
@@ -122,11 +129,28 @@ def test_ranks_open_a_group_and_allreduce(nproc: int, run_cli: RunCli,
 @pytest.mark.timeout(90)
 def test_two_launchers_form_one_job(tmp_path: Path, write_script: WriteScript) -> None:
     script = write_script("allreduce_script.py", ALLREDUCE_SCRIPT)
-    common = ["run", "--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-              "--master-port", str(free_port("127.0.0.1"))]
-    nodes = [subprocess.Popen(cli_command(*common, "--node-rank", str(node), str(script)),
-                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              stdin=subprocess.DEVNULL, text=True) for node in (0, 1)]
+    common = [
+        "run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port("127.0.0.1")),
+    ]
+    nodes = [
+        subprocess.Popen(
+            cli_command(*common, "--node-rank", str(node), str(script)),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     try:
         results = [node.communicate(timeout=80) for node in nodes]
     finally:
@@ -143,8 +167,9 @@ def test_two_launchers_form_one_job(tmp_path: Path, write_script: WriteScript) -
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("ignore_sigterm", [False, True])
-def test_failing_rank_stops_the_others(ignore_sigterm: bool, run_cli: RunCli,
-                                       write_script: WriteScript) -> None:
+def test_failing_rank_stops_the_others(
+    ignore_sigterm: bool, run_cli: RunCli, write_script: WriteScript
+) -> None:
     script = write_script("fail_script.py", FAIL_SCRIPT)
     extra = ["--ignore-sigterm"] if ignore_sigterm else []
     started = time.monotonic()
@@ -164,12 +189,20 @@ def test_failing_rank_stops_the_others(ignore_sigterm: bool, run_cli: RunCli,
 @pytest.mark.timeout(60)
 def test_rank_killed_by_signal_is_reported(tmp_path: Path, write_script: WriteScript) -> None:
     script = write_script("wait_script.py", WAIT_SCRIPT)
-    done = subprocess.run(cli_command("run", "-n", "3", str(script)), cwd=tmp_path,
-                          env={**os.environ, "SELF_KILL": "1"}, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=50, check=False)
+    done = subprocess.run(
+        cli_command("run", "-n", "3", str(script)),
+        cwd=tmp_path,
+        env={**os.environ, "SELF_KILL": "1"},
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=50,
+        check=False,
+    )
     assert done.returncode == 128 + signal.SIGKILL, done.stderr
-    assert re.search(r"rank 1 \(pid \d+\) failed: killed by SIGKILL \(signal 9\)",
-                     done.stderr), done.stderr
+    assert re.search(r"rank 1 \(pid \d+\) failed: killed by SIGKILL \(signal 9\)", done.stderr), (
+        done.stderr
+    )
     assert_all_gone(rank_pids(done.stdout))
 
 
@@ -185,9 +218,14 @@ def test_job_timeout(run_cli: RunCli, write_script: WriteScript) -> None:
 @pytest.mark.timeout(60)
 def test_sigint_is_forwarded(tmp_path: Path, write_script: WriteScript) -> None:
     script = write_script("wait_script.py", WAIT_SCRIPT)
-    launcher = subprocess.Popen(cli_command("run", "-n", "2", str(script)), cwd=tmp_path,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                stdin=subprocess.DEVNULL, text=True)
+    launcher = subprocess.Popen(
+        cli_command("run", "-n", "2", str(script)),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         assert launcher.stdout is not None
         pids: dict[int, int] = {}

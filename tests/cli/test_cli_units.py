@@ -44,15 +44,23 @@ def test_script_arguments_are_left_alone(script: str) -> None:
 @pytest.mark.timeout(10)
 def test_single_node_picks_a_port_multi_node_defaults_to_29500(script: str) -> None:
     assert parse_run_args(["-n", "2", script]).master_port > 0
-    cfg = parse_run_args(["-n", "2", "--nnodes", "3", "--node-rank", "2",
-                          "--master-addr", "10.0.0.1", script])
+    cfg = parse_run_args(
+        ["-n", "2", "--nnodes", "3", "--node-rank", "2", "--master-addr", "10.0.0.1", script]
+    )
     assert (cfg.master_addr, cfg.master_port, cfg.world_size) == ("10.0.0.1", 29500, 6)
 
 
 @pytest.mark.timeout(10)
 def test_rank_env_global_ranks() -> None:
-    cfg = LaunchConfig(nproc=4, script="s.py", nnodes=3, node_rank=2, master_addr="::1",
-                       master_port=1234, transport="tcp")
+    cfg = LaunchConfig(
+        nproc=4,
+        script="s.py",
+        nnodes=3,
+        node_rank=2,
+        master_addr="::1",
+        master_port=1234,
+        transport="tcp",
+    )
     env = rank_env(cfg, 1, base={"RANK": "99", "KEEP": "me"})
     assert env["AIOCOLLECT_RANK"] == env["RANK"] == "9"
     assert env["AIOCOLLECT_WORLD_SIZE"] == env["WORLD_SIZE"] == "12"

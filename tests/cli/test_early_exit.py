@@ -30,18 +30,31 @@ TIMEOUT_SCRIPT = """\
 """
 
 
-def _run(tmp_path: Path, script: Path, stay: float,
-         status: int) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "AIOCOLLECT_EARLY_EXIT_NOTICE": "0.5", "STAY": str(stay),
-           "STATUS": str(status)}
-    return subprocess.run(cli_command("run", "-n", "3", str(script)), cwd=tmp_path, env=env,
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                          timeout=50, check=False)
+def _run(
+    tmp_path: Path, script: Path, stay: float, status: int
+) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "AIOCOLLECT_EARLY_EXIT_NOTICE": "0.5",
+        "STAY": str(stay),
+        "STATUS": str(status),
+    }
+    return subprocess.run(
+        cli_command("run", "-n", "3", str(script)),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=50,
+        check=False,
+    )
 
 
 @pytest.mark.timeout(60)
-def test_rank_exiting_0_while_others_run_is_flagged(tmp_path: Path,
-                                                    write_script: WriteScript) -> None:
+def test_rank_exiting_0_while_others_run_is_flagged(
+    tmp_path: Path, write_script: WriteScript
+) -> None:
     script = write_script("early.py", EARLY_SCRIPT)
     done = _run(tmp_path, script, 2.0, 4)
     assert done.returncode == 4, done.stderr
@@ -52,8 +65,9 @@ def test_rank_exiting_0_while_others_run_is_flagged(tmp_path: Path,
 
 
 @pytest.mark.timeout(60)
-def test_ranks_finishing_together_are_not_flagged(tmp_path: Path,
-                                                  write_script: WriteScript) -> None:
+def test_ranks_finishing_together_are_not_flagged(
+    tmp_path: Path, write_script: WriteScript
+) -> None:
     script = write_script("early.py", EARLY_SCRIPT)
     done = _run(tmp_path, script, 0.0, 0)
     assert done.returncode == 0, done.stderr
@@ -61,8 +75,7 @@ def test_ranks_finishing_together_are_not_flagged(tmp_path: Path,
 
 
 @pytest.mark.timeout(60)
-def test_group_timeout_sets_the_groups_timeout(run_cli: RunCli,
-                                               write_script: WriteScript) -> None:
+def test_group_timeout_sets_the_groups_timeout(run_cli: RunCli, write_script: WriteScript) -> None:
     script = write_script("timeout.py", TIMEOUT_SCRIPT)
     done = run_cli("run", "-n", "2", "--group-timeout", "7.5", str(script), timeout=50)
     assert done.returncode == 0, done.stderr

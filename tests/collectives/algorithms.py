@@ -10,8 +10,7 @@ import aiocollect as ac
 from aiocollect.collectives.registry import REGISTRIES
 from tests.helpers import assert_close, counts_for, data, reference, valid_ops
 
-CLASS_DTYPES = [np.dtype(d) for d in ("bool", "int32", "uint8", "float32", "float16",
-                                      "complex64")]
+CLASS_DTYPES = [np.dtype(d) for d in ("bool", "int32", "uint8", "float32", "float16", "complex64")]
 
 
 async def sweep_algorithms(g: ac.Group, dtypes: list[Any] | None = None) -> int:
@@ -40,19 +39,20 @@ async def sweep_algorithms(g: ac.Group, dtypes: list[Any] | None = None) -> int:
             for alg in REGISTRIES["reduce_scatter"].names:
                 for op in valid_ops(dtype):
                     rs = await g.reduce_scatter(rows[r], op=op, algorithm=alg)
-                    assert_close(rs, reference(rows, op)[r * k:(r + 1) * k],
-                                 f"reduce_scatter[{alg}] {dtype} {op.name}")
+                    assert_close(
+                        rs,
+                        reference(rows, op)[r * k : (r + 1) * k],
+                        f"reduce_scatter[{alg}] {dtype} {op.name}",
+                    )
                     checked += 1
             for root in range(n):
                 red = everyone[r].copy()
                 await g.reduce(red, root=root, op=ac.MAX if dtype.kind != "c" else ac.SUM)
                 if r == root:
-                    assert_close(red, reference(everyone, ac.MAX if dtype.kind != "c"
-                                                else ac.SUM))
+                    assert_close(red, reference(everyone, ac.MAX if dtype.kind != "c" else ac.SUM))
             counts = [(r + x + count) % 3 for x in range(n)]
             send = np.concatenate([data(r * 10 + x, counts[x], dtype) for x in range(n)])
             got = await g.alltoallv(send, counts)
             for x in range(n):
-                np.testing.assert_array_equal(got[x], data(x * 10 + r, (x + r + count) % 3,
-                                                           dtype))
+                np.testing.assert_array_equal(got[x], data(x * 10 + r, (x + r + count) % 3, dtype))
     return checked

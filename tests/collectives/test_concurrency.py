@@ -33,18 +33,31 @@ def _plan(g: ac.Group, salt: int, count: int = 64) -> list[tuple[Any, Callable[[
         elif kind == 1:
             buf = np.full(size, r * 1000 + i, np.int32)
             h = g.broadcast(buf, root=root)
-            started.append((h, lambda b=buf, v=root * 1000 + i: np.testing.assert_array_equal(
-                b, np.full(b.size, v, np.int32))))
+            started.append(
+                (
+                    h,
+                    lambda b=buf, v=root * 1000 + i: np.testing.assert_array_equal(
+                        b, np.full(b.size, v, np.int32)
+                    ),
+                )
+            )
         elif kind == 2:
             send = np.full(size, r - i, np.float64)
             h = g.allgather(send)
-            started.append((h, lambda h=h, i=i, s=size: np.testing.assert_array_equal(
-                h.result(), np.stack([np.full(s, x - i, np.float64) for x in range(n)]))))
+            started.append(
+                (
+                    h,
+                    lambda h=h, i=i, s=size: np.testing.assert_array_equal(
+                        h.result(), np.stack([np.full(s, x - i, np.float64) for x in range(n)])
+                    ),
+                )
+            )
         elif kind == 3:
             send = np.arange(n * (size + 1), dtype=np.float32) + r
             h = g.reduce_scatter(send, op=ac.MAX)
             want = (np.arange(n * (size + 1), dtype=np.float32) + (n - 1))[
-                r * (size + 1):(r + 1) * (size + 1)]
+                r * (size + 1) : (r + 1) * (size + 1)
+            ]
             started.append((h, lambda h=h, w=want: np.testing.assert_array_equal(h.result(), w)))
         elif kind == 4:
             h = g.barrier()
@@ -65,8 +78,14 @@ def _plan(g: ac.Group, salt: int, count: int = 64) -> list[tuple[Any, Callable[[
             h1 = g.recv(got, peer_from, tag=i)
             h2 = g.send(np.full(size, r * 7 + i, np.int64), peer_to, tag=i)
             started.append((h2, lambda: None))
-            started.append((h1, lambda b=got, v=peer_from * 7 + i: np.testing.assert_array_equal(
-                b, np.full(b.size, v, np.int64))))
+            started.append(
+                (
+                    h1,
+                    lambda b=got, v=peer_from * 7 + i: np.testing.assert_array_equal(
+                        b, np.full(b.size, v, np.int64)
+                    ),
+                )
+            )
     return started
 
 

@@ -32,8 +32,7 @@ def _watch(link: Any) -> dict[str, Any]:
         real(header, payload)
         if len(payload) < tcp.BULK_MIN and queued and len(link._bulk) == before:
             seen["overtook"] += 1
-        seen["max_transport"] = max(seen["max_transport"],
-                                    link.transport.get_write_buffer_size())
+        seen["max_transport"] = max(seen["max_transport"], link.transport.get_write_buffer_size())
 
     link.send = send
     return seen
@@ -73,7 +72,8 @@ async def _pings_during_allreduce(g: ac.Group) -> dict[str, Any]:
 
 
 async def test_small_send_recv_completes_while_a_large_allreduce_is_in_flight(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Small kernel buffers, so that the sender queues in user space at once.
     monkeypatch.setattr(tcp, "SOCKET_BUFFER", 256 * 1024)
     res = await run_ranks(2, _pings_during_allreduce, transport="tcp", timeout=100)
@@ -94,16 +94,21 @@ async def _stream_order(g: ac.Group) -> list[str]:
     big = 1024 * 1024  # the largest frame a link accepts (the chunk size)
     small = 1024
     frames = [(f"a{i}", 900, 1, i, big) for i in range(8)]
-    frames += [("a8", 900, 1, 8, small),  # same stream as the a's: must stay behind them
-               ("b", 901, 2, 0, small)]  # another stream: may overtake
+    frames += [
+        ("a8", 900, 1, 8, small),  # same stream as the a's: must stay behind them
+        ("b", 901, 2, 0, small),
+    ]  # another stream: may overtake
     if g.rank == 1:
         order: list[str] = []
         futs = []
         for name, seq, slot, chunk, n in frames:
             buf = memoryview(bytearray(n))
             fut = link.post_recv((P2P, 0, seq, slot, chunk), buf)
-            fut.add_done_callback(lambda _f, name=name, buf=buf: order.append(
-                name if bytes(buf[:8]) == name.encode().ljust(8, b".") else name + "!"))
+            fut.add_done_callback(
+                lambda _f, name=name, buf=buf: order.append(
+                    name if bytes(buf[:8]) == name.encode().ljust(8, b".") else name + "!"
+                )
+            )
             futs.append(fut)
         await g.barrier()
         await asyncio.gather(*futs)
@@ -116,8 +121,9 @@ async def _stream_order(g: ac.Group) -> list[str]:
         payload[:8] = name.encode().ljust(8, b".")
         payloads.append(payload)
         link.send(_header(seq, slot, chunk, n), memoryview(payload))
-        queued.append(any(h[2] == P2P and bytes(p[:2]) == name.encode()[:2]
-                          for h, p, _ in link._bulk))
+        queued.append(
+            any(h[2] == P2P and bytes(p[:2]) == name.encode()[:2] for h, p, _ in link._bulk)
+        )
     assert queued[8], "a frame of a stream with queued bulk frames went ahead of them"
     assert not queued[9], "a small frame of another stream waited behind bulk frames"
     await link.drained()
@@ -125,7 +131,8 @@ async def _stream_order(g: ac.Group) -> list[str]:
 
 
 async def test_frames_of_one_stream_keep_their_order_others_overtake(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(tcp, "SOCKET_BUFFER", 256 * 1024)
     res = await run_ranks(2, _stream_order, transport="tcp", timeout=60)
     order = res[1]
@@ -135,16 +142,16 @@ async def test_frames_of_one_stream_keep_their_order_others_overtake(
 
 
 @pytest.mark.parametrize("transport", ["tcp", "auto"])
-async def test_round_trips_complete_during_bulk_allreduces_in_processes(
-        transport: str) -> None:
+async def test_round_trips_complete_during_bulk_allreduces_in_processes(transport: str) -> None:
     """Real processes (the measurement of ``aiocollect.bench.hol`` on a small scale): 1 KiB
     round trips between ranks 0 and 1 complete while allreduces of 16 MiB run, and every
     allreduce is correct (``hol_rank`` checks nothing itself: the group would break)."""
     from aiocollect.bench.hol import hol_rank
     from aiocollect.testing import spawn_ranks
 
-    res = await spawn_ranks(2, hol_rank, 16 << 20, 4, 1024, 20, timeout=100,
-                            transport=transport, uvloop=True)
+    res = await spawn_ranks(
+        2, hol_rank, 16 << 20, 4, 1024, 20, timeout=100, transport=transport, uvloop=True
+    )
     report = res[0]
     assert report["idle_rtt_us"]["n"] == 20
     assert report["loaded_rtt_us"]["n"] >= 1, report
@@ -181,7 +188,8 @@ async def _shm_pings(g: ac.Group) -> dict[str, Any]:
 
 @pytest.mark.parametrize("pull", ["", "0"])
 async def test_shm_bulk_ahead_is_capped_and_small_frames_overtake(
-        pull: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    pull: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Over shared memory (pulls on and off) with the cap set, a 32 MiB allreduce keeps at
     most the cap plus one frame ahead in the ring, holds the rest, and the pings go ahead
     of it."""

@@ -29,13 +29,14 @@ async def test_large_reads_yield_to_the_loop(monkeypatch: pytest.MonkeyPatch) ->
     count = 8 * 1024 * 1024  # 32 MiB of float32
 
     async def body(g: ac.Group) -> Any:
-        buf = np.arange(count, dtype=np.float32) if g.rank == 0 else np.zeros(
-            count, np.float32)
+        buf = np.arange(count, dtype=np.float32) if g.rank == 0 else np.zeros(count, np.float32)
         await g.broadcast(buf, root=0, algorithm="binomial")
         links = g._fabric.links.values()
         await asyncio.sleep(0)  # one pass: every pending resume has run
-        return (bool(np.array_equal(buf, np.arange(count, dtype=np.float32))),
-                [link._yielding or link._reading_paused for link in links])  # type: ignore[attr-defined]
+        return (
+            bool(np.array_equal(buf, np.arange(count, dtype=np.float32))),
+            [link._yielding or link._reading_paused for link in links],
+        )  # type: ignore[attr-defined]
 
     results = await run_ranks(2, body, transport="tcp")
     assert all(ok for ok, _ in results)

@@ -88,8 +88,7 @@ async def _allreduce_body(g: ac.Group, count: int, delay_rank: int | None) -> in
             mine = data(g.rank, count, dtype, seed=int(op))
             buf = mine.copy()
             await g.allreduce(buf, op=op, algorithm="ring")
-            want = reference([data(r, count, dtype, seed=int(op))
-                              for r in range(g.world_size)], op)
+            want = reference([data(r, count, dtype, seed=int(op)) for r in range(g.world_size)], op)
             assert_close(buf, want, f"allreduce {dtype} {op} count={count}")
             checked += 1
     return checked
@@ -117,8 +116,7 @@ async def test_ring_allreduce_many_windows_tcp(n: int, pool: CheckingPool) -> No
 
 
 @pytest.mark.parametrize("count", [0, 1, 2, 3, 7, 17, 100])
-async def test_ring_allreduce_small_and_degenerate_counts(count: int,
-                                                          pool: CheckingPool) -> None:
+async def test_ring_allreduce_small_and_degenerate_counts(count: int, pool: CheckingPool) -> None:
     """Empty blocks, single-element blocks and blocks smaller than one chunk."""
     res = await run_ranks(4, _allreduce_body, count, None, chunk_bytes=CHUNK)
     assert res == [len(DTYPES) * len(OPS)] * 4
@@ -127,8 +125,7 @@ async def test_ring_allreduce_small_and_degenerate_counts(count: int,
 
 @pytest.mark.parametrize("transport", ["memory", "tcp"])
 @pytest.mark.parametrize("n", [2, 3, 4])
-async def test_ring_reduce_scatter_many_windows(n: int, transport: str,
-                                                pool: CheckingPool) -> None:
+async def test_ring_reduce_scatter_many_windows(n: int, transport: str, pool: CheckingPool) -> None:
     per = 203  # per-rank block of 203 elements: 12.7 float32 chunks / 25.4 int64 chunks
 
     async def body(g: ac.Group) -> int:
@@ -137,8 +134,9 @@ async def test_ring_reduce_scatter_many_windows(n: int, transport: str,
             for op in OPS:
                 send = data(g.rank, n * per, dtype, seed=3 + int(op))
                 got = await g.reduce_scatter(send, op=op, algorithm="ring")
-                want = reference([data(r, n * per, dtype, seed=3 + int(op))
-                                  for r in range(n)], op)[g.rank * per:(g.rank + 1) * per]
+                want = reference([data(r, n * per, dtype, seed=3 + int(op)) for r in range(n)], op)[
+                    g.rank * per : (g.rank + 1) * per
+                ]
                 assert_close(got, want, f"reduce_scatter {dtype} {op}")
                 checked += 1
         return checked
@@ -150,20 +148,20 @@ async def test_ring_reduce_scatter_many_windows(n: int, transport: str,
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-async def test_concurrent_ring_allreduces_share_no_scratch(n: int,
-                                                           pool: CheckingPool) -> None:
+async def test_concurrent_ring_allreduces_share_no_scratch(n: int, pool: CheckingPool) -> None:
     """Four ring allreduces in flight at once on one group, three times over: each gets
     its own window (CheckingPool asserts no overlap) and the results are all correct."""
     count = _count(n, 150, 1)
 
     async def body(g: ac.Group) -> None:
         for rnd in range(3):
-            for dtype, op in [(np.dtype(np.float32), ac.ReduceOp.SUM),
-                              (np.dtype(np.int64), ac.ReduceOp.MAX)]:
+            for dtype, op in [
+                (np.dtype(np.float32), ac.ReduceOp.SUM),
+                (np.dtype(np.int64), ac.ReduceOp.MAX),
+            ]:
                 seeds = [10 * rnd + k + int(op) for k in range(4)]
                 bufs = [data(g.rank, count, dtype, seed=s) for s in seeds]
-                await asyncio.gather(*[g.allreduce(b, op=op, algorithm="ring")
-                                       for b in bufs])
+                await asyncio.gather(*[g.allreduce(b, op=op, algorithm="ring") for b in bufs])
                 for b, s in zip(bufs, seeds, strict=True):
                     want = reference([data(r, count, dtype, seed=s) for r in range(n)], op)
                     assert_close(b, want, f"concurrent {dtype} {op} seed={s}")

@@ -16,12 +16,15 @@ from aiocollect.testing import run_ranks
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.mark.parametrize(("transport", "n"), [("memory", 2), ("memory", 4), ("memory", 8),
-                                              ("tcp", 2), ("tcp", 4)])
-@pytest.mark.parametrize("op", [ac.ReduceOp.SUM, ac.ReduceOp.MAX, ac.ReduceOp.PROD,
-                                ac.ReduceOp.AVG, np.logaddexp])
+@pytest.mark.parametrize(
+    ("transport", "n"), [("memory", 2), ("memory", 4), ("memory", 8), ("tcp", 2), ("tcp", 4)]
+)
+@pytest.mark.parametrize(
+    "op", [ac.ReduceOp.SUM, ac.ReduceOp.MAX, ac.ReduceOp.PROD, ac.ReduceOp.AVG, np.logaddexp]
+)
 async def test_results_match_numpy_and_are_identical_on_every_rank(
-        transport: str, n: int, op: Any) -> None:
+    transport: str, n: int, op: Any
+) -> None:
     count = 37
 
     async def body(g: ac.Group) -> tuple[bool, np.ndarray[Any, Any]]:
@@ -39,8 +42,9 @@ async def test_results_match_numpy_and_are_identical_on_every_rank(
     elif op is np.logaddexp:
         want = np.logaddexp.reduce(inputs, axis=0)
     else:
-        want = {ac.ReduceOp.SUM: np.sum, ac.ReduceOp.MAX: np.max,
-                ac.ReduceOp.PROD: np.prod}[op](inputs, axis=0)
+        want = {ac.ReduceOp.SUM: np.sum, ac.ReduceOp.MAX: np.max, ac.ReduceOp.PROD: np.prod}[op](
+            inputs, axis=0
+        )
     for task_free, got in results:
         assert task_free  # it took the schedule path
         np.testing.assert_allclose(got, want, rtol=1e-12)
@@ -60,6 +64,7 @@ async def test_integers_and_many_in_flight_keep_their_order() -> None:
 
 async def test_the_schedule_and_the_task_paths_interleave() -> None:
     """Small (schedule) and large (task) allreduces started back to back, same order."""
+
     async def body(g: ac.Group) -> list[float]:
         small = [np.full(3, float(g.rank + i)) for i in range(20)]
         large = [np.full(300_000, float(g.rank - i)) for i in range(3)]
@@ -72,8 +77,7 @@ async def test_the_schedule_and_the_task_paths_interleave() -> None:
         return [float(b[0]) for b in small + large]
 
     for got in await run_ranks(2, body, transport="tcp"):
-        assert got == [float(1 + 2 * i) for i in range(20)] + [float(1 - 2 * i)
-                                                               for i in range(3)]
+        assert got == [float(1 + 2 * i) for i in range(20)] + [float(1 - 2 * i) for i in range(3)]
 
 
 async def test_deadline_names_the_rank_that_never_called() -> None:
@@ -127,10 +131,10 @@ async def test_peer_loss_fails_the_pending_allreduce() -> None:
     assert (await run_ranks(2, body, transport="tcp", timeout=30.0))[0] is True
 
 
-
 @pytest.mark.parametrize("chunk_bytes", [None, 1024], ids=["schedule", "task-path"])
 async def test_the_reduction_waits_for_its_own_frame_to_leave(
-        monkeypatch: pytest.MonkeyPatch, chunk_bytes: int | None) -> None:
+    monkeypatch: pytest.MonkeyPatch, chunk_bytes: int | None
+) -> None:
     """Both recursive-doubling paths (one frame: the schedule; 1 KiB chunks: the Task
     running doubling.recursive_doubling). Fault injection: a link that holds rank 1's
     frames in "user space" for 0.2 s (and copies the payload only when it finally sends
@@ -174,8 +178,9 @@ async def test_the_reduction_waits_for_its_own_frame_to_leave(
     assert await run_ranks(2, body, chunk_bytes=chunk_bytes) == [[3.0, 3.0], [3.0, 3.0]]
 
 
-@pytest.mark.parametrize(("transport", "n"), [("memory", 2), ("memory", 3), ("memory", 5),
-                                              ("memory", 8), ("tcp", 3)])
+@pytest.mark.parametrize(
+    ("transport", "n"), [("memory", 2), ("memory", 3), ("memory", 5), ("memory", 8), ("tcp", 3)]
+)
 async def test_small_broadcast_from_every_root(transport: str, n: int) -> None:
     async def body(g: ac.Group) -> list[tuple[bool, list[int]]]:
         out = []

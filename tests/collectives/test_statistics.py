@@ -46,8 +46,15 @@ async def test_statistics_is_a_dataclass_that_reads_like_a_dict() -> None:
         assert "nonsense" not in after
         with pytest.raises(KeyError, match="nonsense"):
             after["nonsense"]
-        assert list(after) == ["rank", "world_size", "ops", "in_flight", "links", "broken",
-                               "closed"]
+        assert list(after) == [
+            "rank",
+            "world_size",
+            "ops",
+            "in_flight",
+            "links",
+            "broken",
+            "closed",
+        ]
         plain = after.as_dict()
         assert plain["links"][nxt] == dict(after.links[nxt])
         json.dumps({k: v for k, v in plain.items() if k != "links"})

@@ -87,8 +87,11 @@ async def _movement(g: ac.Group, dtypes: list[Any]) -> None:
                 else:
                     assert out is None
                 res = np.empty(count, dtype)
-                send = np.stack([data(root * 31 + x, count, dtype) for x in range(n)]) \
-                    if r == root else None
+                send = (
+                    np.stack([data(root * 31 + x, count, dtype) for x in range(n)])
+                    if r == root
+                    else None
+                )
                 await g.scatter(send, res, root=root)
                 np.testing.assert_array_equal(res, data(root * 31 + r, count, dtype))
             out = await g.allgather(everyone[r])
@@ -98,10 +101,10 @@ async def _movement(g: ac.Group, dtypes: list[Any]) -> None:
             rows = [data(x, n * k, dtype, seed=5) for x in range(n)]
             for op in valid_ops(dtype)[:3]:
                 rs = await g.reduce_scatter(rows[r], op=op)
-                want = reference(rows, op)[r * k:(r + 1) * k]
+                want = reference(rows, op)[r * k : (r + 1) * k]
                 assert_close(rs, want, f"reduce_scatter {dtype} {op.name}")
             a2a = await g.alltoall(rows[r])
-            want = np.concatenate([rows[x][r * k:(r + 1) * k] for x in range(n)])
+            want = np.concatenate([rows[x][r * k : (r + 1) * k] for x in range(n)])
             np.testing.assert_array_equal(a2a, want)
             parts = await g.allgatherv(data(r, count + r, dtype))
             for x in range(n):
@@ -125,8 +128,12 @@ async def _p2p(g: ac.Group) -> list[int]:
         a = np.full(count, r, np.float32)
         b = np.full(count, r + 100, np.float32)
         got_a, got_b = np.empty_like(a), np.empty_like(b)
-        hs = [g.recv(got_b, prv, tag=2), g.recv(got_a, prv, tag=1),
-              g.send(a, nxt, tag=1), g.send(b, nxt, tag=2)]
+        hs = [
+            g.recv(got_b, prv, tag=2),
+            g.recv(got_a, prv, tag=1),
+            g.send(a, nxt, tag=1),
+            g.send(b, nxt, tag=2),
+        ]
         await asyncio.gather(*hs)
         np.testing.assert_array_equal(got_a, np.full(count, prv, np.float32))
         np.testing.assert_array_equal(got_b, np.full(count, prv + 100, np.float32))

@@ -35,10 +35,11 @@ def _bad_calls(g: ac.Group) -> list[tuple[str, Any]]:
         ("non-binary ufunc", lambda: g.allreduce(f32, op=np.sqrt)),
         ("object dtype", lambda: g.allreduce(np.array([object()] * 4))),
         ("allgather out shape", lambda: g.allgather(f32, np.zeros(3, np.float32))),
-        ("allgather out dtype",
-         lambda: g.allgather(f32, np.zeros((g.world_size, 4), np.float64))),
-        ("reduce_scatter not divisible",
-         lambda: g.reduce_scatter(np.zeros(g.world_size * 2 + 1, np.float32))),
+        ("allgather out dtype", lambda: g.allgather(f32, np.zeros((g.world_size, 4), np.float64))),
+        (
+            "reduce_scatter not divisible",
+            lambda: g.reduce_scatter(np.zeros(g.world_size * 2 + 1, np.float32)),
+        ),
         ("alltoall not divisible", lambda: g.alltoall(np.zeros(g.world_size + 1))),
         ("scatter root without send", lambda: g.scatter(None, f32, root=g.rank)),
         ("send to self", lambda: g.send(f32, g.rank)),
@@ -84,14 +85,17 @@ async def test_buffer_protocol_objects() -> None:
     assert res[0] == (bytes([2] * 4), [1.0, 1.0, 1.0])
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"rank": 0, "world_size": 0}, "world_size"),
-    ({"rank": 2, "world_size": 2}, "rank"),
-    ({"rank": -1, "world_size": 2}, "rank"),
-    ({"rank": 0, "world_size": 1, "transport": "carrier-pigeon"}, "transport"),
-    ({"rank": 0, "world_size": 1, "transport": "tls"}, "ssl"),
-    ({"rank": 0, "world_size": 1, "timeout": -1}, "timeout"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"rank": 0, "world_size": 0}, "world_size"),
+        ({"rank": 2, "world_size": 2}, "rank"),
+        ({"rank": -1, "world_size": 2}, "rank"),
+        ({"rank": 0, "world_size": 1, "transport": "carrier-pigeon"}, "transport"),
+        ({"rank": 0, "world_size": 1, "transport": "tls"}, "ssl"),
+        ({"rank": 0, "world_size": 1, "timeout": -1}, "timeout"),
+    ],
+)
 async def test_open_group_usage(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ac.UsageError, match=match):
         await ac.open_group(store="memory://usage", **kwargs)

@@ -26,9 +26,12 @@ SECRET = "elastic-test-secret"
 def store_url() -> Iterator[str]:
     """``tcp://127.0.0.1:PORT`` of a fresh `aiocollect store` (secret SECRET)."""
     env = dict(os.environ, AIOCOLLECT_SECRET=SECRET)
-    proc = subprocess.Popen([sys.executable, "-m", "aiocollect", "store", "--host",
-                             "127.0.0.1", "--port", "0"], stdout=subprocess.PIPE, text=True,
-                            env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aiocollect", "store", "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()  # bounded by pytest-timeout
     assert "listening on" in line, line
@@ -54,8 +57,9 @@ class Procs:
 
     def start(self, key: Any, target: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         recv, send = self.ctx.Pipe(duplex=False)
-        p = self.ctx.Process(target=target, args=(*args, Reporter(send)),
-                             kwargs=kwargs, daemon=True)
+        p = self.ctx.Process(
+            target=target, args=(*args, Reporter(send)), kwargs=kwargs, daemon=True
+        )
         p.start()
         send.close()
         self.procs[key] = p
@@ -79,8 +83,13 @@ class Procs:
         self.procs[key].join(10)
         return time.time()
 
-    def wait(self, kind: str, n: int, timeout: float = 30.0,
-             where: Callable[[tuple[Any, ...]], bool] = lambda m: True) -> list[tuple[Any, ...]]:
+    def wait(
+        self,
+        kind: str,
+        n: int,
+        timeout: float = 30.0,
+        where: Callable[[tuple[Any, ...]], bool] = lambda m: True,
+    ) -> list[tuple[Any, ...]]:
         """The next ``n`` reports of ``kind`` (earlier ones kept in ``seen``)."""
         got = [m for m in self.seen if m[0] == kind and where(m)]
         end = time.monotonic() + timeout
@@ -88,8 +97,9 @@ class Procs:
             try:
                 msg = self._next(max(0.01, end - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"waited for {n} {kind!r}, got {got}; "
-                                     f"all reports: {self.seen}") from None
+                raise AssertionError(
+                    f"waited for {n} {kind!r}, got {got}; all reports: {self.seen}"
+                ) from None
             self.seen.append(msg)
             assert msg[0] != "wrong", f"a wrong sum: {msg}"
             if msg[0] == kind and where(msg):

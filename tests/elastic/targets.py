@@ -28,6 +28,8 @@ class Reporter:
 
     def put(self, msg: tuple[Any, ...]) -> None:
         self.conn.send(msg)
+
+
 TRANSPORT = os.environ.get("ELASTIC_TEST_TRANSPORT", "auto")
 
 
@@ -50,17 +52,42 @@ async def _sums(group: ac.Group, q: Any, me: int, count: int) -> bool:
 
 
 async def _report_regroup(group: ac.Group, q: Any, me: int, t0: float) -> None:
-    q.put(("regrouped", me, group.generation, group.rank, group.world_size,
-           time.time(), time.time() - t0, os.getpid()))
+    q.put(
+        (
+            "regrouped",
+            me,
+            group.generation,
+            group.rank,
+            group.world_size,
+            time.time(),
+            time.time() - t0,
+            os.getpid(),
+        )
+    )
 
 
-async def _member(url: str, rank: int, world: int, secret: str | None, q: Any,
-                  rounds: int, min_size: int, regroup_timeout: float,
-                  group_timeout: float) -> None:
+async def _member(
+    url: str,
+    rank: int,
+    world: int,
+    secret: str | None,
+    q: Any,
+    rounds: int,
+    min_size: int,
+    regroup_timeout: float,
+    group_timeout: float,
+) -> None:
     """Kill scenario: loop allreduces until a peer dies, regroup, repeat ``rounds`` times,
     then a few checked sums and a clean close."""
-    group = await ac.open_group(rank, world, store=url, secret=secret, elastic=True,
-                                transport=TRANSPORT, timeout=group_timeout)
+    group = await ac.open_group(
+        rank,
+        world,
+        store=url,
+        secret=secret,
+        elastic=True,
+        transport=TRANSPORT,
+        timeout=group_timeout,
+    )
     q.put(("up", rank, os.getpid()))
     for _ in range(rounds):
         q.put(("looping", rank, group.generation))
@@ -81,20 +108,38 @@ async def _member(url: str, rank: int, world: int, secret: str | None, q: Any,
     q.put(("closed", rank))
 
 
-def member(url: str, rank: int, world: int, secret: str | None, q: Any, rounds: int = 1,
-           min_size: int = 1, regroup_timeout: float = 10.0,
-           group_timeout: float = 30.0) -> None:
-    asyncio.run(_member(url, rank, world, secret, q, rounds, min_size, regroup_timeout,
-                        group_timeout))
+def member(
+    url: str,
+    rank: int,
+    world: int,
+    secret: str | None,
+    q: Any,
+    rounds: int = 1,
+    min_size: int = 1,
+    regroup_timeout: float = 10.0,
+    group_timeout: float = 30.0,
+) -> None:
+    asyncio.run(
+        _member(url, rank, world, secret, q, rounds, min_size, regroup_timeout, group_timeout)
+    )
 
 
-async def _admitting(url: str, rank: int, world: int, secret: str | None, q: Any,
-                     want: int, die: bool, regroup_timeout: float) -> None:
+async def _admitting(
+    url: str,
+    rank: int,
+    world: int,
+    secret: str | None,
+    q: Any,
+    want: int,
+    die: bool,
+    regroup_timeout: float,
+) -> None:
     """Admission scenario: rank 0 waits until ``want`` joiners wait, tells the others
     (broadcast_object), everyone regroups; ``die``: this rank SIGKILLs itself inside
     regroup() right after registering (a kill during regroup)."""
-    group = await ac.open_group(rank, world, store=url, secret=secret, elastic=True,
-                                transport=TRANSPORT, timeout=30.0)
+    group = await ac.open_group(
+        rank, world, store=url, secret=secret, elastic=True, transport=TRANSPORT, timeout=30.0
+    )
     q.put(("up", rank, os.getpid()))
     assert await _sums(group, q, rank, 2)
     if want:
@@ -124,8 +169,16 @@ async def _admitting(url: str, rank: int, world: int, secret: str | None, q: Any
     await group.aclose()
 
 
-def admitting(url: str, rank: int, world: int, secret: str | None, q: Any, want: int = 0,
-              die: bool = False, regroup_timeout: float = 10.0) -> None:
+def admitting(
+    url: str,
+    rank: int,
+    world: int,
+    secret: str | None,
+    q: Any,
+    want: int = 0,
+    die: bool = False,
+    regroup_timeout: float = 10.0,
+) -> None:
     asyncio.run(_admitting(url, rank, world, secret, q, want, die, regroup_timeout))
 
 

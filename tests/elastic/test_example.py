@@ -16,8 +16,13 @@ SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "elastic_trainer.py"
 @pytest.mark.timeout(90)
 def test_elastic_trainer_loses_a_worker_and_takes_a_replacement() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIOCOLLECT_")}
-    run = subprocess.run([sys.executable, str(SCRIPT), "--steps", "60"], env=env,
-                         capture_output=True, text=True, timeout=80)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--steps", "60"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
     assert "worker 2 died" in out, out

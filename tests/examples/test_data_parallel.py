@@ -25,8 +25,17 @@ ARGS = ["--epochs", str(EPOCHS), "--bench-iters", "5"]
 DEADLINE = 100.0  # seconds for the whole run (the test's own timeout is 120)
 EPOCH_LINE = re.compile(r"epoch\s+(\d+)/(\d+)\s+loss\s+([0-9.]+)\s+train acc\s+([0-9.]+)%")
 # Variables that would make the ranks join some other group.
-FOREIGN = ("AIOCOLLECT_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-           "OMPI_COMM_WORLD_", "PMI_", "SLURM_")
+FOREIGN = (
+    "AIOCOLLECT_",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMPI_COMM_WORLD_",
+    "PMI_",
+    "SLURM_",
+)
 
 
 @dataclass
@@ -49,8 +58,13 @@ def _have_launcher() -> bool:
 def _run_with_launcher() -> Run:
     proc = subprocess.run(
         [sys.executable, "-m", "aiocollect", "run", "-n", str(WORLD), str(SCRIPT), *ARGS],
-        env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=DEADLINE, check=False)
+        env=_clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=DEADLINE,
+        check=False,
+    )
     return Run(proc.returncode, proc.stdout)
 
 
@@ -58,11 +72,20 @@ def _run_by_hand() -> Run:
     store = f"tcp://127.0.0.1:{free_port()}"
     procs = []
     for rank in range(WORLD):
-        env = _clean_env() | {"AIOCOLLECT_RANK": str(rank), "AIOCOLLECT_WORLD_SIZE": str(WORLD),
-                              "AIOCOLLECT_STORE": store}
-        procs.append(subprocess.Popen(
-            [sys.executable, str(SCRIPT), *ARGS], env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True))
+        env = _clean_env() | {
+            "AIOCOLLECT_RANK": str(rank),
+            "AIOCOLLECT_WORLD_SIZE": str(WORLD),
+            "AIOCOLLECT_STORE": store,
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPT), *ARGS],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs, codes = [], []
     try:
         for rank, proc in enumerate(procs):
@@ -86,8 +109,9 @@ def run() -> Run:
 def test_trains_and_ends_with_identical_weights(run: Run) -> None:
     assert run.returncode == 0, f"example failed (exit {run.returncode}):\n{run.output}"
     epochs = [m.groups() for m in EPOCH_LINE.finditer(run.output)]
-    assert [(int(e), int(total)) for e, total, *_ in epochs] == \
-        [(e, EPOCHS) for e in range(1, EPOCHS + 1)], run.output  # printed once, by rank 0
+    assert [(int(e), int(total)) for e, total, *_ in epochs] == [
+        (e, EPOCHS) for e in range(1, EPOCHS + 1)
+    ], run.output  # printed once, by rank 0
     losses = [float(loss) for *_, loss, _ in epochs]
     assert losses[-1] < 0.7 * losses[0], run.output
     assert float(epochs[-1][3]) > float(epochs[0][3]), run.output  # accuracy went up

@@ -41,9 +41,21 @@ from aiocollect.transport.wire import (
 )
 
 
-def header(kind: int = DATA, *, magic: int = MAGIC, coll: int = 0, op: int = 0, dtype: int = 0,
-           gid: int = 0, chunk: int = 0, seq: int = 0, slot: int = 0, root: int = -1,
-           elems: int = 0, length: int = 0) -> bytes:
+def header(
+    kind: int = DATA,
+    *,
+    magic: int = MAGIC,
+    coll: int = 0,
+    op: int = 0,
+    dtype: int = 0,
+    gid: int = 0,
+    chunk: int = 0,
+    seq: int = 0,
+    slot: int = 0,
+    root: int = -1,
+    elems: int = 0,
+    length: int = 0,
+) -> bytes:
     """A frame header with any field values (valid or not)."""
     return HEADER.pack(magic, kind, coll, op, dtype, gid, chunk, seq, slot, root, elems, length)
 
@@ -56,25 +68,41 @@ def echo_header(h: Header, **changes: Any) -> bytes:
 class FakePeer:
     """Rank ``rank`` of group ``name``, driven by hand over a raw TCP stream."""
 
-    def __init__(self, store: Store, name: str, *, rank: int = 1, world_size: int = 2,
-                 chunk_bytes: int, secret: bytes | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        name: str,
+        *,
+        rank: int = 1,
+        world_size: int = 2,
+        chunk_bytes: int,
+        secret: bytes | None = None,
+    ) -> None:
         self.store, self.name, self.rank, self.world_size = store, name, rank, world_size
         self.chunk_bytes = chunk_bytes
         self.secret = secret
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def join(self, peer: int = 0, timeout: float = 20.0,
-                   rcvbuf: int | None = None) -> None:
+    async def join(self, peer: int = 0, timeout: float = 20.0, rcvbuf: int | None = None) -> None:
         """Publish this rank's record and link to rank ``peer`` (which accepts from us);
         ``rcvbuf`` shrinks our socket's receive buffer (to fill the peer's queue sooner)."""
-        record = {"v": PROTOCOL_VERSION, "rank": self.rank, "world_size": self.world_size,
-                  "transport": "tcp", "address": "127.0.0.1", "port": 9,
-                  "hostname": socket.gethostname(), "boot_id": "", "pid": os.getpid(),
-                  "chunk_bytes": self.chunk_bytes}
+        record = {
+            "v": PROTOCOL_VERSION,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "transport": "tcp",
+            "address": "127.0.0.1",
+            "port": 9,
+            "hostname": socket.gethostname(),
+            "boot_id": "",
+            "pid": os.getpid(),
+            "chunk_bytes": self.chunk_bytes,
+        }
         # Claim the rank and publish like a real rank, so the real ones accept us as theirs.
-        claim = await claims.claim(self.store, self.name, self.rank, self.world_size,
-                                   Deadline.after(timeout))
+        claim = await claims.claim(
+            self.store, self.name, self.rank, self.world_size, Deadline.after(timeout)
+        )
         await claim.publish(record)
         await claim.wait_records(Deadline.after(timeout))
         theirs = await claim.read_record(peer)
@@ -83,14 +111,14 @@ class FakePeer:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         sock.setblocking(False)
         try:
-            await asyncio.get_running_loop().sock_connect(
-                sock, (theirs["address"], theirs["port"]))
+            await asyncio.get_running_loop().sock_connect(sock, (theirs["address"], theirs["port"]))
         except BaseException:
             sock.close()
             raise
         self.reader, self.writer = await asyncio.open_connection(sock=sock)
-        hs = ConnectorHandshake(self.name, self.rank, peer, self.world_size, self.secret,
-                                job=claim.job)
+        hs = ConnectorHandshake(
+            self.name, self.rank, peer, self.world_size, self.secret, job=claim.job
+        )
         async with asyncio.timeout(timeout):
             while True:
                 replies, done = hs.on_message(await self.read_message())
@@ -134,8 +162,9 @@ class FakePeer:
 
     async def aborts(self) -> list[dict[str, Any]]:
         """Read to EOF and decode the ABORT frames received."""
-        return [msgpack.unpackb(p, raw=False)
-                for h, p in await self.read_until_eof() if h.kind == ABORT]
+        return [
+            msgpack.unpackb(p, raw=False) for h, p in await self.read_until_eof() if h.kind == ABORT
+        ]
 
     def close(self) -> None:
         if self.writer is not None:
@@ -190,6 +219,7 @@ async def loop_errors() -> AsyncIterator[list[dict[str, Any]]]:
 
 # -- certificates ---------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Certs:
     """Files of two independent CAs: ``ranks[r]`` are (cert, key) signed by the main CA,
@@ -207,25 +237,70 @@ def _openssl_certs(d: Path, n: int) -> Certs:
 
     def ca(name: str) -> tuple[Path, Path]:
         crt, key = d / f"{name}.pem", d / f"{name}.key"
-        run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
-            "-keyout", str(key), "-out", str(crt), "-days", "2", "-subj", f"/CN={name}")
+        run(
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(crt),
+            "-days",
+            "2",
+            "-subj",
+            f"/CN={name}",
+        )
         return crt, key
 
     def leaf(name: str, ca_crt: Path, ca_key: Path) -> tuple[str, str]:
         crt, key, csr = d / f"{name}.pem", d / f"{name}.key", d / f"{name}.csr"
         ext = d / f"{name}.ext"
         ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-        run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
-            "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}")
-        run("x509", "-req", "-in", str(csr), "-CA", str(ca_crt), "-CAkey", str(ca_key),
-            "-CAcreateserial", "-out", str(crt), "-days", "2", "-extfile", str(ext))
+        run(
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(csr),
+            "-subj",
+            f"/CN={name}",
+        )
+        run(
+            "x509",
+            "-req",
+            "-in",
+            str(csr),
+            "-CA",
+            str(ca_crt),
+            "-CAkey",
+            str(ca_key),
+            "-CAcreateserial",
+            "-out",
+            str(crt),
+            "-days",
+            "2",
+            "-extfile",
+            str(ext),
+        )
         return str(crt), str(key)
 
     ca_crt, ca_key = ca("ca")
     other_crt, other_key = ca("other-ca")
-    return Certs(str(ca_crt), str(other_crt), [leaf(f"rank{r}", ca_crt, ca_key)
-                                               for r in range(n)],
-                 leaf("stranger", other_crt, other_key))
+    return Certs(
+        str(ca_crt),
+        str(other_crt),
+        [leaf(f"rank{r}", ca_crt, ca_key) for r in range(n)],
+        leaf("stranger", other_crt, other_key),
+    )
 
 
 def _cryptography_certs(d: Path, n: int) -> Certs:
@@ -239,44 +314,71 @@ def _cryptography_certs(d: Path, n: int) -> Certs:
 
     now = datetime.datetime.now(datetime.UTC)
 
-    def write(name: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> tuple[str,
-                                                                                          str]:
+    def write(
+        name: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey
+    ) -> tuple[str, str]:
         crt_path, key_path = d / f"{name}.pem", d / f"{name}.key"
         crt_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                               serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
+        key_path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
         return str(crt_path), str(key_path)
 
-    def build(name: str, issuer: x509.Name | None, signer: ec.EllipticCurvePrivateKey | None,
-              is_ca: bool) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    def build(
+        name: str, issuer: x509.Name | None, signer: ec.EllipticCurvePrivateKey | None, is_ca: bool
+    ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        builder = (x509.CertificateBuilder().subject_name(subject)
-                   .issuer_name(issuer or subject).public_key(key.public_key())
-                   .serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=2))
-                   .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None),
-                                  critical=True))
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(issuer or subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True)
+        )
         if is_ca:
-            builder = builder.add_extension(x509.KeyUsage(
-                digital_signature=True, key_cert_sign=True, crl_sign=True,
-                content_commitment=False, key_encipherment=False, data_encipherment=False,
-                key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            builder = builder.add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
         else:
-            builder = builder.add_extension(x509.SubjectAlternativeName([
-                x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                x509.DNSName("localhost")]), critical=False)
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+                ),
+                critical=False,
+            )
         return builder.sign(signer or key, hashes.SHA256()), key
 
     ca_cert, ca_key = build("aiocollect test CA", None, None, True)
     other_cert, other_key = build("another CA", None, None, True)
-    ranks = [write(f"rank{r}", *build(f"rank{r}", ca_cert.subject, ca_key, False))
-             for r in range(n)]
+    ranks = [
+        write(f"rank{r}", *build(f"rank{r}", ca_cert.subject, ca_key, False)) for r in range(n)
+    ]
     stranger = write("stranger", *build("stranger", other_cert.subject, other_key, False))
-    return Certs(write("ca", ca_cert, ca_key)[0], write("other-ca", other_cert, other_key)[0],
-                 ranks, stranger)
+    return Certs(
+        write("ca", ca_cert, ca_key)[0],
+        write("other-ca", other_cert, other_key)[0],
+        ranks,
+        stranger,
+    )
 
 
 def make_certs(d: Path, n: int) -> Certs:
@@ -286,8 +388,10 @@ def make_certs(d: Path, n: int) -> Certs:
         import cryptography  # noqa: F401
     except ImportError:
         if shutil.which("openssl") is None:
-            pytest.skip("neither the cryptography package nor the openssl command: TLS "
-                        "tests skipped (pip install cryptography)")
+            pytest.skip(
+                "neither the cryptography package nor the openssl command: TLS "
+                "tests skipped (pip install cryptography)"
+            )
         return _openssl_certs(d, n)
     return _cryptography_certs(d, n)
 

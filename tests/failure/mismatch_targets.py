@@ -20,16 +20,18 @@ async def wrong_root(g: ac.Group, wrong: int, root: int, count: int) -> dict[str
     try:
         await g.broadcast(np.zeros(count, np.float32), root=root if g.rank == wrong else 0)
     except ac.MismatchError as exc:
-        return {"error": "MismatchError", "message": str(exc),
-                "elapsed": time.monotonic() - t0}
+        return {"error": "MismatchError", "message": str(exc), "elapsed": time.monotonic() - t0}
     except ac.GroupBrokenError as exc:
-        return {"error": "GroupBrokenError", "message": str(exc),
-                "cause": type(exc.__cause__).__name__, "elapsed": time.monotonic() - t0}
+        return {
+            "error": "GroupBrokenError",
+            "message": str(exc),
+            "cause": type(exc.__cause__).__name__,
+            "elapsed": time.monotonic() - t0,
+        }
     return {"error": None, "elapsed": time.monotonic() - t0}
 
 
-async def wrong_root_then_barrier(g: ac.Group, wrong: int, root: int,
-                                  count: int) -> dict[str, Any]:
+async def wrong_root_then_barrier(g: ac.Group, wrong: int, root: int, count: int) -> dict[str, Any]:
     """As :func:`wrong_root`, then a barrier: a rank whose broadcast succeeded learns the
     mismatch there (GroupBrokenError caused by it, or MismatchError while in flight)."""
     first = await wrong_root(g, wrong, root, count)
@@ -39,11 +41,20 @@ async def wrong_root_then_barrier(g: ac.Group, wrong: int, root: int,
     try:
         await g.barrier()
     except ac.MismatchError as exc:
-        return {"error": "MismatchError", "message": str(exc), "at": "barrier",
-                "elapsed": time.monotonic() - t0}
+        return {
+            "error": "MismatchError",
+            "message": str(exc),
+            "at": "barrier",
+            "elapsed": time.monotonic() - t0,
+        }
     except ac.GroupBrokenError as exc:
-        return {"error": "GroupBrokenError", "message": str(exc), "at": "barrier",
-                "cause": type(exc.__cause__).__name__, "elapsed": time.monotonic() - t0}
+        return {
+            "error": "GroupBrokenError",
+            "message": str(exc),
+            "at": "barrier",
+            "cause": type(exc.__cause__).__name__,
+            "elapsed": time.monotonic() - t0,
+        }
     return {"error": None, "elapsed": time.monotonic() - t0}
 
 

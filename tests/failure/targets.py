@@ -11,8 +11,9 @@ import numpy as np
 import aiocollect as ac
 
 
-async def loop_until_failure(g: ac.Group, size: int, ready_key: str,
-                             algorithm: str | None = None) -> dict[str, Any]:
+async def loop_until_failure(
+    g: ac.Group, size: int, ready_key: str, algorithm: str | None = None
+) -> dict[str, Any]:
     """Allreduce in a loop; once a few have succeeded, publish readiness in the store (the
     test waits on it before injecting the fault), then report the first error and when it
     was raised (time.time, comparable across processes)."""
@@ -35,9 +36,15 @@ async def loop_until_failure(g: ac.Group, size: int, ready_key: str,
             g.barrier()
         except ac.GroupBrokenError as broken:
             later = type(broken.__cause__).__name__
-        return {"error": type(exc).__name__, "message": str(exc), "at": time.time(),
-                "rank_attr": getattr(exc, "rank", None), "ranks": getattr(exc, "ranks", None),
-                "later": later, "done": done}
+        return {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "at": time.time(),
+            "rank_attr": getattr(exc, "rank", None),
+            "ranks": getattr(exc, "ranks", None),
+            "later": later,
+            "done": done,
+        }
 
 
 async def reopen_after_failure(g: ac.Group, size: int, ready_key: str) -> dict[str, Any]:

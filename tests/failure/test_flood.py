@@ -51,17 +51,33 @@ async def _flood(g: ac.Group, fake: FakePeer, kind: int, distinct_seqs: bool) ->
     return sent
 
 
-@pytest.mark.parametrize(("kind", "distinct_seqs"), [(DATA, False), (DATA, True), (P2P, False)],
-                         ids=["data-one-op", "data-many-ops", "p2p"])
+@pytest.mark.parametrize(
+    ("kind", "distinct_seqs"),
+    [(DATA, False), (DATA, True), (P2P, False)],
+    ids=["data-one-op", "data-many-ops", "p2p"],
+)
 async def test_empty_frame_flood_is_capped_and_released(
-        kind: int, distinct_seqs: bool, memory_store: MemoryStore, unique_name: str,
-        fake_peer: Callable[..., FakePeer], monkeypatch: pytest.MonkeyPatch,
-        loop_errors: list[Any]) -> None:
+    kind: int,
+    distinct_seqs: bool,
+    memory_store: MemoryStore,
+    unique_name: str,
+    fake_peer: Callable[..., FakePeer],
+    monkeypatch: pytest.MonkeyPatch,
+    loop_errors: list[Any],
+) -> None:
     monkeypatch.setattr(link_base, "MAX_EARLY_BYTES", LIMIT)
     fake = fake_peer(memory_store, unique_name, chunk_bytes=CHUNK)
-    opening = asyncio.ensure_future(ac.open_group(
-        0, 2, store=memory_store, transport="tcp", timeout=60, name=unique_name,
-        chunk_bytes=CHUNK))
+    opening = asyncio.ensure_future(
+        ac.open_group(
+            0,
+            2,
+            store=memory_store,
+            transport="tcp",
+            timeout=60,
+            name=unique_name,
+            chunk_bytes=CHUNK,
+        )
+    )
     await fake.join()
     g = await opening
     gc.collect()
@@ -80,7 +96,8 @@ async def test_empty_frame_flood_is_capped_and_released(
         assert "staged" in str(failure), str(failure)
         # the cap held: what staging cost never went (much) beyond it
         assert peak <= LIMIT + SLACK, (
-            f"staging {sent} frames used {peak / 2**20:.1f} MiB, cap {LIMIT / 2**20:.0f} MiB")
+            f"staging {sent} frames used {peak / 2**20:.1f} MiB, cap {LIMIT / 2**20:.0f} MiB"
+        )
         g.abort()
         await fake.aclose()
         await asyncio.sleep(0.1)

@@ -71,17 +71,29 @@ PROTOCOL_ERRORS = (errors.ProtocolError, errors.AuthenticationError, errors.Rend
 # == (a) fuzzing the parsers ===============================================================
 
 header_fields = st.tuples(
-    st.sampled_from([MAGIC, 0, 0xFFFF, MAGIC ^ 1]), st.integers(0, 255), st.integers(0, 255),
-    st.integers(0, 255), st.integers(0, 255), st.integers(0, 2**32 - 1),
-    st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
-    st.integers(-2**31, 2**31 - 1), st.integers(0, 2**64 - 1),
-    st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 4096)))
+    st.sampled_from([MAGIC, 0, 0xFFFF, MAGIC ^ 1]),
+    st.integers(0, 255),
+    st.integers(0, 255),
+    st.integers(0, 255),
+    st.integers(0, 255),
+    st.integers(0, 2**32 - 1),
+    st.integers(0, 2**32 - 1),
+    st.integers(0, 2**64 - 1),
+    st.integers(0, 2**64 - 1),
+    st.integers(-(2**31), 2**31 - 1),
+    st.integers(0, 2**64 - 1),
+    st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 4096)),
+)
 
 
 @settings(max_examples=500, deadline=None)
-@given(raw=st.one_of(st.binary(min_size=HEADER_SIZE, max_size=HEADER_SIZE),
-                     header_fields.map(lambda f: HEADER.pack(*f))),
-       max_length=st.integers(0, 2**40))
+@given(
+    raw=st.one_of(
+        st.binary(min_size=HEADER_SIZE, max_size=HEADER_SIZE),
+        header_fields.map(lambda f: HEADER.pack(*f)),
+    ),
+    max_length=st.integers(0, 2**40),
+)
 def test_parse_header_fuzz(raw: bytes, max_length: int) -> None:
     try:
         h = parse_header(raw, max_length)
@@ -92,23 +104,49 @@ def test_parse_header_fuzz(raw: bytes, max_length: int) -> None:
     assert pack_header(h) == raw  # nothing is silently reinterpreted
 
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(),
-                    st.text(max_size=20), st.binary(max_size=40))
-values = st.recursive(scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
-    max_leaves=10)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(),
+    st.text(max_size=20),
+    st.binary(max_size=40),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=10,
+)
 KNOWN_KEYS = ["t", "v", "nonce", "mac", "rank", "peer", "world", "group", "error", "kind"]
 random_messages = st.dictionaries(
     st.one_of(st.sampled_from(KNOWN_KEYS), st.text(max_size=8)),
-    st.one_of(st.sampled_from(["hello", "challenge", "welcome", "reject", "auth", "g",
-                               PROTOCOL_VERSION, 0, 1, 2, b"x" * 32]), values),
-    max_size=10)
+    st.one_of(
+        st.sampled_from(
+            [
+                "hello",
+                "challenge",
+                "welcome",
+                "reject",
+                "auth",
+                "g",
+                PROTOCOL_VERSION,
+                0,
+                1,
+                2,
+                b"x" * 32,
+            ]
+        ),
+        values,
+    ),
+    max_size=10,
+)
 
 
 def _valid_hello(secret: bytes | None, acceptor_nonce: bytes) -> dict[str, Any]:
     hs = ConnectorHandshake("g", 1, 0, 2, secret)
-    (hello,), _ = hs.on_message({"t": "challenge", "v": PROTOCOL_VERSION,
-                                 "nonce": acceptor_nonce})
+    (hello,), _ = hs.on_message({"t": "challenge", "v": PROTOCOL_VERSION, "nonce": acceptor_nonce})
     return hello
 
 
@@ -145,21 +183,28 @@ def _check_outcome(call: Callable[[], Any]) -> None:
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(msg=st.one_of(random_messages, mutated_hellos()),
-       secret=st.sampled_from([None, b"s3cret"]))
+@given(msg=st.one_of(random_messages, mutated_hellos()), secret=st.sampled_from([None, b"s3cret"]))
 @example(msg={"t": "hello", "nonce": b"", "mac": b"", "rank": 1, "world": "two"}, secret=None)
 @example(msg={"t": "hello", "nonce": b"", "mac": b"", "rank": 1, "world": [2]}, secret=None)
-@example(msg={"t": "hello", "nonce": b"", "mac": b"", "rank": 1, "world": float("inf")},
-         secret=None)
+@example(
+    msg={"t": "hello", "nonce": b"", "mac": b"", "rank": 1, "world": float("inf")}, secret=None
+)
 def test_acceptor_handshake_fuzz(msg: dict[str, Any], secret: bytes | None) -> None:
     hs = AcceptorHandshake("g", 0, 2, secret, lambda peer: None)
     _check_outcome(lambda: hs.on_message(msg))
 
 
 @settings(max_examples=400, deadline=None)
-@given(msgs=st.lists(st.one_of(random_messages, st.just(
-    {"t": "challenge", "v": PROTOCOL_VERSION, "nonce": b"n" * 32})), min_size=1, max_size=3),
-       secret=st.sampled_from([None, b"s3cret"]))
+@given(
+    msgs=st.lists(
+        st.one_of(
+            random_messages, st.just({"t": "challenge", "v": PROTOCOL_VERSION, "nonce": b"n" * 32})
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    secret=st.sampled_from([None, b"s3cret"]),
+)
 def test_connector_handshake_fuzz(msgs: list[dict[str, Any]], secret: bytes | None) -> None:
     hs = ConnectorHandshake("g", 1, 0, 2, secret)
     for msg in msgs:
@@ -227,8 +272,11 @@ def _feed_stranger(data: bytes, secret: bytes | None, pieces: int) -> None:
     link = TcpLink(events, CHUNK, AcceptorHandshake("g", 0, 2, secret, lambda peer: None))
     transport = _FakeTransport()
     link.connection_made(transport)  # type: ignore[arg-type]
-    cuts = sorted(random.Random(len(data)).sample(
-        range(1, len(data)), min(pieces, len(data) - 1))) if len(data) > 1 else []
+    cuts = (
+        sorted(random.Random(len(data)).sample(range(1, len(data)), min(pieces, len(data) - 1)))
+        if len(data) > 1
+        else []
+    )
     for part in np.split(np.frombuffer(data, np.uint8), cuts) if data else []:
         chunk = part.tobytes()
         while chunk:
@@ -254,13 +302,19 @@ def _framed(msg: Any) -> bytes:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.one_of(
-    st.binary(max_size=300),
-    st.lists(st.one_of(random_messages, mutated_hellos()), min_size=1, max_size=3).map(
-        lambda msgs: b"".join(_framed(m) for m in msgs)),
-    st.tuples(mutated_hellos(), st.binary(max_size=200)).map(
-        lambda t: _framed(t[0]) + header(ABORT, length=len(t[1])) + t[1])),
-    secret=st.sampled_from([None, b"s3cret"]), pieces=st.integers(1, 6))
+@given(
+    data=st.one_of(
+        st.binary(max_size=300),
+        st.lists(st.one_of(random_messages, mutated_hellos()), min_size=1, max_size=3).map(
+            lambda msgs: b"".join(_framed(m) for m in msgs)
+        ),
+        st.tuples(mutated_hellos(), st.binary(max_size=200)).map(
+            lambda t: _framed(t[0]) + header(ABORT, length=len(t[1])) + t[1]
+        ),
+    ),
+    secret=st.sampled_from([None, b"s3cret"]),
+    pieces=st.integers(1, 6),
+)
 @example(data=u32(0xFFFFFFFF) + b"x" * 8, secret=None, pieces=1)
 @example(data=u32(MAX_HANDSHAKE + 1), secret=None, pieces=1)
 @example(data=u32(0), secret=None, pieces=1)
@@ -283,8 +337,7 @@ def test_rejected_hello_followed_by_frames_never_reaches_the_fabric() -> None:
     same packet: after the rejection nothing it sent may be parsed as a frame (asyncio's TLS
     transport delivers already-decrypted bytes even after close())."""
     bad = ConnectorHandshake("g", 1, 0, 2, b"wrong secret")
-    (hello,), _ = bad.on_message({"t": "challenge", "v": PROTOCOL_VERSION,
-                                  "nonce": b"n" * 32})
+    (hello,), _ = bad.on_message({"t": "challenge", "v": PROTOCOL_VERSION, "nonce": b"n" * 32})
     abort = msgpack.packb({"rank": 1, "type": "PeerTimeout", "message": "spoofed"})
     data = _framed(hello) + header(ABORT, length=len(abort)) + abort
     asyncio.run(_async_feed(data, b"s3cret", 1))
@@ -292,16 +345,19 @@ def test_rejected_hello_followed_by_frames_never_reaches_the_fabric() -> None:
 
 # == (b) strangers at a listener during rendezvous ==========================================
 
+
 async def _listener_address(store: MemoryStore, name: str) -> tuple[str, int]:
     rec = msgpack.unpackb(await store.get(f"aiocollect/{name}/rank/0", timeout=20))
     return rec["address"], rec["port"]
 
 
-def _hello(name: str, rank: int = 1, peer: int = 0, world: int = 2,
-           secret: bytes | None = None) -> Callable[[dict[str, Any]], bytes]:
+def _hello(
+    name: str, rank: int = 1, peer: int = 0, world: int = 2, secret: bytes | None = None
+) -> Callable[[dict[str, Any]], bytes]:
     def reply(challenge: dict[str, Any]) -> bytes:
         (msg,), _ = ConnectorHandshake(name, rank, peer, world, secret).on_message(challenge)
         return _framed(msg)
+
     return reply
 
 
@@ -322,8 +378,12 @@ STRANGERS: dict[str, bytes | Callable[[str], Callable[[dict[str, Any]], bytes]]]
 }
 
 
-async def _stranger(host: str, port: int, name: str,
-                    what: bytes | Callable[[str], Callable[[dict[str, Any]], bytes]]) -> bytes:
+async def _stranger(
+    host: str,
+    port: int,
+    name: str,
+    what: bytes | Callable[[str], Callable[[dict[str, Any]], bytes]],
+) -> bytes:
     """Connect, send the stranger's bytes and half-close; return everything received
     until the rank closed the connection."""
     reader, writer = await asyncio.open_connection(host, port)
@@ -343,13 +403,16 @@ async def _stranger(host: str, port: int, name: str,
         writer.close()
 
 
-async def _two_ranks(store: MemoryStore, name: str,
-                     before_rank1: Callable[[str, int], Any], **options: Any) -> list[float]:
+async def _two_ranks(
+    store: MemoryStore, name: str, before_rank1: Callable[[str, int], Any], **options: Any
+) -> list[float]:
     """Start rank 0, run ``before_rank1(host, port)`` against its listener, then start
     rank 1; both ranks allreduce."""
+
     async def rank(r: int) -> float:
-        async with ac.open_group(r, 2, store=store, transport="tcp", timeout=GROUP_TIMEOUT,
-                                 name=name, **options) as g:
+        async with ac.open_group(
+            r, 2, store=store, transport="tcp", timeout=GROUP_TIMEOUT, name=name, **options
+        ) as g:
             buf = np.full(1000, r + 1.0)
             await g.allreduce(buf)
             return float(buf[0])
@@ -366,8 +429,12 @@ async def _two_ranks(store: MemoryStore, name: str,
 
 @pytest.mark.parametrize("kind", sorted(STRANGERS))
 async def test_stranger_at_listener_is_closed_and_logged_group_still_forms(
-        kind: str, memory_store: MemoryStore, unique_name: str,
-        caplog: pytest.LogCaptureFixture, loop_errors: list[Any]) -> None:
+    kind: str,
+    memory_store: MemoryStore,
+    unique_name: str,
+    caplog: pytest.LogCaptureFixture,
+    loop_errors: list[Any],
+) -> None:
     caplog.set_level(logging.WARNING, "aiocollect")
 
     async def stranger(host: str, port: int) -> None:
@@ -379,13 +446,15 @@ async def test_stranger_at_listener_is_closed_and_logged_group_still_forms(
 
 
 async def test_many_random_strangers_during_rendezvous(
-        memory_store: MemoryStore, unique_name: str, caplog: pytest.LogCaptureFixture,
-        loop_errors: list[Any]) -> None:
+    memory_store: MemoryStore,
+    unique_name: str,
+    caplog: pytest.LogCaptureFixture,
+    loop_errors: list[Any],
+) -> None:
     caplog.set_level(logging.WARNING, "aiocollect")
     rng = random.Random(1234)
     blobs = [rng.randbytes(rng.randrange(0, 2000)) for _ in range(30)]
-    blobs += [u32(rng.randrange(0, 200)) + rng.randbytes(rng.randrange(0, 300))
-              for _ in range(30)]
+    blobs += [u32(rng.randrange(0, 200)) + rng.randbytes(rng.randrange(0, 300)) for _ in range(30)]
 
     async def strangers(host: str, port: int) -> None:
         await asyncio.gather(*(_stranger(host, port, unique_name, b) for b in blobs))
@@ -396,7 +465,8 @@ async def test_many_random_strangers_during_rendezvous(
 
 
 async def test_silent_stranger_is_closed_once_the_group_formed(
-        memory_store: MemoryStore, unique_name: str, loop_errors: list[Any]) -> None:
+    memory_store: MemoryStore, unique_name: str, loop_errors: list[Any]
+) -> None:
     """A connection that starts a handshake and then says nothing must not be kept open
     (holding a file descriptor) after rendezvous: the listener's job is over."""
     held: list[asyncio.StreamReader] = []
@@ -420,13 +490,24 @@ async def test_silent_stranger_is_closed_once_the_group_formed(
 
 # == (c) hostile frames on an established link ==============================================
 
-async def _linked(store: MemoryStore, name: str, fake_peer: Callable[..., FakePeer],
-                  **options: Any) -> tuple[ac.Group, FakePeer]:
+
+async def _linked(
+    store: MemoryStore, name: str, fake_peer: Callable[..., FakePeer], **options: Any
+) -> tuple[ac.Group, FakePeer]:
     """A real rank 0 and a fake rank 1, linked."""
     fake = fake_peer(store, name, chunk_bytes=CHUNK)
-    opening = asyncio.ensure_future(ac.open_group(
-        0, 2, store=store, transport="tcp", timeout=GROUP_TIMEOUT, name=name,
-        chunk_bytes=CHUNK, **options))
+    opening = asyncio.ensure_future(
+        ac.open_group(
+            0,
+            2,
+            store=store,
+            transport="tcp",
+            timeout=GROUP_TIMEOUT,
+            name=name,
+            chunk_bytes=CHUNK,
+            **options,
+        )
+    )
     try:
         await fake.join()
     except BaseException:
@@ -435,8 +516,9 @@ async def _linked(store: MemoryStore, name: str, fake_peer: Callable[..., FakePe
     return await opening, fake
 
 
-async def _expect_failure(handle: asyncio.Future[Any], exc_type: type[BaseException],
-                          started: float) -> BaseException:
+async def _expect_failure(
+    handle: asyncio.Future[Any], exc_type: type[BaseException], started: float
+) -> BaseException:
     with pytest.raises(exc_type) as info:
         async with asyncio.timeout(GROUP_TIMEOUT + 5):
             await handle
@@ -466,8 +548,7 @@ async def _sum_ranks(g: ac.Group) -> float:
     return float(buf[0])
 
 
-def _garbage_after(h: Header, payload: bytes) -> dict[str, tuple[bytes, type[BaseException],
-                                                                 str]]:
+def _garbage_after(h: Header, payload: bytes) -> dict[str, tuple[bytes, type[BaseException], str]]:
     """Hostile bytes, each sent after the real rank's first frame ``h`` was seen, with the
     error the real rank's pending allreduce must raise and a phrase its message contains."""
     abort_junk = b"\xc1not msgpack"
@@ -475,20 +556,33 @@ def _garbage_after(h: Header, payload: bytes) -> dict[str, tuple[bytes, type[Bas
         "bad magic": (header(magic=0xDEAD), errors.ProtocolError, "magic"),
         "unknown kind": (header(kind=99), errors.ProtocolError, "kind 99"),
         "kind zero": (header(kind=0), errors.ProtocolError, "kind 0"),
-        "data frame over chunk_bytes": (echo_header(h, length=CHUNK + 1),
-                                        errors.ProtocolError, "exceeds"),
-        "huge data frame": (echo_header(h, length=2**64 - 1), errors.ProtocolError,
-                            "exceeds"),
+        "data frame over chunk_bytes": (
+            echo_header(h, length=CHUNK + 1),
+            errors.ProtocolError,
+            "exceeds",
+        ),
+        "huge data frame": (echo_header(h, length=2**64 - 1), errors.ProtocolError, "exceeds"),
         "huge p2p frame": (header(P2P, length=2**63), errors.ProtocolError, "exceeds"),
-        "huge control frame": (header(ABORT, length=MAX_CONTROL + 1), errors.ProtocolError,
-                               "exceeds"),
-        "malformed ABORT": (header(ABORT, length=len(abort_junk)) + abort_junk,
-                            errors.ProtocolError, "malformed ABORT"),
-        "wrong fingerprint": (echo_header(h, elems=h.elems + 1) + payload,
-                              errors.MismatchError, "called"),
-        "short payload for a posted receive": (echo_header(h, length=len(payload) // 2)
-                                               + payload[:len(payload) // 2],
-                                               errors.MismatchError, "bytes"),
+        "huge control frame": (
+            header(ABORT, length=MAX_CONTROL + 1),
+            errors.ProtocolError,
+            "exceeds",
+        ),
+        "malformed ABORT": (
+            header(ABORT, length=len(abort_junk)) + abort_junk,
+            errors.ProtocolError,
+            "malformed ABORT",
+        ),
+        "wrong fingerprint": (
+            echo_header(h, elems=h.elems + 1) + payload,
+            errors.MismatchError,
+            "called",
+        ),
+        "short payload for a posted receive": (
+            echo_header(h, length=len(payload) // 2) + payload[: len(payload) // 2],
+            errors.MismatchError,
+            "bytes",
+        ),
     }
 
 
@@ -497,9 +591,13 @@ GARBAGE = sorted(_garbage_after(Header(DATA, 0, 0, 0, 0, 0, 0, 0, -1, 0, 0), b""
 
 @pytest.mark.both_loops
 @pytest.mark.parametrize("kind", GARBAGE)
-async def test_garbage_on_a_live_link(kind: str, memory_store: MemoryStore, unique_name: str,
-                                      fake_peer: Callable[..., FakePeer],
-                                      loop_errors: list[Any]) -> None:
+async def test_garbage_on_a_live_link(
+    kind: str,
+    memory_store: MemoryStore,
+    unique_name: str,
+    fake_peer: Callable[..., FakePeer],
+    loop_errors: list[Any],
+) -> None:
     g, fake = await _linked(memory_store, unique_name, fake_peer)
     handle = g.allreduce(np.ones(64, np.float32))  # 4 chunks each way; fake sends none
     h, payload = await fake.read_frame()
@@ -518,17 +616,24 @@ async def test_garbage_on_a_live_link(kind: str, memory_store: MemoryStore, uniq
 
 
 @pytest.mark.both_loops
-@pytest.mark.parametrize("cut", ["inside a header", "inside a payload",
-                                 "after a header announcing a payload"])
-async def test_truncated_frame_then_close(cut: str, memory_store: MemoryStore,
-                                          unique_name: str, fake_peer: Callable[..., FakePeer],
-                                          loop_errors: list[Any]) -> None:
+@pytest.mark.parametrize(
+    "cut", ["inside a header", "inside a payload", "after a header announcing a payload"]
+)
+async def test_truncated_frame_then_close(
+    cut: str,
+    memory_store: MemoryStore,
+    unique_name: str,
+    fake_peer: Callable[..., FakePeer],
+    loop_errors: list[Any],
+) -> None:
     g, fake = await _linked(memory_store, unique_name, fake_peer)
     handle = g.allreduce(np.ones(64, np.float32))
     h, payload = await fake.read_frame()
-    data = {"inside a header": echo_header(h)[:HEADER_SIZE // 2],
-            "inside a payload": echo_header(h) + payload[:len(payload) // 2],
-            "after a header announcing a payload": echo_header(h)}[cut]
+    data = {
+        "inside a header": echo_header(h)[: HEADER_SIZE // 2],
+        "inside a payload": echo_header(h) + payload[: len(payload) // 2],
+        "after a header announcing a payload": echo_header(h),
+    }[cut]
     fake.write(data)
     await fake.drain()
     started = time.monotonic()
@@ -540,9 +645,12 @@ async def test_truncated_frame_then_close(cut: str, memory_store: MemoryStore,
     await _process_still_healthy()
 
 
-async def test_frame_for_a_finished_operation(memory_store: MemoryStore, unique_name: str,
-                                              fake_peer: Callable[..., FakePeer],
-                                              loop_errors: list[Any]) -> None:
+async def test_frame_for_a_finished_operation(
+    memory_store: MemoryStore,
+    unique_name: str,
+    fake_peer: Callable[..., FakePeer],
+    loop_errors: list[Any],
+) -> None:
     g, fake = await _linked(memory_store, unique_name, fake_peer)
     await g.broadcast(np.ones(64, np.float32), root=0)  # op #0: rank 0 only sends
     old = [await fake.read_frame() for _ in range(4)]
@@ -556,9 +664,12 @@ async def test_frame_for_a_finished_operation(memory_store: MemoryStore, unique_
     await _group_is_broken_by(g, exc)
 
 
-async def test_duplicate_frame_is_rejected(memory_store: MemoryStore, unique_name: str,
-                                           fake_peer: Callable[..., FakePeer],
-                                           loop_errors: list[Any]) -> None:
+async def test_duplicate_frame_is_rejected(
+    memory_store: MemoryStore,
+    unique_name: str,
+    fake_peer: Callable[..., FakePeer],
+    loop_errors: list[Any],
+) -> None:
     """A legitimate peer never sends the same frame key twice; a repeated early frame must
     not silently replace the first one."""
     g, fake = await _linked(memory_store, unique_name, fake_peer)
@@ -576,17 +687,27 @@ async def test_duplicate_frame_is_rejected(memory_store: MemoryStore, unique_nam
 def _unmatched_frames(kind: int, payload_len: int, count: int, start: int = 0) -> bytes:
     """Frames with keys nobody will ever post (an unknown sub-group, or unused P2P tags)."""
     body = b"\xab" * payload_len
-    return b"".join(header(kind, gid=0xBAD, seq=start + i, slot=i, root=-1,
-                           length=payload_len) + body for i in range(count))
+    return b"".join(
+        header(kind, gid=0xBAD, seq=start + i, slot=i, root=-1, length=payload_len) + body
+        for i in range(count)
+    )
 
 
 @pytest.mark.both_loops
-@pytest.mark.parametrize(("kind", "payload_len"), [(DATA, CHUNK), (P2P, CHUNK), (P2P, 0)],
-                         ids=["data", "p2p", "empty-p2p"])
+@pytest.mark.parametrize(
+    ("kind", "payload_len"),
+    [(DATA, CHUNK), (P2P, CHUNK), (P2P, 0)],
+    ids=["data", "p2p", "empty-p2p"],
+)
 async def test_unmatched_frames_are_staged_up_to_a_bound(
-        kind: int, payload_len: int, memory_store: MemoryStore, unique_name: str,
-        fake_peer: Callable[..., FakePeer], monkeypatch: pytest.MonkeyPatch,
-        loop_errors: list[Any]) -> None:
+    kind: int,
+    payload_len: int,
+    memory_store: MemoryStore,
+    unique_name: str,
+    fake_peer: Callable[..., FakePeer],
+    monkeypatch: pytest.MonkeyPatch,
+    loop_errors: list[Any],
+) -> None:
     """Frames that arrive before (or without) a matching receive are staged; a peer that
     keeps sending frames nobody receives hits the staging limit (ProtocolError naming it)
     instead of exhausting memory."""
@@ -618,9 +739,12 @@ async def test_unmatched_frames_are_staged_up_to_a_bound(
     await _group_is_broken_by(g, exc)
 
 
-async def test_staging_within_the_bound_is_fine(memory_store: MemoryStore, unique_name: str,
-                                                fake_peer: Callable[..., FakePeer],
-                                                loop_errors: list[Any]) -> None:
+async def test_staging_within_the_bound_is_fine(
+    memory_store: MemoryStore,
+    unique_name: str,
+    fake_peer: Callable[..., FakePeer],
+    loop_errors: list[Any],
+) -> None:
     """Early frames below the limit stay receivable: a P2P message sent before its receive
     is posted is delivered when the receive comes."""
     g, fake = await _linked(memory_store, unique_name, fake_peer)
@@ -628,9 +752,22 @@ async def test_staging_within_the_bound_is_fine(memory_store: MemoryStore, uniqu
     coll, dtype, elems, op, root = pack(Collective.SEND, msg)
     raw = msg.tobytes()
     for c in range(3):
-        part = raw[c * CHUNK:(c + 1) * CHUNK]
-        fake.write(header(P2P, coll=coll, op=op, dtype=dtype, seq=0, slot=7, chunk=c,
-                          root=root, elems=elems, length=len(part)) + part)
+        part = raw[c * CHUNK : (c + 1) * CHUNK]
+        fake.write(
+            header(
+                P2P,
+                coll=coll,
+                op=op,
+                dtype=dtype,
+                seq=0,
+                slot=7,
+                chunk=c,
+                root=root,
+                elems=elems,
+                length=len(part),
+            )
+            + part
+        )
     await fake.drain()
     out = np.zeros(40, np.int32)
     assert await asyncio.wait_for(g.recv(out, 1, tag=7), PROMPT) == 1
@@ -640,30 +777,54 @@ async def test_staging_within_the_bound_is_fine(memory_store: MemoryStore, uniqu
 
 @pytest.mark.both_loops
 async def test_ping_flood_without_reading_keeps_memory_bounded(
-        memory_store: MemoryStore, unique_name: str, fake_peer: Callable[..., FakePeer],
-        monkeypatch: pytest.MonkeyPatch, loop_errors: list[Any]) -> None:
+    memory_store: MemoryStore,
+    unique_name: str,
+    fake_peer: Callable[..., FakePeer],
+    monkeypatch: pytest.MonkeyPatch,
+    loop_errors: list[Any],
+) -> None:
     """A peer that sends PINGs and never reads the PONGs must not make the rank queue
     PONGs without bound; the group keeps working."""
     backlog = 64 * 1024
     monkeypatch.setattr(fabric_module, "PONG_BACKLOG", backlog)
     fake = fake_peer(memory_store, unique_name, chunk_bytes=CHUNK)
-    opening = asyncio.ensure_future(ac.open_group(
-        0, 2, store=memory_store, transport="tcp", timeout=GROUP_TIMEOUT, name=unique_name,
-        chunk_bytes=CHUNK))
+    opening = asyncio.ensure_future(
+        ac.open_group(
+            0,
+            2,
+            store=memory_store,
+            transport="tcp",
+            timeout=GROUP_TIMEOUT,
+            name=unique_name,
+            chunk_bytes=CHUNK,
+        )
+    )
     await fake.join(rcvbuf=4096)
     g = await opening
     link = g._fabric.links[1]
     # Small kernel queues, so unread PONGs pile up in user space after a few kilobytes.
     link.transport.get_extra_info("socket").setsockopt(  # type: ignore[attr-defined]
-        socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        socket.SOL_SOCKET, socket.SO_SNDBUF, 4096
+    )
     ping = header(PING, length=8) + b"12345678"
     msg = np.arange(4, dtype=np.int64)
     coll, dtype, elems, op, root = pack(Collective.SEND, msg)
     worst = 0
     for tag in range(2):  # each round: 1.2 MB of PINGs, then a message that follows them
-        fake.write(ping * 20_000 + header(P2P, coll=coll, op=op, dtype=dtype, slot=tag,
-                                          root=root, elems=elems, length=msg.nbytes)
-                   + msg.tobytes())
+        fake.write(
+            ping * 20_000
+            + header(
+                P2P,
+                coll=coll,
+                op=op,
+                dtype=dtype,
+                slot=tag,
+                root=root,
+                elems=elems,
+                length=msg.nbytes,
+            )
+            + msg.tobytes()
+        )
         out = np.zeros(4, np.int64)
         # The message arrives after every PING before it was handled: still a working link.
         assert await asyncio.wait_for(g.recv(out, 1, tag=tag), GROUP_TIMEOUT) == 1
@@ -674,8 +835,11 @@ async def test_ping_flood_without_reading_keeps_memory_bounded(
 
 
 async def test_goodbye_then_close_fails_only_what_needs_the_peer(
-        memory_store: MemoryStore, unique_name: str, fake_peer: Callable[..., FakePeer],
-        loop_errors: list[Any]) -> None:
+    memory_store: MemoryStore,
+    unique_name: str,
+    fake_peer: Callable[..., FakePeer],
+    loop_errors: list[Any],
+) -> None:
     """A peer that says GOODBYE and leaves while an operation still needs it: that
     operation fails with GroupBrokenError naming it (not a timeout)."""
     g, fake = await _linked(memory_store, unique_name, fake_peer)

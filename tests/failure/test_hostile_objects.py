@@ -62,8 +62,9 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, list | tuple):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict):
-        return list(a) == list(b) and all(same(k, j) and same(a[k], b[j])
-                                          for k, j in zip(a, b, strict=True))
+        return list(a) == list(b) and all(
+            same(k, j) and same(a[k], b[j]) for k, j in zip(a, b, strict=True)
+        )
     return bool(a == b)
 
 
@@ -74,14 +75,37 @@ EXACT: dict[str, Any] = {
     "nested tuples": (1, (2, [3, (4,)]), ()),
     "tuple keys in tuples": ({(1, (2, 3)): [(), {"a": (None,)}]},),
     "keys of every kind": {b"k": 1, 2: "two", None: 3, 1.5: 4, True: 5, (): 6},
-    "plain scalars": [None, True, False, 0, -2**63, 2**64 - 1, 1.5, float("inf"), "", "é",
-                      b"", b"\x00bytes"],
-    "numpy scalars": [np.float32(1.5), np.int8(-3), np.bool_(True), np.complex64(1j),
-                      np.uint64(2**64 - 1), np.float16(0.5)],
-    "arrays": {"0-d": np.array(2.5), "empty": np.zeros((0, 3), np.int16),
-               "fortran": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
-               "strided": np.arange(10)[::3], "big-endian": np.arange(3, dtype=">i4"),
-               "bool": np.array([True, False]), "complex": np.ones(2, np.complex128)},
+    "plain scalars": [
+        None,
+        True,
+        False,
+        0,
+        -(2**63),
+        2**64 - 1,
+        1.5,
+        float("inf"),
+        "",
+        "é",
+        b"",
+        b"\x00bytes",
+    ],
+    "numpy scalars": [
+        np.float32(1.5),
+        np.int8(-3),
+        np.bool_(True),
+        np.complex64(1j),
+        np.uint64(2**64 - 1),
+        np.float16(0.5),
+    ],
+    "arrays": {
+        "0-d": np.array(2.5),
+        "empty": np.zeros((0, 3), np.int16),
+        "fortran": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+        "strided": np.arange(10)[::3],
+        "big-endian": np.arange(3, dtype=">i4"),
+        "bool": np.array([True, False]),
+        "complex": np.ones(2, np.complex128),
+    },
 }
 
 
@@ -100,8 +124,9 @@ async def _round_trips(g: ac.Group) -> int:
 
 
 async def test_values_round_trip_exactly_on_every_rank(loop_errors: list[Any]) -> None:
-    assert await run_ranks(3, _round_trips, transport="tcp",
-                           timeout=GROUP_TIMEOUT) == [len(EXACT)] * 3
+    assert (
+        await run_ranks(3, _round_trips, transport="tcp", timeout=GROUP_TIMEOUT) == [len(EXACT)] * 3
+    )
 
 
 class Point(NamedTuple):
@@ -147,15 +172,20 @@ async def _refused_then_pickled(g: ac.Group, value: Any) -> bool:
     # No sequence number was taken: the group is in step and usable, and pickle (allowed
     # on every rank) carries the value exactly.
     got = await g.broadcast_object(value if g.rank == 0 else None, allow_pickle=True)
-    return same(got, value) if not isinstance(value, np.ma.MaskedArray) else \
-        type(got) is np.ma.MaskedArray and got.tolist() == value.tolist()
+    return (
+        same(got, value)
+        if not isinstance(value, np.ma.MaskedArray)
+        else type(got) is np.ma.MaskedArray and got.tolist() == value.tolist()
+    )
 
 
 @pytest.mark.parametrize("kind", sorted(NOT_EXACT))
 async def test_value_that_cannot_round_trip_is_usage_error_on_the_caller(
-        kind: str, loop_errors: list[Any]) -> None:
-    assert await run_ranks(2, _refused_then_pickled, NOT_EXACT[kind], transport="tcp",
-                           timeout=GROUP_TIMEOUT) == [True, True]
+    kind: str, loop_errors: list[Any]
+) -> None:
+    assert await run_ranks(
+        2, _refused_then_pickled, NOT_EXACT[kind], transport="tcp", timeout=GROUP_TIMEOUT
+    ) == [True, True]
 
 
 async def _too_big(g: ac.Group) -> list[str]:
@@ -167,13 +197,17 @@ async def _too_big(g: ac.Group) -> list[str]:
 
 
 async def test_value_over_max_object_bytes_is_usage_error(
-        monkeypatch: pytest.MonkeyPatch, loop_errors: list[Any]) -> None:
+    monkeypatch: pytest.MonkeyPatch, loop_errors: list[Any]
+) -> None:
     monkeypatch.setattr(objects, "MAX_OBJECT_BYTES", 1000)
-    assert await run_ranks(2, _too_big, transport="tcp", timeout=GROUP_TIMEOUT) == \
-        [["rank 0", "rank 1"]] * 2
+    assert (
+        await run_ranks(2, _too_big, transport="tcp", timeout=GROUP_TIMEOUT)
+        == [["rank 0", "rank 1"]] * 2
+    )
 
 
 # == (b) hostile payloads from a rank that passed the handshake =============================
+
 
 def _pack(value: Any) -> bytes:
     return bytes(msgpack.packb(value, use_bin_type=True))
@@ -208,25 +242,42 @@ HOSTILE: dict[str, bytes] = {
     "invalid utf-8": b"\xa2\xff\xfe",
     "pickle while not allowed": objects._PICKLE_MARK + b"\x80\x05K\x01.",
 }
-ISSUE_CASES = ["ndarray ext whose header is an int", "ndarray ext with empty data",
-               "map with an array key", "pickle while not allowed"]
+ISSUE_CASES = [
+    "ndarray ext whose header is an int",
+    "ndarray ext with empty data",
+    "map with an array key",
+    "pickle while not allowed",
+]
 
 
 def _frames(fp: tuple[int, int, int, int, int], slot: int, data: bytes) -> bytes:
     """The DATA frames of op #0 carrying ``data`` in ``slot``, chunked as the rank expects."""
     coll, dtype, elems, op, root = fp
     return b"".join(
-        header(DATA, coll=coll, op=op, dtype=dtype, root=root, elems=elems, seq=0, slot=slot,
-               chunk=c, length=len(data[i:i + CHUNK])) + data[i:i + CHUNK]
-        for c, i in enumerate(range(0, len(data), CHUNK)))
+        header(
+            DATA,
+            coll=coll,
+            op=op,
+            dtype=dtype,
+            root=root,
+            elems=elems,
+            seq=0,
+            slot=slot,
+            chunk=c,
+            length=len(data[i : i + CHUNK]),
+        )
+        + data[i : i + CHUNK]
+        for c, i in enumerate(range(0, len(data), CHUNK))
+    )
 
 
 def _i64(*values: int) -> bytes:
     return np.array(values, np.int64).tobytes()
 
 
-async def _broken_everywhere(g: ac.Group, fake: FakePeer, handle: asyncio.Future[Any],
-                             started: float, *phrases: str) -> None:
+async def _broken_everywhere(
+    g: ac.Group, fake: FakePeer, handle: asyncio.Future[Any], started: float, *phrases: str
+) -> None:
     """The real rank's operation failed promptly with a ProtocolError naming the fake rank
     and ``phrases``; the fake got an ABORT and EOF; later calls raise GroupBrokenError."""
     exc = await _expect_failure(handle, errors.ProtocolError, started)
@@ -241,28 +292,42 @@ async def _broken_everywhere(g: ac.Group, fake: FakePeer, handle: asyncio.Future
 @pytest.mark.both_loops
 @pytest.mark.parametrize("kind", sorted(HOSTILE))
 async def test_hostile_broadcast_object_payload(
-        kind: str, memory_store: MemoryStore, unique_name: str,
-        fake_peer: Callable[..., FakePeer], loop_errors: list[Any]) -> None:
+    kind: str,
+    memory_store: MemoryStore,
+    unique_name: str,
+    fake_peer: Callable[..., FakePeer],
+    loop_errors: list[Any],
+) -> None:
     g, fake = await _linked(memory_store, unique_name, fake_peer)
     handle = g.broadcast_object(root=1)
     fp = pack(Collective.OBJECT, None, count=0, root=1)
     payload = HOSTILE[kind]
     started = time.monotonic()
     fake.write(_frames(fp, 0, _i64(len(payload))) + _frames(fp, 1, payload))
-    await _broken_everywhere(g, fake, handle, started, "broadcast_object (op #0)",
-                             "pickled" if "pickle" in kind else "malformed")
+    await _broken_everywhere(
+        g,
+        fake,
+        handle,
+        started,
+        "broadcast_object (op #0)",
+        "pickled" if "pickle" in kind else "malformed",
+    )
 
 
-@pytest.mark.parametrize("declared", [-1, 4 << 40, -(2**63), 2**63 - 1],
-                         ids=["-1", "4TiB", "min", "max"])
+@pytest.mark.parametrize(
+    "declared", [-1, 4 << 40, -(2**63), 2**63 - 1], ids=["-1", "4TiB", "min", "max"]
+)
 async def test_hostile_broadcast_object_size(
-        declared: int, memory_store: MemoryStore, unique_name: str,
-        fake_peer: Callable[..., FakePeer], loop_errors: list[Any]) -> None:
+    declared: int,
+    memory_store: MemoryStore,
+    unique_name: str,
+    fake_peer: Callable[..., FakePeer],
+    loop_errors: list[Any],
+) -> None:
     g, fake = await _linked(memory_store, unique_name, fake_peer)
     handle = g.broadcast_object(root=1)
     started = time.monotonic()
-    fake.write(_frames(pack(Collective.OBJECT, None, count=0, root=1), 0,
-                       _i64(declared)))
+    fake.write(_frames(pack(Collective.OBJECT, None, count=0, root=1), 0, _i64(declared)))
     await _broken_everywhere(g, fake, handle, started, f"declared a value of {declared}")
 
 
@@ -271,18 +336,26 @@ def _allgather_reply(h: Any, rows: int, row: int, data: bytes) -> Iterator[bytes
     its size frame, then its rows."""
     yield echo_header(h) + _i64(rows, row)
     for c, i in enumerate(range(0, len(data), CHUNK)):
-        part = data[i:i + CHUNK]
+        part = data[i : i + CHUNK]
         yield echo_header(h, slot=AG_SLOT, chunk=c, length=len(part)) + part
 
 
 @pytest.mark.parametrize("kind", ISSUE_CASES)
 @pytest.mark.parametrize("collective", ["allgather_object", "gather_object"])
 async def test_hostile_allgather_object_payload(
-        kind: str, collective: str, memory_store: MemoryStore, unique_name: str,
-        fake_peer: Callable[..., FakePeer], loop_errors: list[Any]) -> None:
+    kind: str,
+    collective: str,
+    memory_store: MemoryStore,
+    unique_name: str,
+    fake_peer: Callable[..., FakePeer],
+    loop_errors: list[Any],
+) -> None:
     g, fake = await _linked(memory_store, unique_name, fake_peer)
-    handle = g.allgather_object("mine") if collective == "allgather_object" else \
-        g.gather_object("mine", root=0)
+    handle = (
+        g.allgather_object("mine")
+        if collective == "allgather_object"
+        else g.gather_object("mine", root=0)
+    )
     h, _ = await fake.read_frame()  # rank 0's size frame
     payload = HOSTILE[kind]
     started = time.monotonic()
@@ -292,8 +365,12 @@ async def test_hostile_allgather_object_payload(
 
 @pytest.mark.parametrize("rows", [-1, 4 << 40, -(2**63)], ids=["-1", "4TiB", "min"])
 async def test_hostile_allgather_object_size(
-        rows: int, memory_store: MemoryStore, unique_name: str,
-        fake_peer: Callable[..., FakePeer], loop_errors: list[Any]) -> None:
+    rows: int,
+    memory_store: MemoryStore,
+    unique_name: str,
+    fake_peer: Callable[..., FakePeer],
+    loop_errors: list[Any],
+) -> None:
     g, fake = await _linked(memory_store, unique_name, fake_peer)
     handle = g.allgather_object("mine")
     h, _ = await fake.read_frame()
@@ -302,11 +379,19 @@ async def test_hostile_allgather_object_size(
     await _broken_everywhere(g, fake, handle, started, f"rank 1 declared {rows} rows")
 
 
-@pytest.mark.parametrize(("rows", "row"), [(-100, 2), (4 << 40, 2), (3, -2), (2**62, 0)],
-                         ids=["-100 rows", "4TiB", "negative row", "huge empty rows"])
+@pytest.mark.parametrize(
+    ("rows", "row"),
+    [(-100, 2), (4 << 40, 2), (3, -2), (2**62, 0)],
+    ids=["-100 rows", "4TiB", "negative row", "huge empty rows"],
+)
 async def test_hostile_allgatherv_sizes(
-        rows: int, row: int, memory_store: MemoryStore, unique_name: str,
-        fake_peer: Callable[..., FakePeer], loop_errors: list[Any]) -> None:
+    rows: int,
+    row: int,
+    memory_store: MemoryStore,
+    unique_name: str,
+    fake_peer: Callable[..., FakePeer],
+    loop_errors: list[Any],
+) -> None:
     g, fake = await _linked(memory_store, unique_name, fake_peer)
     handle = g.allgatherv(np.ones((3, 2), np.float32))
     h, _ = await fake.read_frame()
@@ -338,12 +423,14 @@ async def _gather_with_hostile_rank(g: ac.Group, crafted: bytes) -> list[Any]:
 
 @pytest.mark.parametrize("kind", ISSUE_CASES)
 async def test_hostile_value_breaks_the_group_on_every_rank(
-        kind: str, loop_errors: list[Any]) -> None:
+    kind: str, loop_errors: list[Any]
+) -> None:
     """Three real ranks; rank 2's value is malformed. The root, which decodes it, raises
     ProtocolError naming rank 2; the other ranks' next call fails with GroupBrokenError at
     once (not at its deadline)."""
-    res = await run_ranks(3, _gather_with_hostile_rank, HOSTILE[kind], transport="tcp",
-                          timeout=GROUP_TIMEOUT)
+    res = await run_ranks(
+        3, _gather_with_hostile_rank, HOSTILE[kind], transport="tcp", timeout=GROUP_TIMEOUT
+    )
     first, later, took = res[0]
     assert isinstance(first, errors.ProtocolError), first
     assert "gather_object (op #0): rank 2 sent" in str(first), str(first)
@@ -359,6 +446,7 @@ async def test_hostile_value_breaks_the_group_on_every_rank(
 
 # == (c) anything else escaping an operation is wrapped and breaks the group ================
 
+
 async def _two_calls(g: ac.Group, first: Callable[[ac.Group], Any]) -> list[Any]:
     started = time.monotonic()
     outcome: list[Any] = []
@@ -372,8 +460,9 @@ async def _two_calls(g: ac.Group, first: Callable[[ac.Group], Any]) -> list[Any]
     return outcome
 
 
-def _check_wrapped(res: list[list[Any]], failing: list[int], cause: type[BaseException],
-                   kind: str) -> None:
+def _check_wrapped(
+    res: list[list[Any]], failing: list[int], cause: type[BaseException], kind: str
+) -> None:
     for rank, (first, later, took) in enumerate(res):
         if rank in failing:
             assert isinstance(first, errors.InternalError), first
@@ -386,21 +475,29 @@ def _check_wrapped(res: list[list[Any]], failing: list[int], cause: type[BaseExc
 
 
 async def test_unexpected_exception_in_a_task_op_is_wrapped_and_breaks_the_group(
-        monkeypatch: pytest.MonkeyPatch, loop_errors: list[Any]) -> None:
+    monkeypatch: pytest.MonkeyPatch, loop_errors: list[Any]
+) -> None:
     """A bug (here: decoding raises RuntimeError) in a Task-run operation: InternalError
     with the original as __cause__ on the rank it hit (the root, the only one that
     decodes), the group broken on all three."""
+
     def buggy(data: bytes, allow_pickle: bool, origin: str = "") -> Any:
         raise RuntimeError("injected bug")
 
     monkeypatch.setattr(objects, "loads", buggy)
-    res = await run_ranks(3, _two_calls, lambda g: g.gather_object(g.rank, root=0),
-                          transport="tcp", timeout=GROUP_TIMEOUT)
+    res = await run_ranks(
+        3,
+        _two_calls,
+        lambda g: g.gather_object(g.rank, root=0),
+        transport="tcp",
+        timeout=GROUP_TIMEOUT,
+    )
     _check_wrapped(res, [0], RuntimeError, "gather_object")
 
 
 async def test_unexpected_exception_in_a_schedule_is_wrapped_and_breaks_the_group(
-        monkeypatch: pytest.MonkeyPatch, loop_errors: list[Any]) -> None:
+    monkeypatch: pytest.MonkeyPatch, loop_errors: list[Any]
+) -> None:
     """The same on the callback-driven small-message path: a step's callback raises on
     rank 1 (from the transport's read path)."""
     entry = registry.ALLREDUCE.algorithms["recursive_doubling"]
@@ -410,17 +507,23 @@ async def test_unexpected_exception_in_a_schedule_is_wrapped_and_breaks_the_grou
     def buggy(op: Any, *args: Any) -> list[Any]:
         steps = original(op, *args)
         if op.rank == 1:
+
             def boom() -> None:
                 raise ZeroDivisionError("injected bug")
+
             steps[-1].then = boom
         return steps
 
-    monkeypatch.setitem(registry.ALLREDUCE.algorithms, "recursive_doubling",
-                        dataclasses.replace(entry, steps=buggy))
+    monkeypatch.setitem(
+        registry.ALLREDUCE.algorithms, "recursive_doubling", dataclasses.replace(entry, steps=buggy)
+    )
     res = await run_ranks(
-        2, _two_calls,
+        2,
+        _two_calls,
         lambda g: g.allreduce(np.ones(4, np.float32), algorithm="recursive_doubling"),
-        transport="tcp", timeout=GROUP_TIMEOUT)
+        transport="tcp",
+        timeout=GROUP_TIMEOUT,
+    )
     _check_wrapped(res, [1], ZeroDivisionError, "allreduce")
 
 
@@ -437,8 +540,9 @@ async def test_hostile_split_entry_breaks_the_group(loop_errors: list[Any]) -> N
     """split's (color, key) pairs travel by allgather_object: a rank sending something
     else is a ProtocolError where it is read, and the group breaks everywhere."""
     crafted = objects.dumps(["not a color", 0], False)
-    res = await run_ranks(3, _split_with_hostile_rank, crafted, transport="tcp",
-                          timeout=GROUP_TIMEOUT)
+    res = await run_ranks(
+        3, _split_with_hostile_rank, crafted, transport="tcp", timeout=GROUP_TIMEOUT
+    )
     firsts = [first for first, _, _ in res]
     assert any(isinstance(f, errors.ProtocolError) for f in firsts), firsts
     for first, later, took in res:

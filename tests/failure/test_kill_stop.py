@@ -39,14 +39,18 @@ def check_killed(outcomes: list[Any], victim: int, killed_at: float) -> None:
         assert res["later"] == "PeerDisconnected"
 
 
-@pytest.mark.parametrize(("n", "victim", "size", "alg"), [
-    (2, 1, 1 << 16, None),
-    (3, 2, 1 << 20, "ring"),
-    (4, 1, 4096, "recursive_doubling"),
-    (4, 3, 1 << 18, "halving_doubling"),
-])
+@pytest.mark.parametrize(
+    ("n", "victim", "size", "alg"),
+    [
+        (2, 1, 1 << 16, None),
+        (3, 2, 1 << 20, "ring"),
+        (4, 1, 4096, "recursive_doubling"),
+        (4, 3, 1 << 18, "halving_doubling"),
+    ],
+)
 async def test_sigkill_named_on_every_survivor_within_a_second(
-        n: int, victim: int, size: int, alg: str | None) -> None:
+    n: int, victim: int, size: int, alg: str | None
+) -> None:
     job = spawn_ranks(n, targets.loop_until_failure, size, "ready", alg, timeout=60)
     await _wait_ready(job.store, n, "ready")
     killed_at = time.time()
@@ -56,8 +60,9 @@ async def test_sigkill_named_on_every_survivor_within_a_second(
 
 async def test_sigstop_gives_peer_timeout_naming_the_frozen_rank() -> None:
     n, victim = 3, 1
-    job = spawn_ranks(n, targets.loop_until_failure, 1 << 14, "ready", timeout=60,
-                      group_timeout=2.0)
+    job = spawn_ranks(
+        n, targets.loop_until_failure, 1 << 14, "ready", timeout=60, group_timeout=2.0
+    )
     await _wait_ready(job.store, n, "ready")
     stopped_at = time.time()
     job.stop(victim)

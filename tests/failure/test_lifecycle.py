@@ -63,9 +63,14 @@ async def _allreduce_one(g: ac.Group) -> float:
     return float(buf[0])
 
 
-async def _run(n: int, body: Callable[[ac.Group, Store], Awaitable[Any]], *,
-               name: str, store: Store | None = None,
-               **options: Any) -> list[Any]:
+async def _run(
+    n: int,
+    body: Callable[[ac.Group, Store], Awaitable[Any]],
+    *,
+    name: str,
+    store: Store | None = None,
+    **options: Any,
+) -> list[Any]:
     """Open an n-rank TCP group in-process and run ``body(group, store)`` on every rank;
     exceptions are returned, not raised. The group is left to ``body`` to close (else it
     is aborted)."""
@@ -90,6 +95,7 @@ async def _run(n: int, body: Callable[[ac.Group, Store], Awaitable[Any]], *,
 
 # == no leaks ================================================================================
 
+
 @pytest.mark.both_loops
 @pytest.mark.timeout(300)
 async def test_open_close_cycles_leak_no_fds_or_tasks() -> None:
@@ -98,8 +104,10 @@ async def test_open_close_cycles_leak_no_fds_or_tasks() -> None:
     await run_ranks(2, _allreduce_one, transport="tcp", timeout=GROUP_TIMEOUT)  # warm up
     baseline = await _settled((_fds(), _tasks()))
     for _ in range(500):
-        assert await run_ranks(2, _allreduce_one, transport="tcp",
-                               timeout=GROUP_TIMEOUT) == [3.0, 3.0]
+        assert await run_ranks(2, _allreduce_one, transport="tcp", timeout=GROUP_TIMEOUT) == [
+            3.0,
+            3.0,
+        ]
     final = await _settled(baseline)
     assert _within(final, baseline), f"(fds, tasks): {baseline} before, {final} after"
 
@@ -110,8 +118,9 @@ async def test_cycles_with_tcp_store_and_secret_leak_nothing() -> None:
     store = f"tcp://127.0.0.1:{free_port()}"
 
     async def cycle() -> None:
-        assert await run_ranks(2, _allreduce_one, transport="tcp", store=store,
-                               secret="s", timeout=GROUP_TIMEOUT) == [3.0, 3.0]
+        assert await run_ranks(
+            2, _allreduce_one, transport="tcp", store=store, secret="s", timeout=GROUP_TIMEOUT
+        ) == [3.0, 3.0]
 
     await cycle()
     baseline = await _settled((_fds(), _tasks()))
@@ -124,6 +133,7 @@ async def test_cycles_with_tcp_store_and_secret_leak_nothing() -> None:
 async def test_failure_cycles_leak_nothing(unique_name: str) -> None:
     """Groups that end broken (one rank aborts while the other waits in an allreduce)
     release everything too."""
+
     async def body(g: ac.Group, store: Store) -> str:
         if g.rank == 0:
             await store.wait([f"{g.name}/waiting"], timeout=SLACK)
@@ -149,6 +159,7 @@ async def test_failure_cycles_leak_nothing(unique_name: str) -> None:
 
 # == abort ===================================================================================
 
+
 async def test_abort_returns_at_once_and_fails_everyone_promptly(unique_name: str) -> None:
     """abort() is synchronous and immediate; this rank's pending handles fail with
     GroupBrokenError, and so do the peers' — by the ABORT frame, not a timeout."""
@@ -157,20 +168,22 @@ async def test_abort_returns_at_once_and_fails_everyone_promptly(unique_name: st
 
     async def body(g: ac.Group, store: Store) -> dict[str, Any]:
         if g.rank == 0:
-            pending = [g.allreduce(np.ones(1 << 16)),  # the peers never call it
-                       g.recv(np.zeros(4), 1, tag=3)]  # never sent
+            pending = [
+                g.allreduce(np.ones(1 << 16)),  # the peers never call it
+                g.recv(np.zeros(4), 1, tag=3),
+            ]  # never sent
             await store.wait([f"posted/{r}" for r in range(1, n)], timeout=SLACK)
             t0 = time.monotonic()
             g.abort()
             aborted_at.append(time.monotonic())
             results = await asyncio.wait_for(
-                asyncio.gather(*pending, return_exceptions=True), SLACK)
+                asyncio.gather(*pending, return_exceptions=True), SLACK
+            )
             with pytest.raises(ac.UsageError, match="closed"):
                 g.barrier()
             g.abort()  # idempotent
             await g.aclose()  # a no-op after abort
-            return {"abort_s": aborted_at[0] - t0,
-                    "errors": [type(e).__name__ for e in results]}
+            return {"abort_s": aborted_at[0] - t0, "errors": [type(e).__name__ for e in results]}
         handle = g.recv(np.zeros(4), 0, tag=9)  # pending when rank 0 aborts
         await store.set(f"posted/{g.rank}", b"1")
         with pytest.raises(ac.GroupBrokenError) as info:
@@ -208,8 +221,10 @@ async def test_abort_in_the_middle_of_a_large_allreduce(unique_name: str) -> Non
 
 # == graceful close ==========================================================================
 
+
 async def test_aclose_waits_for_operations_in_flight(
-        unique_name: str, caplog: pytest.LogCaptureFixture) -> None:
+    unique_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """Rank 0 starts two operations and closes at once; its aclose() waits for them, which
     need rank 1, which only starts after rank 0 began closing. Nobody sees an error."""
     caplog.set_level(logging.INFO, "aiocollect")
@@ -230,20 +245,25 @@ async def test_aclose_waits_for_operations_in_flight(
             await g.allreduce(big)
             await g.broadcast(small, root=1)
             await g.aclose()
-        return {"big_ok": bool((big == data * 3).all()), "small": small.tolist(),
-                "broken": g.statistics()["broken"]}
+        return {
+            "big_ok": bool((big == data * 3).all()),
+            "small": small.tolist(),
+            "broken": g.statistics()["broken"],
+        }
 
     out = await _run(2, body, name=unique_name)
     for res in out:
         assert res == {"big_ok": True, "small": [1] * 7, "broken": False}, out
-    noise = [r.message for r in caplog.records if r.levelno >= logging.INFO
-             and "broken" in r.message]
+    noise = [
+        r.message for r in caplog.records if r.levelno >= logging.INFO and "broken" in r.message
+    ]
     assert not noise, noise
 
 
 async def test_aclose_timeout_cancels_what_cannot_finish(unique_name: str) -> None:
     """aclose(timeout=) gives up on operations that cannot complete (the peer never calls
     them): they are cancelled, aclose() itself returns without raising."""
+
     async def body(g: ac.Group, store: Store) -> str:
         if g.rank == 0:
             handle = g.allreduce(np.ones(8))
@@ -262,8 +282,8 @@ async def test_aclose_timeout_cancels_what_cannot_finish(unique_name: str) -> No
 
 # == cancellation ============================================================================
 
-async def test_cancel_with_data_in_flight_breaks_the_group_everywhere(
-        unique_name: str) -> None:
+
+async def test_cancel_with_data_in_flight_breaks_the_group_everywhere(unique_name: str) -> None:
     """Rank 0 cancels a large allreduce once its first chunks left; rank 1 (in the same
     allreduce) and rank 2 (slow: it had not called it yet) get GroupBrokenError promptly."""
     n = 3
@@ -307,6 +327,7 @@ async def test_cancel_before_any_byte_moved_keeps_the_group(unique_name: str) ->
     """Every rank cancels the same operation right after calling it (before its task ran):
     nothing moved, nothing breaks, and the next operation works (its sequence number is
     the next one on every rank)."""
+
     async def body(g: ac.Group, store: Store) -> list[float]:
         handle = g.allreduce(np.ones(1000))
         handle.cancel()
@@ -322,11 +343,13 @@ async def test_cancel_before_any_byte_moved_keeps_the_group(unique_name: str) ->
 
 
 async def test_cancel_only_on_one_rank_leaves_the_peer_waiting_until_its_deadline(
-        unique_name: str) -> None:
+    unique_name: str,
+) -> None:
     """Rank 0 cancels before any byte moved: its group stays usable, but rank 1's matching
     operation (it did send) waits for rank 0 until its deadline, then names it — and that
     timeout breaks the group on both ranks (rank 0's pending operation fails with the
     PeerTimeout rank 1 relayed)."""
+
     async def body(g: ac.Group, store: Store) -> Any:
         if g.rank == 0:
             handle = g.allreduce(np.ones(16))
@@ -358,6 +381,7 @@ async def test_cancelled_recv_keeps_its_place_in_the_message_order(unique_name: 
     still took its place in the (source, tag) order, so the message sent for it is never
     delivered and the next recv gets the next message. (recv(src=None) claims a message
     only once one arrives: cancelling it skips nothing.)"""
+
     async def body(g: ac.Group, store: Store) -> Any:
         if g.rank == 0:
             handle = g.recv(np.zeros(1), 1, tag=5)
@@ -391,9 +415,11 @@ async def test_cancelled_recv_keeps_its_place_in_the_message_order(unique_name: 
 
 # == timeouts ================================================================================
 
+
 async def test_per_call_timeout_overrides_the_group_default(unique_name: str) -> None:
     """Shorter than the group's: PeerTimeout at the call's deadline naming the silent rank.
     Longer than the group's: the operation may outlast the group default."""
+
     async def short(g: ac.Group, store: Store) -> Any:
         if g.rank == 0:
             t0 = time.monotonic()
@@ -453,6 +479,7 @@ async def test_collective_called_on_one_rank_only(n: int, unique_name: str) -> N
 
 # == recovery ================================================================================
 
+
 async def test_new_group_with_a_new_name_after_a_failure() -> None:
     """One rank aborts; the survivors see GroupBrokenError; then every rank opens a new
     group (new name) on the same TCP store and works."""
@@ -461,15 +488,17 @@ async def test_new_group_with_a_new_name_after_a_failure() -> None:
         url = f"tcp://127.0.0.1:{server.port}"
 
         async def rank(r: int) -> float:
-            first = await ac.open_group(r, n, store=url, transport="tcp", name="first",
-                                        timeout=GROUP_TIMEOUT)
+            first = await ac.open_group(
+                r, n, store=url, transport="tcp", name="first", timeout=GROUP_TIMEOUT
+            )
             handle = first.allreduce(np.ones(64))
             if r == 2:
                 first.abort()
             with pytest.raises(ac.GroupBrokenError):
                 await handle
-            async with ac.open_group(r, n, store=url, transport="tcp", name="second",
-                                     timeout=GROUP_TIMEOUT) as second:
+            async with ac.open_group(
+                r, n, store=url, transport="tcp", name="second", timeout=GROUP_TIMEOUT
+            ) as second:
                 value = await _allreduce_one(second)
             first.abort()
             return value
@@ -484,15 +513,17 @@ async def test_new_group_on_the_embedded_store_of_a_broken_group(unique_name: st
     url = f"tcp://127.0.0.1:{free_port()}"
 
     async def rank(r: int) -> float:
-        first = await ac.open_group(r, 2, store=url, transport="tcp", name=unique_name,
-                                    timeout=GROUP_TIMEOUT)
+        first = await ac.open_group(
+            r, 2, store=url, transport="tcp", name=unique_name, timeout=GROUP_TIMEOUT
+        )
         handle = first.allreduce(np.ones(64))
         if r == 1:
             first.abort()
         with pytest.raises(ac.GroupBrokenError):
             await handle
-        async with ac.open_group(r, 2, store=url, transport="tcp",
-                                 name=unique_name + "-again", timeout=GROUP_TIMEOUT) as g:
+        async with ac.open_group(
+            r, 2, store=url, transport="tcp", name=unique_name + "-again", timeout=GROUP_TIMEOUT
+        ) as g:
             value = await _allreduce_one(g)
         await first.aclose()
         return value
@@ -514,8 +545,9 @@ async def reopen_after_kill(g: ac.Group, ready_key: str, victim: int) -> dict[st
     except ac.PeerDisconnected as exc:
         first_error = f"{type(exc).__name__}: {exc}"
     survivors = [r for r in range(g.world_size) if r != victim]
-    async with ac.open_group(survivors.index(g.rank), len(survivors), store=g.store,
-                             name="after-kill", timeout=30) as again:
+    async with ac.open_group(
+        survivors.index(g.rank), len(survivors), store=g.store, name="after-kill", timeout=30
+    ) as again:
         return {"error": first_error, "value": await _allreduce_one(again)}
 
 

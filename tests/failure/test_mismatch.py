@@ -18,22 +18,42 @@ pytestmark = pytest.mark.timeout(60)
 Call = Callable[[ac.Group], Awaitable[Any]]
 
 CASES: dict[str, tuple[Call, Call, str]] = {
-    "size": (lambda g: g.allreduce(np.zeros(10, np.float32)),
-             lambda g: g.allreduce(np.zeros(12, np.float32)), "count=10"),
-    "dtype": (lambda g: g.allreduce(np.zeros(10, np.float32)),
-              lambda g: g.allreduce(np.zeros(10, np.float64)), "float64"),
-    "op": (lambda g: g.allreduce(np.zeros(10, np.float32), op=ac.SUM),
-           lambda g: g.allreduce(np.zeros(10, np.float32), op=ac.MAX), "op=MAX"),
-    "root": (lambda g: g.broadcast(np.zeros(10), root=0),
-             lambda g: g.broadcast(np.zeros(10), root=1), "root=1"),
-    "kind": (lambda g: g.allreduce(np.zeros(10)),
-             lambda g: g.broadcast(np.zeros(10), root=0), "broadcast"),
-    "barrier-vs-allreduce": (lambda g: g.barrier(),
-                             lambda g: g.allreduce(np.zeros(3)), "barrier"),
-    "empty-vs-full": (lambda g: g.allreduce(np.zeros(0)),
-                      lambda g: g.allreduce(np.zeros(5)), "count=0"),
-    "reduce_scatter-vs-allgather": (lambda g: g.reduce_scatter(np.zeros(12)),
-                                    lambda g: g.allgather(np.zeros(12)), "allgather"),
+    "size": (
+        lambda g: g.allreduce(np.zeros(10, np.float32)),
+        lambda g: g.allreduce(np.zeros(12, np.float32)),
+        "count=10",
+    ),
+    "dtype": (
+        lambda g: g.allreduce(np.zeros(10, np.float32)),
+        lambda g: g.allreduce(np.zeros(10, np.float64)),
+        "float64",
+    ),
+    "op": (
+        lambda g: g.allreduce(np.zeros(10, np.float32), op=ac.SUM),
+        lambda g: g.allreduce(np.zeros(10, np.float32), op=ac.MAX),
+        "op=MAX",
+    ),
+    "root": (
+        lambda g: g.broadcast(np.zeros(10), root=0),
+        lambda g: g.broadcast(np.zeros(10), root=1),
+        "root=1",
+    ),
+    "kind": (
+        lambda g: g.allreduce(np.zeros(10)),
+        lambda g: g.broadcast(np.zeros(10), root=0),
+        "broadcast",
+    ),
+    "barrier-vs-allreduce": (lambda g: g.barrier(), lambda g: g.allreduce(np.zeros(3)), "barrier"),
+    "empty-vs-full": (
+        lambda g: g.allreduce(np.zeros(0)),
+        lambda g: g.allreduce(np.zeros(5)),
+        "count=0",
+    ),
+    "reduce_scatter-vs-allgather": (
+        lambda g: g.reduce_scatter(np.zeros(12)),
+        lambda g: g.allgather(np.zeros(12)),
+        "allgather",
+    ),
 }
 
 
@@ -58,9 +78,16 @@ async def _body(g: ac.Group, case: str, odd: int) -> tuple[float, str, str]:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize(("n", "transport"), [
-    (2, "memory"), (3, "tcp"), (4, "memory"),
-    pytest.param(2, "shm", marks=ON_SHM), pytest.param(3, "shm", marks=ON_SHM)])
+@pytest.mark.parametrize(
+    ("n", "transport"),
+    [
+        (2, "memory"),
+        (3, "tcp"),
+        (4, "memory"),
+        pytest.param(2, "shm", marks=ON_SHM),
+        pytest.param(3, "shm", marks=ON_SHM),
+    ],
+)
 async def test_mismatch_in_process(case: str, n: int, transport: str) -> None:
     res = await run_ranks(n, _body, case, n - 1, transport=transport, timeout=20)
     for rank, (elapsed, kind, message) in enumerate(res):
@@ -71,8 +98,9 @@ async def test_mismatch_in_process(case: str, n: int, transport: str) -> None:
     assert any(CASES[case][2] in m for _, _, m in res), [m for _, _, m in res]
 
 
-@pytest.mark.parametrize("transport", [pytest.param(None, id="default"),
-                                       pytest.param("shm", marks=ON_SHM)])
+@pytest.mark.parametrize(
+    "transport", [pytest.param(None, id="default"), pytest.param("shm", marks=ON_SHM)]
+)
 @pytest.mark.parametrize("case", ["size", "kind", "root"])
 async def test_mismatch_in_processes(case: str, transport: str | None) -> None:
     res = await spawn_ranks(3, _body, case, 1, timeout=40, transport=transport)
@@ -128,8 +156,7 @@ async def test_root_mixed_up_on_the_root_itself(transport: str) -> None:
     """Rank 0 thinks rank 1 is the root, ranks 1 and 2 think rank 0 is: nobody sends, so no
     frame can reveal it. With the default timeout (300 s) every rank still raises
     MismatchError within about 2 s, naming both sides."""
-    ranks = spawn_ranks(3, mismatch_targets.wrong_root, 0, 1, 8, timeout=40,
-                        transport=transport)
+    ranks = spawn_ranks(3, mismatch_targets.wrong_root, 0, 1, 8, timeout=40, transport=transport)
     outcomes = await ranks.outcomes()
     for rank, outcome in enumerate(outcomes):
         kind, message, elapsed = _learned(outcome)
@@ -147,8 +174,9 @@ async def test_root_mixed_up_on_a_leaf(transport: str, count: int) -> None:
     """Rank 2 thinks it is the root: the others' broadcasts may succeed before any frame
     shows the disagreement. Every rank learns it: from its broadcast, or (having returned
     success) from aclose — never a GroupBrokenError that does not name the mismatch."""
-    ranks = spawn_ranks(3, mismatch_targets.wrong_root, 2, 2, count, timeout=40,
-                        transport=transport)
+    ranks = spawn_ranks(
+        3, mismatch_targets.wrong_root, 2, 2, count, timeout=40, transport=transport
+    )
     outcomes = await ranks.outcomes()
     for rank, outcome in enumerate(outcomes):
         kind, message, elapsed = _learned(outcome)
@@ -161,8 +189,9 @@ async def test_root_mixed_up_on_a_leaf(transport: str, count: int) -> None:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_leaf_mixup_learned_at_next_operation(transport: str) -> None:
     """A rank whose broadcast succeeded learns of the mismatch at its next operation."""
-    ranks = spawn_ranks(3, mismatch_targets.wrong_root_then_barrier, 1, 1, 8, timeout=40,
-                        transport=transport)
+    ranks = spawn_ranks(
+        3, mismatch_targets.wrong_root_then_barrier, 1, 1, 8, timeout=40, transport=transport
+    )
     outcomes = await ranks.outcomes()
     for rank, outcome in enumerate(outcomes):
         kind, _message, elapsed = _learned(outcome)
@@ -177,8 +206,7 @@ async def _extra_broadcast(g: ac.Group) -> None:
 
 
 @pytest.mark.parametrize("transport", ["memory", "tcp"])
-async def test_close_handshake_finds_an_operation_only_one_rank_called(
-        transport: str) -> None:
+async def test_close_handshake_finds_an_operation_only_one_rank_called(transport: str) -> None:
     """No frame and no waiting operation can show it: aclose() compares how many operations
     each rank called, and raises MismatchError on every rank."""
     with pytest.raises(ExceptionGroup) as info:
@@ -187,5 +215,6 @@ async def test_close_handshake_finds_an_operation_only_one_rank_called(
     for failed in info.value.exceptions:
         cause = failed.__cause__
         assert isinstance(cause, ac.MismatchError), repr(cause)
-        assert "called 2 collective operations" in str(cause) or \
-            "called 1 collective operations" in str(cause), str(cause)
+        assert "called 2 collective operations" in str(
+            cause
+        ) or "called 1 collective operations" in str(cause), str(cause)

@@ -23,8 +23,10 @@ from aiocollect.testing.faultproxy import ProxyNetwork
 pytestmark = pytest.mark.timeout(60)
 
 _names = itertools.count()
-STALL = re.compile(r"(\w+) \(op #(\d+) of group '[^']+'\) on rank (\d+): no progress for "
-                   r"[\d.]+ s; waiting for ranks \[([\d, ]*)\]")
+STALL = re.compile(
+    r"(\w+) \(op #(\d+) of group '[^']+'\) on rank (\d+): no progress for "
+    r"[\d.]+ s; waiting for ranks \[([\d, ]*)\]"
+)
 
 
 class Warnings(logging.Handler):
@@ -79,8 +81,7 @@ async def test_stalled_operation_warns_with_backoff(stall_warnings: Warnings) ->
         await stall_warnings.wait(3, rank=0)
         go.set()
 
-    results, _ = await asyncio.gather(run_ranks(3, body, transport="tcp", timeout=30),
-                                      release())
+    results, _ = await asyncio.gather(run_ranks(3, body, transport="tcp", timeout=30), release())
     assert results == [3.0] * 3
     mine = stall_warnings.of(0)
     m = STALL.search(mine[0][1])
@@ -109,7 +110,8 @@ async def network() -> AsyncIterator[ProxyNetwork]:
 
 @pytest.mark.one_loop  # waits out a timeout; nothing loop-specific
 async def test_dead_network_path_warns_before_the_timeout(
-        network: ProxyNetwork, stall_warnings: Warnings) -> None:
+    network: ProxyNetwork, stall_warnings: Warnings
+) -> None:
     """Link 0-1 stops carrying bytes (a dead network path): the ends warn, naming each
     other, long before their deadline; at the deadline they raise PeerTimeout."""
     deadline = 4.0
@@ -126,8 +128,7 @@ async def test_dead_network_path_warns_before_the_timeout(
         await armed.wait()
         t0[0] = t0[0] or time.monotonic()
         try:
-            await g.allreduce(np.ones(1 << 16, np.float32), algorithm="ring",
-                              timeout=deadline)
+            await g.allreduce(np.ones(1 << 16, np.float32), algorithm="ring", timeout=deadline)
             await g.barrier(timeout=deadline)
         except ac.AiocollectError as exc:
             cause = exc.__cause__ if isinstance(exc, ac.GroupBrokenError) else exc
@@ -155,14 +156,16 @@ async def test_aiocollect_timeout_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIOCOLLECT_TIMEOUT", "12.5")
     # run_ranks passes timeout= explicitly: use open_group's default here
     name = f"env-timeout-{next(_names)}"
-    opened = await asyncio.gather(*(ac.open_group(r, 2, store=f"memory://{name}", name=name)
-                                    for r in range(2)))
+    opened = await asyncio.gather(
+        *(ac.open_group(r, 2, store=f"memory://{name}", name=name) for r in range(2))
+    )
     assert [await timeout_of(g) for g in opened] == [12.5, 12.5]
     await asyncio.gather(*(g.aclose() for g in opened))
     monkeypatch.setenv("AIOCOLLECT_TIMEOUT", "none")
     name = f"env-timeout-{next(_names)}"
-    opened = await asyncio.gather(*(ac.open_group(r, 2, store=f"memory://{name}", name=name)
-                                    for r in range(2)))
+    opened = await asyncio.gather(
+        *(ac.open_group(r, 2, store=f"memory://{name}", name=name) for r in range(2))
+    )
     assert [g.timeout for g in opened] == [None, None]
     await asyncio.gather(*(g.aclose() for g in opened))
     # an explicit argument wins, also 300.0 itself

@@ -33,8 +33,9 @@ async def test_peers_see_what_the_aborting_rank_raised() -> None:
 @pytest.mark.parametrize("transport", ["tcp", "auto"])
 async def test_spawned_ranks_name_the_first_failure(transport: str) -> None:
     with pytest.raises(ExceptionGroup) as info:
-        await spawn_ranks(3, mismatch_targets.raise_on_rank, 1, timeout=40,
-                          transport=transport, group_timeout=20)
+        await spawn_ranks(
+            3, mismatch_targets.raise_on_rank, 1, timeout=40, transport=transport, group_timeout=20
+        )
     group = info.value
     assert str(group).startswith("rank 1 failed first: KeyError: 'missing'"), str(group)
     others = [f for f in group.exceptions if f.rank != 1]  # type: ignore[attr-defined]
@@ -72,10 +73,12 @@ asyncio.run(main())
 
 
 @pytest.mark.one_loop  # waits out a timeout; nothing loop-specific
-@pytest.mark.parametrize("sizes", [[4, 4, 4, 5], [5, 4, 4, 4], [3, 4, 4, 4]],
-                         ids=["last-says-5", "first-says-5", "first-says-3"])
-async def test_world_size_mismatch_is_a_rendezvous_error_on_every_rank(
-        sizes: list[int]) -> None:
+@pytest.mark.parametrize(
+    "sizes",
+    [[4, 4, 4, 5], [5, 4, 4, 4], [3, 4, 4, 4]],
+    ids=["last-says-5", "first-says-5", "first-says-3"],
+)
+async def test_world_size_mismatch_is_a_rendezvous_error_on_every_rank(sizes: list[int]) -> None:
     """One process of four was started with another world size: every rank gets
     RendezvousError naming the disagreement, promptly (not StoreError when rank 0, which
     hosts the store, gives up first; not a timeout waiting for a rank that never comes)."""
@@ -92,8 +95,14 @@ async def test_world_size_mismatch_is_a_rendezvous_error_on_every_rank(
 
     async def start(rank: int) -> None:
         procs[rank] = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", WS_SCRIPT, str(rank), str(sizes[rank]), url,
-            stdout=asyncio.subprocess.PIPE)
+            sys.executable,
+            "-c",
+            WS_SCRIPT,
+            str(rank),
+            str(sizes[rank]),
+            url,
+            stdout=asyncio.subprocess.PIPE,
+        )
         assert procs[rank].stdout is not None
         assert await procs[rank].stdout.readline() == b"up\n"
 
@@ -102,8 +111,10 @@ async def test_world_size_mismatch_is_a_rendezvous_error_on_every_rank(
     await asyncio.gather(*(start(r) for r in range(len(sizes)) if r != odd))
     await start(odd)
     try:
-        outs = [(await asyncio.wait_for(procs[r].communicate(), 40))[0].decode()
-                for r in range(len(sizes))]
+        outs = [
+            (await asyncio.wait_for(procs[r].communicate(), 40))[0].decode()
+            for r in range(len(sizes))
+        ]
     finally:
         for p in procs.values():
             if p.returncode is None:
@@ -119,20 +130,25 @@ async def test_world_size_mismatch_is_a_rendezvous_error_on_every_rank(
 
 
 async def test_pending_handle_collected_with_its_group_warns(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A small allreduce called on one rank only, never awaited, its groups dropped: when
     the garbage is collected, the pending handle warns (as asyncio does for a Task)."""
     import asyncio
     import gc
 
     name = "dropped-handle"
-    groups = await asyncio.gather(*(ac.open_group(r, 2, store=f"memory://{name}", name=name,
-                                                  timeout=None) for r in range(2)))
+    groups = await asyncio.gather(
+        *(ac.open_group(r, 2, store=f"memory://{name}", name=name, timeout=None) for r in range(2))
+    )
     groups[0].allreduce(np.ones(2, np.float32))  # rank 1 never calls it
     for _ in range(3):  # its first step runs, its frame is delivered: it waits for rank 1
         await asyncio.sleep(0)
     del groups
     with caplog.at_level("WARNING", logger="aiocollect"):
         gc.collect()
-    assert any("garbage-collected while pending" in r.getMessage() and "allreduce (op #0)"
-               in r.getMessage() for r in caplog.records), caplog.text
+    assert any(
+        "garbage-collected while pending" in r.getMessage()
+        and "allreduce (op #0)" in r.getMessage()
+        for r in caplog.records
+    ), caplog.text

@@ -36,7 +36,7 @@ async def sweep(g: ac.Group) -> int:
             rows = [data(x, n * (count + 1), dtype, seed=3) for x in range(n)]
             rs = await g.reduce_scatter(rows[r], op=ac.MAX)
             k = count + 1
-            assert_close(rs, reference(rows, ac.MAX)[r * k:(r + 1) * k])
+            assert_close(rs, reference(rows, ac.MAX)[r * k : (r + 1) * k])
     # point to point around the ring, several messages in flight
     buf = np.empty(100, np.int32)
     hs = [g.recv(buf, (r - 1) % n, tag=3), g.send(np.full(100, r, np.int32), (r + 1) % n, tag=3)]

@@ -43,8 +43,21 @@ def unavailable() -> str | None:
     if made.returncode:
         return f"ip netns add failed: {made.stderr.strip()}"
     try:
-        veth = ip("link", "add", "p0", "netns", probe, "type", "veth", "peer", "name", "p1",
-                  "netns", probe, check=False)
+        veth = ip(
+            "link",
+            "add",
+            "p0",
+            "netns",
+            probe,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "p1",
+            "netns",
+            probe,
+            check=False,
+        )
         if veth.returncode:
             return f"no veth: {veth.stderr.strip()}"
         bridge = ip("-n", probe, "link", "add", "b0", "type", "bridge", check=False)
@@ -72,7 +85,7 @@ def remove_leftovers() -> list[str]:
         if not name.startswith(PREFIX):
             continue
         try:
-            owner = int(name[len(PREFIX):].split("-", 1)[0])
+            owner = int(name[len(PREFIX) :].split("-", 1)[0])
         except ValueError:
             owner = -1
         if owner == os.getpid() or (owner > 0 and pid_alive(owner)):
@@ -125,8 +138,20 @@ class Topology:
         for rank, ns in enumerate(self.ns):
             self._add_namespace(ns)
             port = f"hub-r{rank}"
-            ip("link", "add", IFNAME, "netns", ns, "type", "veth", "peer", "name", port,
-               "netns", self.hub)
+            ip(
+                "link",
+                "add",
+                IFNAME,
+                "netns",
+                ns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                port,
+                "netns",
+                self.hub,
+            )
             ip("-n", self.hub, "link", "set", port, "master", BRIDGE)
             ip("-n", self.hub, "link", "set", port, "up")
             ip("-n", ns, "addr", "add", f"{self.v4(rank)}/24", "dev", IFNAME)

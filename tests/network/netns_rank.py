@@ -65,17 +65,22 @@ async def loop(g: ac.Group, count: int) -> dict[str, Any]:
                 emit("ready", rank=g.rank)
     except ac.AiocollectError as exc:
         cause = exc.__cause__ if isinstance(exc, ac.GroupBrokenError) else None
-        return {"type": type(exc).__name__, "message": str(exc), "at": time.time(),
-                "rank_attr": getattr(exc, "rank", None), "ranks": getattr(exc, "ranks", None),
-                "cause": type(cause).__name__ if cause else None, "done": done}
+        return {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "at": time.time(),
+            "rank_attr": getattr(exc, "rank", None),
+            "ranks": getattr(exc, "ranks", None),
+            "cause": type(cause).__name__ if cause else None,
+            "done": done,
+        }
 
 
 async def main() -> None:
     mode = os.environ.get("NETNS_MODE", "check")
     timeout = float(os.environ.get("NETNS_TIMEOUT", "20"))
     count = int(os.environ.get("NETNS_COUNT", str(1 << 18)))
-    g = await ac.open_group(host=os.environ.get("NETNS_HOST") or None, timeout=timeout,
-                            name=NAME)
+    g = await ac.open_group(host=os.environ.get("NETNS_HOST") or None, timeout=timeout, name=NAME)
     everyone = await addresses(g)
     emit("open", rank=g.rank, address=everyone[g.rank], addresses=everyone)
     if mode == "check":

@@ -59,8 +59,7 @@ async def raw(host: str, port: int) -> None:
     except ConnectionError:
         rest = b""
     writer.close()
-    emit("raw", first=[x.hex() if isinstance(x, bytes) else x for x in first],
-         rest=rest.hex())
+    emit("raw", first=[x.hex() if isinstance(x, bytes) else x for x in first], rest=rest.hex())
 
 
 def main() -> None:

@@ -33,8 +33,9 @@ async def echo() -> AsyncIterator[tuple[str, int]]:
     await server.wait_closed()
 
 
-async def _roundtrip(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                     payload: bytes) -> bytes:
+async def _roundtrip(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, payload: bytes
+) -> bytes:
     async def send() -> None:
         writer.write(payload)
         await writer.drain()
@@ -59,8 +60,9 @@ async def test_order_kept_under_jitter_and_loss(echo: tuple[str, int]) -> None:
 
 
 async def test_delay_applies_per_direction(echo: tuple[str, int]) -> None:
-    async with FaultProxy(*echo, faults=LinkFaults(delay=0.040),
-                          reverse=LinkFaults(delay=0.010)) as proxy:
+    async with FaultProxy(
+        *echo, faults=LinkFaults(delay=0.040), reverse=LinkFaults(delay=0.010)
+    ) as proxy:
         reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
         await _roundtrip(reader, writer, b"warm")
         start = time.monotonic()
@@ -100,6 +102,7 @@ async def test_cut_resets_or_closes_both_sides(echo: tuple[str, int], reset: boo
         proxy.cut(reset=reset, after_bytes=10)
         writer.write(b"z" * 100)
         got = b""
+
         async def read_to_end() -> None:
             nonlocal got
             while chunk := await reader.read(65536):

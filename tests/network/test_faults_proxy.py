@@ -68,8 +68,7 @@ async def _check_collectives(g: ac.Group, counts: list[int]) -> float:
     for count in counts:
         a = np.arange(count, dtype=np.float32) + r
         await g.allreduce(a)
-        np.testing.assert_array_equal(a, n * np.arange(count, dtype=np.float32)
-                                      + n * (n - 1) // 2)
+        np.testing.assert_array_equal(a, n * np.arange(count, dtype=np.float32) + n * (n - 1) // 2)
         b = np.full(count, r * 10 + 1, np.int32)
         await g.broadcast(b, root=n - 1)
         assert (b == (n - 1) * 10 + 1).all()
@@ -80,20 +79,23 @@ async def _check_collectives(g: ac.Group, counts: list[int]) -> float:
         x = np.full(count, 1.0 + r, np.float64)
         y = np.full(count, r, np.int64)
         z = np.full(max(count // 4, 1), r, np.float32)
-        await asyncio.gather(g.allreduce(x, op=ac.MAX), g.broadcast(y, root=1),
-                             g.allreduce(z))
+        await asyncio.gather(g.allreduce(x, op=ac.MAX), g.broadcast(y, root=1), g.allreduce(z))
         assert (x == n).all()
         assert (y == 1).all()
         assert (z == n * (n - 1) // 2).all()
     return time.monotonic() - start
 
 
-@pytest.mark.parametrize(("world_size", "counts"), [
-    (3, [1, 1000, 100_000, 1 << 20]),    # 1 MiB float32 = 4 MiB
-    (4, [3, 5000, 3 << 19]),             # 6 MiB
-])
+@pytest.mark.parametrize(
+    ("world_size", "counts"),
+    [
+        (3, [1, 1000, 100_000, 1 << 20]),  # 1 MiB float32 = 4 MiB
+        (4, [3, 5000, 3 << 19]),  # 6 MiB
+    ],
+)
 async def test_collectives_correct_with_delay_and_loss(
-        network: ProxyNetwork, world_size: int, counts: list[int]) -> None:
+    network: ProxyNetwork, world_size: int, counts: list[int]
+) -> None:
     network.set_faults(WAN)
     name = f"wan-{world_size}"
     await network.run_ranks(world_size, _check_collectives, counts, name=name, timeout=30)
@@ -128,8 +130,9 @@ DEADLINE = 2.0
 SLACK = 4.0
 
 
-def _fault_run(arm: Callable[[], None], call: Callable[[ac.Group], Any], world_size: int,
-               deadline: float) -> Callable[[ac.Group], Any]:
+def _fault_run(
+    arm: Callable[[], None], call: Callable[[ac.Group], Any], world_size: int, deadline: float
+) -> Callable[[ac.Group], Any]:
     """A rank body: warm every link, arm the fault (last rank to arrive), run ``call``
     and a barrier, and return the exception raised (if any) with when it was raised."""
     arrival = Arrival(world_size, arm)
@@ -151,22 +154,27 @@ def _fault_run(arm: Callable[[], None], call: Callable[[ac.Group], Any], world_s
 
 
 COLLECTIVES: dict[str, Callable[[ac.Group], Any]] = {
-    "allreduce-ring": lambda g: g.allreduce(np.ones(1 << 20, np.float32), algorithm="ring",
-                                            timeout=DEADLINE),
-    "allreduce-halving": lambda g: g.allreduce(np.ones(1 << 16, np.float32),
-                                               algorithm="halving_doubling", timeout=DEADLINE),
-    "broadcast-pipeline": lambda g: g.broadcast(np.ones(1 << 20, np.float32), root=0,
-                                                algorithm="pipeline", timeout=DEADLINE),
-    "allgather-ring": lambda g: g.allgather(np.ones(1 << 18, np.float32), algorithm="ring",
-                                            timeout=DEADLINE),
+    "allreduce-ring": lambda g: g.allreduce(
+        np.ones(1 << 20, np.float32), algorithm="ring", timeout=DEADLINE
+    ),
+    "allreduce-halving": lambda g: g.allreduce(
+        np.ones(1 << 16, np.float32), algorithm="halving_doubling", timeout=DEADLINE
+    ),
+    "broadcast-pipeline": lambda g: g.broadcast(
+        np.ones(1 << 20, np.float32), root=0, algorithm="pipeline", timeout=DEADLINE
+    ),
+    "allgather-ring": lambda g: g.allgather(
+        np.ones(1 << 18, np.float32), algorithm="ring", timeout=DEADLINE
+    ),
 }
 
 
 _stall_results: dict[tuple[str, int, int, int], list[dict[str, Any]]] = {}
 
 
-async def _stall_run(network: ProxyNetwork, which: str, n: int, a: int,
-                     b: int) -> list[dict[str, Any]]:
+async def _stall_run(
+    network: ProxyNetwork, which: str, n: int, a: int, b: int
+) -> list[dict[str, Any]]:
     """Stall link a-b mid-collective; every rank's outcome. Cached: the contract test and
     the blame-precision test look at the same run (each such run costs the deadline)."""
     key = (which, n, a, b)
@@ -175,15 +183,17 @@ async def _stall_run(network: ProxyNetwork, which: str, n: int, a: int,
     return _stall_results[key]
 
 
-async def _stall_once(network: ProxyNetwork, which: str, n: int, a: int,
-                      b: int) -> list[dict[str, Any]]:
+async def _stall_once(
+    network: ProxyNetwork, which: str, n: int, a: int, b: int
+) -> list[dict[str, Any]]:
     def arm() -> None:  # stall once 64 KiB of the next collective crossed link a-b
         network.link(a, b).stall("both", after_bytes=64 << 10)
 
     body = _fault_run(arm, COLLECTIVES[which], n, DEADLINE)
     try:
         results: list[dict[str, Any]] = await network.run_ranks(
-            n, body, name=f"stall-{which}", timeout=30)
+            n, body, name=f"stall-{which}", timeout=30
+        )
     finally:
         network.link(a, b).resume()
     assert [what for _, what in network.link(a, b).fired][:1] == ["stall both"]
@@ -192,7 +202,8 @@ async def _stall_once(network: ProxyNetwork, which: str, n: int, a: int,
 
 @pytest.mark.parametrize("which", ["allreduce-ring", "allgather-ring"])
 async def test_stalled_link_gives_peer_timeout_at_the_deadline(
-        network: ProxyNetwork, which: str) -> None:
+    network: ProxyNetwork, which: str
+) -> None:
     n, a, b = 3, 0, 1
     results = await _stall_run(network, which, n, a, b)
     for rank, res in enumerate(results):
@@ -204,11 +215,14 @@ async def test_stalled_link_gives_peer_timeout_at_the_deadline(
         assert set(exc.ranks) <= {a, b}, (rank, exc)
 
 
-@pytest.mark.xfail(reason="library: (1) PeerTimeout names 'ranks []' when the op was "
-                   "awaiting the silent peer's receive (the timeout cancels that future, "
-                   "and Op.silent_peers skips done futures); (2) a bystander's relayed "
-                   "PeerTimeout wins over the ends' own probe, telling rank 1 'ranks [1]' "
-                   "(docs/network-faults.md, findings)", strict=False)
+@pytest.mark.xfail(
+    reason="library: (1) PeerTimeout names 'ranks []' when the op was "
+    "awaiting the silent peer's receive (the timeout cancels that future, "
+    "and Op.silent_peers skips done futures); (2) a bystander's relayed "
+    "PeerTimeout wins over the ends' own probe, telling rank 1 'ranks [1]' "
+    "(docs/network-faults.md, findings)",
+    strict=False,
+)
 @pytest.mark.parametrize("which", ["allreduce-ring", "allgather-ring"])
 async def test_stalled_link_blame_is_precise(network: ProxyNetwork, which: str) -> None:
     n, a, b = 3, 0, 1
@@ -225,14 +239,18 @@ async def test_stalled_link_blame_is_precise(network: ProxyNetwork, which: str) 
 # -- cut link: PeerError well before the deadline -----------------------------------------
 
 
-@pytest.mark.parametrize(("which", "a", "b", "reset"), [
-    ("allreduce-ring", 0, 2, True),
-    ("allreduce-halving", 0, 1, False),  # 3 ranks: 0 and 1 fold, so link 0-1 carries data
-    ("allgather-ring", 1, 2, True),
-    ("broadcast-pipeline", 0, 1, True),  # the root's own link: even the root must fail
-])
+@pytest.mark.parametrize(
+    ("which", "a", "b", "reset"),
+    [
+        ("allreduce-ring", 0, 2, True),
+        ("allreduce-halving", 0, 1, False),  # 3 ranks: 0 and 1 fold, so link 0-1 carries data
+        ("allgather-ring", 1, 2, True),
+        ("broadcast-pipeline", 0, 1, True),  # the root's own link: even the root must fail
+    ],
+)
 async def test_cut_link_gives_peer_error_on_every_rank(
-        network: ProxyNetwork, which: str, a: int, b: int, reset: bool) -> None:
+    network: ProxyNetwork, which: str, a: int, b: int, reset: bool
+) -> None:
     n = 3
     long_deadline = 20.0
 

@@ -61,13 +61,16 @@ class Rank:
             async with asyncio.timeout(timeout):
                 line = await self.proc.stdout.readline()
         except TimeoutError:
-            raise AssertionError(f"rank {self.rank}: no event within {timeout} s; "
-                                 f"stderr:\n{self.stderr.decode(errors='replace')}") from None
+            raise AssertionError(
+                f"rank {self.rank}: no event within {timeout} s; "
+                f"stderr:\n{self.stderr.decode(errors='replace')}"
+            ) from None
         if not line:
             await self.proc.wait()
             raise AssertionError(
                 f"rank {self.rank} exited ({self.proc.returncode}) without the next event; "
-                f"stderr:\n{self.stderr.decode(errors='replace')}")
+                f"stderr:\n{self.stderr.decode(errors='replace')}"
+            )
         event: dict[str, Any] = json.loads(line)
         self.events.append(event)
         return event
@@ -93,15 +96,32 @@ async def launch(topology: netns.Topology) -> AsyncIterator[Any]:
         # share /dev/shm and the boot id) to shared memory, off the network under test.
         # A job across hosts needs a secret (protected mode): every rank gets the same one
         # unless the test passes its own AIOCOLLECT_SECRET ("" for none).
-        base = {k: v for k, v in os.environ.items()
-                if k not in ("AIOCOLLECT_SECRET", "AIOCOLLECT_INSECURE")}
-        full = {**base, "AIOCOLLECT_RANK": str(rank), "AIOCOLLECT_TRANSPORT": "tcp",
-                "AIOCOLLECT_WORLD_SIZE": str(len(topology.ns)),
-                "AIOCOLLECT_SECRET": JOB_SECRET, **env}
+        base = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("AIOCOLLECT_SECRET", "AIOCOLLECT_INSECURE")
+        }
+        full = {
+            **base,
+            "AIOCOLLECT_RANK": str(rank),
+            "AIOCOLLECT_TRANSPORT": "tcp",
+            "AIOCOLLECT_WORLD_SIZE": str(len(topology.ns)),
+            "AIOCOLLECT_SECRET": JOB_SECRET,
+            **env,
+        }
         proc = await asyncio.create_subprocess_exec(
-            "ip", "netns", "exec", topology.ns[rank], sys.executable, "-m",
-            "tests.network.netns_rank", cwd=ROOT, env=full,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            "ip",
+            "netns",
+            "exec",
+            topology.ns[rank],
+            sys.executable,
+            "-m",
+            "tests.network.netns_rank",
+            cwd=ROOT,
+            env=full,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         started.append(Rank(proc, rank))
         return started[-1]
 
@@ -110,8 +130,9 @@ async def launch(topology: netns.Topology) -> AsyncIterator[Any]:
         await r.stop()
 
 
-async def _check_run(topology: netns.Topology, launch: Any, env_for: Any,
-                     want_address: Any) -> None:
+async def _check_run(
+    topology: netns.Topology, launch: Any, env_for: Any, want_address: Any
+) -> None:
     ranks = [await launch(r, env_for(r)) for r in range(len(topology.ns))]
     opened = await _all(ranks, "open", 30)  # the first rank to fail fails the test
     for rank, ev in enumerate(opened):
@@ -129,29 +150,30 @@ async def _all(ranks: list[Rank], event: str, timeout: float) -> list[dict[str, 
 
 
 async def test_allreduce_broadcast_across_namespaces_ipv4_ifname(
-        topology: netns.Topology, launch: Any) -> None:
+    topology: netns.Topology, launch: Any
+) -> None:
     store = f"tcp://{topology.v4(0)}:{STORE_PORT}"
 
     def env(rank: int) -> dict[str, str]:
-        return {"AIOCOLLECT_STORE": store, "AIOCOLLECT_IFNAME": netns.IFNAME,
-                "NETNS_MODE": "check"}
+        return {"AIOCOLLECT_STORE": store, "AIOCOLLECT_IFNAME": netns.IFNAME, "NETNS_MODE": "check"}
 
     await _check_run(topology, launch, env, topology.v4)
 
 
 async def test_allreduce_broadcast_across_namespaces_ipv6(
-        topology: netns.Topology, launch: Any) -> None:
+    topology: netns.Topology, launch: Any
+) -> None:
     store = f"tcp://[{topology.v6(0)}]:{STORE_PORT}"
 
     def env(rank: int) -> dict[str, str]:
-        return {"AIOCOLLECT_STORE": store, "NETNS_HOST": topology.v6(rank),
-                "NETNS_MODE": "check"}
+        return {"AIOCOLLECT_STORE": store, "NETNS_HOST": topology.v6(rank), "NETNS_MODE": "check"}
 
     await _check_run(topology, launch, env, topology.v6)
 
 
 async def test_ipv6_store_without_host_publishes_a_routable_address(
-        topology: netns.Topology, launch: Any) -> None:
+    topology: netns.Topology, launch: Any
+) -> None:
     store = f"tcp://[{topology.v6(0)}]:{STORE_PORT}"
 
     def env(rank: int) -> dict[str, str]:
@@ -165,14 +187,19 @@ SLACK = 4.0  # liveness probe (0.5 s), ABORT relay, a loaded 2-core machine
 
 
 async def test_interface_down_mid_collective_fails_every_rank(
-        topology: netns.Topology, launch: Any) -> None:
+    topology: netns.Topology, launch: Any
+) -> None:
     victim = 2
     store = f"tcp://{topology.v4(0)}:{STORE_PORT}"
 
     def env(rank: int) -> dict[str, str]:
-        return {"AIOCOLLECT_STORE": store, "AIOCOLLECT_IFNAME": netns.IFNAME,
-                "NETNS_MODE": "loop", "NETNS_TIMEOUT": str(DEADLINE),
-                "NETNS_COUNT": str(1 << 18)}
+        return {
+            "AIOCOLLECT_STORE": store,
+            "AIOCOLLECT_IFNAME": netns.IFNAME,
+            "NETNS_MODE": "loop",
+            "NETNS_TIMEOUT": str(DEADLINE),
+            "NETNS_COUNT": str(1 << 18),
+        }
 
     ranks = [await launch(r, env(r)) for r in range(len(topology.ns))]
     await _all(ranks, "open", 30)

@@ -13,8 +13,13 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def _cfg(**kw: object) -> LaunchConfig:
-    base: dict[str, object] = {"nproc": 2, "script": "s.py", "nnodes": 2,
-                               "master_addr": "10.0.0.1", "master_port": 29500}
+    base: dict[str, object] = {
+        "nproc": 2,
+        "script": "s.py",
+        "nnodes": 2,
+        "master_addr": "10.0.0.1",
+        "master_port": 29500,
+    }
     return LaunchConfig(**{**base, **kw})  # type: ignore[arg-type]
 
 
@@ -43,8 +48,9 @@ def test_secret_and_insecure_reach_the_ranks() -> None:
     assert env["AIOCOLLECT_SECRET"] == "inherited"
 
 
-def test_run_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     script = tmp_path / "s.py"
     script.write_text("")
     common = ["--nnodes", "2", "--master-addr", "10.0.0.1", str(script)]

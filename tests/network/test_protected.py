@@ -46,17 +46,29 @@ def shared_dir(tmp_path: Path) -> Path:
 
 
 def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items()
-            if k not in ("AIOCOLLECT_SECRET", "AIOCOLLECT_INSECURE")}
+    return {
+        k: v for k, v in os.environ.items() if k not in ("AIOCOLLECT_SECRET", "AIOCOLLECT_INSECURE")
+    }
 
 
-async def _agent(topology: netns.Topology, rank: int, *args: str,
-                 stdin: bool = False) -> asyncio.subprocess.Process:
+async def _agent(
+    topology: netns.Topology, rank: int, *args: str, stdin: bool = False
+) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        "ip", "netns", "exec", topology.ns[rank], sys.executable, "-m",
-        "tests.network.protected_agent", *args, cwd=ROOT, env=_env(),
+        "ip",
+        "netns",
+        "exec",
+        topology.ns[rank],
+        sys.executable,
+        "-m",
+        "tests.network.protected_agent",
+        *args,
+        cwd=ROOT,
+        env=_env(),
         stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
 
 
 async def _event(proc: asyncio.subprocess.Process, timeout: float = 30) -> dict[str, Any]:
@@ -81,8 +93,11 @@ async def _once(topology: netns.Topology, rank: int, *args: str) -> dict[str, An
 
 
 def _is_protected_refusal(message: str) -> bool:
-    return ("protected mode" in message and "AIOCOLLECT_SECRET" in message
-            and "AIOCOLLECT_INSECURE=1" in message)
+    return (
+        "protected mode" in message
+        and "AIOCOLLECT_SECRET" in message
+        and "AIOCOLLECT_INSECURE=1" in message
+    )
 
 
 async def test_store_without_secret_refuses_other_hosts(topology: netns.Topology) -> None:
@@ -115,12 +130,18 @@ async def test_store_without_secret_refuses_other_hosts(topology: netns.Topology
 
 
 async def test_job_without_secret_across_hosts_fails_with_the_fix(
-        topology: netns.Topology, launch: Any) -> None:  # noqa: F811
+    topology: netns.Topology,
+    launch: Any,  # noqa: F811
+) -> None:
     """Rank 1 on another host cannot reach rank 0's embedded store: it fails at once with
     the refusal (not a timeout); it never gets to publish a record."""
     store = f"tcp://{topology.v4(0)}:{STORE_PORT}"
-    env = {"AIOCOLLECT_STORE": store, "AIOCOLLECT_IFNAME": netns.IFNAME,
-           "AIOCOLLECT_SECRET": "", "NETNS_TIMEOUT": "8"}
+    env = {
+        "AIOCOLLECT_STORE": store,
+        "AIOCOLLECT_IFNAME": netns.IFNAME,
+        "AIOCOLLECT_SECRET": "",
+        "NETNS_TIMEOUT": "8",
+    }
     ranks = [await launch(0, env)]
     ranks.append(await launch(1, env))
     assert await asyncio.wait_for(ranks[1].proc.wait(), 30) != 0
@@ -134,12 +155,19 @@ async def test_job_without_secret_across_hosts_fails_with_the_fix(
 
 
 async def test_peer_listener_without_secret_refuses_other_hosts(
-        topology: netns.Topology, launch: Any, shared_dir: Path) -> None:  # noqa: F811
+    topology: netns.Topology,
+    launch: Any,  # noqa: F811
+    shared_dir: Path,
+) -> None:
     """A store both hosts share (a directory: namespaces share the file system): the
     record exchange works, but rank 0's listener refuses the link from the other host, and
     rank 1 says why and what to do."""
-    env = {"AIOCOLLECT_STORE": f"file://{shared_dir}", "AIOCOLLECT_IFNAME": netns.IFNAME,
-           "AIOCOLLECT_SECRET": "", "NETNS_TIMEOUT": "8"}
+    env = {
+        "AIOCOLLECT_STORE": f"file://{shared_dir}",
+        "AIOCOLLECT_IFNAME": netns.IFNAME,
+        "AIOCOLLECT_SECRET": "",
+        "NETNS_TIMEOUT": "8",
+    }
     ranks = [await launch(r, env) for r in range(2)]
     assert await asyncio.wait_for(ranks[1].proc.wait(), 30) != 0
     await ranks[1]._drain
@@ -151,24 +179,31 @@ async def test_peer_listener_without_secret_refuses_other_hosts(
     await asyncio.wait_for(ranks[0].proc.wait(), 30)
 
 
-async def test_insecure_opt_out_across_hosts(topology: netns.Topology,
-                                             launch: Any) -> None:  # noqa: F811
+async def test_insecure_opt_out_across_hosts(topology: netns.Topology, launch: Any) -> None:  # noqa: F811
     store = f"tcp://{topology.v4(0)}:{STORE_PORT}"
 
     def env(rank: int) -> dict[str, str]:
-        return {"AIOCOLLECT_STORE": store, "AIOCOLLECT_IFNAME": netns.IFNAME,
-                "AIOCOLLECT_SECRET": "", "AIOCOLLECT_INSECURE": "1", "NETNS_MODE": "check"}
+        return {
+            "AIOCOLLECT_STORE": store,
+            "AIOCOLLECT_IFNAME": netns.IFNAME,
+            "AIOCOLLECT_SECRET": "",
+            "AIOCOLLECT_INSECURE": "1",
+            "NETNS_MODE": "check",
+        }
 
     await _check_run(topology, launch, env, topology.v4)
 
 
-async def test_secret_job_across_hosts(topology: netns.Topology,
-                                       launch: Any) -> None:  # noqa: F811
+async def test_secret_job_across_hosts(topology: netns.Topology, launch: Any) -> None:  # noqa: F811
     store = f"tcp://{topology.v4(0)}:{STORE_PORT}"
 
     def env(rank: int) -> dict[str, str]:
-        return {"AIOCOLLECT_STORE": store, "AIOCOLLECT_IFNAME": netns.IFNAME,
-                "AIOCOLLECT_SECRET": "two-hosts", "NETNS_MODE": "check"}
+        return {
+            "AIOCOLLECT_STORE": store,
+            "AIOCOLLECT_IFNAME": netns.IFNAME,
+            "AIOCOLLECT_SECRET": "two-hosts",
+            "NETNS_MODE": "check",
+        }
 
     await _check_run(topology, launch, env, topology.v4)
 
@@ -186,14 +221,38 @@ RUN_SCRIPT = textwrap.dedent("""
 """)
 
 
-async def _launchers(topology: netns.Topology, script: Path,
-                     *extra: str) -> list[tuple[int, str, str]]:
-    procs = [await asyncio.create_subprocess_exec(
-        "ip", "netns", "exec", topology.ns[node], sys.executable, "-m", "aiocollect", "run",
-        "--nnodes", "2", "--node-rank", str(node), "-n", "1", "--master-addr",
-        topology.v4(0), "--master-port", str(STORE_PORT), *extra, str(script), cwd=ROOT,
-        env=_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        for node in range(2)]
+async def _launchers(
+    topology: netns.Topology, script: Path, *extra: str
+) -> list[tuple[int, str, str]]:
+    procs = [
+        await asyncio.create_subprocess_exec(
+            "ip",
+            "netns",
+            "exec",
+            topology.ns[node],
+            sys.executable,
+            "-m",
+            "aiocollect",
+            "run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "-n",
+            "1",
+            "--master-addr",
+            topology.v4(0),
+            "--master-port",
+            str(STORE_PORT),
+            *extra,
+            str(script),
+            cwd=ROOT,
+            env=_env(),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        for node in range(2)
+    ]
     try:
         outs = [await asyncio.wait_for(p.communicate(), 60) for p in procs]
     finally:
@@ -201,8 +260,9 @@ async def _launchers(topology: netns.Topology, script: Path,
             if p.returncode is None:
                 p.kill()
                 await p.wait()
-    return [(p.returncode or 0, o.decode(), e.decode()) for p, (o, e) in zip(procs, outs,
-                                                                             strict=True)]
+    return [
+        (p.returncode or 0, o.decode(), e.decode()) for p, (o, e) in zip(procs, outs, strict=True)
+    ]
 
 
 async def test_aiocollect_run_across_hosts(topology: netns.Topology, shared_dir: Path) -> None:

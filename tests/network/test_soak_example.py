@@ -16,8 +16,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_soak_kill_two_runs(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     proc = subprocess.run(
-        [sys.executable, "examples/soak_kill.py", "--runs", "2", "--seed", "3", "--json",
-         str(out)], cwd=ROOT, capture_output=True, text=True, timeout=80)
+        [sys.executable, "examples/soak_kill.py", "--runs", "2", "--seed", "3", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "run   2/2" in proc.stdout
     summary = json.loads(out.read_text())["summary"]

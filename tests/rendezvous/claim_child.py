@@ -24,8 +24,10 @@ async def _store(spec: str) -> Store:
 
         from aiocollect.torch.store import TorchStore
 
-        return TorchStore(dist.TCPStore("127.0.0.1", int(spec[6:]), is_master=False,
-                                        wait_for_workers=False), timeout=30)
+        return TorchStore(
+            dist.TCPStore("127.0.0.1", int(spec[6:]), is_master=False, wait_for_workers=False),
+            timeout=30,
+        )
     store, _ = await open_store(spec, rank=1, timeout=30)
     return store
 
@@ -33,8 +35,9 @@ async def _store(spec: str) -> Store:
 async def main(spec: str, name: str, rank: int, world: int) -> None:
     store = await _store(spec)
     claim = await claims.claim(store, name, rank, world, Deadline.after(30))
-    await claim.publish({"rank": rank, "address": "127.0.0.1", "port": 9, "pid": os.getpid(),
-                         "hostname": "stale"})
+    await claim.publish(
+        {"rank": rank, "address": "127.0.0.1", "port": 9, "pid": os.getpid(), "hostname": "stale"}
+    )
     print("claimed", claim.job.hex(), os.getpid(), flush=True)
     await asyncio.Event().wait()
 

@@ -46,9 +46,25 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         pytest.skip("redis-server not installed: redis skipped")
     port = free_port()
     proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-         "no", "--dir", str(tmp_path_factory.mktemp("redis")), "--logfile", ""],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path_factory.mktemp("redis")),
+            "--logfile",
+            "",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert proc.stdout is not None
     for line in proc.stdout:  # bounded by pytest-timeout
         if "Ready to accept connections" in line:
@@ -119,9 +135,11 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
         spec = f"torch:{master.port}"
 
         async def factory() -> Store:
-            client = dist.TCPStore("127.0.0.1", master.port, is_master=False,
-                                   wait_for_workers=False)
+            client = dist.TCPStore(
+                "127.0.0.1", master.port, is_master=False, wait_for_workers=False
+            )
             return TorchStore(client, timeout=30)
+
     b = Backend(kind, factory, spec)
     try:
         yield b
@@ -148,8 +166,9 @@ async def _form(stores: list[Store], name: str, base: int) -> list[int]:
     async def rank(r: int) -> int:
         if r == 0:
             await asyncio.sleep(0.2)  # an order to provoke, not a wait for a peer
-        async with ac.open_group(r, 2, store=stores[r], name=name, transport="tcp",
-                                 timeout=20) as g:
+        async with ac.open_group(
+            r, 2, store=stores[r], name=name, transport="tcp", timeout=20
+        ) as g:
             buf = np.array([base + r])
             await g.allreduce(buf)
             return int(buf[0])
@@ -160,12 +179,24 @@ async def _form(stores: list[Store], name: str, base: int) -> list[int]:
 async def _claim_in_child_and_kill_it(spec: str, name: str, rank: int) -> str:
     """A child process claims ``rank`` of ``name`` and publishes its record; then it is
     SIGKILLed. Returns its job nonce (hex)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
     env.pop(claims.JOB_ID_ENV, None)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.rendezvous.claim_child", spec, name, str(rank), "2",
-        cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "tests.rendezvous.claim_child",
+        spec,
+        name,
+        str(rank),
+        "2",
+        cwd=REPO,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     assert proc.stdout is not None
     assert proc.stderr is not None
     try:
@@ -180,6 +211,7 @@ async def _claim_in_child_and_kill_it(spec: str, name: str, rank: int) -> str:
 
 # -- every backend ---------------------------------------------------------------------------
 
+
 async def test_second_claimant_is_refused_naming_the_holder(backend: Backend) -> None:
     name = _name()
     s1, s2 = await backend.make(), await backend.make()
@@ -191,8 +223,9 @@ async def test_second_claimant_is_refused_naming_the_holder(backend: Backend) ->
     second = await claims.claim(s2, name, 1, 2, _deadline())
     assert second.job == first.job
     assert second.epoch == first.epoch
-    with pytest.raises(ac.RendezvousError, match=f"rank 1 of group '{name}' is already "
-                                                 f"claimed by {HERE}"):
+    with pytest.raises(
+        ac.RendezvousError, match=f"rank 1 of group '{name}' is already claimed by {HERE}"
+    ):
         await claims.claim(s1, name, 1, 2, _deadline())
     await first.release()
 
@@ -224,7 +257,8 @@ async def test_a_released_group_name_is_claimed_by_the_next_job(backend: Backend
 
 
 async def test_a_killed_jobs_claim_is_taken_over_and_its_records_ignored(
-        backend: Backend, caplog: pytest.LogCaptureFixture) -> None:
+    backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
     if backend.spec is None:
         pytest.skip("a memory store is not shared with another process")
     name = _name()
@@ -232,15 +266,18 @@ async def test_a_killed_jobs_claim_is_taken_over_and_its_records_ignored(
     caplog.set_level(logging.WARNING, "aiocollect")
     stores = [await backend.make(), await backend.make()]
     assert await _form(stores, name, 10) == [21, 21]
-    assert any("taking over rank 0" in r.getMessage() and "has exited" in r.getMessage()
-               for r in caplog.records), caplog.text
+    assert any(
+        "taking over rank 0" in r.getMessage() and "has exited" in r.getMessage()
+        for r in caplog.records
+    ), caplog.text
     # ...and the next job on the store after that one closed.
     assert await _form(stores, name, 20) == [41, 41]
     assert job
 
 
 async def test_a_rank_whose_holder_died_waits_for_the_next_job(
-        backend: Backend, caplog: pytest.LogCaptureFixture) -> None:
+    backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
     if backend.spec is None:
         pytest.skip("a memory store is not shared with another process")
     name = _name()
@@ -261,15 +298,19 @@ async def test_a_rank_whose_holder_died_waits_for_the_next_job(
 async def test_a_live_group_keeps_a_second_job_out(backend: Backend) -> None:
     name = _name()
     stores = [await backend.make() for _ in range(3)]
-    g0, g1 = await asyncio.gather(*(ac.open_group(r, 2, store=stores[r], name=name,
-                                                  transport="tcp", timeout=20)
-                                    for r in (0, 1)))
+    g0, g1 = await asyncio.gather(
+        *(
+            ac.open_group(r, 2, store=stores[r], name=name, transport="tcp", timeout=20)
+            for r in (0, 1)
+        )
+    )
     try:
         for rank in (0, 1):
-            with pytest.raises(ac.RendezvousError, match=f"rank {rank} of group '{name}' is "
-                                                         f"already claimed by {HERE}"):
-                await ac.open_group(rank, 2, store=stores[2], name=name, transport="tcp",
-                                    timeout=5)
+            with pytest.raises(
+                ac.RendezvousError,
+                match=f"rank {rank} of group '{name}' is already claimed by {HERE}",
+            ):
+                await ac.open_group(rank, 2, store=stores[2], name=name, transport="tcp", timeout=5)
         bufs = [np.ones(3), np.ones(3)]
         await asyncio.gather(g0.allreduce(bufs[0]), g1.allreduce(bufs[1]))
         assert bufs[0].tolist() == [2.0] * 3
@@ -279,7 +320,8 @@ async def test_a_live_group_keeps_a_second_job_out(backend: Backend) -> None:
 
 
 async def test_a_claim_without_its_holder_record_is_refused(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(claims, "OWNER_GRACE", 0.2)
     name, store = _name(), MemoryStore(_name())
     await store.add(f"aiocollect/{name}/claim/0", 1)  # a claimant that died right after
@@ -292,15 +334,18 @@ async def test_a_claim_without_its_holder_record_is_refused(
 
 # -- job ids ----------------------------------------------------------------------------------
 
-async def test_a_rank_of_another_job_id_refuses_the_group(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+
+async def test_a_rank_of_another_job_id_refuses_the_group(monkeypatch: pytest.MonkeyPatch) -> None:
     name, store = _name(), MemoryStore(_name())
     monkeypatch.setenv(claims.JOB_ID_ENV, "job-a")
     first = await claims.claim(store, name, 0, 2, _deadline())
     monkeypatch.setenv(claims.JOB_ID_ENV, "job-b")
-    with pytest.raises(ac.RendezvousError, match=r"held by pid \d+ on host .* \(job id "
-                                                 r"'job-a'\), not by this rank's job \(job "
-                                                 r"id 'job-b'\): another job"):
+    with pytest.raises(
+        ac.RendezvousError,
+        match=r"held by pid \d+ on host .* \(job id "
+        r"'job-a'\), not by this rank's job \(job "
+        r"id 'job-b'\): another job",
+    ):
         await claims.claim(store, name, 1, 2, _deadline())
     monkeypatch.setenv(claims.JOB_ID_ENV, "job-a")
     assert (await claims.claim(store, name, 1, 2, _deadline())).job == first.job
@@ -317,8 +362,7 @@ def test_torchrun_run_id_is_a_job_id(monkeypatch: pytest.MonkeyPatch) -> None:
     assert claims.job_id() == "mine"
 
 
-async def test_the_embedded_store_belongs_to_its_hosts_job(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_embedded_store_belongs_to_its_hosts_job(monkeypatch: pytest.MonkeyPatch) -> None:
     name = _name()
     monkeypatch.setenv(claims.JOB_ID_ENV, "job-b")
     host = await connect_tcp_store("127.0.0.1", 0, is_host=True, timeout=20)
@@ -332,8 +376,11 @@ async def test_the_embedded_store_belongs_to_its_hosts_job(
         monkeypatch.setenv(claims.JOB_ID_ENV, "job-b")
         with pytest.raises(ac.RendezvousError, match="another job on the same store"):
             await early.wait_records(_deadline())
-        with pytest.raises(ac.RendezvousError, match=r"is hosted by rank 0 of another job "
-                                                     r"\(pid \d+ on host .* \(job id 'job-a'\)"):
+        with pytest.raises(
+            ac.RendezvousError,
+            match=r"is hosted by rank 0 of another job "
+            r"\(pid \d+ on host .* \(job id 'job-a'\)",
+        ):
             await claims.claim(guest, _name(), 0, 2, _deadline())  # any group name
         monkeypatch.setenv(claims.JOB_ID_ENV, "job-a")
         assert (await claims.claim(guest, name, 1, 2, _deadline())).job == mine.job
@@ -343,6 +390,7 @@ async def test_the_embedded_store_belongs_to_its_hosts_job(
 
 
 # -- the peer handshake ----------------------------------------------------------------------
+
 
 def test_handshake_refuses_a_peer_of_another_job() -> None:
     for secret in (None, b"s3cret"):
@@ -363,13 +411,13 @@ def test_handshake_refuses_a_peer_of_another_job() -> None:
 
 
 async def test_a_peer_of_another_job_is_refused_and_the_group_forms(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     caplog.set_level(logging.WARNING, "aiocollect")
     name, store = _name(), MemoryStore(_name())
 
     async def rank(r: int) -> float:
-        async with ac.open_group(r, 2, store=store, name=name, transport="tcp",
-                                 timeout=20) as g:
+        async with ac.open_group(r, 2, store=store, name=name, transport="tcp", timeout=20) as g:
             buf = np.array([1.0 + r])
             await g.allreduce(buf)
             return float(buf[0])

@@ -46,13 +46,24 @@ NAME = "shared"
 
 
 async def _rank(port: int, base: int, rank: int) -> asyncio.subprocess.Process:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("AIOCOLLECT_JOB_ID", "TORCHELASTIC_RUN_ID")}
-    env.update(AIOCOLLECT_STORE=f"tcp://127.0.0.1:{port}", AIOCOLLECT_RANK=str(rank),
-               AIOCOLLECT_WORLD_SIZE="3", AIOCOLLECT_TRANSPORT="tcp")
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("AIOCOLLECT_JOB_ID", "TORCHELASTIC_RUN_ID")
+    }
+    env.update(
+        AIOCOLLECT_STORE=f"tcp://127.0.0.1:{port}",
+        AIOCOLLECT_RANK=str(rank),
+        AIOCOLLECT_WORLD_SIZE="3",
+        AIOCOLLECT_TRANSPORT="tcp",
+    )
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", SCRIPT, str(base), env=env, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT)
+        sys.executable,
+        "-c",
+        SCRIPT,
+        str(base),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     assert proc.stdout is not None
     assert await proc.stdout.readline() == b"up\n"
     return proc
@@ -81,13 +92,16 @@ async def test_a_group_another_jobs_rank_joined_fails_loudly() -> None:
             a1 = await _rank(server.port, 100, 1)  # A1: its rank is taken
             procs.append(a1)
             lost = await _last_line(a1)
-            assert lost.startswith("error RendezvousError rank 1 of group 'shared' is "
-                                   "already claimed"), lost
+            assert lost.startswith(
+                "error RendezvousError rank 1 of group 'shared' is already claimed"
+            ), lost
             procs.append(await _rank(server.port, 100, 2))  # A2 completes the group
             outs = [await _last_line(p) for p in (procs[0], procs[1], procs[3])]
             for out in outs:
-                assert out.startswith("error RendezvousError another job is using group "
-                                      "'shared' on this store (rank 1, pid"), outs
+                assert out.startswith(
+                    "error RendezvousError another job is using group "
+                    "'shared' on this store (rank 1, pid"
+                ), outs
                 assert "AIOCOLLECT_JOB_ID" in out, out
             assert await watcher.check([f"aiocollect/{NAME}/conflict/0"]) == [True]
             # A job of its own, later, under the same name on the same store: unaffected.

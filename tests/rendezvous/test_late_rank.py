@@ -40,8 +40,8 @@ asyncio.run(main())
 
 async def _start(rank: int, world: int, url: str) -> asyncio.subprocess.Process:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", SCRIPT, str(rank), str(world), url,
-        stdout=asyncio.subprocess.PIPE)
+        sys.executable, "-c", SCRIPT, str(rank), str(world), url, stdout=asyncio.subprocess.PIPE
+    )
     assert proc.stdout is not None
     assert await proc.stdout.readline() == b"up\n"
     return proc

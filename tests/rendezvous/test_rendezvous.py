@@ -24,8 +24,7 @@ def _store() -> str:
 @pytest.mark.parametrize("transport", ["memory", "tcp"])
 async def test_missing_ranks_are_named(transport: str) -> None:
     store = _store()
-    opens = [ac.open_group(r, 4, store=store, transport=transport, timeout=1.0)
-             for r in (0, 2)]
+    opens = [ac.open_group(r, 4, store=store, transport=transport, timeout=1.0) for r in (0, 2)]
     results = await asyncio.gather(*opens, return_exceptions=True)
     for res in results:
         assert isinstance(res, ac.RendezvousTimeout), res
@@ -36,9 +35,11 @@ async def test_missing_ranks_are_named(transport: str) -> None:
 
 async def test_world_size_disagreement_is_refused() -> None:
     store = _store()
-    res = await asyncio.gather(ac.open_group(0, 2, store=store, timeout=2.0),
-                               ac.open_group(1, 3, store=store, timeout=2.0),
-                               return_exceptions=True)
+    res = await asyncio.gather(
+        ac.open_group(0, 2, store=store, timeout=2.0),
+        ac.open_group(1, 3, store=store, timeout=2.0),
+        return_exceptions=True,
+    )
     assert any(isinstance(r, ac.RendezvousError) and "world_size" in str(r) for r in res), res
     for r in res:
         if isinstance(r, ac.Group):
@@ -47,9 +48,11 @@ async def test_world_size_disagreement_is_refused() -> None:
 
 async def test_chunk_size_disagreement_is_refused() -> None:
     store = _store()
-    res = await asyncio.gather(ac.open_group(0, 2, store=store, timeout=2.0, chunk_bytes=64),
-                               ac.open_group(1, 2, store=store, timeout=2.0, chunk_bytes=128),
-                               return_exceptions=True)
+    res = await asyncio.gather(
+        ac.open_group(0, 2, store=store, timeout=2.0, chunk_bytes=64),
+        ac.open_group(1, 2, store=store, timeout=2.0, chunk_bytes=128),
+        return_exceptions=True,
+    )
     assert all(isinstance(r, ac.RendezvousError) and "chunk_bytes" in str(r) for r in res), res
 
 
@@ -63,8 +66,9 @@ async def test_two_groups_on_one_store_by_name(transport: str) -> None:
             await g.allreduce(buf)
             return float(buf[0])
 
-    res = await asyncio.gather(rank(0, "a", 10), rank(1, "a", 10), rank(0, "b", 100),
-                               rank(1, "b", 100))
+    res = await asyncio.gather(
+        rank(0, "a", 10), rank(1, "a", 10), rank(0, "b", 100), rank(1, "b", 100)
+    )
     assert res == [21.0, 21.0, 201.0, 201.0]
 
 

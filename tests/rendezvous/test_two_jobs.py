@@ -50,16 +50,39 @@ RESULT = re.compile(r"^\[rank (\d)\] result (\d+)$", re.MULTILINE)
 #: What a job that lost the race says: its rank found the other job's claims or store
 #: (RendezvousError), or it reached the embedded store of the other job just as that job
 #: ended and took its store with it (StoreError).
-LOST = re.compile(r"another job on the same store|StoreError: connection to the TCP store at "
-                  r"\S+ lost: ")
+LOST = re.compile(
+    r"another job on the same store|StoreError: connection to the TCP store at "
+    r"\S+ lost: "
+)
 
 
-def _start(script: Path, port: int, base: int, cwd: Path, *extra: str,
-           stdin: int = subprocess.DEVNULL) -> subprocess.Popen[str]:
+def _start(
+    script: Path, port: int, base: int, cwd: Path, *extra: str, stdin: int = subprocess.DEVNULL
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "aiocollect", "run", "-n", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(port), "--timeout", "40", str(script), str(base), *extra],
-        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin, text=True)
+        [
+            sys.executable,
+            "-m",
+            "aiocollect",
+            "run",
+            "-n",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "--timeout",
+            "40",
+            str(script),
+            str(base),
+            *extra,
+        ],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=stdin,
+        text=True,
+    )
 
 
 def _check(base: int, rc: int, out: str, err: str) -> str:
@@ -67,7 +90,8 @@ def _check(base: int, rc: int, out: str, err: str) -> str:
     want = 2 * base + 1
     sums = {int(rank): int(total) for rank, total in RESULT.findall(out)}
     assert all(total == want for total in sums.values()), (
-        f"job {base}: a rank computed a mixed sum {sums} (want {want})\n{out}\n{err}")
+        f"job {base}: a rank computed a mixed sum {sums} (want {want})\n{out}\n{err}"
+    )
     if rc == 0:
         assert sums == {0: want, 1: want}, (base, out, err)
         return "ok"
@@ -141,9 +165,23 @@ def test_a_standalone_store_serves_one_job_after_another(tmp_path: Path) -> None
     script.write_text(textwrap.dedent(SCRIPT))
     port = free_port("127.0.0.1")
     with subprocess.Popen(
-            [sys.executable, "-m", "aiocollect", "store", "--host", "127.0.0.1", "--port",
-             str(port), "--insecure"], cwd=tmp_path, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True) as store:
+        [
+            sys.executable,
+            "-m",
+            "aiocollect",
+            "store",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--insecure",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    ) as store:
         try:
             assert store.stdout is not None
             assert "listening" in store.stdout.readline()  # bounded by pytest-timeout
@@ -151,7 +189,9 @@ def test_a_standalone_store_serves_one_job_after_another(tmp_path: Path) -> None
                 job = _start(script, port, base, tmp_path)
                 out, err = job.communicate(timeout=60)
                 assert job.returncode == 0, err
-                assert sorted(RESULT.findall(out)) == [("0", str(2 * base + 1)),
-                                                       ("1", str(2 * base + 1))], out
+                assert sorted(RESULT.findall(out)) == [
+                    ("0", str(2 * base + 1)),
+                    ("1", str(2 * base + 1)),
+                ], out
         finally:
             store.terminate()

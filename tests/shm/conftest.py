@@ -34,7 +34,7 @@ def segments() -> set[str]:
 
 
 def _pid_of(name: str) -> int | None:
-    pid, _, rest = name[len(PREFIX):].partition("-")
+    pid, _, rest = name[len(PREFIX) :].partition("-")
     return int(pid) if pid.isdigit() and rest else None
 
 

@@ -14,8 +14,9 @@ from aiocollect.transport.shm import ShmLink
 
 def link_kinds_of(g: ac.Group) -> list[str]:
     links = g._fabric.links
-    return ["shm" if isinstance(links[p], ShmLink) and links[p].shm else "tcp"
-            for p in sorted(links)]
+    return [
+        "shm" if isinstance(links[p], ShmLink) and links[p].shm else "tcp" for p in sorted(links)
+    ]
 
 
 async def link_kinds(g: ac.Group) -> list[str]:
@@ -57,12 +58,16 @@ async def allreduce_forever(g: ac.Group, size: int) -> dict[str, Any]:
             await g.allreduce(buf)
     except ac.AiocollectError as exc:
         cause = exc.__cause__
-        return {"error": type(exc).__name__, "message": str(exc),
-                "cause": type(cause).__name__ if cause else None}
+        return {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "cause": type(cause).__name__ if cause else None,
+        }
 
 
-async def allreduce_until_told(g: ac.Group, count: int, ready_key: str,
-                               go_key: str, after: int) -> dict[str, Any]:
+async def allreduce_until_told(
+    g: ac.Group, count: int, ready_key: str, go_key: str, after: int
+) -> dict[str, Any]:
     """Allreduce (checked exactly) while the test does something to the ranks: publish
     this rank's pid under ``ready_key`` once links are warm, keep going until ``go_key``
     appears in the store (rank 0 looks, every rank learns it in the same allreduce), then
@@ -109,8 +114,10 @@ async def corrupt_pull_count(g: ac.Group, count: int) -> dict[str, Any]:
             await g.allreduce(buf, timeout=20)
     except ac.AiocollectError as exc:
         cause = exc.__cause__
-        return {"error": type(exc).__name__, "message": str(exc),
-                "cause": f"{type(cause).__name__}: {cause}" if cause else None,
-                "abort": getattr(exc, "abort_info", None)
-                or getattr(cause, "abort_info", None)}
+        return {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "cause": f"{type(cause).__name__}: {cause}" if cause else None,
+            "abort": getattr(exc, "abort_info", None) or getattr(cause, "abort_info", None),
+        }
     return {"error": None}

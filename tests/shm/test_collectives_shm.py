@@ -22,15 +22,23 @@ from tests.shm import targets
 #: The one-process sweeps of tests/collectives/test_sweep.py, run as they are with
 #: transport="shm" (here, on asyncio only, with this suite's leak checks) rather than
 #: copied: (test, world sizes).
-SWEEPS = [(test_sweep.test_allreduce, test_sweep.SIZES), (test_sweep.test_reduce, test_sweep.SIZES),
-          (test_sweep.test_data_movement, test_sweep.SIZES),
-          (test_sweep.test_send_recv, [2, 3, 4, 7])]
+SWEEPS = [
+    (test_sweep.test_allreduce, test_sweep.SIZES),
+    (test_sweep.test_reduce, test_sweep.SIZES),
+    (test_sweep.test_data_movement, test_sweep.SIZES),
+    (test_sweep.test_send_recv, [2, 3, 4, 7]),
+]
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("sweep", "n"), [
-    pytest.param(test, n, id=f"{test.__name__.removeprefix('test_')}-{n}")
-    for test, sizes in SWEEPS for n in sizes])
+@pytest.mark.parametrize(
+    ("sweep", "n"),
+    [
+        pytest.param(test, n, id=f"{test.__name__.removeprefix('test_')}-{n}")
+        for test, sizes in SWEEPS
+        for n in sizes
+    ],
+)
 async def test_sweep_over_shm(sweep: Callable[[int, str], Awaitable[None]], n: int) -> None:
     await sweep(n, "shm")
 
@@ -47,8 +55,9 @@ async def test_algorithms(n: int) -> None:
 @pytest.mark.parametrize(("n", "transport"), [(2, "shm"), (5, "auto")])
 async def test_algorithms_in_processes(n: int, transport: str) -> None:
     dtypes = [np.dtype(np.bool_), np.dtype(np.int64), np.dtype(np.float64)]
-    res = await spawn_ranks(n, sweep_algorithms, dtypes, timeout=250, chunk_bytes=CHUNK,
-                            transport=transport)
+    res = await spawn_ranks(
+        n, sweep_algorithms, dtypes, timeout=250, chunk_bytes=CHUNK, transport=transport
+    )
     assert len(set(res)) == 1
 
 
@@ -57,8 +66,7 @@ async def test_algorithms_in_processes(n: int, transport: str) -> None:
 async def test_sweep_in_processes(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
     if n == 2:  # spinning readers (opt-in, and only while ranks <= cores)
         monkeypatch.setenv("AIOCOLLECT_SHM_SPIN_US", "300")
-    counts = await spawn_ranks(n, mp_targets.sweep, timeout=200, chunk_bytes=CHUNK,
-                               transport="shm")
+    counts = await spawn_ranks(n, mp_targets.sweep, timeout=200, chunk_bytes=CHUNK, transport="shm")
     assert len(counts) == n
     assert counts[0] > 50
     assert len(set(counts)) == 1
@@ -67,28 +75,38 @@ async def test_sweep_in_processes(n: int, monkeypatch: pytest.MonkeyPatch) -> No
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("n", "spin_us"), [(3, "0"), (2, "500")])
 @pytest.mark.parametrize("uvloop", [False, True])
-async def test_concurrent_allreduces(uvloop: bool, n: int, spin_us: str,
-                                     monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_concurrent_allreduces(
+    uvloop: bool, n: int, spin_us: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Several allreduces in flight, readers sleeping at once or (2 ranks, so no more
     than the cores of any CI machine) spinning first."""
     monkeypatch.setenv("AIOCOLLECT_SHM_SPIN_US", spin_us)  # the children inherit it
-    res = await spawn_ranks(n, mp_targets.concurrent, 50_000, timeout=100, uvloop=uvloop,
-                            transport="shm")
+    res = await spawn_ranks(
+        n, mp_targets.concurrent, 50_000, timeout=100, uvloop=uvloop, transport="shm"
+    )
     want = [float(sum(r + i for r in range(n))) for i in range(6)]
     assert res == [want] * n
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("uvloop", "pull"), [(False, "0"), (True, "0"), (True, "")])
-async def test_frames_larger_than_the_ring(uvloop: bool, pull: str,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_frames_larger_than_the_ring(
+    uvloop: bool, pull: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Chunks of 1 MiB through 64 KiB rings: with pulls off, every frame is written in
     pieces as the reader frees space, in both directions at once, several operations in
     flight; with pulls on, the same frames go by reference."""
     monkeypatch.setenv("AIOCOLLECT_SHM_RING_BYTES", str(64 << 10))  # the children inherit it
     monkeypatch.setenv("AIOCOLLECT_SHM_PULL", pull)
-    res = await spawn_ranks(3, targets.big_frames, 3 << 20, timeout=100, uvloop=uvloop,
-                            transport="shm", chunk_bytes=1 << 20)
+    res = await spawn_ranks(
+        3,
+        targets.big_frames,
+        3 << 20,
+        timeout=100,
+        uvloop=uvloop,
+        transport="shm",
+        chunk_bytes=1 << 20,
+    )
     assert res == [True] * 3
 
 
@@ -102,16 +120,22 @@ async def test_links_are_shared_memory() -> None:
 
 @pytest.mark.timeout(60)
 async def test_tcp_stays_tcp() -> None:
-    assert await spawn_ranks(2, targets.link_kinds, timeout=50, transport="tcp") == \
-        [["tcp"], ["tcp"]]
+    assert await spawn_ranks(2, targets.link_kinds, timeout=50, transport="tcp") == [
+        ["tcp"],
+        ["tcp"],
+    ]
 
 
 @pytest.mark.timeout(60)
 async def test_objects_and_split() -> None:
     res = await run_ranks(4, targets.objects_and_split, transport="shm")
     # allgather_object of the ranks; allreduce of the ranks within each color (r % 2)
-    assert res == [([0, 1, 2, 3], 0 + 2), ([0, 1, 2, 3], 1 + 3),
-                   ([0, 1, 2, 3], 0 + 2), ([0, 1, 2, 3], 1 + 3)]
+    assert res == [
+        ([0, 1, 2, 3], 0 + 2),
+        ([0, 1, 2, 3], 1 + 3),
+        ([0, 1, 2, 3], 0 + 2),
+        ([0, 1, 2, 3], 1 + 3),
+    ]
 
 
 @pytest.mark.timeout(10)
@@ -148,15 +172,17 @@ async def _overwrite_after_send(g: ac.Group, count: int) -> bool:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("pull", ["0", ""])
-async def test_sender_memory_is_free_after_drained(pull: str,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_sender_memory_is_free_after_drained(
+    pull: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A message 64x the ring: queued pieces (or frames sent by reference) use the sender's
     array only until drained(); what the sender does to it afterwards never reaches the
     receiver."""
     monkeypatch.setenv("AIOCOLLECT_SHM_RING_BYTES", str(64 << 10))
     monkeypatch.setenv("AIOCOLLECT_SHM_PULL", pull)
-    assert await run_ranks(2, _overwrite_after_send, 1 << 19, transport="shm",
-                           chunk_bytes=1 << 20) == [True, True]
+    assert await run_ranks(
+        2, _overwrite_after_send, 1 << 19, transport="shm", chunk_bytes=1 << 20
+    ) == [True, True]
 
 
 async def _idle(g: ac.Group, seconds: float) -> float:

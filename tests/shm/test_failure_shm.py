@@ -30,18 +30,23 @@ from tests.shm.conftest import leaked, segments
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize(("n", "victim", "size", "alg"), [
-    (2, 1, 1 << 16, None),
-    (2, 0, 8 << 20, None),  # frames larger than the ring are in flight
-    (3, 2, 1 << 20, "ring"),
-    (4, 1, 4096, "recursive_doubling"),
-    (4, 3, 1 << 18, "halving_doubling"),
-])
+@pytest.mark.parametrize(
+    ("n", "victim", "size", "alg"),
+    [
+        (2, 1, 1 << 16, None),
+        (2, 0, 8 << 20, None),  # frames larger than the ring are in flight
+        (3, 2, 1 << 20, "ring"),
+        (4, 1, 4096, "recursive_doubling"),
+        (4, 3, 1 << 18, "halving_doubling"),
+    ],
+)
 async def test_sigkill_named_on_every_survivor_within_a_second(
-        n: int, victim: int, size: int, alg: str | None) -> None:
+    n: int, victim: int, size: int, alg: str | None
+) -> None:
     before = segments()
-    job = spawn_ranks(n, failure_targets.loop_until_failure, size, "ready", alg, timeout=60,
-                      transport="shm")
+    job = spawn_ranks(
+        n, failure_targets.loop_until_failure, size, "ready", alg, timeout=60, transport="shm"
+    )
     await _wait_ready(job.store, n, "ready")
     killed_at = time.time()
     job.kill(victim)
@@ -54,8 +59,9 @@ async def test_sigkill_named_on_every_survivor_within_a_second(
 async def test_sigkill_during_rendezvous_leaves_no_segment() -> None:
     """Ranks killed while their group forms (some links set up, some not)."""
     before = segments()
-    job = spawn_ranks(4, failure_targets.loop_until_failure, 1024, "ready", timeout=30,
-                      transport="shm")
+    job = spawn_ranks(
+        4, failure_targets.loop_until_failure, 1024, "ready", timeout=30, transport="shm"
+    )
     for rank in range(4):
         job.kill(rank)
     await job.outcomes()
@@ -69,8 +75,15 @@ async def test_sigstop_gives_peer_timeout_naming_the_frozen_rank(size: int) -> N
     pull them (a frozen process's memory can still be pulled, so it is the one that stops
     pulling that is to blame)."""
     n, victim = 3, 1
-    job = spawn_ranks(n, failure_targets.loop_until_failure, size, "ready", timeout=20,
-                      group_timeout=2.0, transport="shm")
+    job = spawn_ranks(
+        n,
+        failure_targets.loop_until_failure,
+        size,
+        "ready",
+        timeout=20,
+        group_timeout=2.0,
+        transport="shm",
+    )
     await _wait_ready(job.store, n, "ready")
     stopped_at = time.time()
     job.stop(victim)
@@ -85,6 +98,7 @@ async def test_sigstop_gives_peer_timeout_naming_the_frozen_rank(size: int) -> N
 
 
 # -- corrupt rings ------------------------------------------------------------------------
+
 
 def _corrupt(link: ShmLink, how: str) -> None:
     """Write something bad into ``link``'s outgoing ring, as a broken peer would."""
@@ -140,8 +154,7 @@ def _check_told(res: list[tuple[str, str]], detector: int | None) -> None:
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("how", ["magic", "length", "kind", "head"])
-async def test_corrupt_ring_is_a_protocol_error(how: str,
-                                                caplog: pytest.LogCaptureFixture) -> None:
+async def test_corrupt_ring_is_a_protocol_error(how: str, caplog: pytest.LogCaptureFixture) -> None:
     res = await run_ranks(2, _corrupt_then_allreduce, how, transport="shm", timeout=10)
     # rank 1 finds it (with "head", rank 0's writer may find it first: its position is
     # the implausible one); the other hears who and why through the detector's ABORT
@@ -183,7 +196,8 @@ def _check_corrupt_tail(res: list[str]) -> None:
     for rank, r in enumerate(res):
         other = 1 - rank
         assert "ProtocolError: corrupt shared-memory ring" in r or (
-            f"rank {other} aborted the group: corrupt shared-memory ring" in r), res
+            f"rank {other} aborted the group: corrupt shared-memory ring" in r
+        ), res
         assert "PeerDisconnected" not in r, res
         assert "disconnected" not in r, res
 
@@ -204,8 +218,9 @@ async def test_corrupt_ring_in_processes(how: str, uvloop: bool) -> None:
     """Rank 0 writes garbage into its ring to rank 1 (real processes): the rank that finds
     it fails with the ProtocolError, the other gets GroupBrokenError naming it and the
     cause."""
-    res = await spawn_ranks(2, _corrupt_then_allreduce, how, timeout=60, uvloop=uvloop,
-                            transport="shm")
+    res = await spawn_ranks(
+        2, _corrupt_then_allreduce, how, timeout=60, uvloop=uvloop, transport="shm"
+    )
     _check_told(res, detector=None if how == "head" else 1)
 
 
@@ -213,6 +228,7 @@ async def test_corrupt_ring_in_processes(how: str, uvloop: bool) -> None:
 async def test_garbage_after_close_does_not_crash(caplog: pytest.LogCaptureFixture) -> None:
     """A peer scribbling in the ring while the link closes: no exception escapes into the
     event loop (asyncio would log "Fatal error: protocol.buffer_updated() call failed")."""
+
     async def body(g: ac.Group) -> int:
         await g.allreduce(np.ones(8))
         link = g._fabric.links[1 - g.rank]
@@ -257,8 +273,7 @@ async def _escape_by_hand(g: ac.Group, how: str) -> tuple[str, str]:
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("how", ["abort", "ping", "huge"])
-async def test_escaped_frames_on_the_socket(how: str,
-                                            caplog: pytest.LogCaptureFixture) -> None:
+async def test_escaped_frames_on_the_socket(how: str, caplog: pytest.LogCaptureFixture) -> None:
     """An ABORT after an escape byte, arriving in pieces, breaks the group with the
     sender's failure; anything else after an escape (a PING, an ABORT longer than
     MAX_ESCAPED) is a ProtocolError naming the link, and never an exception escaping into

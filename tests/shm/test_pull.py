@@ -37,8 +37,9 @@ sys.stdin.readline()
 
 def _holder() -> tuple[subprocess.Popen[str], int]:
     """A child process holding 1 MiB of known bytes; returns it and their address."""
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None
     return proc, int(proc.stdout.readline())
 
@@ -110,16 +111,18 @@ async def _allreduce_counting(g: ac.Group, count: int, rounds: int) -> dict[str,
         out = np.empty(count, np.int64)
         await g.recv(out, 0, tag=9)
         np.testing.assert_array_equal(out, np.arange(count, dtype=np.int64))
-    refs = {p: link.frames_by_reference for p, link in g._fabric.links.items()
-            if isinstance(link, ShmLink)}
+    refs = {
+        p: link.frames_by_reference
+        for p, link in g._fabric.links.items()
+        if isinstance(link, ShmLink)
+    }
     await g.barrier()
     return {"refs": refs}
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("setting", ["", "0"])
-async def test_processes_pull_large_frames(setting: str,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_processes_pull_large_frames(setting: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two and three real processes: frames of 1 MiB go by reference unless pulls are off
     (AIOCOLLECT_SHM_PULL=0); results are exact either way and nothing is left behind."""
     if setting:
@@ -128,8 +131,9 @@ async def test_processes_pull_large_frames(setting: str,
         monkeypatch.delenv(cma.ENV, raising=False)
     before = segments()
     for n in (2, 3):
-        job = spawn_ranks(n, _allreduce_counting, 3 << 19, 3, timeout=100, transport="shm",
-                          chunk_bytes=1 << 20)
+        job = spawn_ranks(
+            n, _allreduce_counting, 3 << 19, 3, timeout=100, transport="shm", chunk_bytes=1 << 20
+        )
         res = await job
         refs = [sum(r["refs"].values()) for r in res]
         if setting == "0":
@@ -141,8 +145,9 @@ async def test_processes_pull_large_frames(setting: str,
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n", [2, 4])
-async def test_collectives_with_pulls_in_one_process(n: int,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_collectives_with_pulls_in_one_process(
+    n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every collective over pulled frames (threshold lowered to 1 KiB, 4 KiB chunks):
     the same sweep as the other transports, results checked against numpy."""
     from tests.collectives.test_sweep import _allreduce_all, _movement
@@ -152,8 +157,7 @@ async def test_collectives_with_pulls_in_one_process(n: int,
     counts = await run_ranks(n, _allreduce_all, dtypes, transport="shm", chunk_bytes=4096)
     assert counts[0] > 10
     await run_ranks(n, _movement, dtypes, transport="shm", chunk_bytes=4096)
-    refs = await run_ranks(n, _allreduce_counting, 1 << 14, 1, transport="shm",
-                           chunk_bytes=4096)
+    refs = await run_ranks(n, _allreduce_counting, 1 << 14, 1, transport="shm", chunk_bytes=4096)
     assert all(sum(r["refs"].values()) > 0 for r in refs)
 
 
@@ -162,8 +166,7 @@ async def test_failed_probe_falls_back_to_ring_copies(monkeypatch: pytest.Monkey
     """A peer whose memory cannot be read (ptrace policy, say) is sent copies through the
     ring: same results, no references."""
     monkeypatch.setattr(shm_setup.cma, "probe", lambda *a: "denied by policy (injected)")
-    res = await run_ranks(2, _allreduce_counting, 1 << 18, 2, transport="shm",
-                          chunk_bytes=1 << 20)
+    res = await run_ranks(2, _allreduce_counting, 1 << 18, 2, transport="shm", chunk_bytes=1 << 20)
     assert [sum(r["refs"].values()) for r in res] == [0, 0]
 
 
@@ -179,7 +182,8 @@ async def _bad_reference(g: ac.Group, count: int) -> str:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("fault", ["address", "length"])
 async def test_bad_reference_closes_the_link_not_the_process(
-        fault: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A reference record whose address is not mapped in the sender, or whose length does
     not match its frame, is a ProtocolError on that link: both ranks get an error, the
     process goes on."""
@@ -205,8 +209,7 @@ async def test_big_frames_pull_in_steps(monkeypatch: pytest.MonkeyPatch) -> None
     """Frames several times PULL_STEP (8 MiB chunks) are pulled in steps with the loop
     turning between them; several operations in flight, checked exactly."""
     monkeypatch.setattr(shm_reader, "PULL_STEP", 1 << 20)
-    res = await run_ranks(3, targets.big_frames, 3 << 20, transport="shm",
-                          chunk_bytes=8 << 20)
+    res = await run_ranks(3, targets.big_frames, 3 << 20, transport="shm", chunk_bytes=8 << 20)
     assert res == [True] * 3
 
 
@@ -223,8 +226,7 @@ async def _corrupt_pull_count(g: ac.Group, count: int) -> str:
 async def test_corrupt_pull_count_is_a_protocol_error() -> None:
     """A reader that reports more pulls than references were sent is a ProtocolError on
     the writer's side ("corrupt shared-memory ring"); every rank gets an error."""
-    res = await run_ranks(2, _corrupt_pull_count, 1 << 18, transport="shm",
-                          chunk_bytes=1 << 20)
+    res = await run_ranks(2, _corrupt_pull_count, 1 << 18, transport="shm", chunk_bytes=1 << 20)
     assert all(r != "no error" for r in res), res
     assert any("corrupt shared-memory ring" in r for r in res), res
     # rank 1 is told who failed and why, not that rank 0 disconnected
@@ -261,22 +263,27 @@ async def _scatter_gather(g: ac.Group, count: int) -> int:
     for op in (ac.ReduceOp.SUM, ac.ReduceOp.MAX, ac.ReduceOp.AVG):
         out = await g.reduce_scatter(mine, op=op, algorithm="ring")
         stack = np.stack(rows)
-        want = {ac.ReduceOp.SUM: stack.sum(0), ac.ReduceOp.MAX: stack.max(0),
-                ac.ReduceOp.AVG: stack.mean(0)}[op][r * count:(r + 1) * count]
+        want = {
+            ac.ReduceOp.SUM: stack.sum(0),
+            ac.ReduceOp.MAX: stack.max(0),
+            ac.ReduceOp.AVG: stack.mean(0),
+        }[op][r * count : (r + 1) * count]
         np.testing.assert_allclose(out, want, rtol=1e-12)
         np.testing.assert_array_equal(mine, rows[r])  # the input is only read
     send = rows[r][:count].copy()
     gathered = await g.allgather(send, algorithm="ring")
     np.testing.assert_array_equal(gathered, np.stack([x[:count] for x in rows]))
     np.testing.assert_array_equal(send, rows[r][:count])
-    return sum(link.frames_by_reference for link in g._fabric.links.values()
-               if isinstance(link, ShmLink))
+    return sum(
+        link.frames_by_reference for link in g._fabric.links.values() if isinstance(link, ShmLink)
+    )
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("n", [2, 3, 4])
 async def test_ring_reduce_scatter_and_allgather_over_pulls(
-        n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(cma.ENV, "4096")
     refs = await run_ranks(n, _scatter_gather, 5000 + 3, transport="shm", chunk_bytes=16384)
     assert all(r > 0 for r in refs), refs
@@ -289,8 +296,15 @@ async def test_corrupt_pull_count_in_processes_peer_hears_who_and_why(uvloop: bo
     ring it is, fails with the ProtocolError. Rank 1 is alive and must not be told that
     rank 0 disconnected: it gets GroupBrokenError naming rank 0 and the cause, from the
     ABORT that rank 0 sent on the socket (the ring it would have used is the broken one)."""
-    res = await spawn_ranks(2, targets.corrupt_pull_count, 1 << 18, timeout=60,
-                            uvloop=uvloop, transport="shm", chunk_bytes=1 << 20)
+    res = await spawn_ranks(
+        2,
+        targets.corrupt_pull_count,
+        1 << 18,
+        timeout=60,
+        uvloop=uvloop,
+        transport="shm",
+        chunk_bytes=1 << 20,
+    )
     detector, peer = res
     assert detector["error"] in ("ProtocolError", "GroupBrokenError"), detector
     why = detector["message"] if detector["error"] == "ProtocolError" else detector["cause"]

@@ -67,7 +67,7 @@ def test_stream_through_wrap_around(segment: Segment, seed: int) -> None:
     sent = 0
     while len(out) < len(data):
         n = min(writer.free(), rng.randint(1, cap), len(data) - sent)
-        writer.write(memoryview(data)[sent:sent + n])
+        writer.write(memoryview(data)[sent : sent + n])
         sent += n
         writer.publish_head()
         avail = reader.available()
@@ -133,7 +133,7 @@ def test_capacity_shrinks_with_many_local_ranks(monkeypatch: pytest.MonkeyPatch)
     for n in (33, 65, 1000):
         cap = configured_capacity(n)
         assert cap >= 1 << 20
-        assert (cap * 2 * (n - 1) <= RING_BUDGET or cap == 1 << 20)
+        assert cap * 2 * (n - 1) <= RING_BUDGET or cap == 1 << 20
     monkeypatch.setenv("AIOCOLLECT_SHM_RING_BYTES", "1")
     assert configured_capacity(2) == MIN_CAPACITY
     monkeypatch.setenv("AIOCOLLECT_SHM_RING_BYTES", str(3 << 20))

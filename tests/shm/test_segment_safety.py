@@ -49,8 +49,13 @@ print(json.dumps(out))
 
 def _truncate(paths: list[tuple[int, str]]) -> list[dict[str, Any]]:
     """Have another process (same user) try to change the size of each file."""
-    proc = subprocess.run([sys.executable, "-c", _TRUNCATE, json.dumps(paths)],
-                          capture_output=True, text=True, timeout=30, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRUNCATE, json.dumps(paths)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     result: list[dict[str, Any]] = json.loads(proc.stdout)
     return result
 
@@ -104,8 +109,9 @@ def _segment_files(pid: int) -> tuple[list[tuple[int, str]], list[tuple[int, str
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("uvloop", [False, True])
-async def test_ranks_survive_a_real_truncation(uvloop: bool,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_ranks_survive_a_real_truncation(
+    uvloop: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two and three real ranks allreduce through small rings (64 KiB, pulls off, so every
     page of every ring is written and read again and again) while another process of the
     same user opens each rank's descriptors of its segments (and, where it may, its
@@ -114,8 +120,17 @@ async def test_ranks_survive_a_real_truncation(uvloop: bool,
     monkeypatch.setenv("AIOCOLLECT_SHM_RING_BYTES", str(MIN_CAPACITY))
     monkeypatch.setenv("AIOCOLLECT_SHM_PULL", "0")
     for n in (2, 3):
-        job = spawn_ranks(n, targets.allreduce_until_told, 1 << 14, "ready", "go", 50,
-                          timeout=90, uvloop=uvloop, transport="shm")
+        job = spawn_ranks(
+            n,
+            targets.allreduce_until_told,
+            1 << 14,
+            "ready",
+            "go",
+            50,
+            timeout=90,
+            uvloop=uvloop,
+            transport="shm",
+        )
         store, _ = await open_store(job.store, rank=1, timeout=30)
         try:
             await store.wait([f"ready/{r}" for r in range(n)], timeout=30)
@@ -135,5 +150,5 @@ async def test_ranks_survive_a_real_truncation(uvloop: bool,
             assert out[0] == "ok", (rank, out, results)
             assert out[1]["error"] is None, (rank, out)
             assert out[1]["rounds"] > 50, (rank, out)
-        assert [r["open"] for r in results[:len(fds)]] == ["ok"] * len(fds), results
+        assert [r["open"] for r in results[: len(fds)]] == ["ok"] * len(fds), results
         _check_refused(results)

@@ -30,8 +30,9 @@ async def _open_all(transports: list[str], timeout: float = 10.0) -> list[Any]:
 
     async def one(rank: int) -> Any:
         _current_rank.set(rank)  # seen by the tasks rendezvous starts for this rank
-        group = await ac.open_group(rank, n, store=MemoryStore(name), transport=transports[rank],
-                                    timeout=timeout, name=name)
+        group = await ac.open_group(
+            rank, n, store=MemoryStore(name), transport=transports[rank], timeout=timeout, name=name
+        )
         try:
             buf = np.full(5, rank + 1.0)
             await group.allreduce(buf)
@@ -41,8 +42,6 @@ async def _open_all(transports: list[str], timeout: float = 10.0) -> list[Any]:
             await group.aclose()
 
     return list(await asyncio.gather(*(one(r) for r in range(n)), return_exceptions=True))
-
-
 
 
 async def test_auto_uses_shm_on_one_host() -> None:
@@ -61,8 +60,9 @@ async def test_auto_with_a_tcp_rank_uses_tcp_to_it() -> None:
 async def test_auto_is_per_link(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 2 'on another host': links 0-1 use shared memory, links to rank 2 TCP."""
     real = host.same_host
-    monkeypatch.setattr(host, "same_host", lambda rec: real(rec) and rec["rank"] != 2
-                        and _current_rank.get() != 2)
+    monkeypatch.setattr(
+        host, "same_host", lambda rec: real(rec) and rec["rank"] != 2 and _current_rank.get() != 2
+    )
     assert await _open_all(["auto"] * 3) == [["shm", "tcp"], ["shm", "tcp"], ["tcp", "tcp"]]
 
 
@@ -87,6 +87,7 @@ async def test_unmappable_segment(monkeypatch: pytest.MonkeyPatch, transport: st
     """The peer's segment cannot be opened here (e.g. the peer runs in another pid
     namespace, so /proc/<pid>/fd is not its): auto stays on TCP, shm fails to form; no
     segment stays open or mapped either way."""
+
     def attach(pid: int, fd: int, capacity: int, token: bytes) -> shm_ring.Segment:
         raise FileNotFoundError(f"no /proc/{pid}/fd/{fd} here")
 
@@ -95,8 +96,9 @@ async def test_unmappable_segment(monkeypatch: pytest.MonkeyPatch, transport: st
     if transport == "auto":
         assert res == [["tcp"], ["tcp"]]
     else:
-        assert any(isinstance(r, ac.RendezvousError) and "no shared-memory link" in str(r)
-                   for r in res), res
+        assert any(
+            isinstance(r, ac.RendezvousError) and "no shared-memory link" in str(r) for r in res
+        ), res
 
 
 async def test_segment_creation_failure_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,8 +114,20 @@ def test_shm_unavailable_is_usage_error(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setattr(shm_ring, "unavailable", lambda: "not here")  # what shm asks
     with pytest.raises(ac.UsageError, match="not here"):
-        asyncio.run(api._open(0, 1, store="memory://u", transport="shm", timeout=1,
-                              secret=None, host=None, ssl=None, name="u", chunk_bytes=None))
+        asyncio.run(
+            api._open(
+                0,
+                1,
+                store="memory://u",
+                transport="shm",
+                timeout=1,
+                secret=None,
+                host=None,
+                ssl=None,
+                name="u",
+                chunk_bytes=None,
+            )
+        )
 
 
 async def test_ring_capacity_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,8 +135,7 @@ async def test_ring_capacity_from_environment(monkeypatch: pytest.MonkeyPatch) -
     name = "cap"
 
     async def one(rank: int) -> int:
-        async with ac.open_group(rank, 2, store=MemoryStore(name), transport="shm",
-                                 name=name) as g:
+        async with ac.open_group(rank, 2, store=MemoryStore(name), transport="shm", name=name) as g:
             link = g._fabric.links[1 - rank]
             assert isinstance(link, ShmLink)
             assert link._tx is not None
@@ -133,7 +146,8 @@ async def test_ring_capacity_from_environment(monkeypatch: pytest.MonkeyPatch) -
 
 
 async def test_forced_shm_segment_creation_failure_names_the_cause(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     def create(capacity: int) -> shm_ring.Segment:
         raise OSError(28, "No space left on device")
 

@@ -21,8 +21,9 @@ import aiocollect as ac
 from aiocollect.testing import spawn_ranks
 
 
-async def measure(g: ac.Group, sizes: list[int], seconds: float, algorithm: str | None,
-                  batches: int) -> list[tuple[int, float, float, float]]:
+async def measure(
+    g: ac.Group, sizes: list[int], seconds: float, algorithm: str | None, batches: int
+) -> list[tuple[int, float, float, float]]:
     out = []
     for size in sizes:
         buf = np.zeros(max(1, size // 4), np.float32)
@@ -64,15 +65,25 @@ def main() -> None:
     async def run() -> None:
         for n in args.n:
             for transport in args.transport:
-                res: Any = await spawn_ranks(n, measure, args.sizes, args.seconds,
-                                             args.algorithm, args.batches,
-                                             transport=transport, uvloop=not args.asyncio,
-                                             timeout=1200)
+                res: Any = await spawn_ranks(
+                    n,
+                    measure,
+                    args.sizes,
+                    args.seconds,
+                    args.algorithm,
+                    args.batches,
+                    transport=transport,
+                    uvloop=not args.asyncio,
+                    timeout=1200,
+                )
                 for size, p50, mean, best in res[0]:
                     factor = 2 * (n - 1) / n * size / 1e9
-                    print(f"n={n} {transport:4} size={size:>9} best-p50={p50 * 1e6:9.1f}us "
-                          f"mean={mean * 1e6:9.1f}us busbw={factor / mean:6.3f} GB/s "
-                          f"(best batch {factor / best:6.3f})", flush=True)
+                    print(
+                        f"n={n} {transport:4} size={size:>9} best-p50={p50 * 1e6:9.1f}us "
+                        f"mean={mean * 1e6:9.1f}us busbw={factor / mean:6.3f} GB/s "
+                        f"(best batch {factor / best:6.3f})",
+                        flush=True,
+                    )
 
     asyncio.run(run())
 

@@ -35,10 +35,28 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     for _ in range(3):
         port = free_port()
         proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(workdir), "--protected-mode", "no",
-             "--logfile", "", "--requirepass", REDIS_PASSWORD],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(workdir),
+                "--protected-mode",
+                "no",
+                "--logfile",
+                "",
+                "--requirepass",
+                REDIS_PASSWORD,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         assert proc.stdout is not None
         lines = []
@@ -71,18 +89,18 @@ def backend_kind(request: pytest.FixtureRequest) -> tuple[str, str | None]:
 
 
 @pytest.fixture
-async def backend(
-    backend_kind: tuple[str, str | None], tmp_path: Path
-) -> AsyncIterator[Backend]:
+async def backend(backend_kind: tuple[str, str | None], tmp_path: Path) -> AsyncIterator[Backend]:
     kind, redis = backend_kind
     server: TCPStoreServer | None = None
     tag = uuid.uuid4().hex
     factory: Callable[[], Awaitable[Store]]
 
     if kind == "memory":
+
         async def factory() -> Store:
             return MemoryStore(f"conformance-{tag}")
     elif kind == "file":
+
         async def factory() -> Store:
             return FileStore(tmp_path / "store")
     elif kind in ("tcp", "tcp-secret"):
@@ -96,6 +114,7 @@ async def backend(
             await store.connect()
             return store
     elif kind == "prefix":
+
         async def factory() -> Store:
             return PrefixStore("job/7", MemoryStore(f"conformance-{tag}"))
     elif kind == "torch":
@@ -105,8 +124,9 @@ async def backend(
         master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
         async def factory() -> Store:
-            client = dist.TCPStore("127.0.0.1", master.port, is_master=False,
-                                   wait_for_workers=False)
+            client = dist.TCPStore(
+                "127.0.0.1", master.port, is_master=False, wait_for_workers=False
+            )
             return TorchStore(client, timeout=30)
     else:
         assert redis is not None

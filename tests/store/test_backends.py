@@ -36,7 +36,8 @@ async def test_file_add_is_atomic_across_processes(tmp_path: Path) -> None:
     procs, per_proc = 4, 50
     children = [
         await asyncio.create_subprocess_exec(
-            sys.executable, "-c", ADDER, str(tmp_path), str(per_proc), str(i), env=child_env())
+            sys.executable, "-c", ADDER, str(tmp_path), str(per_proc), str(i), env=child_env()
+        )
         for i in range(procs)
     ]
     try:
@@ -108,9 +109,19 @@ def test_wire_requests_roundtrip_and_reject_garbage() -> None:
     assert roundtrip([4, "add", "k", -3]).amount == -3
     assert roundtrip([5, "cancel", 2]).target == 2
     bad: list[object] = [
-        [], [1], ["1", "set"], [-1, "get", "k", 1], [1, "nope"], [1, "set", "k"],
-        [1, "set", "k", "str"], [1, "get", "k", -1], [1, "get", "k", True],
-        [1, "add", "k", 1.0], [1, "wait", "ab", 1], [1, "check", [1]], {"rid": 1},
+        [],
+        [1],
+        ["1", "set"],
+        [-1, "get", "k", 1],
+        [1, "nope"],
+        [1, "set", "k"],
+        [1, "set", "k", "str"],
+        [1, "get", "k", -1],
+        [1, "get", "k", True],
+        [1, "add", "k", 1.0],
+        [1, "wait", "ab", 1],
+        [1, "check", [1]],
+        {"rid": 1},
     ]
     for msg in bad:
         with pytest.raises(ProtocolError):

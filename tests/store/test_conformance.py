@@ -16,6 +16,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.mark.parametrize("check", STORE_CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
-async def test_store_conformance(backend: Backend,
-                                 check: Callable[[StoreFactory], Awaitable[None]]) -> None:
+async def test_store_conformance(
+    backend: Backend, check: Callable[[StoreFactory], Awaitable[None]]
+) -> None:
     await check(backend.make)

@@ -46,8 +46,7 @@ def _set_then_get(port: int, value: bytes) -> list[object]:
         return answer
 
 
-async def test_large_set_and_get_do_not_block_the_servers_loop(
-        tcp_server: TCPStoreServer) -> None:
+async def test_large_set_and_get_do_not_block_the_servers_loop(tcp_server: TCPStoreServer) -> None:
     """A 64 MiB ``set`` then ``get``: the server's loop never works more than 50 ms in one
     go. Before values were kept as views and written in chunks, the loop spent 230-470 ms
     of CPU in one go on this (``scripts/store_limits_probe.py --attack large-set``, 2-core
@@ -66,7 +65,8 @@ async def test_large_set_and_get_do_not_block_the_servers_loop(
 
 
 async def test_large_answer_is_written_in_chunks_under_flow_control(
-        tcp_server: TCPStoreServer) -> None:
+    tcp_server: TCPStoreServer,
+) -> None:
     """The structure behind the bound above: an 8 MiB answer goes out a chunk at a time,
     so the server's transport never holds much more than a chunk unsent (it held the
     whole answer before), and the loop runs many times while it goes."""
@@ -94,16 +94,21 @@ async def test_large_answer_is_written_in_chunks_under_flow_control(
 
 
 async def test_concurrent_large_and_small_requests_on_one_connection(
-        tcp_server: TCPStoreServer) -> None:
+    tcp_server: TCPStoreServer,
+) -> None:
     """Large frames in both directions, with small requests in between and a get waiting
     for a large value, all on one client connection: every answer is the right one."""
     store = TCPStore("127.0.0.1", tcp_server.port, timeout=20)
     a, b = _pattern(3 << 20), bytes(reversed(_pattern(5 << 20)))
     waiting = asyncio.create_task(store.get("b"))
     results = await asyncio.gather(
-        store.set("a", a), store.set("b", b),
+        store.set("a", a),
+        store.set("b", b),
         *(store.set(f"small{i}", b"%d" % i) for i in range(20)),
-        store.get("a"), *(store.get(f"small{i}") for i in range(20)), store.add("n", 3))
+        store.get("a"),
+        *(store.get(f"small{i}") for i in range(20)),
+        store.add("n", 3),
+    )
     assert results[22] == a
     assert results[23:43] == [b"%d" % i for i in range(20)]
     assert results[43] == 3
@@ -113,7 +118,8 @@ async def test_concurrent_large_and_small_requests_on_one_connection(
 
 
 async def test_cancelled_large_set_completes_and_leaves_the_connection_usable(
-        tcp_server: TCPStoreServer) -> None:
+    tcp_server: TCPStoreServer,
+) -> None:
     """Cancelling a caller whose large frame is half written does not cut the frame (the
     stream would be corrupt): the value arrives whole and the client stays usable."""
     store = TCPStore("127.0.0.1", tcp_server.port, timeout=20)

@@ -74,7 +74,8 @@ def _send_blocking(port: int, data: bytes) -> None:
 
 @pytest.mark.parametrize("frame", [_bomb, _nested_bomb], ids=["flat", "nested"])
 async def test_amplification_frame_is_refused_without_blocking_the_loop(
-        tcp_server: TCPStoreServer, frame: object) -> None:
+    tcp_server: TCPStoreServer, frame: object
+) -> None:
     data = frame()  # type: ignore[operator]
     good = await _client(tcp_server)
     await good.set("k", b"v")
@@ -87,10 +88,15 @@ async def test_amplification_frame_is_refused_without_blocking_the_loop(
 
 
 def test_decode_bounds_what_a_frame_expands_to() -> None:
-    for body in (_bomb()[4:], _nested_bomb()[4:], msgpack.packb([[[1]]]),
-                 msgpack.packb({"a": 1}), msgpack.packb(msgpack.ExtType(1, b"x")),
-                 msgpack.packb([1, "wait", ["k"] * (_wire.MAX_KEYS + 17), 1.0]),
-                 msgpack.packb(["x" * (_wire.MAX_KEY_BYTES + 1)])):
+    for body in (
+        _bomb()[4:],
+        _nested_bomb()[4:],
+        msgpack.packb([[[1]]]),
+        msgpack.packb({"a": 1}),
+        msgpack.packb(msgpack.ExtType(1, b"x")),
+        msgpack.packb([1, "wait", ["k"] * (_wire.MAX_KEYS + 17), 1.0]),
+        msgpack.packb(["x" * (_wire.MAX_KEY_BYTES + 1)]),
+    ):
         started = time.thread_time()
         with pytest.raises(ProtocolError):
             _wire.decode(body)
@@ -106,8 +112,7 @@ def test_decode_bounds_what_a_frame_expands_to() -> None:
 async def test_silent_and_stalled_connections_are_closed() -> None:
     """Connections that never finish their first frame, or stop mid-frame, are closed
     after the timeouts; a client idle between requests is not."""
-    async with TCPStoreServer("127.0.0.1", 0, handshake_timeout=0.5,
-                              idle_timeout=0.5) as server:
+    async with TCPStoreServer("127.0.0.1", 0, handshake_timeout=0.5, idle_timeout=0.5) as server:
         idle = await _client(server)
         silent_r, silent_w = await asyncio.open_connection("127.0.0.1", server.port)
         stalled = []
@@ -133,8 +138,7 @@ async def test_silent_and_stalled_connections_are_closed() -> None:
 async def test_large_frames_in_flight_share_a_budget() -> None:
     """Four half-sent large frames hold at most ``max_inflight``; small requests pass them;
     a legitimate large one waits its turn and completes once the stalled ones are cut."""
-    async with TCPStoreServer("127.0.0.1", 0, max_inflight=2 << 20,
-                              idle_timeout=1.0) as server:
+    async with TCPStoreServer("127.0.0.1", 0, max_inflight=2 << 20, idle_timeout=1.0) as server:
         hogs = []
         for _ in range(4):
             reader, writer = await _raw(server)
@@ -187,8 +191,7 @@ async def test_connection_cap_refuses_with_a_message() -> None:
         await third.close()
 
 
-async def test_client_refuses_requests_beyond_the_wire_limits(
-        tcp_server: TCPStoreServer) -> None:
+async def test_client_refuses_requests_beyond_the_wire_limits(tcp_server: TCPStoreServer) -> None:
     store = await _client(tcp_server)
     with pytest.raises(UsageError, match="at most 16384 keys"):
         await store.wait([f"k{i}" for i in range(_wire.MAX_KEYS + 1)], timeout=1)
@@ -218,7 +221,8 @@ def test_is_local() -> None:
 
 
 async def test_stranger_address_is_refused_and_told_how_to_fix(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The refusal path end to end on loopback (a stand-in for another host: is_local
     says no); with insecure=True the same connection is served."""
     monkeypatch.setattr(_protect, "is_local", lambda peer, local: False)
@@ -236,9 +240,7 @@ async def test_stranger_address_is_refused_and_told_how_to_fix(
         await store.close()
 
 
-
-async def test_pending_waits_per_connection_are_bounded(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_pending_waits_per_connection_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     from aiocollect.store import tcp_server
 
     monkeypatch.setattr(tcp_server, "MAX_PENDING_WAITS", 3)

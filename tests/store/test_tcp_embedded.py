@@ -43,9 +43,7 @@ async def test_host_starting_last_still_connects(
     async def rank(r: int) -> TCPStore:
         if r == 0:
             await all_refused.wait()  # every other rank has already been refused once
-        return await connect_tcp_store(
-            "127.0.0.1", port, is_host=r == 0, secret=secret, timeout=20
-        )
+        return await connect_tcp_store("127.0.0.1", port, is_host=r == 0, secret=secret, timeout=20)
 
     tasks = [asyncio.create_task(rank(r), name=f"rank{r}") for r in range(1, world_size)]
     tasks.append(asyncio.create_task(rank(0), name="rank0"))
@@ -104,8 +102,16 @@ async def _start_command(*args: str) -> tuple[asyncio.subprocess.Process, int, s
     env.pop("AIOCOLLECT_SECRET", None)
     env.pop("AIOCOLLECT_INSECURE", None)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "aiocollect.store", "--host", "127.0.0.1", "--port", "0", *args,
-        stdout=asyncio.subprocess.PIPE, env=env,
+        sys.executable,
+        "-m",
+        "aiocollect.store",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        env=env,
     )
     assert proc.stdout is not None
     line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
@@ -169,8 +175,7 @@ async def test_standalone_command_without_a_secret_generates_one() -> None:
         assert len(secret) >= 32
         with pytest.raises(AuthenticationError, match="requires a secret"):
             await connect_tcp_store("127.0.0.1", port, is_host=False, timeout=10)
-        store = await connect_tcp_store("127.0.0.1", port, is_host=False, secret=secret,
-                                        timeout=10)
+        store = await connect_tcp_store("127.0.0.1", port, is_host=False, secret=secret, timeout=10)
         await store.set("k", b"v")
         assert await store.get("k") == b"v"
         await store.close()

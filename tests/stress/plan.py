@@ -26,15 +26,37 @@ from aiocollect.engine.op import SEND_WINDOW
 from aiocollect.transport.cma import PULL_MIN
 
 CHUNK = 1 << 20  # the library's default chunk size (open_group's chunk_bytes)
-KINDS = ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter",
-         "reduce_scatter", "alltoall", "allgatherv", "barrier", "sendrecv", "object")
+KINDS = (
+    "allreduce",
+    "broadcast",
+    "reduce",
+    "allgather",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "alltoall",
+    "allgatherv",
+    "barrier",
+    "sendrecv",
+    "object",
+)
 DTYPES = ("int64", "int32", "uint8", "float64", "float32", "bool")
 
 
 def boundary_sizes(chunk: int = CHUNK, pull_min: int = PULL_MIN) -> list[int]:
     """Payload sizes in bytes on both sides of each threshold (multiples of 8)."""
-    sizes = {0, 8, 64, 4096, 64 * 1024, chunk - 64, chunk + 64, pull_min - 64, pull_min + 64,
-             3 * chunk + 4096}
+    sizes = {
+        0,
+        8,
+        64,
+        4096,
+        64 * 1024,
+        chunk - 64,
+        chunk + 64,
+        pull_min - 64,
+        pull_min + 64,
+        3 * chunk + 4096,
+    }
     return sorted(s for s in sizes if s >= 0)
 
 
@@ -66,15 +88,39 @@ def plan(seed: int, world: int, count: int, sizes: list[int]) -> list[Spec]:
     groups = ["world"] + (["half"] if world >= 3 else []) + (["rest"] if world >= 3 else [])
     out = []
     for i in range(count):
-        group = str(rng.choice(groups, p=None if len(groups) == 1 else
-                               [0.6] + [0.4 / (len(groups) - 1)] * (len(groups) - 1)))
+        group = str(
+            rng.choice(
+                groups,
+                p=None
+                if len(groups) == 1
+                else [0.6] + [0.4 / (len(groups) - 1)] * (len(groups) - 1),
+            )
+        )
         kind = str(rng.choice(KINDS))
         dtype = str(rng.choice(DTYPES))
         ops = _valid_ops(dtype)
-        out.append(Spec(i, group, kind, dtype, int(rng.choice(sizes)),
-                        ops[int(rng.integers(len(ops)))], int(rng.integers(1 << 16))))
-    out.append(Spec(count, "world", "broadcast", "uint8", SEND_WINDOW + (8 << 20), "SUM",
-                    int(rng.integers(1 << 16))))
+        out.append(
+            Spec(
+                i,
+                group,
+                kind,
+                dtype,
+                int(rng.choice(sizes)),
+                ops[int(rng.integers(len(ops)))],
+                int(rng.integers(1 << 16)),
+            )
+        )
+    out.append(
+        Spec(
+            count,
+            "world",
+            "broadcast",
+            "uint8",
+            SEND_WINDOW + (8 << 20),
+            "SUM",
+            int(rng.integers(1 << 16)),
+        )
+    )
     return out
 
 
@@ -89,15 +135,24 @@ def _data(seed: int, spec: Spec, rank: int, count: int) -> np.ndarray[Any, Any]:
 
 
 _NP_OPS: dict[str, Callable[..., Any]] = {
-    "SUM": np.add, "MAX": np.maximum, "MIN": np.minimum, "BXOR": np.bitwise_xor,
-    "BAND": np.bitwise_and, "BOR": np.bitwise_or}
+    "SUM": np.add,
+    "MAX": np.maximum,
+    "MIN": np.minimum,
+    "BXOR": np.bitwise_xor,
+    "BAND": np.bitwise_and,
+    "BOR": np.bitwise_or,
+}
 
 
 def _reduce(op: str, arrays: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any]:
     dt = arrays[0].dtype
     if dt.kind == "b":
-        fn = {"BOR": np.logical_or, "MAX": np.logical_or, "BAND": np.logical_and,
-              "MIN": np.logical_and}[op]
+        fn = {
+            "BOR": np.logical_or,
+            "MAX": np.logical_or,
+            "BAND": np.logical_and,
+            "MIN": np.logical_and,
+        }[op]
     else:
         fn = _NP_OPS[op]
     out = arrays[0].copy()
@@ -142,8 +197,7 @@ def start(g: ac.Group, seed: int, spec: Spec) -> tuple[Any, Check]:
         want = np.stack([inp(x) for x in range(n)])
         if kind == "allgather":
             return g.allgather(send), lambda res: eq(res, want)
-        return g.gather(send, root=root), lambda res: (
-            eq(res, want) if r == root else _is_none(res))
+        return g.gather(send, root=root), lambda res: eq(res, want) if r == root else _is_none(res)
     if kind == "scatter":
         per = max(count // n, 0)
         out = np.zeros(per, np.dtype(spec.dtype))
@@ -155,20 +209,25 @@ def start(g: ac.Group, seed: int, spec: Spec) -> tuple[Any, Check]:
         per = max(count // n, 0)
         send = inp(r, per * n)
         if kind == "reduce_scatter":
-            want = _reduce(spec.op, [inp(x, per * n) for x in range(n)])[r * per:(r + 1) * per]
+            want = _reduce(spec.op, [inp(x, per * n) for x in range(n)])[r * per : (r + 1) * per]
             return g.reduce_scatter(send, op=ac.ReduceOp[spec.op]), lambda res: eq(res, want)
-        want = np.concatenate([inp(x, per * n)[r * per:(r + 1) * per] for x in range(n)])
+        want = np.concatenate([inp(x, per * n)[r * per : (r + 1) * per] for x in range(n)])
         return g.alltoall(send), lambda res: eq(res, want)
     if kind == "allgatherv":
         mine = inp(r, _vcount(count, r))
         want_v = [inp(x, _vcount(count, x)) for x in range(n)]
-        return g.allgatherv(mine), lambda res: [eq(a, b) for a, b in
-                                               zip(res, want_v, strict=True)] and None
+        return g.allgatherv(
+            mine
+        ), lambda res: [eq(a, b) for a, b in zip(res, want_v, strict=True)] and None
     if kind == "barrier":
         return g.barrier(), _is_none
     if kind == "object":
-        value = {"i": spec.index, "from": root, "data": inp(root, min(count, 4096)),
-                 "nested": [1, "two", None, 3.5]}
+        value = {
+            "i": spec.index,
+            "from": root,
+            "data": inp(root, min(count, 4096)),
+            "nested": [1, "two", None, 3.5],
+        }
         obj = value if r == root else None
 
         def check_obj(res: Any) -> None:

@@ -9,8 +9,9 @@ import aiocollect as ac
 from tests.stress.plan import CHUNK, boundary_sizes, plan, start
 
 
-async def stress(g: ac.Group, seed: int, rounds: int, count: int,
-                 chunk: int = CHUNK) -> dict[str, Any]:
+async def stress(
+    g: ac.Group, seed: int, rounds: int, count: int, chunk: int = CHUNK
+) -> dict[str, Any]:
     """``rounds`` rounds of ``count`` planned operations in flight at once, on the world
     group and two sub-groups; every result checked exactly. Returns counts per kind."""
     half = await g.split(g.rank % 2) if g.world_size >= 3 else None

@@ -47,9 +47,15 @@ async def tls_stress(g: Any, certs: Any, seed: int) -> dict[str, int]:
     from aiocollect import tls
 
     cert, key = certs.ranks[g.rank]
-    async with ac.open_group(g.rank, g.world_size, store=g.store, transport="tls",
-                             ssl=tls.contexts(cert, key, certs.ca), name="stress-tls",
-                             timeout=OP_TIMEOUT) as t:
+    async with ac.open_group(
+        g.rank,
+        g.world_size,
+        store=g.store,
+        transport="tls",
+        ssl=tls.contexts(cert, key, certs.ca),
+        name="stress-tls",
+        timeout=OP_TIMEOUT,
+    ) as t:
         return await targets.stress(t, seed, ROUNDS, OPS)
 
 
@@ -60,15 +66,22 @@ FULL = os.environ.get("AIOCOLLECT_STRESS") == "full"
 if FULL:
     ROUNDS = 8
 QUICK_WORLDS = {"auto": WORLDS, "shm": [2, 4], "shm-nopull": [3], "tcp": [3], "tls": [4]}
-CASES = [(mode, uv, world) for mode in PROCESS_MODES for uv in (False, True)
-         for world in (WORLDS if FULL else QUICK_WORLDS[mode])]
+CASES = [
+    (mode, uv, world)
+    for mode in PROCESS_MODES
+    for uv in (False, True)
+    for world in (WORLDS if FULL else QUICK_WORLDS[mode])
+]
 
 
 @pytest.mark.parametrize(
-    ("mode", "uvloop", "world"), CASES,
-    ids=[f"{m}-{'uvloop' if u else 'asyncio'}-{w}" for m, u, w in CASES])
-async def test_stress_in_processes(mode: str, uvloop: bool, world: int, tmp_path: Path,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    ("mode", "uvloop", "world"),
+    CASES,
+    ids=[f"{m}-{'uvloop' if u else 'asyncio'}-{w}" for m, u, w in CASES],
+)
+async def test_stress_in_processes(
+    mode: str, uvloop: bool, world: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seed = 100 * world + PROCESS_MODES.index(mode) * 10 + uvloop
     options: dict[str, Any] = {"uvloop": uvloop, "group_timeout": OP_TIMEOUT}
     if mode == "shm-nopull":
@@ -81,8 +94,7 @@ async def test_stress_in_processes(mode: str, uvloop: bool, world: int, tmp_path
         certs = make_certs(tmp_path, world)
         res = await spawn_ranks(world, tls_stress, certs, seed, timeout=200, **options)
     else:
-        res = await spawn_ranks(world, targets.stress, seed, ROUNDS, OPS, timeout=200,
-                                **options)
+        res = await spawn_ranks(world, targets.stress, seed, ROUNDS, OPS, timeout=200, **options)
     _check(res, world)
 
 

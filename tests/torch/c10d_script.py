@@ -67,7 +67,8 @@ def is_mismatch(exc: BaseException | None) -> bool:
     detected just before it started (it carries the MismatchError as its cause)."""
     return isinstance(exc, aiocollect.MismatchError) or (
         isinstance(exc, aiocollect.GroupBrokenError)
-        and isinstance(exc.__cause__, aiocollect.MismatchError))
+        and isinstance(exc.__cause__, aiocollect.MismatchError)
+    )
 
 
 def check(name: str, ok: bool) -> None:
@@ -77,24 +78,45 @@ def check(name: str, ok: bool) -> None:
 
 # -- reductions -------------------------------------------------------------------------------
 
+
 def reductions() -> None:
-    ops = {"sum": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT,
-           "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
-    for dtype in (torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8,
-                  torch.int8, torch.float16, torch.bfloat16):
+    ops = {
+        "sum": dist.ReduceOp.SUM,
+        "product": dist.ReduceOp.PRODUCT,
+        "min": dist.ReduceOp.MIN,
+        "max": dist.ReduceOp.MAX,
+    }
+    for dtype in (
+        torch.float32,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.uint8,
+        torch.int8,
+        torch.float16,
+        torch.bfloat16,
+    ):
         for opname, op in ops.items():
-            def run(g: dist.ProcessGroup, dtype: torch.dtype = dtype,
-                    op: dist.ReduceOp = op) -> Tensors:
+
+            def run(
+                g: dist.ProcessGroup, dtype: torch.dtype = dtype, op: dist.ReduceOp = op
+            ) -> Tensors:
                 t = inputs((5, 7), dtype)
                 dist.all_reduce(t, op=op, group=g)
                 return [t]
+
             same(f"all_reduce {opname} {dtype}", run)
-    for opname, op in {"band": dist.ReduceOp.BAND, "bor": dist.ReduceOp.BOR,
-                       "bxor": dist.ReduceOp.BXOR}.items():
+    for opname, op in {
+        "band": dist.ReduceOp.BAND,
+        "bor": dist.ReduceOp.BOR,
+        "bxor": dist.ReduceOp.BXOR,
+    }.items():
+
         def bitwise(g: dist.ProcessGroup, op: dist.ReduceOp = op) -> Tensors:
             t = inputs((33,), torch.int32)
             dist.all_reduce(t, op=op, group=g)
             return [t]
+
         same(f"all_reduce {opname}", bitwise)
 
     t = inputs((4, 6), torch.float32)
@@ -110,6 +132,7 @@ def reductions() -> None:
         t = inputs((3, 4), torch.complex64)
         dist.all_reduce(t, group=g)
         return [t]
+
     same("all_reduce complex64", complex_)
 
     def strided(g: dist.ProcessGroup) -> Tensors:
@@ -123,12 +146,14 @@ def reductions() -> None:
         dist.all_reduce(view, group=g)
         base[:, ::2] = view
         return [base]
+
     same("all_reduce non-contiguous", strided)
 
     def scalar(g: dist.ProcessGroup) -> Tensors:
         t = torch.tensor(float(RANK + 1))
         dist.all_reduce(t, group=g)
         return [t]
+
     same("all_reduce 0-d", scalar)
 
     def concurrent(g: dist.ProcessGroup) -> Tensors:
@@ -138,12 +163,14 @@ def reductions() -> None:
             assert w is not None
             w.wait()
         return ts
+
     same("all_reduce async x6", concurrent)
 
     def big(g: dist.ProcessGroup) -> Tensors:
         t = inputs((3, 1 << 19), torch.float32)  # 6 MiB: several pipelined chunks
         dist.all_reduce(t, group=g)
         return [t]
+
     same("all_reduce 6 MiB", big)
 
     def coalesced(g: dist.ProcessGroup) -> Tensors:
@@ -152,6 +179,7 @@ def reductions() -> None:
             warnings.simplefilter("ignore")
             dist.all_reduce_coalesced(ts, group=g)
         return ts
+
     same("all_reduce_coalesced", coalesced)
 
     def manager(g: dist.ProcessGroup) -> Tensors:
@@ -161,15 +189,17 @@ def reductions() -> None:
                 dist.all_reduce(t, group=g)
         cm.wait()
         return ts
+
     same("coalescing manager", manager)
 
     for root in range(WORLD):
         for opname, op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX)):
-            def reduce_(g: dist.ProcessGroup, root: int = root,
-                        op: dist.ReduceOp = op) -> Tensors:
+
+            def reduce_(g: dist.ProcessGroup, root: int = root, op: dist.ReduceOp = op) -> Tensors:
                 t = inputs((7, 3), torch.float32)
                 dist.reduce(t, dst=root, op=op, group=g)
                 return [t] if root == RANK else []  # gloo leaves scratch data elsewhere
+
             same(f"reduce {opname} root {root}", reduce_)
 
     def reduce_scatter(g: dist.ProcessGroup) -> Tensors:
@@ -177,6 +207,7 @@ def reductions() -> None:
         out = torch.empty(4, 3)
         dist.reduce_scatter(out, ins, group=g)
         return [out]
+
     same("reduce_scatter", reduce_scatter)
 
     def reduce_scatter_single(g: dist.ProcessGroup) -> Tensors:
@@ -184,6 +215,7 @@ def reductions() -> None:
         out = torch.empty(5, 2)
         dist.reduce_scatter_single(out, inp, group=g)
         return [out]
+
     same("reduce_scatter_single", reduce_scatter_single)
 
     inp = inputs((WORLD, 5, 2), torch.float32)
@@ -198,29 +230,36 @@ def reductions() -> None:
 
 # -- data movement ----------------------------------------------------------------------------
 
+
 def movement() -> None:
     for root in range(WORLD):
+
         def bcast(g: dist.ProcessGroup, root: int = root) -> Tensors:
             t = inputs((11, 2), torch.float64)
             dist.broadcast(t, src=root, group=g)
             return [t]
+
         same(f"broadcast root {root}", bcast)
 
     def all_gather(g: dist.ProcessGroup) -> Tensors:
         outs = [torch.empty(3, 4, dtype=torch.int64) for _ in range(WORLD)]
         dist.all_gather(outs, inputs((3, 4), torch.int64), group=g)
         return outs
+
     same("all_gather", all_gather)
 
     outs = [torch.zeros(r + 1, 2) for r in range(WORLD)]
     dist.all_gather(outs, torch.full((RANK + 1, 2), float(RANK)))
-    check("all_gather uneven", all(torch.equal(o, torch.full((r + 1, 2), float(r)))
-                                   for r, o in enumerate(outs)))
+    check(
+        "all_gather uneven",
+        all(torch.equal(o, torch.full((r + 1, 2), float(r))) for r, o in enumerate(outs)),
+    )
 
     def single(g: dist.ProcessGroup) -> Tensors:
         out = torch.empty(WORLD * 3, 5)
         dist.all_gather_single(out, inputs((3, 5), torch.float32), group=g)
         return [out]
+
     same("all_gather_single", single)
 
     stacked = torch.empty(WORLD, 3, 5)
@@ -230,16 +269,20 @@ def movement() -> None:
     check("all_gather_into_tensor stacked", torch.equal(stacked.reshape(-1, 5), single(GLOO)[0]))
 
     out = torch.zeros(WORLD * 4)
-    out[RANK * 4:(RANK + 1) * 4] = RANK + 1.0
-    dist.all_gather_single(out, out[RANK * 4:(RANK + 1) * 4])
-    check("all_gather_single in place",
-          torch.equal(out, torch.arange(1, WORLD + 1.0).repeat_interleave(4)))
+    out[RANK * 4 : (RANK + 1) * 4] = RANK + 1.0
+    dist.all_gather_single(out, out[RANK * 4 : (RANK + 1) * 4])
+    check(
+        "all_gather_single in place",
+        torch.equal(out, torch.arange(1, WORLD + 1.0).repeat_interleave(4)),
+    )
 
     for root in range(WORLD):
+
         def gather(g: dist.ProcessGroup, root: int = root) -> Tensors:
             outs = [torch.empty(6) for _ in range(WORLD)] if root == RANK else None
             dist.gather(inputs((6,), torch.float32), outs, dst=root, group=g)
             return outs or []
+
         same(f"gather root {root}", gather)
 
         def scatter(g: dist.ProcessGroup, root: int = root) -> Tensors:
@@ -247,6 +290,7 @@ def movement() -> None:
             ins = [inputs((2, 3), torch.float32, salt=i) for i in range(WORLD)]
             dist.scatter(out, ins if root == RANK else None, src=root, group=g)
             return [out]
+
         same(f"scatter root {root}", scatter)
 
     def objects(g: dist.ProcessGroup) -> Tensors:
@@ -260,6 +304,7 @@ def movement() -> None:
         dist.scatter_object_list(one, [f"to {r}" for r in range(WORLD)], src=0, group=g)
         encoded = repr((objs, lst, gathered, one)).encode()
         return [torch.tensor(list(encoded), dtype=torch.uint8)]
+
     same("object collectives", objects)
 
     def alltoall(g: dist.ProcessGroup) -> Tensors:
@@ -267,19 +312,23 @@ def movement() -> None:
         outs = [torch.empty(3, 2) for _ in range(WORLD)]
         dist.all_to_all(outs, ins, group=g)
         return outs
+
     same("all_to_all", alltoall)
 
     # rank r sends (r + 2 * i + 1) rows to rank i (gloo's all_to_all needs even sizes)
     ins = [torch.full((RANK + 2 * i + 1, 2), float(10 * RANK + i)) for i in range(WORLD)]
     outs = [torch.empty(j + 2 * RANK + 1, 2) for j in range(WORLD)]
     dist.all_to_all(outs, ins)
-    check("all_to_all uneven", all(torch.equal(o, torch.full_like(o, 10.0 * j + RANK))
-                                   for j, o in enumerate(outs)))
+    check(
+        "all_to_all uneven",
+        all(torch.equal(o, torch.full_like(o, 10.0 * j + RANK)) for j, o in enumerate(outs)),
+    )
 
     def a2a_single(g: dist.ProcessGroup) -> Tensors:
         out = torch.empty(WORLD * 4, 3)
         dist.all_to_all_single(out, inputs((WORLD * 4, 3), torch.float32), group=g)
         return [out]
+
     same("all_to_all_single", a2a_single)
 
     def single_splits(g: dist.ProcessGroup) -> Tensors:
@@ -289,6 +338,7 @@ def movement() -> None:
         out = torch.empty(sum(out_splits), 3)
         dist.all_to_all_single(out, inp, out_splits, in_splits, group=g)
         return [out]
+
     same("all_to_all_single splits", single_splits)
 
     dist.barrier()
@@ -297,6 +347,7 @@ def movement() -> None:
 
 # -- functional collectives (torch.distributed._functional_collectives, C++ dispatch) ---------
 
+
 def functional() -> None:
     import torch.distributed._functional_collectives as fc
 
@@ -304,15 +355,21 @@ def functional() -> None:
         t = inputs((WORLD * 2, 3), torch.float32)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # deprecated names, still what DTensor calls
-            out = [fc.all_reduce(t, "sum", g), fc.all_gather_tensor(t, 0, g),
-                   fc.reduce_scatter_tensor(t, "sum", 0, g),
-                   fc.all_to_all_single(t, None, None, g), fc.broadcast(t, 1, g),
-                   *fc.all_reduce_coalesced([t, t * 2], "max", g)]
+            out = [
+                fc.all_reduce(t, "sum", g),
+                fc.all_gather_tensor(t, 0, g),
+                fc.reduce_scatter_tensor(t, "sum", 0, g),
+                fc.all_to_all_single(t, None, None, g),
+                fc.broadcast(t, 1, g),
+                *fc.all_reduce_coalesced([t, t * 2], "max", g),
+            ]
         return [fc.wait_tensor(x) for x in out]
+
     same("functional collectives", run)
 
 
 # -- point to point ---------------------------------------------------------------------------
+
 
 def point_to_point() -> None:
     peer = 1 - RANK
@@ -337,14 +394,17 @@ def point_to_point() -> None:
         assert w is not None
         w.wait()
     check("isend/irecv", torch.equal(b, torch.full((4,), float(peer))))
-    ops = [dist.P2POp(dist.isend, torch.full((2,), RANK + 5.0), peer),
-           dist.P2POp(dist.irecv, c := torch.empty(2), peer)]
+    ops = [
+        dist.P2POp(dist.isend, torch.full((2,), RANK + 5.0), peer),
+        dist.P2POp(dist.irecv, c := torch.empty(2), peer),
+    ]
     for w in dist.batch_isend_irecv(ops):
         w.wait()
     check("batch_isend_irecv", torch.equal(c, torch.full((2,), peer + 5.0)))
 
 
 # -- sub-groups -------------------------------------------------------------------------------
+
 
 def sub_groups() -> None:
     pair = dist.new_group([0, 1], backend="aiocollect")
@@ -357,8 +417,12 @@ def sub_groups() -> None:
             s = torch.full((2,), 5.0)
             dist.all_reduce(s, group=solo)
             dist.broadcast(s, src=member, group=solo)  # global rank, translated to group 0
-            check(f"new_group [{member}]", torch.equal(s, torch.full((2,), 5.0)) and
-                  dist.get_backend(solo) == "aiocollect" and solo.size() == 1)
+            check(
+                f"new_group [{member}]",
+                torch.equal(s, torch.full((2,), 5.0))
+                and dist.get_backend(solo) == "aiocollect"
+                and solo.size() == 1,
+            )
         else:
             check(f"new_group [{member}] non-member", solo == dist.GroupMember.NON_GROUP_MEMBER)
     for g in dist.new_subgroups(group_size=1)[1]:
@@ -368,13 +432,13 @@ def sub_groups() -> None:
 
 # -- DDP and errors ---------------------------------------------------------------------------
 
+
 def ddp() -> None:
     model_ac, loss_ac = torch_ddp.train(20, AC)
     model_gloo, loss_gloo = torch_ddp.train(20, GLOO)
     for p, q in zip(model_ac.parameters(), model_gloo.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
-    check(f"ddp 20 steps (loss {loss_ac:.6f} vs {loss_gloo:.6f})",
-          abs(loss_ac - loss_gloo) < 1e-5)
+    check(f"ddp 20 steps (loss {loss_ac:.6f} vs {loss_gloo:.6f})", abs(loss_ac - loss_gloo) < 1e-5)
 
 
 def errors() -> None:
@@ -391,8 +455,10 @@ def errors() -> None:
         check(f"mismatch raised by wait(): {str(exc)[:60]}...", is_mismatch(exc))
     else:
         raise AssertionError("a mismatched collective did not fail")
-    check("work state", work.is_completed() and not work.is_success()
-          and is_mismatch(work.exception()))
+    check(
+        "work state",
+        work.is_completed() and not work.is_success() and is_mismatch(work.exception()),
+    )
     fut = work.get_future()
     try:
         fut.wait()
@@ -409,8 +475,7 @@ def errors() -> None:
 
     # DDP: rank 1 enters a barrier where rank 0 runs DDP's gradient allreduce.
     group = dist.new_group(backend="aiocollect", timeout=timedelta(seconds=20))
-    model = torch.nn.parallel.DistributedDataParallel(torch_ddp.make_model(),
-                                                      process_group=group)
+    model = torch.nn.parallel.DistributedDataParallel(torch_ddp.make_model(), process_group=group)
     x, y = torch_ddp.batch(RANK, 0)
     if RANK == 1:
         barrier = dist.barrier(group=group, async_op=True)

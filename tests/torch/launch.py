@@ -11,8 +11,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # Variables that would make the ranks join some other job.
-FOREIGN = ("AIOCOLLECT_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-           "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_", "OMPI_COMM_WORLD_", "PMI_", "SLURM_")
+FOREIGN = (
+    "AIOCOLLECT_",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_",
+    "OMPI_COMM_WORLD_",
+    "PMI_",
+    "SLURM_",
+)
 
 
 @dataclass
@@ -26,10 +38,27 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 90.0) ->
     process tree if it runs past ``timeout`` seconds."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(FOREIGN)}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--monitor-interval", "0.1", "--nproc-per-node", str(nproc), str(script), *args]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--monitor-interval",
+        "0.1",
+        "--nproc-per-node",
+        str(nproc),
+        str(script),
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

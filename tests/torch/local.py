@@ -39,17 +39,24 @@ def _in_threads(world: int, fn: Callable[[int], T], timeout: float) -> list[T]:
     return results
 
 
-def make_groups(world: int, *, store: Any = None, timeout: float = 30.0,
-                prefix: str | None = None) -> list[AiocollectProcessGroup]:
+def make_groups(
+    world: int, *, store: Any = None, timeout: float = 30.0, prefix: str | None = None
+) -> list[AiocollectProcessGroup]:
     """``world`` process groups of one group, formed concurrently."""
     store = dist.HashStore() if store is None else store
     prefix = prefix or f"local-{uuid.uuid4().hex[:8]}"
-    return _in_threads(world, lambda r: create_process_group(
-        dist.PrefixStore(prefix, store), r, world, timedelta(seconds=timeout)), timeout + 10)
+    return _in_threads(
+        world,
+        lambda r: create_process_group(
+            dist.PrefixStore(prefix, store), r, world, timedelta(seconds=timeout)
+        ),
+        timeout + 10,
+    )
 
 
-def run_ranks(world: int, fn: Callable[[AiocollectProcessGroup, int], T], *,
-              timeout: float = 30.0) -> list[T]:
+def run_ranks(
+    world: int, fn: Callable[[AiocollectProcessGroup, int], T], *, timeout: float = 30.0
+) -> list[T]:
     """Form a group of ``world`` ranks, run ``fn(pg, rank)`` on every rank's own thread,
     return the results by rank (the first exception is raised), close the groups."""
     pgs = make_groups(world, timeout=timeout)

@@ -11,8 +11,9 @@ from importlib.metadata import entry_points
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="torch is not installed (pip install "
-                                            "'aiocollect[torch]')")
+torch = pytest.importorskip(
+    "torch", reason="torch is not installed (pip install 'aiocollect[torch]')"
+)
 dist = pytest.importorskip("torch.distributed")
 
 import aiocollect  # noqa: E402
@@ -23,6 +24,7 @@ from aiocollect.torch.work import Work  # noqa: E402
 from tests.torch.launch import ROOT  # noqa: E402
 
 # -- registration -----------------------------------------------------------------------------
+
 
 @pytest.mark.timeout(10)
 def test_registered_for_cpu() -> None:
@@ -50,19 +52,28 @@ def test_autoload_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.timeout(60)
 def test_import_torch_alone_registers_the_backend() -> None:
-    code = ("import torch, torch.distributed as dist\n"
-            "dist.init_process_group('aiocollect', store=dist.HashStore(), rank=0, "
-            "world_size=1)\n"
-            "t = torch.arange(4.0); dist.all_reduce(t); dist.barrier()\n"
-            "print('backend', dist.get_backend(), t.tolist())\n"
-            "dist.destroy_process_group()\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                         text=True, timeout=50, check=False)
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('aiocollect', store=dist.HashStore(), rank=0, "
+        "world_size=1)\n"
+        "t = torch.arange(4.0); dist.all_reduce(t); dist.barrier()\n"
+        "print('backend', dist.get_backend(), t.tolist())\n"
+        "dist.destroy_process_group()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "backend aiocollect [0.0, 1.0, 2.0, 3.0]" in out.stdout
 
 
 # -- the store adapter ------------------------------------------------------------------------
+
 
 async def test_torch_store_adapter() -> None:
     store = TorchStore(dist.PrefixStore("p", dist.HashStore()), timeout=5.0)
@@ -89,6 +100,7 @@ def test_torch_store_rejects_other_objects() -> None:
 
 
 # -- Work -------------------------------------------------------------------------------------
+
 
 @pytest.mark.timeout(10)
 def test_work_states() -> None:
@@ -117,10 +129,12 @@ def test_work_states() -> None:
 
 # -- a world of one ---------------------------------------------------------------------------
 
+
 @pytest.fixture
 def world() -> Iterator[dist.ProcessGroup]:
-    dist.init_process_group("aiocollect", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "aiocollect", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30)
+    )
     try:
         yield dist.group.WORLD
     finally:

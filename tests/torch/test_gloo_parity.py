@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="torch is not installed (pip install "
-                                            "'aiocollect[torch]')")
+torch = pytest.importorskip(
+    "torch", reason="torch is not installed (pip install 'aiocollect[torch]')"
+)
 dist = pytest.importorskip("torch.distributed")
 
 import aiocollect  # noqa: E402
@@ -43,11 +44,15 @@ def _opts(cls: Any, **fields: Any) -> Any:
 
 # -- 1. several tensors per call --------------------------------------------------------------
 
+
 @pytest.mark.timeout(60)
 def test_several_tensors_are_several_inputs() -> None:
-    ops = [(dist.ReduceOp.SUM, float(W * (2 * W - 1))),
-           (dist.ReduceOp.PRODUCT, float(math.factorial(2 * W))),
-           (dist.ReduceOp.MIN, 1.0), (dist.ReduceOp.MAX, 2.0 * W)]
+    ops = [
+        (dist.ReduceOp.SUM, float(W * (2 * W - 1))),
+        (dist.ReduceOp.PRODUCT, float(math.factorial(2 * W))),
+        (dist.ReduceOp.MIN, 1.0),
+        (dist.ReduceOp.MAX, 2.0 * W),
+    ]
 
     def body(pg: PG, r: int) -> None:
         for op, expected in ops:  # gloo's multi-input reduce tests
@@ -74,6 +79,7 @@ def test_several_tensors_are_several_inputs() -> None:
 
 # -- 2. all_gather_coalesced layout -----------------------------------------------------------
 
+
 @pytest.mark.timeout(60)
 def test_all_gather_coalesced_is_rank_major() -> None:
     def body(pg: PG, r: int) -> None:
@@ -90,6 +96,7 @@ def test_all_gather_coalesced_is_rank_major() -> None:
 
 # -- 3. the same tensor twice -----------------------------------------------------------------
 
+
 @pytest.mark.timeout(60)
 def test_same_tensor_twice_in_allreduce_coalesced() -> None:
     def body(pg: PG, r: int) -> list[list[float]]:
@@ -103,6 +110,7 @@ def test_same_tensor_twice_in_allreduce_coalesced() -> None:
 
 
 # -- 4. argument checks at the call -----------------------------------------------------------
+
 
 def _bad_calls(pg: PG, r: int) -> list[tuple[str, Any]]:
     t1, t2, t3 = torch.zeros(1), torch.zeros(1, dtype=torch.float64), torch.zeros(2)
@@ -127,41 +135,69 @@ def _bad_calls(pg: PG, r: int) -> list[tuple[str, Any]]:
         ("unsupported layout", lambda: pg.allreduce_coalesced([sparse, sparse.clone()])),
         ("invalid root rank", lambda: pg.reduce([t1], _opts(R, rootRank=-1))),
         ("invalid root tensor", lambda: pg.reduce([t1], _opts(R, rootRank=r, rootTensor=1))),
-        ("requires a single-element tensor list",
-         lambda: pg.reduce([t1, t1], _opts(R, rootRank=r))),
+        (
+            "requires a single-element tensor list",
+            lambda: pg.reduce([t1, t1], _opts(R, rootRank=r)),
+        ),
         ("invalid root rank", lambda: pg.gather([], [t1], _opts(G, rootRank=-1))),
-        ("requires a single-element input tensor list",
-         lambda: pg.gather([], [t1, t1], _opts(G, rootRank=0))),
-        ("requires a single-element output list",
-         lambda: pg.gather([[t1] * W, [t1] * W], [t1], _opts(G, rootRank=r))),
-        (f"Incorrect output list size {W - 1}. Output list size should be {W}",
-         lambda: pg.gather([[t1] * (W - 1)], [t1], _opts(G, rootRank=r))),
+        (
+            "requires a single-element input tensor list",
+            lambda: pg.gather([], [t1, t1], _opts(G, rootRank=0)),
+        ),
+        (
+            "requires a single-element output list",
+            lambda: pg.gather([[t1] * W, [t1] * W], [t1], _opts(G, rootRank=r)),
+        ),
+        (
+            f"Incorrect output list size {W - 1}. Output list size should be {W}",
+            lambda: pg.gather([[t1] * (W - 1)], [t1], _opts(G, rootRank=r)),
+        ),
         ("invalid tensor type", lambda: pg.gather([[t2] * W], [t1], _opts(G, rootRank=r))),
-        ("requires empty output on non-root",
-         lambda: pg.gather([[t1] * W], [t1], _opts(G, rootRank=(r + 1) % W))),
+        (
+            "requires empty output on non-root",
+            lambda: pg.gather([[t1] * W], [t1], _opts(G, rootRank=(r + 1) % W)),
+        ),
         ("invalid root rank", lambda: pg.scatter([t1], [], _opts(S, rootRank=W))),
-        ("requires a single-element output tensor list",
-         lambda: pg.scatter([t1, t1], [], _opts(S, rootRank=0))),
-        ("requires a single-element input list",
-         lambda: pg.scatter([t1], [], _opts(S, rootRank=r))),
-        (f"Incorrect input list size {W + 1}. Input list size should be {W}",
-         lambda: pg.scatter([t1], [[t1] * (W + 1)], _opts(S, rootRank=r))),
+        (
+            "requires a single-element output tensor list",
+            lambda: pg.scatter([t1, t1], [], _opts(S, rootRank=0)),
+        ),
+        (
+            "requires a single-element input list",
+            lambda: pg.scatter([t1], [], _opts(S, rootRank=r)),
+        ),
+        (
+            f"Incorrect input list size {W + 1}. Input list size should be {W}",
+            lambda: pg.scatter([t1], [[t1] * (W + 1)], _opts(S, rootRank=r)),
+        ),
         ("invalid tensor size", lambda: pg.scatter([t1], [[t3] * W], _opts(S, rootRank=r))),
-        ("requires empty input on non-root",
-         lambda: pg.scatter([t1], [[t1] * W], _opts(S, rootRank=(r + 1) % W))),
+        (
+            "requires empty input on non-root",
+            lambda: pg.scatter([t1], [[t1] * W], _opts(S, rootRank=(r + 1) % W)),
+        ),
         ("requires non-empty input tensor list", lambda: pg.allgather([], [])),
-        ("requires input/output tensor lists to have the same length",
-         lambda: pg.allgather([[t1] * W, [t1] * W], [t1])),
+        (
+            "requires input/output tensor lists to have the same length",
+            lambda: pg.allgather([[t1] * W, [t1] * W], [t1]),
+        ),
         ("invalid output tensor list", lambda: pg.allgather([[t1] * (W + 1)], [t1])),
         ("invalid tensor type", lambda: pg.allgather([[t1, t1] * W] * 2, [t1, t2])),
-        ("invalid size of output tensor at index 0",
-         lambda: pg.allgather_coalesced([[torch.zeros(0)]] + [[t1]] * (W - 1), [t1])),
-        ("invalid tensor type at index 0",
-         lambda: pg.allgather_coalesced([[t2]] + [[t1]] * (W - 1), [t1])),
-        ("output lists should be equal to world size",
-         lambda: pg.allgather_coalesced([[t1]] * (W + 1), [t1])),
-        ("Tensors must be contiguous",
-         lambda: pg.alltoall_base(torch.zeros(W, 2), torch.zeros(2, W).t(), [], [])),
+        (
+            "invalid size of output tensor at index 0",
+            lambda: pg.allgather_coalesced([[torch.zeros(0)]] + [[t1]] * (W - 1), [t1]),
+        ),
+        (
+            "invalid tensor type at index 0",
+            lambda: pg.allgather_coalesced([[t2]] + [[t1]] * (W - 1), [t1]),
+        ),
+        (
+            "output lists should be equal to world size",
+            lambda: pg.allgather_coalesced([[t1]] * (W + 1), [t1]),
+        ),
+        (
+            "Tensors must be contiguous",
+            lambda: pg.alltoall_base(torch.zeros(W, 2), torch.zeros(2, W).t(), [], []),
+        ),
     ]
 
 
@@ -185,6 +221,7 @@ def test_bad_arguments_raise_runtime_errors_before_anything_runs() -> None:
 
 # -- 5. failures reach the Work and its future ------------------------------------------------
 
+
 @pytest.mark.timeout(60)
 def test_inference_mode_outputs_are_written() -> None:
     def body(pg: PG, r: int) -> None:
@@ -202,8 +239,7 @@ def test_inference_mode_outputs_are_written() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_failed_copy_back_fails_the_work_and_its_future(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_copy_back_fails_the_work_and_its_future(monkeypatch: pytest.MonkeyPatch) -> None:
     real = _ops.allreduce
 
     def failing(*args: Any) -> _ops.Plan:  # fault injection: the copy-back raises
@@ -230,6 +266,7 @@ def test_a_failed_copy_back_fails_the_work_and_its_future(
 
 # -- 6. barrier implies completion ------------------------------------------------------------
 
+
 @pytest.mark.timeout(60)
 def test_barrier_completes_after_earlier_operations() -> None:
     n = 200_000
@@ -248,6 +285,7 @@ def test_barrier_completes_after_earlier_operations() -> None:
 
 
 # -- 7. API pieces ----------------------------------------------------------------------------
+
 
 @pytest.mark.timeout(60)
 def test_broadcast_root_reduce_scatter_uneven_options_sequence_numbers() -> None:
@@ -284,6 +322,7 @@ def test_default_timeout_applies_to_later_calls() -> None:
 
 # -- 8. sparse tensors ------------------------------------------------------------------------
 
+
 @pytest.mark.timeout(60)
 def test_sparse_allreduce_sums_indices_and_values() -> None:
     def body(pg: PG, r: int) -> None:
@@ -293,8 +332,9 @@ def test_sparse_allreduce_sums_indices_and_values() -> None:
                 j = r * per_rank + k  # every input its own index, plus a shared one
                 idx = torch.tensor([[j, 10], [0, 1]])
                 vals = torch.tensor([[1.0, 2.0], [float(j), 1.0]])
-                tensors.append(torch.sparse_coo_tensor(idx, vals, (12, 2, 2),
-                                                       check_invariants=True))
+                tensors.append(
+                    torch.sparse_coo_tensor(idx, vals, (12, 2, 2), check_invariants=True)
+                )
             expected = sum(t.to_dense() for t in _all_inputs(per_rank))
             out = pg.allreduce(tensors).get_future().wait()
             for t in [*out, *tensors]:
@@ -314,6 +354,7 @@ def test_sparse_allreduce_sums_indices_and_values() -> None:
 
 # -- 9. timeout wording -----------------------------------------------------------------------
 
+
 @pytest.mark.timeout(60)
 def test_barrier_timeout_is_worded_as_torch_expects() -> None:
     pgs = make_groups(W)
@@ -331,6 +372,7 @@ def test_barrier_timeout_is_worded_as_torch_expects() -> None:
 
 
 # -- 10. profiling ----------------------------------------------------------------------------
+
 
 @pytest.mark.timeout(60)
 def test_collectives_record_profiler_events() -> None:
@@ -355,8 +397,11 @@ def test_collectives_record_profiler_events() -> None:
     for t in threads:
         t.join(30)
     events = {e.name: e for e in prof.function_events if e.name.startswith("aiocollect:")}
-    for name, shape in (("aiocollect:all_reduce", [3, 2]), ("aiocollect:broadcast", [4]),
-                        ("aiocollect:send", [5])):
+    for name, shape in (
+        ("aiocollect:all_reduce", [3, 2]),
+        ("aiocollect:broadcast", [4]),
+        ("aiocollect:send", [5]),
+    ):
         assert name in events, sorted(events)
         assert events[name].input_shapes == [shape]
         assert events[name].is_async
@@ -364,6 +409,7 @@ def test_collectives_record_profiler_events() -> None:
 
 
 # -- 11. monitored barrier --------------------------------------------------------------------
+
 
 @pytest.mark.timeout(60)
 def test_monitored_barrier_names_the_missing_ranks() -> None:
@@ -378,8 +424,10 @@ def test_monitored_barrier_names_the_missing_ranks() -> None:
         except BaseException as exc:
             results[r] = exc
 
-    for wait_all, expected in ((False, "Rank 2 failed to pass monitoredBarrier in 1000 ms"),
-                               (True, "Ranks 2, 3 failed to pass monitoredBarrier in 1000 ms")):
+    for wait_all, expected in (
+        (False, "Rank 2 failed to pass monitoredBarrier in 1000 ms"),
+        (True, "Ranks 2, 3 failed to pass monitoredBarrier in 1000 ms"),
+    ):
         results.clear()
         threads = [threading.Thread(target=body, args=(r, wait_all)) for r in (0, 1)]
         for t in threads:
@@ -407,6 +455,7 @@ def test_monitored_barrier_names_the_missing_ranks() -> None:
 
 
 # -- 12. the coalescing manager ---------------------------------------------------------------
+
 
 @pytest.mark.timeout(60)
 def test_end_coalescing_waits_for_the_coalesced_operations() -> None:

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="torch is not installed (pip install "
-                                            "'aiocollect[torch]')")
+torch = pytest.importorskip(
+    "torch", reason="torch is not installed (pip install 'aiocollect[torch]')"
+)
 
 from tests.torch.launch import ROOT, tail, torchrun  # noqa: E402
 
@@ -30,14 +31,27 @@ def test_every_collective_matches_gloo_and_errors_propagate() -> None:
     for rank in (0, 1):
         assert f"ALL OK rank {rank}" in run.output, tail(run.output)
     passed = re.findall(r"^PASS (.+)$", run.output, re.M)
-    for name in ("all_reduce sum torch.float32", "all_reduce premul_sum", "reduce max root 1",
-                 "reduce_scatter_single", "all_gather uneven", "gather root 1",
-                 "scatter root 0", "object collectives", "all_to_all uneven",
-                 "all_to_all_single splits", "barrier", "recv any source",
-                 "batch_isend_irecv", "new_group [1]", "new_group [0] non-member",
-                 "future failed with the error", "next call raises GroupBrokenError",
-                 "ddp: check() reports the failed allreduce",
-                 "peer death: wait() raises PeerDisconnected"):
+    for name in (
+        "all_reduce sum torch.float32",
+        "all_reduce premul_sum",
+        "reduce max root 1",
+        "reduce_scatter_single",
+        "all_gather uneven",
+        "gather root 1",
+        "scatter root 0",
+        "object collectives",
+        "all_to_all uneven",
+        "all_to_all_single splits",
+        "barrier",
+        "recv any source",
+        "batch_isend_irecv",
+        "new_group [1]",
+        "new_group [0] non-member",
+        "future failed with the error",
+        "next call raises GroupBrokenError",
+        "ddp: check() reports the failed allreduce",
+        "peer death: wait() raises PeerDisconnected",
+    ):
         assert name in passed, f"{name!r} did not run\n{tail(run.output)}"
     assert any(p.startswith("ddp 20 steps") for p in passed)
     assert any(p.startswith("ddp: the next backward raises") for p in passed)
@@ -61,8 +75,9 @@ def _reference(steps: int, world: int) -> list[torch.Tensor]:
             for g, d in zip(grads, torch.autograd.grad(loss, params), strict=True):
                 g += d / world
         # torch.optim.SGD(lr=0.05, momentum=0.9), written out (its first step is slow to load)
-        momentum = grads if not momentum else [0.9 * m + g for m, g in
-                                               zip(momentum, grads, strict=True)]
+        momentum = (
+            grads if not momentum else [0.9 * m + g for m, g in zip(momentum, grads, strict=True)]
+        )
         with torch.no_grad():
             for p, m in zip(params, momentum, strict=True):
                 p -= 0.05 * m

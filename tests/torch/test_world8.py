@@ -19,9 +19,16 @@ from tests.torch.launch import FOREIGN, ROOT
 def test_subgroups_and_coalescing_at_world_size_8(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(FOREIGN)}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "tests.torch.world8", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=140,
-                          check=False, start_new_session=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.torch.world8", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=140,
+        check=False,
+        start_new_session=True,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     for rank in range(8):

@@ -69,8 +69,7 @@ def _coalescing(group: dist.ProcessGroup, members: list[int], rank: int) -> None
     a = torch.ones(big, 2)[:, 0]  # not contiguous: written back when the work finishes
     b = torch.full((big,), float(rank))
     c = torch.full((4,), float(rank))
-    with dist._coalescing_manager(group=group, device=torch.device("cpu"),
-                                  async_ops=True) as cm:
+    with dist._coalescing_manager(group=group, device=torch.device("cpu"), async_ops=True) as cm:
         dist.all_reduce(a, group=group)
         dist.all_reduce(b, group=group)
         dist.broadcast(c, src=members[0], group=group)
@@ -117,8 +116,13 @@ def _ddp_no_sync_with_hook(rank: int) -> None:
 
 def rank_main(rank: int, path: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("aiocollect", store=dist.FileStore(path, WORLD), rank=rank,
-                            world_size=WORLD, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "aiocollect",
+        store=dist.FileStore(path, WORLD),
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=60),
+    )
     subset = dist.new_group(SUBSET)
     others = dist.new_group(OTHERS)
     members, group = (SUBSET, subset) if rank in SUBSET else (OTHERS, others)

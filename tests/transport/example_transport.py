@@ -36,8 +36,7 @@ class UnixListener(SocketListener):
         return server
 
     async def dial(self, record: Record, link: TcpLink) -> None:
-        await asyncio.get_running_loop().create_unix_connection(lambda: link,
-                                                                str(record["path"]))
+        await asyncio.get_running_loop().create_unix_connection(lambda: link, str(record["path"]))
 
     def where(self, record: Record) -> str:
         return str(record.get("path"))
@@ -45,8 +44,10 @@ class UnixListener(SocketListener):
     def prepare(self, peers: dict[int, Record]) -> None:
         for rank, rec in peers.items():
             if not UNIX.accepts(rec):
-                raise RendezvousError(f"transport 'unix' links ranks of one host: rank "
-                                      f"{rank} runs on {rec.get('hostname')!r}")
+                raise RendezvousError(
+                    f"transport 'unix' links ranks of one host: rank "
+                    f"{rank} runs on {rec.get('hostname')!r}"
+                )
 
     def close(self) -> None:
         super().close()

@@ -36,8 +36,9 @@ async def _run(transports: list[str]) -> list[object]:
     n = len(transports)
 
     async def one(rank: int) -> object:
-        async with ac.open_group(rank, n, store=MemoryStore(name), transport=transports[rank],
-                                 name=name, timeout=5) as group:
+        async with ac.open_group(
+            rank, n, store=MemoryStore(name), transport=transports[rank], name=name, timeout=5
+        ) as group:
             buf = np.arange(100_000, dtype=np.float64) * (rank + 1)
             await group.allreduce(buf)
             np.testing.assert_array_equal(buf, np.arange(100_000) * (n * (n + 1) / 2))
@@ -59,8 +60,9 @@ async def test_allreduce_over_the_example_transport() -> None:
 @pytest.mark.usefixtures("unix")
 async def test_ranks_on_another_transport_are_refused() -> None:
     res = await _run(["unix", "tcp"])
-    assert any(isinstance(r, ac.RendezvousError) and "uses transport 'unix'" in str(r)
-               for r in res), res
+    assert any(
+        isinstance(r, ac.RendezvousError) and "uses transport 'unix'" in str(r) for r in res
+    ), res
 
 
 async def test_an_unregistered_transport_is_a_usage_error() -> None:

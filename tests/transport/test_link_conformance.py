@@ -36,8 +36,9 @@ def example_registered() -> Iterator[None]:
         yield
 
 
-def _factory(name: str, request: pytest.FixtureRequest,
-             monkeypatch: pytest.MonkeyPatch) -> PairFactory:
+def _factory(
+    name: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> PairFactory:
     pulls = name in PULL_VARIANTS
     if name == UNIX.name:
         request.getfixturevalue("example_registered")
@@ -62,8 +63,10 @@ def _factory(name: str, request: pytest.FixtureRequest,
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("check", LINK_CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
 @pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_link_conformance(transport: str,
-                                check: Callable[[PairFactory], Awaitable[None]],
-                                request: pytest.FixtureRequest,
-                                monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_link_conformance(
+    transport: str,
+    check: Callable[[PairFactory], Awaitable[None]],
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     await check(_factory(transport, request, monkeypatch))

@@ -17,14 +17,17 @@ from aiocollect.engine.fabric import (
 )
 
 
-@pytest.mark.parametrize(("exc", "cls"), [
-    (errors.MismatchError("rank 0 called x but rank 1 called y"), errors.MismatchError),
-    (errors.PeerTimeout("ranks [2, 3] sent nothing", [3, 2]), errors.PeerTimeout),
-    (errors.PeerDisconnected("rank 2 disconnected", 2), errors.PeerDisconnected),
-    (errors.ProtocolError("bad frame"), errors.GroupBrokenError),
-    (errors.GroupBrokenError("aborted"), errors.GroupBrokenError),
-    (ValueError("anything else"), errors.GroupBrokenError),
-])
+@pytest.mark.parametrize(
+    ("exc", "cls"),
+    [
+        (errors.MismatchError("rank 0 called x but rank 1 called y"), errors.MismatchError),
+        (errors.PeerTimeout("ranks [2, 3] sent nothing", [3, 2]), errors.PeerTimeout),
+        (errors.PeerDisconnected("rank 2 disconnected", 2), errors.PeerDisconnected),
+        (errors.ProtocolError("bad frame"), errors.GroupBrokenError),
+        (errors.GroupBrokenError("aborted"), errors.GroupBrokenError),
+        (ValueError("anything else"), errors.GroupBrokenError),
+    ],
+)
 def test_abort_round_trip(exc: BaseException, cls: type[BaseException]) -> None:
     rebuilt = _decode_abort(1, _encode_abort(0, exc))
     assert type(rebuilt) is cls
@@ -42,11 +45,17 @@ def test_relayed_abort_keeps_its_origin() -> None:
     assert str(relayed) == "rank 0 aborted the group: m"
 
 
-@pytest.mark.parametrize("payload", [
-    b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"type": "X"}),
-    msgpack.packb({"rank": "zero", "type": "X", "message": "m"}),
-    msgpack.packb({"rank": 0, "type": "PeerTimeout", "message": "m", "ranks": ["a"]}),
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"\xc1",
+        msgpack.packb([1, 2]),
+        msgpack.packb({"type": "X"}),
+        msgpack.packb({"rank": "zero", "type": "X", "message": "m"}),
+        msgpack.packb({"rank": 0, "type": "PeerTimeout", "message": "m", "ranks": ["a"]}),
+    ],
+)
 def test_malformed_abort_is_a_protocol_error(payload: bytes) -> None:
     exc = _decode_abort(3, payload)
     assert isinstance(exc, errors.ProtocolError)
@@ -68,5 +77,9 @@ def test_probe_question_answers_whether_an_operation_was_called() -> None:
     fabric.register(0, 1, (1, 1, 1, 0, -1), [0, 1, 2])
     # a yes carries this rank's fingerprint of the operation (mismatches found while waiting)
     fp = struct.pack("<qqqqq", 1, 1, 1, 0, -1)
-    assert [ask(0, 0), ask(0, 1), ask(0, 2), ask(5, 0)] == [b"\x01" + fp, b"\x01" + fp,
-                                                            b"\x00", b"\x00"]
+    assert [ask(0, 0), ask(0, 1), ask(0, 2), ask(5, 0)] == [
+        b"\x01" + fp,
+        b"\x01" + fp,
+        b"\x00",
+        b"\x00",
+    ]

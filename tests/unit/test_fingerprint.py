@@ -15,22 +15,36 @@ from aiocollect.types import Collective, ReduceOp, dtype_code
 F32 = np.zeros(10, np.float32)
 
 
-@pytest.mark.parametrize(("kwargs", "want"), [
-    # the layout every version of aiocollect sends: collective | algorithm << 5, dtype,
-    # elements, op, root
-    ({"coll": Collective.ALLREDUCE, "op": ReduceOp.SUM, "algorithm": "ring"}, (3, 11, 10, 1, -1)),
-    ({"coll": Collective.ALLREDUCE, "op": ReduceOp.MAX, "algorithm": "recursive_doubling"},
-     (3 | 1 << 5, 11, 10, 4, -1)),
-    ({"coll": Collective.ALLREDUCE, "op": ReduceOp.AVG, "algorithm": "halving_doubling"},
-     (3 | 2 << 5, 11, 10, 5, -1)),
-    ({"coll": Collective.BROADCAST, "root": 2, "algorithm": "pipeline"},
-     (2 | 1 << 5, 11, 10, 0, 2)),
-    ({"coll": Collective.ALLGATHER, "algorithm": "direct"}, (5 | 1 << 5, 11, 10, 0, -1)),
-    ({"coll": Collective.REDUCE_SCATTER, "op": ReduceOp.SUM, "algorithm": "direct"},
-     (9 | 1 << 5, 11, 10, 1, -1)),
-    ({"coll": Collective.ALLGATHERV, "count": 0, "algorithm": "ring"}, (6, 11, 0, 0, -1)),
-    ({"coll": Collective.REDUCE, "op": ReduceOp.SUM, "root": 1}, (4, 11, 10, 1, 1)),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "want"),
+    [
+        # the layout every version of aiocollect sends: collective | algorithm << 5, dtype,
+        # elements, op, root
+        (
+            {"coll": Collective.ALLREDUCE, "op": ReduceOp.SUM, "algorithm": "ring"},
+            (3, 11, 10, 1, -1),
+        ),
+        (
+            {"coll": Collective.ALLREDUCE, "op": ReduceOp.MAX, "algorithm": "recursive_doubling"},
+            (3 | 1 << 5, 11, 10, 4, -1),
+        ),
+        (
+            {"coll": Collective.ALLREDUCE, "op": ReduceOp.AVG, "algorithm": "halving_doubling"},
+            (3 | 2 << 5, 11, 10, 5, -1),
+        ),
+        (
+            {"coll": Collective.BROADCAST, "root": 2, "algorithm": "pipeline"},
+            (2 | 1 << 5, 11, 10, 0, 2),
+        ),
+        ({"coll": Collective.ALLGATHER, "algorithm": "direct"}, (5 | 1 << 5, 11, 10, 0, -1)),
+        (
+            {"coll": Collective.REDUCE_SCATTER, "op": ReduceOp.SUM, "algorithm": "direct"},
+            (9 | 1 << 5, 11, 10, 1, -1),
+        ),
+        ({"coll": Collective.ALLGATHERV, "count": 0, "algorithm": "ring"}, (6, 11, 0, 0, -1)),
+        ({"coll": Collective.REDUCE, "op": ReduceOp.SUM, "root": 1}, (4, 11, 10, 1, 1)),
+    ],
+)
 def test_pack_keeps_the_wire_layout(kwargs: dict[str, object], want: tuple[int, ...]) -> None:
     coll = kwargs.pop("coll")
     assert isinstance(coll, Collective)
@@ -45,7 +59,13 @@ def test_pack_without_an_array() -> None:
 def test_unpack_inverts_pack_and_tolerates_unknown_codes() -> None:
     f = unpack(pack(Collective.BROADCAST, F32, root=1, algorithm="pipeline"))
     assert (f.collective, f.algorithm, f.dtype, f.elements, f.op, f.root) == (
-        Collective.BROADCAST, "pipeline", dtype_code(F32.dtype), 10, 0, 1)
+        Collective.BROADCAST,
+        "pipeline",
+        dtype_code(F32.dtype),
+        10,
+        0,
+        1,
+    )
     assert unpack((13, 0, 0, 0, -1)).collective is None  # 13 (SPLIT) is reserved
     assert unpack((3 | 7 << 5, 0, 0, 0, -1)).algorithm is None
     assert describe((31, 0, 0, 0, -1)).startswith("collective#31(")
@@ -55,7 +75,8 @@ def test_describe_names_the_algorithm_where_there_is_a_choice() -> None:
     text = describe(pack(Collective.ALLREDUCE, F32, op=ReduceOp.MAX, algorithm="ring"))
     assert text == "allreduce[ring](count=10, dtype=float32, op=MAX)"
     assert describe(pack(Collective.REDUCE, F32, op=ReduceOp.SUM, root=2)) == (
-        "reduce(count=10, dtype=float32, op=SUM, root=2)")
+        "reduce(count=10, dtype=float32, op=SUM, root=2)"
+    )
 
 
 def test_every_registry_matches_the_wire_codes() -> None:
@@ -88,8 +109,11 @@ def test_choose_by_name_and_auto() -> None:
 
 @pytest.mark.parametrize("bad", ["tree", 1, ["ring"]])
 def test_choose_refuses_unknown_names(bad: object) -> None:
-    with pytest.raises(UsageError, match=r"allreduce has no algorithm .*; choose one of "
-                                         r"ring, recursive_doubling, halving_doubling or 'auto'"):
+    with pytest.raises(
+        UsageError,
+        match=r"allreduce has no algorithm .*; choose one of "
+        r"ring, recursive_doubling, halving_doubling or 'auto'",
+    ):
         registry.ALLREDUCE.choose(bad, 4, 2)  # type: ignore[arg-type]
 
 

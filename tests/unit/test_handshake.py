@@ -44,8 +44,9 @@ def run(acceptor: AcceptorHandshake, connector: ConnectorHandshake) -> tuple[int
     return a_peer, c_peer
 
 
-def acceptor(secret: bytes | None = None, rank: int = 0, world: int = 3, group: str = "g",
-             admit: Any = None) -> AcceptorHandshake:
+def acceptor(
+    secret: bytes | None = None, rank: int = 0, world: int = 3, group: str = "g", admit: Any = None
+) -> AcceptorHandshake:
     return AcceptorHandshake(group, rank, world, secret, admit or (lambda peer: None))
 
 
@@ -55,8 +56,10 @@ def test_handshake_completes(secret: bytes | None) -> None:
 
 
 @pytest.mark.parametrize(("a_secret", "c_secret"), [(b"right", b"wrong"), (b"right", None)])
-def test_connector_without_the_secret_is_refused(a_secret: bytes, c_secret: bytes | None,
-                                                 ) -> None:
+def test_connector_without_the_secret_is_refused(
+    a_secret: bytes,
+    c_secret: bytes | None,
+) -> None:
     with pytest.raises(AuthenticationError, match="rank 0 refused the link"):
         run(acceptor(a_secret), ConnectorHandshake("g", 2, 0, 3, c_secret))
 
@@ -105,14 +108,17 @@ def test_the_proof_binds_the_acceptor() -> None:
     assert isinstance(info.value.error, AuthenticationError)
 
 
-@pytest.mark.parametrize(("changes", "phrase"), [
-    ({"group": "h"}, "does not match this group"),
-    ({"world": 4}, "world size 4 != 3"),
-    ({"peer": 1}, "meant for rank 1 reached rank 0"),
-    ({"rank": 0}, "invalid peer rank 0"),
-    ({"rank": 3}, "invalid peer rank 3"),
-    ({"v": PROTOCOL_VERSION + 1}, "protocol version"),
-])
+@pytest.mark.parametrize(
+    ("changes", "phrase"),
+    [
+        ({"group": "h"}, "does not match this group"),
+        ({"world": 4}, "world size 4 != 3"),
+        ({"peer": 1}, "meant for rank 1 reached rank 0"),
+        ({"rank": 0}, "invalid peer rank 0"),
+        ({"rank": 3}, "invalid peer rank 3"),
+        ({"v": PROTOCOL_VERSION + 1}, "protocol version"),
+    ],
+)
 def test_group_checks_without_a_secret(changes: Msg, phrase: str) -> None:
     a = acceptor()
     (challenge,) = a.start()
@@ -132,13 +138,19 @@ def test_admit_refusal_is_sent_back() -> None:
         a.on_message(_hello(None, challenge["nonce"]))
 
 
-@pytest.mark.parametrize("msg", [
-    {}, {"t": "welcome"}, {"t": "hello"}, {"t": "hello", "nonce": b"", "mac": b""},
-    {"t": "hello", "nonce": b"", "mac": b"", "rank": "1", "world": 3},
-    {"t": "hello", "nonce": b"", "mac": b"", "rank": True, "world": 3},
-    {"t": "hello", "nonce": b"", "mac": b"", "rank": 2, "world": [3]},
-    {"t": "hello", "nonce": "not bytes", "mac": b"", "rank": 2, "world": 3},
-])
+@pytest.mark.parametrize(
+    "msg",
+    [
+        {},
+        {"t": "welcome"},
+        {"t": "hello"},
+        {"t": "hello", "nonce": b"", "mac": b""},
+        {"t": "hello", "nonce": b"", "mac": b"", "rank": "1", "world": 3},
+        {"t": "hello", "nonce": b"", "mac": b"", "rank": True, "world": 3},
+        {"t": "hello", "nonce": b"", "mac": b"", "rank": 2, "world": [3]},
+        {"t": "hello", "nonce": "not bytes", "mac": b"", "rank": 2, "world": 3},
+    ],
+)
 def test_malformed_hello_is_a_protocol_error(msg: Msg) -> None:
     with pytest.raises(ProtocolError):
         acceptor().on_message(msg)

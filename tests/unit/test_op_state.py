@@ -37,19 +37,24 @@ def _op(loop: asyncio.AbstractEventLoop, states: list[str]) -> Op:
     return op
 
 
-@pytest.mark.parametrize(("states", "moved"), [
-    (["pending", "pending"], False),
-    (["cancelled", "pending"], False),  # the receive a cancelled task was awaiting
-    (["failed", "pending"], False),
-    (["landed", "pending"], True),
-    (["cancelled", "landed"], True),
-])
-def test_moved_data_counts_only_landed_receives(loop: asyncio.AbstractEventLoop,
-                                                states: list[str], moved: bool) -> None:
+@pytest.mark.parametrize(
+    ("states", "moved"),
+    [
+        (["pending", "pending"], False),
+        (["cancelled", "pending"], False),  # the receive a cancelled task was awaiting
+        (["failed", "pending"], False),
+        (["landed", "pending"], True),
+        (["cancelled", "landed"], True),
+    ],
+)
+def test_moved_data_counts_only_landed_receives(
+    loop: asyncio.AbstractEventLoop, states: list[str], moved: bool
+) -> None:
     assert _op(loop, states).moved_data() is moved
 
 
 def test_silent_peers_include_the_receive_the_timeout_cancelled(
-        loop: asyncio.AbstractEventLoop) -> None:
+    loop: asyncio.AbstractEventLoop,
+) -> None:
     op = _op(loop, ["landed", "cancelled", "pending"])
     assert op.silent_peers() == [2, 3]

@@ -64,8 +64,9 @@ async def test_hook_runs_synchronously_when_the_frame_lands() -> None:
     link = _FedLink(_Events(), 1 << 20)
     seen: list[Any] = []
     buf = bytearray(4)
-    fut = link.post_recv(_key(1), memoryview(buf),
-                         hook=lambda f: seen.append((f.done(), bytes(buf))))
+    fut = link.post_recv(
+        _key(1), memoryview(buf), hook=lambda f: seen.append((f.done(), bytes(buf)))
+    )
     assert seen == []
     link.feed(1, b"abcd")
     assert seen == [(True, b"abcd")]  # before any loop pass, result already set
@@ -90,7 +91,8 @@ async def test_hook_not_called_for_staged_frames_or_failures() -> None:
 
 @pytest.mark.timeout(10)
 async def test_a_failing_hook_is_logged_and_reading_goes_on(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     link = _FedLink(_Events(), 1 << 20)
 
     def bad(_: asyncio.Future[None]) -> None:

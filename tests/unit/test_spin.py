@@ -59,17 +59,23 @@ print(json.dumps([spin.usable_cores(), spin.spin_budget(1, load=0.0),
 def test_a_process_pinned_to_one_core_does_not_spin_with_a_local_peer() -> None:
     """The affinity, not the host's CPU count, decides: pinned to one core, two local
     ranks are oversubscribed (the CI host has more cores than that)."""
-    out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
-                         check=True, timeout=30, env={**os.environ,
-                                                      "PYTHONPATH": os.pathsep.join(sys.path)})
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     cores, alone, with_peer = json.loads(out.stdout)
     assert cores == 1
     assert alone == spin.SPIN_SECONDS
     assert with_peer == 0.0
 
 
-def test_the_environment_overrides_the_rule(monkeypatch: pytest.MonkeyPatch,
-                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_the_environment_overrides_the_rule(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     cores = spin.usable_cores()
     monkeypatch.setenv(spin.SPIN_ENV, "0")
     assert spin.spin_budget(1) == 0.0  # off, even with a core to spare
@@ -87,8 +93,9 @@ def test_the_environment_overrides_the_rule(monkeypatch: pytest.MonkeyPatch,
 
 
 @pytest.mark.parametrize(("transport", "n"), [("tcp", 2), ("tcp", 3), ("memory", 2)])
-async def test_a_group_counts_its_same_host_peers(monkeypatch: pytest.MonkeyPatch,
-                                                  transport: str, n: int) -> None:
+async def test_a_group_counts_its_same_host_peers(
+    monkeypatch: pytest.MonkeyPatch, transport: str, n: int
+) -> None:
     """Real links: every TCP peer on loopback is a local process; memory links are
     in-process (nothing to poll, never spins). The budget is the policy's for that many
     local ranks on this machine's cores, and the group's results are right either way."""
@@ -99,8 +106,7 @@ async def test_a_group_counts_its_same_host_peers(monkeypatch: pytest.MonkeyPatc
         await g.allreduce(buf)
         assert buf.tolist() == [n * (n + 1) / 2] * 4
         fabric = g._fabric
-        return [spin.same_host(link) for link in fabric.links.values()], \
-            fabric.spinner.budget
+        return [spin.same_host(link) for link in fabric.links.values()], fabric.spinner.budget
 
     for hosts, budget in await run_ranks(n, body, transport=transport):
         if transport == "memory":

@@ -25,9 +25,19 @@ from aiocollect.transport.wire import (
 
 U32, U64 = st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)
 headers = st.builds(
-    Header, kind=st.sampled_from(KINDS), coll=st.integers(0, 255), op=st.integers(0, 255),
-    dtype=st.integers(0, 255), gid=U32, chunk=U32, seq=U64, slot=U64,
-    root=st.integers(-2**31, 2**31 - 1), elems=U64, length=st.integers(0, 1 << 20))
+    Header,
+    kind=st.sampled_from(KINDS),
+    coll=st.integers(0, 255),
+    op=st.integers(0, 255),
+    dtype=st.integers(0, 255),
+    gid=U32,
+    chunk=U32,
+    seq=U64,
+    slot=U64,
+    root=st.integers(-(2**31), 2**31 - 1),
+    elems=U64,
+    length=st.integers(0, 1 << 20),
+)
 
 
 def test_header_is_fifty_bytes() -> None:
