@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import signal
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,13 @@ _UVLOOP = None if uvloop is None else _trapped(uvloop.new_event_loop)
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # A shell starts a background job (`make test &`, a CI step run with `&`) with SIGINT
+    # ignored, and an ignored signal stays ignored across exec: every launcher and rank the
+    # tests start would then inherit it, unlike under a terminal. A handled signal is reset
+    # to the default on exec, so handling it here gives the tests' children the
+    # disposition a terminal gives them.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     config.addinivalue_line(
         "markers",
         "one_loop: run on asyncio only (the test drives spawned processes, "
