@@ -79,14 +79,20 @@ def pack(
     algorithm: str | None = None,
 ) -> Fingerprint:
     """The fingerprint of an operation on ``arr`` (None: no array; ``count`` overrides its
-    element count) run by ``algorithm`` (None: code 0).
+    element count) run by ``algorithm``: the name of the registry's algorithm for every
+    collective of :data:`ALGORITHM_CODES` (those a registry runs, single-algorithm ones
+    included), None for the others (tagged send/recv, objects), whose code is 0.
 
     Raises:
         UsageError: ``arr``'s dtype is not supported (from ``types.dtype_code``).
-        KeyError: ``algorithm`` has no code for ``coll`` (a registry bug, never user input:
-            the registries choose names from :data:`ALGORITHM_CODES`).
+        KeyError: ``algorithm`` is None for a collective a registry runs, names one
+            where none does, or has no code for ``coll`` (a caller's bug, never user
+            input: the registries choose names from :data:`ALGORITHM_CODES`).
     """
-    alg = 0 if algorithm is None else ALGORITHM_CODES[coll][algorithm]
+    codes = ALGORITHM_CODES.get(coll)
+    if (codes is None) != (algorithm is None):
+        raise KeyError(f"{coll.name.lower()}: algorithm {algorithm!r}")
+    alg = 0 if codes is None or algorithm is None else codes[algorithm]
     dcode = 0 if arr is None else dtype_code(arr.dtype)
     n = (0 if arr is None else arr.size) if count is None else count
     return (int(coll) | (alg << _ALG_SHIFT), dcode, n, 0 if op is None else op_code(op), root)

@@ -207,8 +207,9 @@ class Group(GroupCore):
         arr = as_array(buf, "buf", writable=True)
         root = check_rank(root, self.world_size, "root")
         rop, ufunc = reduction(op, arr)
-        run = registry.REDUCE.choose(algorithm, 0, self.world_size).run
-        fp = pack(Collective.REDUCE, arr, op=rop, root=root)
+        alg = registry.REDUCE.choose(algorithm, 0, self.world_size)
+        fp = pack(Collective.REDUCE, arr, op=rop, root=root, algorithm=alg.name)
+        run = alg.run
 
         async def body(o: Op) -> B:
             await run(o, _flat(arr), root, ufunc, rop is ReduceOp.AVG)
@@ -288,8 +289,9 @@ class Group(GroupCore):
         n = self.world_size
         root = check_rank(root, n, "root")
         res = output(out, (n, *arr.shape), arr.dtype) if self.rank == root else None
-        run = registry.GATHER.choose(algorithm, 0, n).run
-        fp = pack(Collective.GATHER, arr, root=root)
+        alg = registry.GATHER.choose(algorithm, 0, n)
+        fp = pack(Collective.GATHER, arr, root=root, algorithm=alg.name)
+        run = alg.run
 
         async def body(o: Op) -> Buffer | None:
             blocks = None if res is None else split_even(_flat(res), n)
@@ -323,8 +325,9 @@ class Group(GroupCore):
                     f"scatter: send has shape {src.shape} and dtype {src.dtype}; expected "
                     f"{(n, *res.shape)} of {res.dtype}"
                 )
-        run = registry.SCATTER.choose(algorithm, 0, n).run
-        fp = pack(Collective.SCATTER, res, root=root)
+        alg = registry.SCATTER.choose(algorithm, 0, n)
+        fp = pack(Collective.SCATTER, res, root=root, algorithm=alg.name)
+        run = alg.run
 
         async def body(o: Op) -> B:
             blocks = None if src is None else split_even(_flat(src), n)
@@ -408,8 +411,9 @@ class Group(GroupCore):
         n = self.world_size
         divisible(arr, n, "send")
         res = output(out, arr.shape, arr.dtype)
-        run = registry.ALLTOALL.choose(algorithm, 0, n).run
-        fp = pack(Collective.ALLTOALL, arr)
+        alg = registry.ALLTOALL.choose(algorithm, 0, n)
+        fp = pack(Collective.ALLTOALL, arr, algorithm=alg.name)
+        run = alg.run
 
         async def body(o: Op) -> Buffer:
             await run(o, split_even(_flat(arr), n), split_even(_flat(res), n))
@@ -426,8 +430,9 @@ class Group(GroupCore):
         arr = as_array(send, "send", writable=False)
         if arr.ndim == 0:
             arr = arr.reshape(1)
-        run = registry.ALLGATHERV.choose(algorithm, 0, self.world_size).run
-        fp = pack(Collective.ALLGATHERV, arr, count=0)
+        alg = registry.ALLGATHERV.choose(algorithm, 0, self.world_size)
+        fp = pack(Collective.ALLGATHERV, arr, count=0, algorithm=alg.name)
+        run = alg.run
 
         async def body(o: Op) -> list[Array]:
             return await run(o, arr)
@@ -483,8 +488,9 @@ class Group(GroupCore):
                 f"out must have dtype {arr.dtype} and rows of shape "
                 f"{arr.shape[1:]}, got {res.dtype} {res.shape}"
             )
-        run = registry.ALLTOALLV.choose(algorithm, 0, n).run
-        fp = pack(Collective.ALLTOALLV, arr, count=0)
+        alg = registry.ALLTOALLV.choose(algorithm, 0, n)
+        fp = pack(Collective.ALLTOALLV, arr, count=0, algorithm=alg.name)
+        run = alg.run
 
         async def body(o: Op) -> list[Array] | Buffer:
             blocks = await run(o, arr, counts, res)

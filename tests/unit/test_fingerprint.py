@@ -42,7 +42,20 @@ F32 = np.zeros(10, np.float32)
             (9 | 1 << 5, 11, 10, 1, -1),
         ),
         ({"coll": Collective.ALLGATHERV, "count": 0, "algorithm": "ring"}, (6, 11, 0, 0, -1)),
-        ({"coll": Collective.REDUCE, "op": ReduceOp.SUM, "root": 1}, (4, 11, 10, 1, 1)),
+        # the single-algorithm collectives: code 0, named by their registry's only algorithm
+        (
+            {"coll": Collective.REDUCE, "op": ReduceOp.SUM, "root": 1, "algorithm": "binomial"},
+            (4, 11, 10, 1, 1),
+        ),
+        ({"coll": Collective.GATHER, "root": 2, "algorithm": "direct"}, (7, 11, 10, 0, 2)),
+        ({"coll": Collective.SCATTER, "root": 0, "algorithm": "direct"}, (8, 11, 10, 0, 0)),
+        ({"coll": Collective.ALLTOALL, "algorithm": "pairwise"}, (10, 11, 10, 0, -1)),
+        (
+            {"coll": Collective.ALLTOALLV, "count": 0, "algorithm": "pairwise"},
+            (11, 11, 0, 0, -1),
+        ),
+        # no registry runs these: no algorithm, code 0
+        ({"coll": Collective.SEND}, (12, 11, 10, 0, -1)),
     ],
 )
 def test_pack_keeps_the_wire_layout(kwargs: dict[str, object], want: tuple[int, ...]) -> None:
@@ -54,6 +67,22 @@ def test_pack_keeps_the_wire_layout(kwargs: dict[str, object], want: tuple[int, 
 def test_pack_without_an_array() -> None:
     assert pack(Collective.BARRIER, None, algorithm="dissemination") == (1, 0, 0, 0, -1)
     assert pack(Collective.OBJECT, None, count=0, root=3) == (14, 0, 0, 0, 3)
+
+
+@pytest.mark.parametrize(
+    ("coll", "algorithm"),
+    [
+        *((c, None) for c in ALGORITHM_CODES),  # a registry runs it: its name is required
+        (Collective.SEND, "direct"),  # no registry runs it: no name
+        (Collective.OBJECT, "ring"),
+        (Collective.GATHER, "ring"),  # not one of its algorithms
+    ],
+)
+def test_pack_refuses_a_missing_or_foreign_algorithm(
+    coll: Collective, algorithm: str | None
+) -> None:
+    with pytest.raises(KeyError):
+        pack(coll, F32, algorithm=algorithm)
 
 
 def test_unpack_inverts_pack_and_tolerates_unknown_codes() -> None:
@@ -74,9 +103,9 @@ def test_unpack_inverts_pack_and_tolerates_unknown_codes() -> None:
 def test_describe_names_the_algorithm_where_there_is_a_choice() -> None:
     text = describe(pack(Collective.ALLREDUCE, F32, op=ReduceOp.MAX, algorithm="ring"))
     assert text == "allreduce[ring](count=10, dtype=float32, op=MAX)"
-    assert describe(pack(Collective.REDUCE, F32, op=ReduceOp.SUM, root=2)) == (
-        "reduce(count=10, dtype=float32, op=SUM, root=2)"
-    )
+    assert describe(
+        pack(Collective.REDUCE, F32, op=ReduceOp.SUM, root=2, algorithm="binomial")
+    ) == ("reduce(count=10, dtype=float32, op=SUM, root=2)")
 
 
 def test_every_registry_matches_the_wire_codes() -> None:
