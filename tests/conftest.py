@@ -12,18 +12,25 @@ collective, stress and failure suites run on both asyncio and uvloop.
 - Workers: under pytest-xdist (``make test`` runs ``-n auto``; ``--dist loadgroup`` is in
   the ini options) the tests under a directory of ``XDIST_GROUPS`` all run on one worker,
   one after another (docs/testing.md, "In parallel").
+- ``redis_url``: one private redis-server per session (so per xdist worker) for every test
+  that needs one (the store and rendezvous suites).
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import shutil
 import signal
+import subprocess
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from aiocollect.testing import free_port
 
 try:
     import uvloop
@@ -144,3 +151,78 @@ def loop_error_trap() -> Iterator[None]:
         pytest.fail(
             "unhandled errors reached the event loop:\n  " + "\n  ".join(lines), pytrace=False
         )
+
+
+#: The private redis-server's password; tests/store/test_backends.py replaces it in the URL
+#: to provoke a refusal.
+REDIS_PASSWORD = "conformance-pw"
+#: Loopback only, no persistence, logs to stdout (read until it is ready, then drained).
+_REDIS_ARGS = ("--bind", "127.0.0.1", "--protected-mode", "no", "--logfile", "")
+_REDIS_NO_SAVE = ("--save", "", "--appendonly", "no")
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``redis://:conformance-pw@127.0.0.1:PORT/0`` of a private redis-server, one per
+    session (under pytest-xdist one per worker), on a free port (tried three times: another
+    process may take the port between ``free_port`` and the server's bind). It is stopped
+    and reaped at the end of the session and its directory removed. Skips visibly when the
+    binary is missing. Tests choose their own database number or flush before use."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server not installed (apt-get install redis-server): redis skipped")
+    workdir = tmp_path_factory.mktemp("redis")
+    try:
+        for _ in range(3):
+            port = free_port()
+            args = ["--port", str(port), "--dir", str(workdir), "--requirepass", REDIS_PASSWORD]
+            server = _Server([binary, *args, *_REDIS_ARGS, *_REDIS_NO_SAVE])
+            try:
+                if server.ready():
+                    yield f"redis://:{REDIS_PASSWORD}@127.0.0.1:{port}/0"
+                    return
+            finally:
+                server.stop()
+            if not any("Address already in use" in x for x in server.lines):
+                pytest.fail("redis-server did not start:\n" + "".join(server.lines))
+        pytest.fail("redis-server found no free port in three tries")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+class _Server:
+    """A server process whose output is read until it says it is ready, then drained by a
+    thread (so a full pipe never blocks it)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[str] = []
+        self._drain: threading.Thread | None = None
+
+    def ready(self) -> bool:
+        """True once it accepts connections; False when it exited first (``lines``: what
+        it printed). Bounded by pytest-timeout if it does neither."""
+        out = self.proc.stdout
+        assert out is not None
+        for line in out:
+            self.lines.append(line)
+            if "Ready to accept connections" in line:
+                self._drain = threading.Thread(target=out.read, daemon=True)
+                self._drain.start()
+                return True
+        return False
+
+    def stop(self) -> None:
+        """Terminate it (SIGKILL after 10 s), reap it, wait for the drain and close the pipe."""
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self._drain is not None:
+            self._drain.join(timeout=10)  # EOF: the server is gone
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()

@@ -9,13 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import signal
 import socket
-import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,54 +27,12 @@ from aiocollect.rendezvous import claims
 from aiocollect.rendezvous.handshake import AcceptorHandshake, ConnectorHandshake
 from aiocollect.store import FileStore, MemoryStore, RedisStore, Store, TCPStore, TCPStoreServer
 from aiocollect.store.tcp import connect_tcp_store
-from aiocollect.testing import free_port
 from aiocollect.transport.base import Rejection
 from aiocollect.transport.wire import LENGTH_PREFIX
 
 pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[2]
 HERE = f"pid {os.getpid()} on host {socket.gethostname()}"
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A private redis-server on a free port; skips visibly when the binary is missing."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server not installed: redis skipped")
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(tmp_path_factory.mktemp("redis")),
-            "--logfile",
-            "",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout is not None
-    for line in proc.stdout:  # bounded by pytest-timeout
-        if "Ready to accept connections" in line:
-            break
-    else:
-        pytest.fail("redis-server did not start")
-    try:
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        proc.stdout.close()
 
 
 @dataclass

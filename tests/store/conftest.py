@@ -1,16 +1,15 @@
-"""Fixtures for the store tests: every backend behind one factory, and a real redis-server."""
+"""Fixtures for the store tests: every backend behind one factory (the redis backend uses the
+suite's private redis-server, ``redis_url`` in tests/conftest.py)."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from store_helpers import SECRET, Backend, free_port
+from store_helpers import SECRET, Backend
 
 from aiocollect.store import (
     FileStore,
@@ -21,63 +20,6 @@ from aiocollect.store import (
     TCPStore,
     TCPStoreServer,
 )
-
-REDIS_PASSWORD = "conformance-pw"
-
-
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A private redis-server on a free port; skips visibly when the binary is missing."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server not installed (apt-get install redis-server): redis skipped")
-    workdir = tmp_path_factory.mktemp("redis")
-    for _ in range(3):
-        port = free_port()
-        proc = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(workdir),
-                "--protected-mode",
-                "no",
-                "--logfile",
-                "",
-                "--requirepass",
-                REDIS_PASSWORD,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        assert proc.stdout is not None
-        lines = []
-        for line in proc.stdout:  # bounded by pytest-timeout if it never becomes ready
-            lines.append(line)
-            if "Ready to accept connections" in line:
-                break
-        else:
-            proc.wait()
-            if any("Address already in use" in x for x in lines):
-                continue
-            pytest.fail("redis-server did not start:\n" + "".join(lines))
-        try:
-            yield f"redis://:{REDIS_PASSWORD}@127.0.0.1:{port}/0"
-        finally:
-            proc.terminate()
-            proc.wait(timeout=10)
-            proc.stdout.close()
-        return
-    pytest.fail("redis-server could not find a free port")
-
 
 BACKENDS = ["memory", "file", "tcp", "tcp-secret", "prefix", "redis", "torch"]
 
