@@ -5,6 +5,7 @@ keep their order. Real links over loopback (``run_ranks`` with ``transport="tcp"
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,16 +39,22 @@ def _watch(link: Any) -> dict[str, Any]:
     return seen
 
 
-async def _pings_during_allreduce(g: ac.Group) -> dict[str, Any]:
+async def _pings_during_allreduce(
+    g: ac.Group, ahead: asyncio.Event | None = None
+) -> dict[str, Any]:
     """Rank 0 sends 1 KiB pings (rank 1 answers each) while the allreduce runs; a ping
-    of -1 ends them."""
+    of -1 ends them. With ``ahead``, the pings start once it is set (bulk frames held),
+    else on the loop's next turn."""
     seen = _watch(g._fabric.links[1 - g.rank])
     data = np.full(BIG // 4, g.rank + 1, dtype=np.float32)
     bulk = asyncio.ensure_future(g.allreduce(data))
     msg = np.empty(256, dtype=np.float32)
     pings = 0
     during = 0
-    await asyncio.sleep(0)  # the allreduce's first sends are queued
+    if ahead is None:
+        await asyncio.sleep(0)  # the allreduce's first sends are queued
+    else:
+        await ahead.wait()
     if g.rank == 0:
         while not bulk.done() and pings < 20:
             msg.fill(pings)
@@ -159,10 +166,10 @@ async def test_round_trips_complete_during_bulk_allreduces_in_processes(transpor
     assert report["busbw_gbps_with_pings"] > 0
 
 
-def _watch_shm(link: Any) -> dict[str, Any]:
+def _watch_shm(link: Any, holds: asyncio.Event) -> dict[str, Any]:
     """Like ``_watch`` for a shared-memory link: the bulk bytes ahead in the ring (unread,
     queued for it, or referenced and not pulled) after each frame, and small frames that
-    went ahead of held bulk frames."""
+    went ahead of held bulk frames; ``holds`` is set once the link holds a frame."""
     seen: dict[str, Any] = {"max_ahead": 0, "overtook": 0, "held": 0}
     real = link.send
 
@@ -170,6 +177,8 @@ def _watch_shm(link: Any) -> dict[str, Any]:
         held = len(link._held)
         real(header, payload)
         seen["held"] = max(seen["held"], len(link._held))
+        if link._held:
+            holds.set()
         if len(payload) < tcp.BULK_MIN and held and len(link._held) == held:
             seen["overtook"] += 1
         seen["max_ahead"] = max(seen["max_ahead"], link._bulk_ahead())
@@ -178,11 +187,33 @@ def _watch_shm(link: Any) -> dict[str, Any]:
     return seen
 
 
-async def _shm_pings(g: ac.Group) -> dict[str, Any]:
+@dataclass
+class _Behind:
+    """Rank 1 falls behind rank 0: it reads nothing (``paused``) until rank 0's link holds
+    a bulk frame (``held``)."""
+
+    paused: asyncio.Event = field(default_factory=asyncio.Event)
+    held: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+async def _shm_pings(g: ac.Group, behind: _Behind) -> dict[str, Any]:
+    """``_pings_during_allreduce`` with rank 1 behind: its link leaves every frame in the
+    ring (the pause its staging cap sets, ``_rx_paused``) until rank 0 holds bulk frames,
+    which it then does whatever the load (its allreduce sends two frames or more ahead of
+    any receive, and the first fills the cap); rank 0's first ping goes out then, ahead
+    of them, before rank 1 reads on (``_staging_relieved``: on the loop's next turn)."""
     link = g._fabric.links[1 - g.rank]
     assert link.shm
-    seen = _watch_shm(link)
-    res = await _pings_during_allreduce(g)
+    seen = _watch_shm(link, behind.held)
+    if g.rank == 1:
+        link._rx_paused = True
+        behind.paused.set()
+        # bounded: rank 0 failing before it holds anything must not hang the test
+        await asyncio.wait_for(behind.held.wait(), 60)
+        link._staging_relieved()
+    else:
+        await asyncio.wait_for(behind.paused.wait(), 60)
+    res = await _pings_during_allreduce(g, behind.held)
     return {**res, **seen}
 
 
@@ -191,22 +222,22 @@ async def test_shm_bulk_ahead_is_capped_and_small_frames_overtake(
     pull: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Over shared memory (pulls on and off) with the cap set, a 32 MiB allreduce keeps at
-    most the cap plus one frame ahead in the ring, holds the rest, and the pings go ahead
-    of it."""
+    most the cap plus one frame ahead in the ring, holds the rest while the peer is behind
+    (made so: ``_shm_pings``), and the pings go ahead of it."""
     monkeypatch.setenv("AIOCOLLECT_SHM_PULL", pull)
     monkeypatch.setenv("AIOCOLLECT_SHM_BULK_CAP", str(tcp.BULK_CAP))  # off by default
-    res = await run_ranks(2, _shm_pings, transport="shm", timeout=100)
+    res = await run_ranks(2, _shm_pings, _Behind(), transport="shm", timeout=100)
     for r in res:
         assert r["max_ahead"] <= tcp.BULK_CAP + (1 << 20) + 4096, repr(r)
-    assert any(r["held"] for r in res), res  # (a rank whose peer keeps up holds nothing)
+    assert res[0]["held"], res  # (a rank whose peer keeps up holds nothing)
     assert res[0]["pings"] >= 1, res
     assert res[1]["pings"] == res[0]["pings"], res
-    assert any(r["overtook"] for r in res), res
+    assert res[0]["overtook"], res
 
 
 async def _shm_default(g: ac.Group) -> int:
     link = g._fabric.links[1 - g.rank]
-    seen = _watch_shm(link)
+    seen = _watch_shm(link, asyncio.Event())
     data = np.ones((8 << 20) // 4, dtype=np.float32)
     await g.allreduce(data)
     assert np.all(data == 2.0)
