@@ -20,7 +20,7 @@ from aiocollect.api import open_group
 from aiocollect.errors import AiocollectError
 from aiocollect.group import Group
 from aiocollect.testing.spawn import RankFailed, SpawnedRanks, headline, spawn_ranks
-from aiocollect.transport.tcp import LINGER, TcpLink
+from aiocollect.transport.tcp import LINGER, StreamLink
 
 _names = itertools.count()
 
@@ -116,7 +116,7 @@ async def links_settled(groups: list[Group], timeout: float = LINGER + 1.0) -> N
         asyncio.ensure_future(link.gone.wait())
         for g in groups
         for link in g._fabric.links.values()
-        if isinstance(link, TcpLink) and link.transport is not None
+        if isinstance(link, StreamLink) and link.transport is not None
     ]
     if not waits:
         return

@@ -26,6 +26,11 @@ The receive-side contract, what a transport must keep to:
 - Report the connection's end once through ``events.on_lost`` (not for a connection whose
   handshake failed).
 
+A transport subclass uses Link's protected members named in :data:`TRANSPORT_HOOKS` (the
+receive path above, ``_raise_error`` to report an error, the staging hooks to override)
+and its public ones (``failure``, ``is_posted``, ``post_recv``, the counters), nothing
+else of Link's underscored state.
+
 Sending: ``send`` never blocks (a transport may keep a reference to the payload, which
 must stay unchanged until ``drained()``); frames of one stream (kind, group, seq, slot)
 keep their order, other streams may overtake; ``send`` on a closed link, or one whose peer
@@ -137,6 +142,15 @@ COPIES = LinkCaps()
 
 
 Hook = Callable[[asyncio.Future[None]], None]
+
+#: Link's protected interface for transport subclasses: what they call (``_begin_frame``,
+#: ``_end_frame``, ``_raise_error``) and the hooks they may override (``_staging_full``,
+#: ``_staging_relieved``, ``_raise_error``). tests/unit/test_link_structure.py checks
+#: that the shared-memory link's classes use nothing else underscored that is not their
+#: own.
+TRANSPORT_HOOKS = frozenset(
+    {"_begin_frame", "_end_frame", "_raise_error", "_staging_full", "_staging_relieved"}
+)
 
 
 class _Recv:
@@ -368,6 +382,15 @@ class Link(abc.ABC):
     @property
     def early_bytes(self) -> int:
         return self._early_bytes
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What the link was failed with (:meth:`fail`), if it was."""
+        return self._failure
+
+    def is_posted(self, key: Key) -> bool:
+        """Whether a receive for ``key`` is posted and waiting for its frame."""
+        return key in self._posted
 
     # -- sending ---------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Shared-memory links between ranks on one host: frames through rings in a sealed memfd
 segment, wake-ups and liveness through the TCP connection that carried the handshake.
 
-A link starts as a :class:`~aiocollect.transport.tcp.TcpLink`. The connecting rank asks for
+A link starts as a plain stream link (:class:`~aiocollect.transport.tcp.StreamLink`, frames
+on the socket, as TCP's). The connecting rank asks for
 shared memory in its hello; the accepting rank creates a segment (two rings, see
 :mod:`aiocollect.transport.shm_ring`) and offers its descriptor in its welcome; the
 connecting rank opens it through ``/proc``, checks and maps it and answers ``shm-ok`` (or
@@ -40,7 +41,11 @@ socket carries only doorbell bytes:
 
 Modules: ``shm_setup`` (the handshake upgrade), ``shm_ring`` (segments and rings, no event
 loop), ``shm_reader`` (the receiving half: parking, spinning, backpressure) and this one
-(setup, sending, closing). docs/shm.md has the design and the measurements.
+(setup, sending, closing). The classes: ``StreamLink`` (tcp.py: the socket side) <-
+``RingReader`` (receiving) <- ``ShmLink`` (sending); each uses only the declared interface
+of the one below it (listed in its docstring), never its underscored state
+(docs/design.md, "Stream links and the shared-memory link"). docs/shm.md has the design
+and the measurements.
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ from aiocollect.transport.shm_reader import (
 )
 from aiocollect.transport.shm_ring import REF_DESC, REF_MAGIC_BYTES, Ring, Segment, fence
 from aiocollect.transport.shm_setup import ShmSetup
-from aiocollect.transport.tcp import BULK_MIN, LINGER, SocketListener, TcpLink, stream_of
+from aiocollect.transport.tcp import BULK_MIN, SocketListener, StreamLink, TcpLink, stream_of
 from aiocollect.transport.wire import ABORT
 
 #: Bulk bytes ahead in a ring above which bulk frames wait in the link (0: never).
@@ -113,32 +118,39 @@ class ShmLink(RingReader):
         self._held_bytes = 0
         self._held_streams: dict[bytes, int] = {}
         self._bulk_cap = bulk_cap()
+        #: Resolved when what ``drained`` waits for may have happened (the stream's flow
+        #: control has its own, for TCP fallback).
+        self._ring_drain: asyncio.Future[None] | None = None
 
     def _activate(self, segment: Segment, rx: int, peer_pid: int) -> None:
         self._segment = segment
-        self._rx, self._tx = segment.rings[rx], segment.rings[1 - rx]
-        self._peer_pid = peer_pid
-        self.shm = True
+        self._tx = segment.rings[1 - rx]
+        self.attach(segment.rings[rx], peer_pid)
 
     # -- connection lifecycle --------------------------------------------------------------
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._unpark()
+        self.read_final()
         if self.shm:
-            self._read_ring_final()
             self._queue.clear()
             self._queued = 0
             self._drop_refs()
             self._drop_held()
+        drain = self._ring_drain
+        if drain is not None and not drain.done():
+            drain.set_exception(
+                PeerDisconnected(f"link to {self.describe()} closed with data queued", self.peer)
+            )
+            drain.exception()  # mark retrieved: waiters may have gone
         try:
             super().connection_lost(exc)
         finally:
             self._shm_setup.discard()
             self._release()
 
-    def _handshake_failed(self, exc: BaseException) -> None:
+    def handshake_failed(self, exc: BaseException) -> None:
         self._shm_setup.discard()
-        super()._handshake_failed(exc)
+        super().handshake_failed(exc)
 
     def pause_writing(self) -> None:
         if not self.shm:
@@ -150,7 +162,8 @@ class ShmLink(RingReader):
 
     def _release(self) -> None:
         segment, self._segment = self._segment, None
-        self._rx = self._tx = None
+        self._tx = None
+        self.detach()
         if segment is not None:
             segment.close()
 
@@ -162,13 +175,13 @@ class ShmLink(RingReader):
         if not self.shm:
             super().send(header, payload)
             return
-        if self._ring_broken and header[2] == ABORT and not (self._lost or self.closed):
+        if self.ring_broken and header[2] == ABORT and not (self.lost or self.closed):
             self._send_escaped(header, payload)
             self.bytes_sent += len(payload)
             self.frames_sent += 1
             return
-        if self._lost or self.closed or self._tx_dead or self._tx is None:
-            raise self._failure or PeerDisconnected(
+        if self.lost or self.closed or self._tx_dead or self._tx is None:
+            raise self.failure or PeerDisconnected(
                 f"link to {self.describe()} is closed", self.peer
             )
         n = len(payload)
@@ -227,7 +240,7 @@ class ShmLink(RingReader):
         """Send held frames while the bulk ahead allows; re-arm if some still wait. Wakes
         the drain's waiter, whose condition includes the held frames."""
         held = self._held
-        if not held or self._tx_dead or self._lost or self._tx is None:
+        if not held or self._tx_dead or self.lost or self._tx is None:
             return
         while held:
             header, payload, stream = held[0]
@@ -246,7 +259,7 @@ class ShmLink(RingReader):
                 return
         if held:
             self._arm_for_held()
-        drain = self._drain
+        drain = self._ring_drain
         if drain is not None and not drain.done():
             drain.set_result(None)
 
@@ -256,7 +269,7 @@ class ShmLink(RingReader):
         self._held_bytes = 0
         self._held_streams.clear()
         for header, payload, _ in held:
-            if self._tx_dead or self._lost or self._tx is None:
+            if self._tx_dead or self.lost or self._tx is None:
                 break
             self._send_frame(header, payload)
 
@@ -275,7 +288,7 @@ class ShmLink(RingReader):
         self.frames_sent += 1
         tx = self._tx
         if tx is None:
-            raise self._failure or PeerDisconnected(
+            raise self.failure or PeerDisconnected(
                 f"link to {self.describe()} is closed", self.peer
             )
         if self._by_reference(tx, n):
@@ -296,7 +309,7 @@ class ShmLink(RingReader):
                     return
             except ProtocolError as exc:
                 if header[2] == ABORT:  # the group is failing: this must still reach the peer
-                    self._ring_broken = True
+                    self.ring_broken = True
                     self._send_escaped(header, payload)
                 self._tx_failed(exc)
                 return
@@ -311,7 +324,7 @@ class ShmLink(RingReader):
         """Send an ABORT on the socket, behind an escape byte (the rings are broken)."""
         transport = self.transport
         if transport is None or transport.is_closing():
-            raise self._failure or PeerDisconnected(
+            raise self.failure or PeerDisconnected(
                 f"link to {self.describe()} is closed", self.peer
             )
         transport.write(ESCAPE + header + bytes(payload))
@@ -335,7 +348,7 @@ class ShmLink(RingReader):
         """Pulls (and sends by reference) from ``policy.pull_min`` on, in each direction
         once that direction's reader has checked it can read the writer's memory (the
         peer's check may end after this side's handshake)."""
-        rx = self._ref_min(self._rx)
+        rx = self._ref_min(self.rx)
         tx = self._ref_min(self._tx)
         return COPIES if not (rx or tx) else LinkCaps(pull_min=rx, reference_min=tx)
 
@@ -391,10 +404,10 @@ class ShmLink(RingReader):
         gen = tx.reader_sleep()
         if gen and gen != self._rung_reader:
             self._rung_reader = gen
-            self._bell()
+            self.ring_bell()
 
     def _flushed(self) -> None:
-        drain = self._drain
+        drain = self._ring_drain
         # (_all_pulled fails the drain itself on a corrupt pull count: check again after)
         if drain is not None and not drain.done() and self._all_pulled() and not drain.done():
             drain.set_result(None)
@@ -428,7 +441,7 @@ class ShmLink(RingReader):
         if not refs and not self._queue:
             # Whoever reaps the last reference wakes the drain: another in-flight operation
             # may reap here (write_buffer_size) before the doorbell that the drain awaits.
-            drain = self._drain
+            drain = self._ring_drain
             if drain is not None and not drain.done():
                 drain.set_result(None)
 
@@ -460,18 +473,18 @@ class ShmLink(RingReader):
         escaped) and close the link; the socket is closed, not reset, so the ABORT
         arrives."""
         self._tx_dead = True
-        self._ring_broken = True
+        self.ring_broken = True
         self._queue.clear()
         self._queued = 0
         self._drop_refs()
         self._drop_held()
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_exception(exc)
-            self._drain.exception()
+        if self._ring_drain is not None and not self._ring_drain.done():
+            self._ring_drain.set_exception(exc)
+            self._ring_drain.exception()
         self._raise_error(exc)
         self.close()  # (the fabric's failure has closed it already, as a rule)
 
-    def _write_pending(self) -> None:
+    def write_pending(self) -> None:
         if self._queue:
             self._pump()
         else:
@@ -499,15 +512,15 @@ class ShmLink(RingReader):
             return
         spin_until = None
         while self._queue or self._refs or self._held:
-            if self._lost or self._tx_dead:
-                raise self._failure or PeerDisconnected(
+            if self.lost or self._tx_dead:
+                raise self.failure or PeerDisconnected(
                     f"link to {self.describe()} closed", self.peer
                 )
             if self._held:
                 # _release_held (on the reader's doorbell) wakes the drain
-                if self._drain is None or self._drain.done():
-                    self._drain = asyncio.get_running_loop().create_future()
-                await asyncio.shield(self._drain)
+                if self._ring_drain is None or self._ring_drain.done():
+                    self._ring_drain = asyncio.get_running_loop().create_future()
+                await asyncio.shield(self._ring_drain)
                 continue
             if not self._queue:
                 if self.write_buffer_size() == 0:
@@ -521,9 +534,9 @@ class ShmLink(RingReader):
                         continue
                 if self._all_pulled():
                     continue
-            if self._drain is None or self._drain.done():
-                self._drain = asyncio.get_running_loop().create_future()
-            await asyncio.shield(self._drain)
+            if self._ring_drain is None or self._ring_drain.done():
+                self._ring_drain = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._ring_drain)
 
     def close(self) -> None:
         """Finish writing what is queued into the ring (an ABORT or GOODBYE above all),
@@ -536,26 +549,22 @@ class ShmLink(RingReader):
         if self.closed:
             return
         self.closed = True
-        self._discard = True
+        self.discarding = True
         transport = self.transport
-        if transport is None or self._lost:
+        if transport is None or self.lost:
             return
-        if self._rx_paused or self._parked is not None:
-            # skip whatever the peer still sends, so that it is never stuck
-            self._rx_paused = False
-            self._unpark()
-            asyncio.get_running_loop().call_soon(self._service)
-        if self._held and not self._tx_dead and not self._ring_broken:
+        self.stop_holding()  # skip whatever the peer still sends, so it is never stuck
+        if self._held and not self._tx_dead and not self.ring_broken:
             self._flush_held()
-        if self._queue and not self._tx_dead and not self._ring_broken:
+        if self._queue and not self._tx_dead and not self.ring_broken:
             self._close_pending = True
-            self._linger = asyncio.get_running_loop().call_later(LINGER, transport.abort)
+            self.reset_later()
         else:
             transport.close()
 
     def abort(self) -> None:
         if self.shm:
-            self._discard = True  # nothing more is read, as on a reset TCP connection
+            self.discarding = True  # nothing more is read, as on a reset TCP connection
             self._queue.clear()
             self._queued = 0
             self._drop_refs()
@@ -589,7 +598,7 @@ class ShmListener(SocketListener):
         self.record["shm"] = mode
         self.policy = ShmPolicy()
 
-    def make_link(self, handshaker: Handshaker, record: Record | None) -> TcpLink:
+    def make_link(self, handshaker: Handshaker, record: Record | None) -> StreamLink:
         setup, mode = self.setup, self.mode
         if mode == "off" or (record is not None and not SHM.accepts(record)):
             return TcpLink(setup.events, setup.max_frame, handshaker)

@@ -8,7 +8,8 @@ and closes. The receiving side then stops reading its ring and takes the ABORT f
 socket; any other frame after an escape is a ProtocolError.
 
 :class:`RingReader` is the base of :class:`~aiocollect.transport.shm.ShmLink`, which adds
-the link's setup, its sending half (``_write_pending``) and its closing.
+the link's setup, its sending half (the :meth:`~RingReader.write_pending` hook) and its
+closing; it is itself a :class:`~aiocollect.transport.tcp.StreamLink` (the socket side).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from aiocollect.transport.shm_ring import (
     configured_capacity,
     fence,
 )
-from aiocollect.transport.tcp import TcpLink
+from aiocollect.transport.tcp import StreamLink
 from aiocollect.transport.wire import (
     ABORT,
     DATA,
@@ -107,9 +108,19 @@ def spin_budget(local_ranks: int) -> float:
     return spin if local_ranks <= cores else 0.0
 
 
-class RingReader(TcpLink):
-    """Reading frames out of the incoming ring (``self._rx``) once the link is in shared
-    memory mode (``self.shm``); before that, and on TCP fallback, plain TcpLink."""
+class RingReader(StreamLink):
+    """Reading frames out of the incoming ring once the link is in shared memory mode
+    (:meth:`attach`); before that, and on TCP fallback, a plain stream link.
+
+    It uses only :class:`~aiocollect.transport.tcp.StreamLink`'s declared interface (and
+    Link's transport contract), and keeps its own frame state: in shared memory mode the
+    socket carries no frames, so the stream's frame parser stays idle. What a subclass
+    (the sending half) may use: ``shm`` and ``rx`` (read-only), ``policy``,
+    ``ring_broken`` (a ring failed: the ABORT goes on the socket, escaped; either half
+    sets it), :meth:`attach`/:meth:`detach`, :meth:`ring_bell`, :meth:`read_final`,
+    :meth:`stop_holding`, and the hook :meth:`write_pending`, which every doorbell ends
+    with.
+    """
 
     def __init__(
         self, events: LinkEvents, max_frame: int, handshaker: Handshaker, policy: ShmPolicy
@@ -118,7 +129,8 @@ class RingReader(TcpLink):
         self.shm = False  # set once both sides have the segment mapped
         self.policy = policy
         self._loop = asyncio.get_running_loop()
-        self._rx: Ring | None = None
+        #: The incoming ring, while the link is in shared memory mode.
+        self.rx: Ring | None = None
         self._rx_dead = False
         self._rx_paused = False  # too many early frames staged: leave the rest in the ring
         self._parked: Key | None = None
@@ -134,15 +146,33 @@ class RingReader(TcpLink):
         self._resume: asyncio.Handle | None = None  # reading goes on at the loop's next turn
         self._desc = bytearray(REF_DESC.size)
         self._desc_view = memoryview(self._desc)
-        self._ring_broken = False  # a ring failed: an ABORT goes on the socket (escaped)
+        #: A ring failed: an ABORT goes on the socket (escaped).
+        self.ring_broken = False
         self._escaped: bytearray | None = None  # the peer's escaped ABORT, as it arrives
+        # The frame being read out of the ring (the stream's parser has its own).
+        self._rhdr = bytearray(HEADER_SIZE)
+        self._rhdr_view = memoryview(self._rhdr)
+        self._rpayload: memoryview | None = None  # where its payload goes
+        self._rgot = 0  # payload bytes of it read so far
 
-    def _write_pending(self) -> None:
-        """Continue queued writes (the sending half)."""
+    def attach(self, rx: Ring, peer_pid: int) -> None:
+        """Enter shared memory mode: frames come through ``rx``; reference records point
+        into the memory of process ``peer_pid``."""
+        self.rx = rx
+        self._peer_pid = peer_pid
+        self.shm = True
 
-    def _bell(self) -> None:
+    def detach(self) -> None:
+        """Let go of the incoming ring (its segment is being closed)."""
+        self.rx = None
+
+    def write_pending(self) -> None:
+        """Hook: continue queued writes (the sending half); every doorbell ends with it."""
+
+    def ring_bell(self) -> None:
+        """Write one doorbell byte on the socket (while it is open)."""
         transport = self.transport
-        if transport is not None and not self._lost and not transport.is_closing():
+        if transport is not None and not self.lost and not transport.is_closing():
             transport.write(_BELL)
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -167,7 +197,7 @@ class RingReader(TcpLink):
     def _escaped_bytes(self, data: memoryview) -> None:
         """Collect the ABORT frame that follows an escape; hand it up once complete."""
         buf = self._escaped
-        if buf is None or self._discard or self._lost:
+        if buf is None or self.discarding or self.lost:
             return
         buf += data
         if len(buf) < HEADER_SIZE:
@@ -188,7 +218,7 @@ class RingReader(TcpLink):
         if len(buf) < HEADER_SIZE + h.length:
             return
         self._escaped = None
-        self._discard = True  # nothing may follow the ABORT
+        self.discarding = True  # nothing may follow the ABORT
         self.frames_received += 1
         self.bytes_received += h.length
         self.events.on_control(self, ABORT, bytes(buf[HEADER_SIZE : HEADER_SIZE + h.length]))
@@ -196,15 +226,15 @@ class RingReader(TcpLink):
     def _service(self) -> None:
         """A doorbell rang (or reading may resume): read what arrived, then write what
         waits for space."""
-        if self._lost:
+        if self.lost:
             return
-        rx = self._rx
+        rx = self.rx
         if rx is not None and not self._rx_dead and self._resume is None:
             try:
                 self._read_ring(rx)
             except ProtocolError as exc:
                 self._rx_failed(exc)
-        self._write_pending()
+        self.write_pending()
 
     def _read_ring(self, rx: Ring, spin: bool = True) -> None:
         while self._consume(rx):
@@ -234,8 +264,8 @@ class RingReader(TcpLink):
         ``policy.spin`` seconds after the last input (the next operation's frames usually
         follow within that). Frames found this way cost no doorbell and no wake-up; after
         ``policy.spin`` seconds without input the reader arms its flag and sleeps."""
-        rx = self._rx
-        if rx is None or self._lost or self._rx_dead:
+        rx = self.rx
+        if rx is None or self.lost or self._rx_dead:
             self._spin_until = None
             return
         try:
@@ -255,20 +285,20 @@ class RingReader(TcpLink):
             return
         self._loop.call_soon(self._spin_tick)
 
-    def _read_ring_final(self) -> None:
+    def read_final(self) -> None:
         """The socket closed: read what the peer put in the ring before it went, holding
         nothing back (no parking, no backpressure)."""
-        rx = self._rx
+        self._unpark()
+        rx = self.rx
         if rx is None or self._rx_dead:
             return
-        self._unpark()
         try:
             self._consume(rx, final=True)
         except ProtocolError as exc:
             self._rx_failed(exc)
 
     def _has_input(self, rx: Ring) -> bool:
-        need = 1 if self._payload is not None or self._discard else HEADER_SIZE
+        need = 1 if self._rpayload is not None or self.discarding else HEADER_SIZE
         return rx.available() >= need
 
     def _consume(self, rx: Ring, final: bool = False) -> bool:
@@ -277,15 +307,15 @@ class RingReader(TcpLink):
         input, False when it holds back (a parked frame, backpressure, a dead stream)."""
         avail = rx.available()
         try:
-            while not self._rx_dead and (final or not self._lost):
-                if self._discard:
+            while not self._rx_dead and (final or not self.lost):
+                if self.discarding:
                     self._rx_paused = False
                     rx.skip(avail)
                     avail = rx.available()
                     if not avail:
                         return True
                     continue
-                payload = self._payload
+                payload = self._rpayload
                 if payload is not None and self._ref_addr is not None:
                     if not self._pull(rx, payload, final):
                         return False  # the rest on the loop's next turn (or never)
@@ -293,14 +323,14 @@ class RingReader(TcpLink):
                 if payload is not None:
                     if not avail and not (avail := rx.available()):
                         return True
-                    got = self._got
+                    got = self._rgot
                     n = min(avail, len(payload) - got)
                     rx.read(payload[got : got + n])
                     avail -= n
-                    self._got = got = got + n
+                    self._rgot = got = got + n
                     if got == len(payload):
-                        self._payload = None
-                        self._got = 0
+                        self._rpayload = None
+                        self._rgot = 0
                         if got >= PUBLISH_EVERY and not final:  # let the writer go on
                             rx.publish_tail()
                             self._wake_writer(rx)
@@ -312,18 +342,18 @@ class RingReader(TcpLink):
                     # The writer is not short of space (the ring is not full), so it will
                     # publish the rest of the header without our help.
                     return True
-                rx.peek(self._hdr_view)
-                ref = self._hdr[:2] == REF_MAGIC_BYTES
+                rx.peek(self._rhdr_view)
+                ref = self._rhdr[:2] == REF_MAGIC_BYTES
                 if ref:
                     if avail < REF_SIZE and (avail := rx.available()) < REF_SIZE:
                         return True  # the writer publishes the rest on its own, as above
-                    self._hdr[:2] = _MAGIC_BYTES
-                h = parse_header(self._hdr, self.max_frame)
+                    self._rhdr[:2] = _MAGIC_BYTES
+                h = parse_header(self._rhdr, self.max_frame)
                 if (
                     not final
                     and h.kind == DATA
                     and h.length >= PARK_MIN
-                    and h.key not in self._posted
+                    and not self.is_posted(h.key)
                     and self._park(h)
                 ):
                     return False
@@ -338,18 +368,31 @@ class RingReader(TcpLink):
                             f"{self.describe()} sent a bad reference record: {length} bytes "
                             f"at {addr:#x} for a frame of {h.length}"
                         )
-                    self._take_header(h)
-                    if self._payload is not None:
+                    dest = self.open_frame(h)
+                    if dest is not None:
+                        self._rpayload = dest
+                        self._rgot = 0
                         self._ref_addr = addr
                     else:  # refused (the link is failing): nothing to copy
                         self._count_pull(rx)
                     continue
-                self._take_header(h)
+                if (dest := self.open_frame(h)) is not None:
+                    self._rpayload = dest
+                    self._rgot = 0
             return False
         finally:
             if not self._rx_dead and not final:
                 rx.publish_tail()
                 self._wake_writer(rx)
+
+    def stop_holding(self) -> None:
+        """The link is closing: hold nothing back in the ring any more (no backpressure,
+        no parked frame), so that whatever the peer still sends is consumed and the peer
+        is never stuck; reading goes on at the loop's next turn."""
+        if self._rx_paused or self._parked is not None:
+            self._rx_paused = False
+            self._unpark()
+            self._loop.call_soon(self._service)
 
     # -- pulls: payloads copied straight out of the peer's memory ----------------------------
 
@@ -359,7 +402,7 @@ class RingReader(TcpLink):
         loop's next turn (or never: the link can no longer read)."""
         addr = self._ref_addr
         assert addr is not None
-        got = self._got
+        got = self._rgot
         n = min(PULL_STEP, len(payload) - got)
         try:
             cma.pull(self._peer_pid, payload[got : got + n], addr + got)
@@ -371,14 +414,14 @@ class RingReader(TcpLink):
             raise ProtocolError(
                 f"{self.describe()} sent a reference its memory does not back ({exc})"
             ) from None
-        self._got = got = got + n
+        self._rgot = got = got + n
         if got < len(payload):
             if not final:
                 self._resume = self._loop.call_soon(self._resume_reading)
                 return False
             return True  # keep going: nothing else runs before the end is reported
-        self._payload = None
-        self._got = 0
+        self._rpayload = None
+        self._rgot = 0
         self._ref_addr = None
         self._count_pull(rx)
         self._end_frame()
@@ -439,10 +482,10 @@ class RingReader(TcpLink):
             self.policy.spin > 0
             and self._spin_until is None
             and not fut.done()
-            and self._rx is not None
+            and self.rx is not None
             and not self._rx_dead
         ):
-            self._start_spin(self._rx)  # a receive that has to wait
+            self._start_spin(self.rx)  # a receive that has to wait
         return fut
 
     def _staging_full(self) -> None:
@@ -467,11 +510,11 @@ class RingReader(TcpLink):
         gen = rx.writer_sleep()
         if gen and gen != self._rung_writer:
             self._rung_writer = gen
-            self._bell()
+            self.ring_bell()
 
     def _rx_failed(self, exc: ProtocolError) -> None:
         """The incoming ring or frame stream is corrupt: never read it again, and send the
         ABORT that reporting it causes on the socket, not through the rings."""
         self._rx_dead = True
-        self._ring_broken = True
+        self.ring_broken = True
         self._raise_error(exc)

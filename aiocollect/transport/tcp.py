@@ -1,4 +1,5 @@
-"""TCP links on ``asyncio.BufferedProtocol``: payloads land straight in the receiver's array.
+"""Stream links on ``asyncio.BufferedProtocol`` (TCP, TLS; the socket side of shared-memory
+links): payloads land straight in the receiver's array.
 
 Reading is a small state machine: handshake messages (u32 length + msgpack) until the
 handshaker says the peer is known, then frames (fixed header + payload). Frames are read
@@ -74,14 +75,36 @@ class _Screened(Exception):
     """An accepted connection refused by the listener's screen (which logged it)."""
 
 
-class TcpLink(Link, asyncio.BufferedProtocol):
-    """A peer link over one TCP (or TLS) connection."""
+class StreamLink(Link, asyncio.BufferedProtocol):
+    """A peer link over one stream socket (TCP, TLS, a Unix socket): the handshake, then
+    frames on the socket. The base of :class:`TcpLink` and of the shared-memory link
+    (:class:`~aiocollect.transport.shm.ShmLink`), which keeps the socket for its
+    handshake, doorbells, escaped ABORTs and liveness and may stay on it (``auto``).
+
+    What a subclass may use, besides Link's transport contract (``_begin_frame``,
+    ``_end_frame``, ``_raise_error`` and the staging hooks, see
+    :mod:`aiocollect.transport.base`); everything else here, underscored, is this class's
+    own and no subclass reads or writes it:
+
+    - State, read-only unless said: ``transport`` (None until connected), ``address``
+      (the peer's, for messages), ``ready`` (resolves to the link once the handshake is
+      over), ``gone`` (set once the connection ended), ``lost`` (the same as a plain flag,
+      for hot paths), ``discarding`` (nothing more is read into the mailbox; a subclass
+      that stops reading sets it), ``handshake`` (until the handshake is over).
+    - Hooks to override, calling this class's version for what they do not take over:
+      the protocol's ``get_buffer``/``buffer_updated`` (bytes read from the socket),
+      ``connection_lost``, ``pause_writing``/``resume_writing`` (the socket's flow
+      control), ``handshake_failed`` (release what the handshake set up), and the link's
+      ``send``, ``write_buffer_size``, ``drained``, ``close``, ``abort``, ``describe``.
+    - Helpers: :meth:`open_frame` (a parsed header into the mailbox: where its payload
+      goes), :meth:`reset_later` (a closing link whose peer never closes is reset).
+    """
 
     def __init__(self, events: LinkEvents, max_frame: int, handshaker: Handshaker) -> None:
         Link.__init__(self, events, max_frame)
         #: The handshake, until it is over (then None: frames follow).
         self.handshake: HandshakeStream | None = HandshakeStream(handshaker, self._write)
-        self.ready: asyncio.Future[TcpLink] = asyncio.get_running_loop().create_future()
+        self.ready: asyncio.Future[StreamLink] = asyncio.get_running_loop().create_future()
         self.transport: asyncio.Transport | None = None
         self.address = "?"
         self._hdr = bytearray(HEADER_SIZE)
@@ -93,10 +116,11 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         self._rlen = 0  # bytes of an incomplete header kept at the start of _rbuf
         self._direct = False  # get_buffer handed out the payload's own memory
         self._drain: asyncio.Future[None] | None = None
-        self._lost = False
         #: Set once the transport reported the connection's end (connection_lost ran).
         self.gone = asyncio.Event()
-        self._discard = False
+        self.lost = False  # gone.is_set(), as a plain attribute
+        #: Nothing more is read into the mailbox (bytes still read are dropped).
+        self.discarding = False
         self._reading_paused = False  # staging is full (backpressure)
         self._yielding = False  # paused for one loop pass after READ_BUDGET bytes
         self._read_run = 0  # payload bytes read since the last such pause
@@ -116,7 +140,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         try:
             self._setup(self.transport)
         except Exception as exc:  # fail the handshake at once rather than time out
-            self._handshake_failed(exc)
+            self.handshake_failed(exc)
 
     def _setup(self, transport: asyncio.Transport) -> None:
         transport.set_write_buffer_limits(high=0, low=0)
@@ -129,7 +153,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
             if reply is not None:  # refused before a byte is read from it
                 assert self.handshake is not None
                 self.handshake.send(reply)
-                self._handshake_failed(_Screened(str(reply.get("error", "refused"))))
+                self.handshake_failed(_Screened(str(reply.get("error", "refused"))))
                 return
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -140,10 +164,10 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         try:
             self.handshake.start()
         except Exception as exc:
-            self._handshake_failed(exc)
+            self.handshake_failed(exc)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._lost = True
+        self.lost = True
         self.gone.set()
         self.closed = True
         self._drop_bulk()
@@ -180,7 +204,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
     # -- reading ---------------------------------------------------------------------------
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._discard:
+        if self.discarding:
             return _SCRATCH
         payload = self._payload
         if payload is not None and len(payload) - self._got >= READ_AHEAD:
@@ -192,7 +216,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         return self._rview[self._rlen :]
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._discard:
+        if self.discarding:
             return
         if self._direct:
             assert self._payload is not None
@@ -243,8 +267,10 @@ class TcpLink(Link, asyncio.BufferedProtocol):
                     )
                     return
                 pos += HEADER_SIZE
-                self._take_header(h)
-            if self._discard:
+                if (dest := self.open_frame(h)) is not None:
+                    self._payload = dest
+                    self._got = 0
+            if self.discarding:
                 return
         self._rlen = 0
 
@@ -279,17 +305,19 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         after: int = start + n
         return after
 
-    def _take_header(self, h: Header) -> None:
-        """Route a parsed frame header: its payload goes where ``_begin_frame`` says, or
-        nowhere (the link stops reading) if the frame was refused."""
+    def open_frame(self, h: Header) -> memoryview | None:
+        """Begin the frame ``h`` (parsed from the socket or, in a subclass, elsewhere) in
+        the mailbox: returns the memory its payload goes to, or None when there is nothing
+        to read, because it is empty (and has ended here) or was refused (the link then
+        discards what follows)."""
         dest = self._begin_frame(h)
+        if dest is not None and h.length:
+            return dest
         if dest is None:
-            self._discard = True
-        elif h.length == 0:
-            self._end_frame()
+            self.discarding = True
         else:
-            self._payload = dest
-            self._got = 0
+            self._end_frame()
+        return None
 
     def _staging_full(self) -> None:
         self._reading_paused = True
@@ -314,7 +342,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
     def _sync_reading(self) -> None:
         """Pause the transport while staging is full or the link yields, else resume it."""
         transport = self.transport
-        if transport is None or self._lost:
+        if transport is None or self.lost:
             return
         paused = self._reading_paused or self._yielding
         if paused != self._transport_paused:
@@ -329,7 +357,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
 
     def _raise_error(self, exc: BaseException) -> None:
         log.warning("link to %s (%s): %s; closing it", self.describe(), self.address, exc)
-        self._discard = True  # read nothing more from it; the fabric closes it gracefully
+        self.discarding = True  # read nothing more from it; the fabric closes it gracefully
         super()._raise_error(exc)
 
     # -- handshake -------------------------------------------------------------------------
@@ -338,7 +366,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         try:
             peer = handshake.received(nbytes)
         except Exception as exc:
-            self._handshake_failed(exc)
+            self.handshake_failed(exc)
             return
         if peer is not None:
             self.peer = peer
@@ -349,7 +377,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         assert self.transport is not None
         self.transport.write(data)
 
-    def _handshake_failed(self, exc: BaseException) -> None:
+    def handshake_failed(self, exc: BaseException) -> None:
         if isinstance(exc, (ValueError, msgpack.exceptions.ExtraData)) and not isinstance(
             exc, ProtocolError
         ):
@@ -359,7 +387,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         self.handshake = None
         # Nothing more from this connection may be read, let alone parsed as frames: a TLS
         # transport still delivers already-decrypted bytes after close().
-        self._discard = True
+        self.discarding = True
         if self.transport is not None:
             # Let a final error reply leave before closing.
             self.transport.close()
@@ -368,7 +396,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
 
     def send(self, header: bytes, payload: memoryview | bytes) -> None:
         transport = self.transport
-        if transport is None or self._lost or self.closed:
+        if transport is None or self.lost or self.closed:
             raise self._failure or PeerDisconnected(
                 f"link to {self.describe()} is closed", self.peer
             )
@@ -405,7 +433,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         """Hand queued bulk frames to the transport while its buffer allows. Afterwards
         the queue is empty or the transport holds bytes (so ``resume_writing`` comes)."""
         transport, bulk = self.transport, self._bulk
-        if transport is None or self._lost:
+        if transport is None or self.lost:
             return
         while bulk:
             header, payload, stream = bulk[0]
@@ -427,7 +455,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
     def _flush_bulk(self) -> None:
         """Hand every queued bulk frame to the transport (closing: they go before EOF)."""
         transport, bulk = self.transport, self._bulk
-        if transport is not None and not self._lost and not transport.is_closing():
+        if transport is not None and not self.lost and not transport.is_closing():
             for header, payload, _ in bulk:
                 transport.writelines((header, payload))
         self._drop_bulk()
@@ -444,7 +472,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
 
     async def drained(self) -> None:
         while self.write_buffer_size() > 0:
-            if self._lost:
+            if self.lost:
                 raise PeerDisconnected(f"link to {self.describe()} closed", self.peer)
             if self._drain is None or self._drain.done():
                 self._drain = asyncio.get_running_loop().create_future()
@@ -457,10 +485,10 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         if self.closed:
             return
         self.closed = True
-        self._discard = True
+        self.discarding = True
         self._staging_relieved()  # drain whatever the peer still sends
         transport = self.transport
-        if transport is None or self._lost:
+        if transport is None or self.lost:
             return
         if self._bulk:
             self._flush_bulk()
@@ -470,9 +498,16 @@ class TcpLink(Link, asyncio.BufferedProtocol):
             except OSError:  # the peer reset the connection already: nothing to flush
                 transport.abort()
                 return
-            self._linger = asyncio.get_running_loop().call_later(LINGER, transport.abort)
+            self.reset_later()
         else:
             transport.close()
+
+    def reset_later(self) -> None:
+        """Reset the connection in LINGER seconds unless it has ended by then (a closing
+        link waits that long for the peer to read what it flushed and close too)."""
+        transport = self.transport
+        if transport is not None:
+            self._linger = asyncio.get_running_loop().call_later(LINGER, transport.abort)
 
     def abort(self) -> None:
         self.closed = True
@@ -488,6 +523,10 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         return f"rank {self.peer} ({self.address})" if self.peer >= 0 else self.address
 
 
+class TcpLink(StreamLink):
+    """A peer link over one TCP (or TLS) connection: frames on the socket."""
+
+
 def stream_of(header: bytes) -> bytes:
     """The ``(kind, gid, seq, slot)`` bytes of a frame header (see wire.HEADER): frames of
     one stream keep their order."""
@@ -497,8 +536,8 @@ def stream_of(header: bytes) -> bytes:
 async def listen(
     host: str,
     port: int,
-    make_link: Callable[[], TcpLink],
-    on_link: Callable[[TcpLink], None],
+    make_link: Callable[[], StreamLink],
+    on_link: Callable[[StreamLink], None],
     ssl: ssl_module.SSLContext | None = None,
     screen: Screen | None = None,
 ) -> asyncio.Server:
@@ -513,20 +552,20 @@ async def listen(
 
 
 def accepting(
-    make_link: Callable[[], TcpLink],
-    on_link: Callable[[TcpLink], None],
+    make_link: Callable[[], StreamLink],
+    on_link: Callable[[StreamLink], None],
     screen: Screen | None = None,
-) -> Callable[[], TcpLink]:
+) -> Callable[[], StreamLink]:
     """The protocol factory of a listener of stream links (any ``loop.create_*_server``):
     see :func:`listen`."""
 
-    def factory() -> TcpLink:
+    def factory() -> StreamLink:
         link = make_link()
         link.screen = screen
         link.ready.add_done_callback(_accepted)
         return link
 
-    def _accepted(fut: asyncio.Future[TcpLink]) -> None:
+    def _accepted(fut: asyncio.Future[StreamLink]) -> None:
         if fut.cancelled():
             return
         exc = fut.exception()
@@ -543,10 +582,10 @@ def accepting(
 async def connect(
     host: str,
     port: int,
-    link: TcpLink,
+    link: StreamLink,
     ssl: ssl_module.SSLContext | None = None,
     server_hostname: str | None = None,
-) -> TcpLink:
+) -> StreamLink:
     """Connect ``link`` to ``host:port`` and run its handshake.
 
     Raises:
@@ -578,15 +617,15 @@ class SocketListener(Listener):
         self._server: asyncio.Server | None = None
         #: Accepted connections still in their handshake (strangers, once rendezvous
         #: is over).
-        self._handshaking: set[TcpLink] = set()
+        self._handshaking: set[StreamLink] = set()
 
-    def make_link(self, handshaker: Handshaker, record: Record | None) -> TcpLink:
+    def make_link(self, handshaker: Handshaker, record: Record | None) -> StreamLink:
         """The link for one connection: ``record`` is the peer's when connecting to it,
         None for an accepted connection."""
         del record
         return TcpLink(self.setup.events, self.setup.max_frame, handshaker)
 
-    async def serve(self, factory: Callable[[], TcpLink]) -> asyncio.Server:
+    async def serve(self, factory: Callable[[], StreamLink]) -> asyncio.Server:
         """Start the server whose connections ``factory`` makes links for, and add its
         address to ``self.record``."""
         server = await asyncio.get_running_loop().create_server(
@@ -595,7 +634,7 @@ class SocketListener(Listener):
         self.record.update(address=self.setup.host, port=server.sockets[0].getsockname()[1])
         return server
 
-    async def dial(self, record: Record, link: TcpLink) -> None:
+    async def dial(self, record: Record, link: StreamLink) -> None:
         """Open the connection to the server that ``record`` names, for ``link``.
 
         Raises:
@@ -614,7 +653,7 @@ class SocketListener(Listener):
     async def start(self) -> None:
         setup = self.setup
 
-        def accepted() -> TcpLink:
+        def accepted() -> StreamLink:
             link = self.make_link(setup.acceptor(), None)
             self._handshaking.add(link)
             link.ready.add_done_callback(lambda _: self._handshaking.discard(link))

@@ -169,9 +169,9 @@ async def _corrupt_tail(g: ac.Group) -> str:
         if g.rank == 1:  # rank 1 claims to have read more than rank 0 ever wrote
             link = g._fabric.links[0]
             assert isinstance(link, ShmLink)
-            assert link._rx is not None
-            link._rx.pos += 1 << 40
-            link._rx.publish_tail()
+            assert link.rx is not None
+            link.rx.pos += 1 << 40
+            link.rx.publish_tail()
         for _ in range(100):
             await g.allreduce(np.ones(1 << 12, np.float32))
     except ac.AiocollectError as exc:
@@ -303,8 +303,8 @@ async def _abort_over_corrupt_ring(g: ac.Group, key: str) -> str:
     if g.rank == 1:
         link = g._fabric.links[0]
         assert isinstance(link, ShmLink)
-        assert link._rx is not None
-        link._rx.ctl[32] = 1 << 40  # the ring's tail word (shm_ring._TAIL)
+        assert link.rx is not None
+        link.rx.ctl[32] = 1 << 40  # the ring's tail word (shm_ring._TAIL)
         event.set()
         try:
             await g.recv(np.empty(4, np.float32), 0)
