@@ -105,10 +105,11 @@ class Fabric:
 
     def spin(self, fut: asyncio.Future[None], link: Link) -> None:
         """A receive ``fut`` on ``link`` is awaited: keep the loop polling for a while,
-        unless the policy says not to or the link polls itself (shared memory)."""
+        unless the policy says not to or the link polls itself (``caps.polls``: shared
+        memory)."""
         on = self._spin_on.get(link)
         if on is None:  # decided once per link
-            on = self._spin_on[link] = self.spinner.budget > 0 and not getattr(link, "shm", False)
+            on = self._spin_on[link] = self.spinner.budget > 0 and not link.caps.polls
         if on:
             self.spinner.wait(fut)
 

@@ -18,17 +18,18 @@ Policy (:func:`spin_budget`), decided once per group from real numbers:
 - ``AIOCOLLECT_SPIN_US`` set: that many microseconds (``0`` turns spinning off), whatever
   the host; a value that is not a number is ignored with a warning.
 - otherwise ``SPIN_SECONDS`` (50 µs), but only while the rank processes on this host (this
-  one and every peer linked over a same-host socket) are no more than the cores this
-  process may run on (``os.sched_getaffinity``): with more ranks than cores a spinning
-  rank takes the very core its peer needs to produce the awaited frame, so spinning is
-  off (0) and ranks sleep as before. For the same reason it is off when the host is
+  one and every peer whose link reports it local, ``LinkCaps.local``) are no more than the
+  cores this process may run on (``os.sched_getaffinity``): with more ranks than cores a
+  spinning rank takes the very core its peer needs to produce the awaited frame, so
+  spinning is off (0) and ranks sleep as before. For the same reason it is off when the host is
   already busier than its cores when the group forms (1-minute load average at least
   the cores: other processes would be the ones waiting).
 - a group whose links are all in-process (the memory transport) never spins: its peers
   run on this thread and cannot make progress while it spins.
 
-Shared-memory links spin on their ring themselves (``AIOCOLLECT_SHM_SPIN_US``, docs/shm.md);
-this spinner skips frames awaited on them.
+Links that poll for their frames themselves (``LinkCaps.polls``: shared memory spins on its
+ring, ``AIOCOLLECT_SHM_SPIN_US``, docs/shm.md) are left alone: this spinner skips frames
+awaited on them.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
+
+from aiocollect.transport.base import Link
 
 log = logging.getLogger("aiocollect")
 
@@ -91,26 +94,13 @@ def spin_budget(
     return SPIN_SECONDS if (load_average() if load is None else load) < cores else 0.0
 
 
-def same_host(link: object) -> bool | None:
-    """Whether ``link``'s peer is a process on this host: True for a socket whose two ends
-    have the same address (loopback included), False for another host's, None for a link
-    that is not a socket (in-process memory links: the peer runs on this thread)."""
-    transport = getattr(link, "transport", None)
-    get = getattr(transport, "get_extra_info", None)
-    if get is None:
-        return None
-    peer, here = get("peername"), get("sockname")
-    if not isinstance(peer, tuple) or not isinstance(here, tuple):
-        return None
-    return bool(peer[0] == here[0] or str(peer[0]).startswith("127.") or peer[0] == "::1")
-
-
 def budget_for(
-    links: Iterable[object], cores: int | None = None, env: Mapping[str, str] | None = None
+    links: Iterable[Link], cores: int | None = None, env: Mapping[str, str] | None = None
 ) -> float:
     """:func:`spin_budget` for a rank with these links: the local rank processes are this
-    one and every same-host socket peer; 0 when no link is a socket (nothing to poll)."""
-    hosts = [same_host(link) for link in links]
+    one and every peer whose link says it is local (``caps.local``); 0 when no link knows
+    (none is a network socket: nothing to poll)."""
+    hosts = [link.caps.local for link in links]
     if not any(h is not None for h in hosts):
         return 0.0
     return spin_budget(1 + sum(1 for h in hosts if h), cores, env)

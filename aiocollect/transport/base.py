@@ -123,10 +123,18 @@ class LinkCaps:
     ``reference_min``: the smallest payload ``send`` passes by reference (the peer pulls
     it; the sender does not copy it on the calling thread); 0 when ``send`` copies every
     payload, so a sender of large payloads yields to the event loop after each.
+    ``local``: whether the peer is a process on this host (True), on another host
+    (False), or not known (None: a link that is not a network socket, such as an
+    in-process memory link, whose peer runs on this thread). The engine's busy-wait
+    counts the local peers (engine/spin.py).
+    ``polls``: the link polls for its frames from the event loop itself (shared memory's
+    ring reader), so the engine's busy-wait leaves receives on it alone.
     """
 
     pull_min: int = 0
     reference_min: int = 0
+    local: bool | None = None
+    polls: bool = False
 
     def pulls(self, nbytes: int) -> bool:
         """Whether a frame of ``nbytes`` from the peer is pulled out of its memory."""

@@ -57,7 +57,7 @@ from collections import deque
 
 from aiocollect.errors import PeerDisconnected, ProtocolError, RendezvousError
 from aiocollect.transport import cma, host, shm_ring
-from aiocollect.transport.base import COPIES, Handshaker, LinkCaps, LinkEvents
+from aiocollect.transport.base import Handshaker, LinkCaps, LinkEvents
 from aiocollect.transport.interface import LinkSetup, Listener, Record, Transport
 from aiocollect.transport.shm_reader import (
     ESCAPE,
@@ -345,12 +345,16 @@ class ShmLink(RingReader):
 
     @property
     def caps(self) -> LinkCaps:
-        """Pulls (and sends by reference) from ``policy.pull_min`` on, in each direction
-        once that direction's reader has checked it can read the writer's memory (the
-        peer's check may end after this side's handshake)."""
+        """In shared memory mode: polled from the loop (the ring reader spins itself), and
+        pulls (and sends by reference) from ``policy.pull_min`` on, in each direction once
+        that direction's reader has checked it can read the writer's memory (the peer's
+        check may end after this side's handshake). On TCP fallback, the stream's."""
+        stream = super().caps
+        if not self.shm:
+            return stream
         rx = self._ref_min(self.rx)
         tx = self._ref_min(self._tx)
-        return COPIES if not (rx or tx) else LinkCaps(pull_min=rx, reference_min=tx)
+        return LinkCaps(pull_min=rx, reference_min=tx, local=stream.local, polls=True)
 
     def _ref_min(self, ring: Ring | None) -> int:
         """The smallest payload through ``ring`` that goes by reference (0: none)."""

@@ -33,7 +33,7 @@ from typing import Any, cast
 import msgpack
 
 from aiocollect.errors import PeerDisconnected, ProtocolError, RendezvousError
-from aiocollect.transport.base import Handshaker, Link, LinkEvents
+from aiocollect.transport.base import COPIES, Handshaker, Link, LinkCaps, LinkEvents
 from aiocollect.transport.handshake_stream import HandshakeStream
 from aiocollect.transport.interface import LinkSetup, Listener, Record, Screen, Transport
 from aiocollect.transport.wire import (
@@ -127,6 +127,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         self._transport_paused = False  # what the transport was last told
         self._linger: asyncio.TimerHandle | None = None
         self.screen: Screen | None = None
+        self._caps = COPIES  # local is known once connected
         #: Bulk frames waiting for the transport's buffer to drain below BULK_CAP:
         #: (header, payload, stream), with the bytes and the streams they hold.
         self._bulk: deque[tuple[bytes, memoryview | bytes, bytes]] = deque()
@@ -146,10 +147,12 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         transport.set_write_buffer_limits(high=0, low=0)
         sock = transport.get_extra_info("socket")
         peername = transport.get_extra_info("peername")
+        sockname = transport.get_extra_info("sockname")
         if peername:
             self.address = f"{peername[0]}:{peername[1]}"
+        self._caps = LinkCaps(local=is_local(peername, sockname))
         if self.screen is not None:
-            reply = self.screen(peername, transport.get_extra_info("sockname"))
+            reply = self.screen(peername, sockname)
             if reply is not None:  # refused before a byte is read from it
                 assert self.handshake is not None
                 self.handshake.send(reply)
@@ -519,8 +522,24 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         if self.transport is not None:
             await self.gone.wait()
 
+    @property
+    def caps(self) -> LinkCaps:
+        """Whether the peer is local (from the socket's two addresses, once connected)."""
+        return self._caps
+
     def describe(self) -> str:
         return f"rank {self.peer} ({self.address})" if self.peer >= 0 else self.address
+
+
+def is_local(peername: object, sockname: object) -> bool | None:
+    """Whether the peer at ``peername`` of a socket bound to ``sockname`` is a process on
+    this host: True when the two ends have the same address (loopback included), False
+    for another host's; None when they are not IP addresses (the link is not a network
+    socket)."""
+    if not isinstance(peername, tuple) or not isinstance(sockname, tuple):
+        return None
+    peer = peername[0]
+    return bool(peer == sockname[0] or str(peer).startswith("127.") or peer == "::1")
 
 
 class TcpLink(StreamLink):

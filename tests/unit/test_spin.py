@@ -20,6 +20,7 @@ import pytest
 import aiocollect as ac
 from aiocollect.engine import spin
 from aiocollect.testing import run_ranks
+from aiocollect.transport import shm_ring, tcp
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,27 +89,33 @@ def test_the_environment_overrides_the_rule(
         assert spin.spin_budget(1, load=0.0) == spin.SPIN_SECONDS  # ignored: the rule
         assert spin.spin_budget(cores + 1, load=0.0) == 0.0
     assert "AIOCOLLECT_SPIN_US" in caplog.text
-    assert spin.spin_budget(5, cores=8, env={}) == spin.SPIN_SECONDS
-    assert spin.spin_budget(9, cores=8, env={}) == 0.0
+    assert spin.spin_budget(5, cores=8, env={}, load=0.0) == spin.SPIN_SECONDS
+    assert spin.spin_budget(9, cores=8, env={}, load=0.0) == 0.0
 
 
-@pytest.mark.parametrize(("transport", "n"), [("tcp", 2), ("tcp", 3), ("memory", 2)])
+@pytest.mark.parametrize(("transport", "n"), [("tcp", 2), ("tcp", 3), ("memory", 2), ("shm", 2)])
 async def test_a_group_counts_its_same_host_peers(
     monkeypatch: pytest.MonkeyPatch, transport: str, n: int
 ) -> None:
-    """Real links: every TCP peer on loopback is a local process; memory links are
-    in-process (nothing to poll, never spins). The budget is the policy's for that many
-    local ranks on this machine's cores, and the group's results are right either way."""
+    """Real links say what the engine asks (``LinkCaps``): every TCP or shared-memory peer
+    on loopback is a local process; memory links are in-process (nothing to poll, never
+    spins); only shared-memory links poll for their frames themselves (the engine's
+    spinner leaves them alone). The budget is the policy's for that many local ranks on
+    this machine's cores, and the group's results are right either way."""
+    if transport == "shm" and (why := shm_ring.unavailable()) is not None:
+        pytest.skip(why)
     monkeypatch.delenv(spin.SPIN_ENV, raising=False)
 
-    async def body(g: ac.Group) -> tuple[list[bool | None], float]:
+    async def body(g: ac.Group) -> tuple[list[bool | None], list[bool], float]:
         buf = np.full(4, g.rank + 1.0)
         await g.allreduce(buf)
         assert buf.tolist() == [n * (n + 1) / 2] * 4
         fabric = g._fabric
-        return [spin.same_host(link) for link in fabric.links.values()], fabric.spinner.budget
+        caps = [link.caps for link in fabric.links.values()]
+        return [c.local for c in caps], [c.polls for c in caps], fabric.spinner.budget
 
-    for hosts, budget in await run_ranks(n, body, transport=transport):
+    for hosts, polls, budget in await run_ranks(n, body, transport=transport):
+        assert polls == [transport == "shm"] * (n - 1)
         if transport == "memory":
             assert hosts == [None] * (n - 1)
             assert budget == 0.0
@@ -116,6 +123,23 @@ async def test_a_group_counts_its_same_host_peers(
             assert hosts == [True] * (n - 1)
             assert budget in (spin.spin_budget(n, load=0.0), 0.0)  # 0: a busy host
             assert budget == 0.0 or n <= spin.usable_cores()
+
+
+@pytest.mark.parametrize(
+    ("peer", "here", "local"),
+    [
+        (("127.0.0.1", 5000), ("127.0.0.1", 6000), True),
+        (("10.1.2.3", 5000), ("10.1.2.3", 6000), True),
+        (("::1", 5000, 0, 0), ("::1", 6000, 0, 0), True),
+        (("10.1.2.4", 5000), ("10.1.2.3", 6000), False),
+        ("", "/tmp/sock", None),  # a Unix socket: not a network address
+        (None, None, None),
+    ],
+)
+def test_a_stream_link_is_local_when_its_two_ends_share_an_address(
+    peer: object, here: object, local: bool | None
+) -> None:
+    assert tcp.is_local(peer, here) is local
 
 
 async def _stopped(s: spin.Spinner) -> None:
