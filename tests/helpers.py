@@ -1,7 +1,10 @@
-"""Deterministic test data and numpy references shared by the collective tests."""
+"""Helpers shared by test modules: deterministic test data and numpy references for the
+collective tests, whole-collective sweeps and the staging-bound body (run over every
+transport), and the checks of the process-killing failure tests."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from typing import Any
 
@@ -9,6 +12,7 @@ import numpy as np
 import pytest
 
 import aiocollect as ac
+from aiocollect.store import open_store
 from aiocollect.transport.shm_ring import unavailable as _shm_unavailable
 from aiocollect.types import resolve_op
 
@@ -109,3 +113,120 @@ def assert_close(got: np.ndarray[Any, Any], want: np.ndarray[Any, Any], what: st
         )
     else:
         np.testing.assert_array_equal(got, want.astype(dtype), err_msg=what)
+
+
+async def allreduce_every_op(g: ac.Group, dtypes: list[Any]) -> int:
+    """A rank's part of an allreduce of every valid op of every dtype in ``dtypes``, over
+    the counts of :func:`counts_for`, each result checked against numpy; returns how many
+    were checked (tests/collectives/test_sweep.py, and over shm with pulls)."""
+    n, checked = g.world_size, 0
+    for dtype in dtypes:
+        for op in valid_ops(dtype):
+            for count in counts_for(dtype):
+                mine = data(g.rank, count, dtype, op=op)
+                buf = mine.copy()
+                got = await g.allreduce(buf, op=op)
+                assert got is buf
+                want = reference([data(r, count, dtype, op=op) for r in range(n)], op)
+                assert_close(buf, want, f"allreduce {dtype} {op.name} count={count}")
+                checked += 1
+    return checked
+
+
+async def move_every_way(g: ac.Group, dtypes: list[Any]) -> None:
+    """A rank's part of every data-movement collective (broadcast, gather, scatter,
+    allgather, reduce_scatter, alltoall, allgatherv) from every root, over the counts of
+    :func:`counts_for` for each dtype in ``dtypes``, each result checked."""
+    n, r = g.world_size, g.rank
+    for dtype in dtypes:
+        for count in counts_for(dtype):
+            everyone = [data(x, count, dtype) for x in range(n)]
+            for root in range(n):
+                buf = everyone[r].copy()
+                await g.broadcast(buf, root=root)
+                np.testing.assert_array_equal(buf, everyone[root])
+                out = await g.gather(everyone[r], root=root)
+                if r == root:
+                    np.testing.assert_array_equal(out, np.stack(everyone))
+                else:
+                    assert out is None
+                res = np.empty(count, dtype)
+                send = (
+                    np.stack([data(root * 31 + x, count, dtype) for x in range(n)])
+                    if r == root
+                    else None
+                )
+                await g.scatter(send, res, root=root)
+                np.testing.assert_array_equal(res, data(root * 31 + r, count, dtype))
+            out = await g.allgather(everyone[r])
+            np.testing.assert_array_equal(out, np.stack(everyone).reshape(n, count))
+            # reduce_scatter / alltoall: first axis world_size * k
+            k = max(1, count // 2)
+            rows = [data(x, n * k, dtype, seed=5) for x in range(n)]
+            for op in valid_ops(dtype)[:3]:
+                rs = await g.reduce_scatter(rows[r], op=op)
+                want = reference(rows, op)[r * k : (r + 1) * k]
+                assert_close(rs, want, f"reduce_scatter {dtype} {op.name}")
+            a2a = await g.alltoall(rows[r])
+            want = np.concatenate([rows[x][r * k : (r + 1) * k] for x in range(n)])
+            np.testing.assert_array_equal(a2a, want)
+            parts = await g.allgatherv(data(r, count + r, dtype))
+            for x in range(n):
+                np.testing.assert_array_equal(parts[x], data(x, count + x, dtype))
+        await g.barrier()
+
+
+async def send_past_staging(g: ac.Group, limit: int, size: int) -> int:
+    """Rank 1 sends ``size`` int64s to rank 0 before rank 0 posts the receive; rank 0
+    waits until its link reports staging full (``_staging_full``, spied on), checks that
+    the staged bytes stayed within ``limit`` plus a chunk, then receives and checks the
+    data. Returns the most bytes rank 0 saw staged (0 on rank 1). The caller lowers
+    ``transport.base.STAGING_LIMIT`` to ``limit``."""
+    if g.rank == 1:
+        data = np.arange(size, dtype=np.int64)
+        await g.send(data, 0, tag=5)
+        return 0
+    link = g._fabric.links[1]
+    full = asyncio.Event()
+    seen = 0
+
+    def on_full() -> None:
+        nonlocal seen
+        seen = max(seen, link.early_bytes)
+        full.set()
+        type(link)._staging_full(link)
+
+    link._staging_full = on_full  # type: ignore[method-assign]
+    await full.wait()  # the sender ran ahead until staging hit the bound
+    assert link.early_bytes <= limit + g.chunk_bytes
+    buf = np.empty(size, np.int64)
+    await g.recv(buf, 1, tag=5)
+    np.testing.assert_array_equal(buf, np.arange(size, dtype=np.int64))
+    return seen
+
+
+async def wait_ready(store_url: str, n: int, key: str) -> None:
+    """Wait (30 s at most) until every one of ``n`` spawned ranks has set ``key/<rank>``
+    in the store at ``store_url`` (the targets of tests/failure/targets.py do once they
+    are in their loop)."""
+    store, _ = await open_store(store_url, rank=1, timeout=30)
+    try:
+        await store.wait([f"{key}/{r}" for r in range(n)], timeout=30)
+    finally:
+        await store.close()
+
+
+def check_killed(outcomes: list[Any], victim: int, killed_at: float) -> None:
+    """``victim`` died; every survivor reported PeerDisconnected naming it within a second,
+    and its later calls failed from that cause (GroupBrokenError caused by it)."""
+    assert outcomes[victim][0] == "died"
+    for rank, out in enumerate(outcomes):
+        if rank == victim:
+            continue
+        assert out[0] == "ok", out
+        res = out[1]
+        assert res["error"] == "PeerDisconnected", res
+        assert res["rank_attr"] == victim, res
+        assert f"rank {victim}" in res["message"]
+        assert res["at"] - killed_at < 1.0, f"rank {rank} took {res['at'] - killed_at:.2f}s"
+        assert res["later"] == "PeerDisconnected"

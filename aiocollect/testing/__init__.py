@@ -4,6 +4,8 @@
   event loop (memory transport by default) and returns the results in rank order.
 - ``await spawn_ranks(n, target, *args)`` does the same with one process per rank over TCP;
   the returned :class:`SpawnedRanks` can also kill or stop a rank for fault tests.
+- ``abort_payload(rank, exc)``: the payload of the ABORT frame a failing rank sends, for
+  tests that write frames on a link by hand.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from aiocollect._net import free_port
 from aiocollect.api import open_group
+from aiocollect.engine import fabric
 from aiocollect.errors import AiocollectError
 from aiocollect.group import Group
 from aiocollect.testing.spawn import RankFailed, SpawnedRanks, headline, spawn_ranks
@@ -107,6 +110,13 @@ async def run_ranks(
     return [t.result() for t in tasks]
 
 
+def abort_payload(rank: int, exc: BaseException) -> bytes:
+    """The payload of the ABORT frame that rank ``rank`` sends when it fails with ``exc``,
+    exactly as the engine encodes it (its peers rebuild ``exc`` from it, naming ``rank``),
+    for tests that write an ABORT frame on a link by hand."""
+    return fabric._encode_abort(rank, exc)
+
+
 async def links_settled(groups: list[Group], timeout: float = LINGER + 1.0) -> None:
     """Wait (at most ``timeout`` s) until every link of ``groups`` has seen its connection
     end. A broken group's links flush their ABORT before closing, for up to the transport's
@@ -131,6 +141,7 @@ __all__ = [
     "Group",
     "RankFailed",
     "SpawnedRanks",
+    "abort_payload",
     "free_port",
     "links_settled",
     "run_ranks",

@@ -14,9 +14,11 @@ from tests.helpers import (
     CHUNK,
     CORE_DTYPES,
     DTYPES,
+    allreduce_every_op,
     assert_close,
     counts_for,
     data,
+    move_every_way,
     reference,
     valid_ops,
 )
@@ -27,26 +29,11 @@ TRANSPORTS = ["memory", "tcp"]
 pytestmark = pytest.mark.timeout(180)
 
 
-async def _allreduce_all(g: ac.Group, dtypes: list[Any]) -> int:
-    n, checked = g.world_size, 0
-    for dtype in dtypes:
-        for op in valid_ops(dtype):
-            for count in counts_for(dtype):
-                mine = data(g.rank, count, dtype, op=op)
-                buf = mine.copy()
-                got = await g.allreduce(buf, op=op)
-                assert got is buf
-                want = reference([data(r, count, dtype, op=op) for r in range(n)], op)
-                assert_close(buf, want, f"allreduce {dtype} {op.name} count={count}")
-                checked += 1
-    return checked
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", SIZES)
 async def test_allreduce(n: int, transport: str) -> None:
     dtypes = DTYPES if transport == "memory" else CORE_DTYPES
-    counts = await run_ranks(n, _allreduce_all, dtypes, transport=transport, chunk_bytes=CHUNK)
+    counts = await run_ranks(n, allreduce_every_op, dtypes, transport=transport, chunk_bytes=CHUNK)
     assert counts[0] > 50
 
 
@@ -72,51 +59,11 @@ async def test_reduce(n: int, transport: str) -> None:
     await run_ranks(n, _reduce_all, CORE_DTYPES[1::2], transport=transport, chunk_bytes=CHUNK)
 
 
-async def _movement(g: ac.Group, dtypes: list[Any]) -> None:
-    n, r = g.world_size, g.rank
-    for dtype in dtypes:
-        for count in counts_for(dtype):
-            everyone = [data(x, count, dtype) for x in range(n)]
-            for root in range(n):
-                buf = everyone[r].copy()
-                await g.broadcast(buf, root=root)
-                np.testing.assert_array_equal(buf, everyone[root])
-                out = await g.gather(everyone[r], root=root)
-                if r == root:
-                    np.testing.assert_array_equal(out, np.stack(everyone))
-                else:
-                    assert out is None
-                res = np.empty(count, dtype)
-                send = (
-                    np.stack([data(root * 31 + x, count, dtype) for x in range(n)])
-                    if r == root
-                    else None
-                )
-                await g.scatter(send, res, root=root)
-                np.testing.assert_array_equal(res, data(root * 31 + r, count, dtype))
-            out = await g.allgather(everyone[r])
-            np.testing.assert_array_equal(out, np.stack(everyone).reshape(n, count))
-            # reduce_scatter / alltoall: first axis world_size * k
-            k = max(1, count // 2)
-            rows = [data(x, n * k, dtype, seed=5) for x in range(n)]
-            for op in valid_ops(dtype)[:3]:
-                rs = await g.reduce_scatter(rows[r], op=op)
-                want = reference(rows, op)[r * k : (r + 1) * k]
-                assert_close(rs, want, f"reduce_scatter {dtype} {op.name}")
-            a2a = await g.alltoall(rows[r])
-            want = np.concatenate([rows[x][r * k : (r + 1) * k] for x in range(n)])
-            np.testing.assert_array_equal(a2a, want)
-            parts = await g.allgatherv(data(r, count + r, dtype))
-            for x in range(n):
-                np.testing.assert_array_equal(parts[x], data(x, count + x, dtype))
-        await g.barrier()
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", SIZES)
 async def test_data_movement(n: int, transport: str) -> None:
     dtypes = DTYPES if transport == "memory" else CORE_DTYPES
-    await run_ranks(n, _movement, dtypes, transport=transport, chunk_bytes=CHUNK)
+    await run_ranks(n, move_every_way, dtypes, transport=transport, chunk_bytes=CHUNK)
 
 
 async def _p2p(g: ac.Group) -> list[int]:

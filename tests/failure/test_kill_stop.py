@@ -4,39 +4,14 @@ frozen one is named at the deadline; afterwards the group is broken and a new on
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import pytest
 
-from aiocollect.store import open_store
 from aiocollect.testing import spawn_ranks
 from tests.failure import targets
+from tests.helpers import check_killed, wait_ready
 
 pytestmark = pytest.mark.timeout(90)
-
-
-async def _wait_ready(store_url: str, n: int, key: str) -> None:
-    store, _ = await open_store(store_url, rank=1, timeout=30)
-    try:
-        await store.wait([f"{key}/{r}" for r in range(n)], timeout=30)
-    finally:
-        await store.close()
-
-
-def check_killed(outcomes: list[Any], victim: int, killed_at: float) -> None:
-    """``victim`` died; every survivor reported PeerDisconnected naming it within a second,
-    and its later calls failed from that cause (GroupBrokenError caused by it)."""
-    assert outcomes[victim][0] == "died"
-    for rank, out in enumerate(outcomes):
-        if rank == victim:
-            continue
-        assert out[0] == "ok", out
-        res = out[1]
-        assert res["error"] == "PeerDisconnected", res
-        assert res["rank_attr"] == victim, res
-        assert f"rank {victim}" in res["message"]
-        assert res["at"] - killed_at < 1.0, f"rank {rank} took {res['at'] - killed_at:.2f}s"
-        assert res["later"] == "PeerDisconnected"
 
 
 @pytest.mark.parametrize(
@@ -52,7 +27,7 @@ async def test_sigkill_named_on_every_survivor_within_a_second(
     n: int, victim: int, size: int, alg: str | None
 ) -> None:
     job = spawn_ranks(n, targets.loop_until_failure, size, "ready", alg, timeout=60)
-    await _wait_ready(job.store, n, "ready")
+    await wait_ready(job.store, n, "ready")
     killed_at = time.time()
     job.kill(victim)
     check_killed(await job.outcomes(), victim, killed_at)
@@ -63,7 +38,7 @@ async def test_sigstop_gives_peer_timeout_naming_the_frozen_rank() -> None:
     job = spawn_ranks(
         n, targets.loop_until_failure, 1 << 14, "ready", timeout=60, group_timeout=2.0
     )
-    await _wait_ready(job.store, n, "ready")
+    await wait_ready(job.store, n, "ready")
     stopped_at = time.time()
     job.stop(victim)
     outcomes = await job.outcomes(wait_for=[r for r in range(n) if r != victim])

@@ -149,11 +149,13 @@ async def test_staging_is_bounded_and_nothing_is_lost(monkeypatch: pytest.Monkey
     """tests/collectives/test_backpressure.py over shared memory: with too many early
     frames the link leaves the rest in the ring, and the writer waits for space."""
     from aiocollect.transport import base
-    from tests.collectives.test_backpressure import _body
+    from tests.helpers import send_past_staging
 
     limit = 4 * 1024 * 1024
     monkeypatch.setattr(base, "STAGING_LIMIT", limit)
-    res = await run_ranks(2, _body, limit, limit, transport="shm", chunk_bytes=256 * 1024)
+    res = await run_ranks(
+        2, send_past_staging, limit, limit, transport="shm", chunk_bytes=256 * 1024
+    )
     assert limit < res[0] <= limit + 256 * 1024
 
 

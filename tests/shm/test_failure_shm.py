@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 import aiocollect as ac
-from aiocollect.engine.fabric import _encode_abort
-from aiocollect.testing import run_ranks, spawn_ranks
+from aiocollect.testing import abort_payload, run_ranks, spawn_ranks
 from aiocollect.transport.shm import ShmLink
 from aiocollect.transport.shm_reader import ESCAPE, MAX_ESCAPED
 from aiocollect.transport.wire import (
@@ -25,7 +24,7 @@ from aiocollect.transport.wire import (
     pack_header,
 )
 from tests.failure import targets as failure_targets
-from tests.failure.test_kill_stop import _wait_ready, check_killed
+from tests.helpers import check_killed, wait_ready
 from tests.shm.conftest import leaked, segments
 
 
@@ -47,7 +46,7 @@ async def test_sigkill_named_on_every_survivor_within_a_second(
     job = spawn_ranks(
         n, failure_targets.loop_until_failure, size, "ready", alg, timeout=60, transport="shm"
     )
-    await _wait_ready(job.store, n, "ready")
+    await wait_ready(job.store, n, "ready")
     killed_at = time.time()
     job.kill(victim)
     check_killed(await job.outcomes(), victim, killed_at)
@@ -84,7 +83,7 @@ async def test_sigstop_gives_peer_timeout_naming_the_frozen_rank(size: int) -> N
         group_timeout=2.0,
         transport="shm",
     )
-    await _wait_ready(job.store, n, "ready")
+    await wait_ready(job.store, n, "ready")
     stopped_at = time.time()
     job.stop(victim)
     outcomes = await job.outcomes(wait_for=[r for r in range(n) if r != victim])
@@ -252,7 +251,7 @@ async def _escape_by_hand(g: ac.Group, how: str) -> tuple[str, str]:
             assert isinstance(link, ShmLink)
             assert link.shm
             assert link.transport is not None
-            payload = _encode_abort(0, ac.ProtocolError("injected by hand"))
+            payload = abort_payload(0, ac.ProtocolError("injected by hand"))
             if how == "abort":
                 frame = control_header(ABORT, len(payload)) + payload
             elif how == "ping":

@@ -150,13 +150,13 @@ async def test_collectives_with_pulls_in_one_process(
 ) -> None:
     """Every collective over pulled frames (threshold lowered to 1 KiB, 4 KiB chunks):
     the same sweep as the other transports, results checked against numpy."""
-    from tests.collectives.test_sweep import _allreduce_all, _movement
+    from tests.helpers import allreduce_every_op, move_every_way
 
     monkeypatch.setenv(cma.ENV, "1024")
     dtypes = [np.dtype(np.float32), np.dtype(np.int64)]
-    counts = await run_ranks(n, _allreduce_all, dtypes, transport="shm", chunk_bytes=4096)
+    counts = await run_ranks(n, allreduce_every_op, dtypes, transport="shm", chunk_bytes=4096)
     assert counts[0] > 10
-    await run_ranks(n, _movement, dtypes, transport="shm", chunk_bytes=4096)
+    await run_ranks(n, move_every_way, dtypes, transport="shm", chunk_bytes=4096)
     refs = await run_ranks(n, _allreduce_counting, 1 << 14, 1, transport="shm", chunk_bytes=4096)
     assert all(sum(r["refs"].values()) > 0 for r in refs)
 
