@@ -9,6 +9,7 @@ driven by a callback schedule (engine/small.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import zlib
 from collections.abc import Sequence
 from typing import Any, overload
@@ -26,6 +27,9 @@ from aiocollect.fingerprint import pack
 from aiocollect.group_core import GroupCore
 from aiocollect.transport.wire import P2P, Key
 from aiocollect.types import Collective, OpLike, ReduceOp
+
+#: Plans (argument checks' conclusions) a group keeps, see ``Group._remember``.
+PLANS = 256
 
 #: alltoallv's send_counts: one non-negative count per rank.
 Counts = Sequence[int] | Array
@@ -148,21 +152,46 @@ class Group(GroupCore):
     ) -> asyncio.Future[B]:
         """Copy ``root``'s ``buf`` into every rank's ``buf`` (binomial tree or pipeline)."""
         arr = as_array(buf, "buf", writable=True)
-        root = check_rank(root, self.world_size, "root")
-        alg = registry.BROADCAST.choose(algorithm, arr.nbytes, self.world_size)
-        fp = pack(Collective.BROADCAST, arr, root=root, algorithm=alg.name)
-        flat = _flat(arr)
-        if alg.one_frame(arr.nbytes, self.world_size, self.chunk_bytes):
-            steps = alg.steps
-            assert steps is not None
-            return self._schedule("broadcast", fp, lambda o: steps(o, flat, root), buf, timeout)
-        run = alg.run
+        key = ("broadcast", arr.dtype, arr.size, type(root), root, algorithm)
+        fp, steps, run, root = self._plan(key) or self._broadcast_plan(key, arr, root, algorithm)
+        flat = arr.reshape(-1)
+        if steps is not None:
+            return self._schedule("broadcast", fp, steps, (flat, root), buf, timeout)
 
         async def body(o: Op) -> B:
             await run(o, flat, root)
             return buf
 
         return self._start("broadcast", fp, body, timeout)
+
+    def _broadcast_plan(
+        self, key: tuple[Any, ...], arr: Array, root: Any, algorithm: Any
+    ) -> tuple[Any, ...]:
+        """broadcast's checks and choices (fingerprint, one-frame steps or None, run, root),
+        remembered under ``key`` (dtype, size, root and algorithm)."""
+        root = check_rank(root, self.world_size, "root")
+        alg = registry.BROADCAST.choose(algorithm, arr.nbytes, self.world_size)
+        fp = pack(Collective.BROADCAST, arr, root=root, algorithm=alg.name)
+        one = alg.one_frame(arr.nbytes, self.world_size, self.chunk_bytes)
+        return self._remember(key, (fp, alg.steps if one else None, alg.run, root))
+
+    def _plan(self, key: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """The plan remembered for ``key``, or None (also for an unhashable key: not valid
+        arguments, whose checks then say why)."""
+        try:
+            return self._plans.get(key)
+        except TypeError:
+            return None
+
+    def _remember(self, key: tuple[Any, ...], plan: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Keep ``plan`` for ``key`` (unhashable keys are not kept; at most ``PLANS``: a
+        program calling with ever new sizes starts over rather than grow)."""
+        plans = self._plans
+        if len(plans) >= PLANS:
+            plans.clear()
+        with contextlib.suppress(TypeError):
+            plans[key] = plan
+        return plan
 
     def allreduce(
         self,
@@ -175,24 +204,32 @@ class Group(GroupCore):
         """Reduce ``buf`` across ranks, in place on every rank. Algorithms: ``ring``
         (bandwidth), ``recursive_doubling`` (latency), ``halving_doubling``; default by size."""
         arr = as_array(buf, "buf", writable=True)
-        rop, ufunc = reduction(op, arr)
-        n = self.world_size
-        alg = registry.ALLREDUCE.choose(algorithm, arr.nbytes, n)
-        fp = pack(Collective.ALLREDUCE, arr, op=rop, algorithm=alg.name)
-        flat, average = _flat(arr), rop is ReduceOp.AVG
-        if alg.one_frame(arr.nbytes, n, self.chunk_bytes):
-            steps = alg.steps
-            assert steps is not None
-            return self._schedule(
-                "allreduce", fp, lambda o: steps(o, flat, ufunc, average), buf, timeout
-            )
-        run = alg.run
+        key = ("allreduce", arr.dtype, arr.size, type(op), op, algorithm)
+        fp, steps, run, ufunc, average = self._plan(key) or self._allreduce_plan(
+            key, arr, op, algorithm
+        )
+        flat = arr.reshape(-1)
+        if steps is not None:
+            return self._schedule("allreduce", fp, steps, (flat, ufunc, average), buf, timeout)
 
         async def body(o: Op) -> B:
             await run(o, flat, ufunc, average)
             return buf
 
         return self._start("allreduce", fp, body, timeout)
+
+    def _allreduce_plan(
+        self, key: tuple[Any, ...], arr: Array, op: Any, algorithm: Any
+    ) -> tuple[Any, ...]:
+        """allreduce's checks and choices (fingerprint, one-frame steps or None, run,
+        ufunc, average), remembered under ``key`` (dtype, size, op and algorithm)."""
+        rop, ufunc = reduction(op, arr)
+        n = self.world_size
+        alg = registry.ALLREDUCE.choose(algorithm, arr.nbytes, n)
+        fp = pack(Collective.ALLREDUCE, arr, op=rop, algorithm=alg.name)
+        one = alg.one_frame(arr.nbytes, n, self.chunk_bytes)
+        plan = (fp, alg.steps if one else None, alg.run, ufunc, rop is ReduceOp.AVG)
+        return self._remember(key, plan)
 
     def reduce(
         self,

@@ -95,6 +95,9 @@ class GroupCore:
         #: to one loop: a group is used on one).
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sync_closers: list[Callable[[], None]] = []
+        #: What a collective's argument checks concluded, per (collective, dtype, size,
+        #: op or root, algorithm) (group.py: a repeated call is one dict lookup).
+        self._plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
     # -- state -----------------------------------------------------------------------------
 
@@ -108,9 +111,12 @@ class GroupCore:
         return self._fabric.failure is not None
 
     def _check_usable(self) -> None:
-        if self.closed:
+        """Raise UsageError if closed, GroupBrokenError if broken. Once per operation, so
+        the usable case is three attribute tests and no further call."""
+        if self._closed or (self._parent is not None and self._parent.closed):
             raise UsageError(f"group {self.name!r} is closed")
-        self._fabric.check()
+        if self._fabric.failure is not None:
+            self._fabric.check()
 
     def statistics(self) -> Statistics:
         """Counters: operations started and completed per kind, bytes and frames moved per
@@ -154,9 +160,10 @@ class GroupCore:
         or use ``p2p``'s (counter, tag), and count it. Returns the Op and its deadline in
         seconds (or None)."""
         fabric = self._fabric
-        if self._closed or fabric.failure is not None or self._parent is not None:
-            self._check_usable()
-        timeout = self.timeout if timeout is None else self._timeout_arg(timeout)
+        # One copy of each check: the two calls cost ~14 opcodes and 2 Python calls per
+        # operation over inlined tests (scripts/op_opcodes.py), about 1 % of a small one.
+        self._check_usable()
+        timeout = self._timeout_arg(timeout)
         if p2p is None:
             seq = self._seq
             self._seq = seq + 1
@@ -205,18 +212,20 @@ class GroupCore:
         self,
         kind: str,
         fp: tuple[int, int, int, int, int],
-        build: Callable[[Op], list[Step]],
+        build: Callable[..., list[Step]],
+        args: tuple[Any, ...],
         result: Any,
         timeout: float | None,
     ) -> asyncio.Future[Any]:
-        """Like :meth:`_start` for an operation of one-frame steps: ``build(op)`` lists
-        them and a :class:`Schedule` runs them from callbacks; the handle is a Future."""
+        """Like :meth:`_start` for an operation of one-frame steps: ``build(op, *args)``
+        lists them and a :class:`Schedule` runs them from callbacks; the handle is a
+        Future."""
         op, timeout = self._new_op(kind, fp, timeout)
         loop = self._loop
         if loop is None:  # (asyncio.get_running_loop costs a getpid() system call)
             loop = self._loop = asyncio.get_running_loop()
         handle: asyncio.Future[Any] = loop.create_future()
-        sched = Schedule(self, kind, op, build(op), handle, result, timeout)
+        sched = Schedule(self, kind, op, build(op, *args), handle, result, timeout)
         handle.add_done_callback(sched.on_done)  # also drops it from _tasks
         now = loop.time()
         self._tasks[handle] = (op, kind, now, timeout)

@@ -18,7 +18,7 @@ with bit-identical results.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from functools import lru_cache, partial
 
 import numpy as np
 
@@ -62,25 +62,22 @@ async def _transfer(op: Op, peer: int, slot: int, send: Array, recv: Array) -> N
 def small_steps(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> list[Step]:
     """Recursive doubling for a power-of-two world size and a one-frame ``buf``, as steps
     for :class:`aiocollect.engine.small.Schedule` (same frames and reduction order as
-    :func:`recursive_doubling`)."""
-    n, v = op.size, op.rank
+    :func:`recursive_doubling`). Each step's reduction is a ``partial`` of the ufunc (no
+    Python frame per call), the lower rank's operand first, in place into ``buf``."""
     tmp = np.empty_like(buf)
-    steps: list[Step] = []
-    mask, k = 1, 0
-    while mask < n:
-        partner = v ^ mask
-        steps.append(
-            Step(
-                partner,
-                STEP_SLOT + k,
-                buf,
-                tmp,
-                _lower(ufunc, buf, tmp) if v < partner else _upper(ufunc, buf, tmp),
-            )
+    steps = [
+        Step(
+            partner,
+            slot,
+            buf,
+            tmp,
+            partial(ufunc, buf, tmp, out=buf) if lower else partial(ufunc, tmp, buf, out=buf),
         )
-        mask, k = mask << 1, k + 1
+        for partner, slot, lower in _exchanges(op.size, op.rank)
+    ]
     if average:
         last = steps[-1].then
+        n = op.size
 
         def finish() -> None:
             if last is not None:
@@ -91,16 +88,17 @@ def small_steps(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> list[Step
     return steps
 
 
-def _lower(ufunc: np.ufunc, mine: Array, theirs: Array) -> Callable[[], None]:
-    return lambda: ufunc(mine, theirs, out=mine)
-
-
-def _upper(ufunc: np.ufunc, mine: Array, theirs: Array) -> Callable[[], None]:
-    def combine() -> None:  # keep the lower rank's operand first
-        ufunc(theirs, mine, out=theirs)
-        np.copyto(mine, theirs)
-
-    return combine
+@lru_cache(maxsize=64)
+def _exchanges(n: int, v: int) -> tuple[tuple[int, int, bool], ...]:
+    """Rank ``v``'s exchanges of recursive doubling over ``n`` ranks (a power of two):
+    (partner, slot, whether ``v`` is the lower rank of the pair)."""
+    out = []
+    mask, k = 1, 0
+    while mask < n:
+        partner = v ^ mask
+        out.append((partner, STEP_SLOT + k, v < partner))
+        mask, k = mask << 1, k + 1
+    return tuple(out)
 
 
 async def _combine(ufunc: np.ufunc, mine: Array, theirs: Array, i_am_lower: bool) -> None:

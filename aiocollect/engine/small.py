@@ -221,10 +221,7 @@ class Schedule:
 
     def _succeed(self) -> None:
         self.core._done[self.kind] += 1
-        if not self._released:  # every receive landed: nothing to withdraw
-            self._released = True
-            op = self.op
-            self.core._fabric.unregister(op.gid, op.seq)
+        self._release(withdraw=False)  # every receive landed: nothing to withdraw
         if not self.handle.done():
             self.handle.set_result(self.result)
 
@@ -269,10 +266,13 @@ class Schedule:
         if not self.handle.done():
             self.handle.set_exception(fabric.failure)
 
-    def _release(self) -> None:
+    def _release(self, withdraw: bool = True) -> None:
+        """Unregister the operation once (``withdraw``: first withdraw the receives that
+        have not landed; the success path has none)."""
         if self._released:
             return
         self._released = True
         op = self.op
-        op.abandon()
+        if withdraw:
+            op.abandon()
         self.core._fabric.unregister(op.gid, op.seq)
