@@ -54,9 +54,7 @@ async def _transfer(op: Op, peer: int, slot: int, send: Array, recv: Array) -> N
     await op.send_chunks(peer, slot, send)
     for fut in futs:
         await fut
-    link = op.link(peer)
-    if link.write_buffer_size():
-        await link.drained()
+    await op.sent_left(peer)
 
 
 def small_steps(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> list[Step]:

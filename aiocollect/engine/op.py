@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from aiocollect._buffers import Array, byte_view
 from aiocollect.engine.fabric import Fabric
 from aiocollect.errors import AiocollectError, InternalError
-from aiocollect.transport.base import Fingerprint, Hook, Link
+from aiocollect.transport.base import Fingerprint, Hook, Link, SendMark
 from aiocollect.transport.wire import DATA, HEADER, MAGIC, Key
 
 #: Bytes queued in user space per link before a sender waits for the socket to drain.
@@ -61,7 +61,8 @@ class Op:
         self.chunk_bytes = chunk_bytes
         self.kind = kind
         self.pending: list[tuple[int, Key, asyncio.Future[None]]] = []
-        self._sent: set[Link] = set()
+        # per link this op sent on: the mark of its frames there (Link.sent_mark)
+        self._sent: dict[Link, SendMark] = {}
         self.expired = False  # set by the deadline timer before it cancels the task
 
     def link(self, peer: int) -> Link:
@@ -145,15 +146,30 @@ class Op:
         link = self.link(peer)
         data = _bytes(src)
         link.send(self.header(slot, chunk, len(data), seq), data)
-        self._sent.add(link)
+        sent = self._sent
+        sent[link] = link.sent_mark(sent.get(link))
         return len(data)
 
     def unsent(self) -> bool:
-        """Whether a frame this op sent is still queued in user space."""
-        for link in self._sent:  # noqa: SIM110 - no generator: once per small operation
-            if link.write_buffer_size():
+        """Whether the payload of a frame this op sent still lies in user memory (queued,
+        or referenced until the peer pulls it). Other operations' frames queued on the
+        same links do not count."""
+        for link, mark in self._sent.items():
+            if mark is not None and not link.released(mark):
                 return True
         return False
+
+    async def sent_left(self, peer: int) -> None:
+        """Wait until the payloads of this op's frames to group rank ``peer`` have left
+        user memory (its buffer may be rewritten then).
+
+        Raises:
+            the link's failure if it breaks first.
+        """
+        link = self.link(peer)
+        mark = self._sent.get(link)
+        if mark is not None and not link.released(mark):
+            await link.wait_released(mark)
 
     async def send_chunks(self, peer: int, slot: int, src: Array) -> None:
         for c, part in enumerate(self.chunks(src)):
@@ -163,9 +179,9 @@ class Op:
         """Wait for every posted receive and for every link this op sent on to drain."""
         for _, _, fut in self.pending:
             await fut
-        for link in self._sent:
-            if link.write_buffer_size():
-                await link.drained()
+        for link, mark in self._sent.items():
+            if mark is not None and not link.released(mark):
+                await link.wait_released(mark)
 
     def moved_data(self) -> bool:
         """Whether any frame of this op was sent or received (cancelling it then breaks the
@@ -181,8 +197,8 @@ class Op:
         waiting = {peer for peer, _, fut in self.pending if not fut.done() or fut.cancelled()}
         waiting.update(
             self.ranks.index(link.peer)
-            for link in self._sent
-            if link.write_buffer_size() and link.peer in self.ranks
+            for link, mark in self._sent.items()
+            if mark is not None and not link.released(mark) and link.peer in self.ranks
         )
         return sorted(waiting)
 

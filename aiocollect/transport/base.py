@@ -35,8 +35,10 @@ Sending: ``send`` never blocks (a transport may keep a reference to the payload,
 must stay unchanged until ``drained()``); frames of one stream (kind, group, seq, slot)
 keep their order, other streams may overtake; ``send`` on a closed link, or one whose peer
 is gone, raises ``PeerDisconnected``; ``drained()`` returns, or raises
-``PeerDisconnected``, once the peer is gone; ``close()`` delivers what is queued (an ABORT
-above all) before the connection ends, ``abort()`` ends it at once.
+``PeerDisconnected``, once the peer is gone; after a ``send``, ``sent_mark()`` marks that
+frame and ``released(mark)`` / ``wait_released(mark)`` say when its payload has left user
+memory (what an operation waits for before it ends); ``close()`` delivers what is queued
+(an ABORT above all) before the connection ends, ``abort()`` ends it at once.
 """
 
 from __future__ import annotations
@@ -186,6 +188,13 @@ class _Recv:
                 self.hook(self.fut)
             except Exception:  # a bug above us must not break the link's reading
                 log.exception("receive hook failed")
+
+
+#: What :meth:`Link.sent_mark` returns: None (nothing to wait for), :data:`DRAIN`, or a
+#: transport's own pair of positions (see :meth:`Link.sent_mark` of the transport).
+SendMark = tuple[int, int] | None
+#: The mark "until the link's user-space buffer drains" (every frame queued before).
+DRAIN: SendMark = (-1, -1)
 
 
 class Link(abc.ABC):
@@ -423,6 +432,35 @@ class Link(abc.ABC):
         Raises:
             the link's failure if it breaks first.
         """
+
+    # -- per-frame release: whether a frame's payload still lies in the caller's memory ------
+
+    def sent_mark(self, prev: SendMark = None) -> SendMark:
+        """A mark for the frame the last ``send`` took, merged with ``prev`` (an earlier
+        mark from this link, or None): :meth:`released` tells whether the payloads of all
+        those frames have left the caller's memory, which an operation waits for before it
+        ends, instead of for the whole link to drain (other operations' bulk frames queued
+        on it, docs/benchmarks.md, *Head-of-line blocking*). None: they have already.
+
+        The default, for links that cannot tell one frame from another: until
+        ``write_buffer_size()`` is 0 (:data:`DRAIN`), unless it was 0 just after the send.
+        """
+        if prev is None and not self.write_buffer_size():
+            return None
+        return DRAIN
+
+    def released(self, mark: SendMark) -> bool:
+        """Whether the frames of ``mark`` (from :meth:`sent_mark`) have left user memory."""
+        return mark is None or not self.write_buffer_size()
+
+    async def wait_released(self, mark: SendMark) -> None:
+        """Return once :meth:`released` holds for ``mark``.
+
+        Raises:
+            the link's failure if it breaks first.
+        """
+        if not self.released(mark):
+            await self.drained()
 
     @abc.abstractmethod
     def close(self) -> None:

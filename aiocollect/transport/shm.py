@@ -57,7 +57,7 @@ from collections import deque
 
 from aiocollect.errors import PeerDisconnected, ProtocolError, RendezvousError
 from aiocollect.transport import cma, host, shm_ring
-from aiocollect.transport.base import Handshaker, LinkCaps, LinkEvents
+from aiocollect.transport.base import DRAIN, Handshaker, LinkCaps, LinkEvents, SendMark
 from aiocollect.transport.interface import LinkSetup, Listener, Record, Transport
 from aiocollect.transport.shm_reader import (
     ESCAPE,
@@ -108,6 +108,10 @@ class ShmLink(RingReader):
         self._tx_dead = False
         self._queue: deque[memoryview] = deque()
         self._queued = 0
+        self._queue_in = 0  # bytes ever queued for the ring
+        self._queue_out = 0  # of those, bytes ever written into the ring
+        self._mark: SendMark = None  # what the last send's payload waits for
+        self._mark_waiters = 0
         self._wgen = 0
         self._rung_reader = 0  # the peer reader's generation we last rang for
         self._close_pending = False
@@ -179,6 +183,7 @@ class ShmLink(RingReader):
             self._send_escaped(header, payload)
             self.bytes_sent += len(payload)
             self.frames_sent += 1
+            self._mark = None
             return
         if self.lost or self.closed or self._tx_dead or self._tx is None:
             raise self.failure or PeerDisconnected(
@@ -188,11 +193,13 @@ class ShmLink(RingReader):
         if n >= BULK_MIN and self._bulk_cap:
             if self._held or self._must_hold(n):
                 self._hold(header, payload, stream_of(header))
+                self._mark = DRAIN
                 return
         elif self._held:
             stream = stream_of(header)
             if stream in self._held_streams:  # behind its stream's waiting frames
                 self._hold(header, payload, stream)
+                self._mark = DRAIN
                 return
         self._send_frame(header, payload)
 
@@ -291,12 +298,14 @@ class ShmLink(RingReader):
             raise self.failure or PeerDisconnected(
                 f"link to {self.describe()} is closed", self.peer
             )
+        ref = 0
         if self._by_reference(tx, n):
             # by reference: the reader copies the payload out of this process's memory
             header = REF_MAGIC_BYTES + header[2:] + REF_DESC.pack(cma.address(view), n)
             self._refs.append((view, n))
             self._ref_bytes += n
             self._refs_sent += 1
+            ref = self._refs_sent
             n = 0
         idle = not self._queue  # else the queue waits for space: the doorbell resumes it
         if idle:
@@ -306,6 +315,7 @@ class ShmLink(RingReader):
                     if n:
                         tx.write(view)
                     self._publish(tx)
+                    self._mark = (0, ref) if ref else None
                     return
             except ProtocolError as exc:
                 if header[2] == ABORT:  # the group is failing: this must still reach the peer
@@ -317,6 +327,8 @@ class ShmLink(RingReader):
         if n:
             self._queue.append(view)
         self._queued += len(header) + n
+        self._queue_in += len(header) + n
+        self._mark = (self._queue_in, ref)
         if idle:
             self._pump()
 
@@ -378,6 +390,8 @@ class ShmLink(RingReader):
                     fence()
                     free = tx.free()
                     if not free:
+                        if self._mark_waiters:
+                            self._wake_drain()
                         return
                     continue
                 piece = queue[0]
@@ -391,6 +405,7 @@ class ShmLink(RingReader):
                     queue[0] = piece[n:]
                 free -= n
                 self._queued -= n
+                self._queue_out += n
                 wrote = True
                 if n >= PUBLISH_EVERY:
                     self._publish(tx)
@@ -413,7 +428,12 @@ class ShmLink(RingReader):
     def _flushed(self) -> None:
         drain = self._ring_drain
         # (_all_pulled fails the drain itself on a corrupt pull count: check again after)
-        if drain is not None and not drain.done() and self._all_pulled() and not drain.done():
+        if (
+            drain is not None
+            and not drain.done()
+            and (self._mark_waiters or self._all_pulled())
+            and not drain.done()
+        ):
             drain.set_result(None)
         if self._close_pending and self.transport is not None:
             self._close_pending = False
@@ -541,6 +561,85 @@ class ShmLink(RingReader):
             if self._ring_drain is None or self._ring_drain.done():
                 self._ring_drain = asyncio.get_running_loop().create_future()
             await asyncio.shield(self._ring_drain)
+
+    # -- per-frame release (Link.sent_mark) ---------------------------------------------------
+
+    def sent_mark(self, prev: SendMark = None) -> SendMark:
+        """The last frame's mark, merged with ``prev``: ``(q, r)``, its bytes are in the
+        ring once ``q`` bytes ever queued have been written there, and its payload is
+        free once ``r`` references have been pulled (both count in order); None when it
+        went straight into the ring; :data:`DRAIN` when it was held back (bulk)."""
+        if not self.shm:
+            return super().sent_mark(prev)
+        mark = self._mark
+        if prev is None or mark == prev:
+            return mark
+        if mark is None:
+            return prev
+        if mark == DRAIN or prev == DRAIN:
+            return DRAIN
+        return (max(mark[0], prev[0]), max(mark[1], prev[1]))
+
+    def released(self, mark: SendMark) -> bool:
+        if mark is None:
+            return True
+        if not self.shm or mark == DRAIN:
+            return super().released(mark)
+        if self.lost or self._tx_dead:
+            return False  # (wait_released raises the failure)
+        queued, ref = mark
+        if self._queue_out < queued:
+            return False
+        if ref > self._refs_sent - len(self._refs):
+            try:
+                self._reap()
+            except ProtocolError as exc:
+                self._tx_failed(exc)
+                return False
+            return ref <= self._refs_sent - len(self._refs)
+        return True
+
+    async def wait_released(self, mark: SendMark) -> None:
+        """Wait for ``mark`` alone (other frames on the link may stay queued): like
+        :meth:`drained`, spinning first while only pulls are outstanding, then asleep until
+        the reader's doorbell (the writer's flag armed)."""
+        if mark is None:
+            return
+        if not self.shm or mark == DRAIN:
+            await super().wait_released(mark)
+            return
+        spin_until = None
+        self._mark_waiters += 1
+        try:
+            while not self.released(mark):
+                if self.lost or self._tx_dead or self._tx is None:
+                    raise self.failure or PeerDisconnected(
+                        f"link to {self.describe()} closed", self.peer
+                    )
+                if self._queue_out >= mark[0]:  # only its pull is outstanding
+                    if self.policy.spin > 0:
+                        now = time.perf_counter()
+                        if spin_until is None:
+                            spin_until = now + self.policy.spin
+                        if now < spin_until:
+                            await asyncio.sleep(0)
+                            continue
+                    self._wgen += 1
+                    self._tx.arm_writer(self._wgen)  # the reader rings once it pulls more
+                    fence()
+                    if self.released(mark):
+                        return
+                if self._ring_drain is None or self._ring_drain.done():
+                    self._ring_drain = asyncio.get_running_loop().create_future()
+                await asyncio.shield(self._ring_drain)
+        finally:
+            self._mark_waiters -= 1
+
+    def _wake_drain(self) -> None:
+        """Progress for the frames waited on (their waiters check their marks again)."""
+        drain = self._ring_drain
+        if drain is not None and not drain.done():
+            drain.set_result(None)
 
     def close(self) -> None:
         """Finish writing what is queued into the ring (an ABORT or GOODBYE above all),
