@@ -251,11 +251,16 @@ async def _open(
         raise
     fabric.links.update(links)
     group = Group(
-        fabric, WORLD_GID, list(range(world_size)), timeout=timeout, chunk_bytes=chunk, name=name
+        fabric,
+        WORLD_GID,
+        list(range(world_size)),
+        timeout=timeout,
+        chunk_bytes=chunk,
+        name=name,
+        store=store_obj,
+        sync_closers=[endpoint.close],
+        closers=[endpoint.release],  # before the store closes
     )
-    group.store = store_obj
-    group._sync_closers.append(endpoint.close)
-    group._closers.append(endpoint.release)  # before the store closes
     if elastic:  # the store is closed by whichever generation is the last
         return await _elastic.start(
             group,
@@ -272,7 +277,7 @@ async def _open(
             ),
         )
     if owned:
-        group._closers.append(store_obj.close)
+        group.add_closer(store_obj.close)
     return group
 
 

@@ -153,9 +153,9 @@ async def open_elastic_store(
 async def start(group: Group, state: ElasticState) -> Group:
     """Make ``group`` (generation ``state.generation``, just formed) elastic: remember the
     settings and publish who holds each rank (peers use it to tell the dead)."""
-    group._elastic = state
+    group.attach_elastic(state)
     state.shared.current = group
-    group._closers.append(lambda: state.shared.close_store(group))
+    group.add_closer(lambda: state.shared.close_store(group))
     key = f"{state.prefix}/g{state.generation}/owner/{group.rank}"
     await state.shared.store.set(key, Owner.me(b"").pack())
     return group
@@ -207,10 +207,10 @@ async def _form(
         timeout=state.timeout,
         chunk_bytes=state.chunk_bytes,
         name=state.name,
+        store=store,
+        sync_closers=[endpoint.close],
+        closers=[endpoint.release],
     )
-    group.store = store
-    group._sync_closers.append(endpoint.close)
-    group._closers.append(endpoint.release)
     return await start(group, replace(state, generation=gen, owners={}, end_old=_nothing))
 
 

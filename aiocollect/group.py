@@ -47,6 +47,12 @@ class Group(GroupCore):
 
     # -- elastic groups (aiocollect.elastic) -----------------------------------------------
 
+    def attach_elastic(self, state: Any) -> None:
+        """Make this world group a generation of an elastic job: ``state`` is its
+        ``aiocollect.elastic.ElasticState``, which ``regroup`` and ``joiners`` delegate to
+        (called by ``aiocollect.elastic``, never by users)."""
+        self._elastic = state
+
     @property
     def generation(self) -> int:
         """How many regroups formed this group (0: the group ``open_group`` formed)."""

@@ -15,7 +15,7 @@ import heapq
 import logging
 import weakref
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from aiocollect.engine.fabric import Fabric
@@ -64,7 +64,14 @@ class GroupCore:
         chunk_bytes: int,
         name: str,
         parent: GroupCore | None = None,
+        store: Any = None,
+        closers: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
+        sync_closers: Sequence[Callable[[], None]] = (),
     ) -> None:
+        """``store``: the store the group was formed through (kept as :attr:`store`).
+        ``sync_closers`` run first and ``closers`` (awaited) next, each in order, when the
+        group closes or aborts: what the opener holds for it (its endpoint, an owned
+        store). More can be added later with :meth:`add_closer`."""
         self._fabric = fabric
         self._gid = gid
         self._ranks = ranks
@@ -81,7 +88,7 @@ class GroupCore:
         self._children: list[GroupCore] = []
         self._parent = parent
         self._closed = False
-        self.store: Any = None
+        self.store: Any = store
         self._send_counters: Counter[tuple[int, int]] = Counter()
         self._recv_counters: Counter[tuple[int, int]] = Counter()
         self._stats: Counter[str] = Counter()  # operations started, per kind
@@ -90,14 +97,19 @@ class GroupCore:
         self._watch_count = 0
         self._watch_at: float | None = None
         self._watch_handle: asyncio.TimerHandle | None = None
-        self._closers: list[Callable[[], Coroutine[Any, Any, None]]] = []
+        self._closers: list[Callable[[], Coroutine[Any, Any, None]]] = list(closers)
         #: The loop the group runs on, from its first one-frame operation (links are bound
         #: to one loop: a group is used on one).
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._sync_closers: list[Callable[[], None]] = []
+        self._sync_closers: list[Callable[[], None]] = list(sync_closers)
         #: What a collective's argument checks concluded, per (collective, dtype, size,
         #: op or root, algorithm) (group.py: a repeated call is one dict lookup).
         self._plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+    def add_closer(self, closer: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Await ``closer`` when the group closes or aborts, after those already given
+        (errors it raises are logged, not raised)."""
+        self._closers.append(closer)
 
     # -- state -----------------------------------------------------------------------------
 
