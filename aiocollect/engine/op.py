@@ -113,8 +113,9 @@ class Op:
         """Post a receive of frame (slot, chunk) from group rank ``peer`` into ``dest``
         (``hook``: see :meth:`~aiocollect.transport.base.Link.post_recv`)."""
         kind = self.kind
-        key = Key(kind, self.gid, self.seq if seq is None else seq, slot, chunk)
-        link = self.link(peer)
+        # tuple.__new__: a Key without its generated __new__'s Python frame (per receive)
+        key = _tuple_new(Key, (kind, self.gid, self.seq if seq is None else seq, slot, chunk))
+        link = self.fabric.links[self.ranks[peer]]
         # Every frame of a collective carries the op's fingerprint (checked against it by
         # the fabric): with it posted too, a transport can match the frame in one step.
         fut = link.post_recv(
@@ -143,7 +144,7 @@ class Op:
     def send_now(self, peer: int, slot: int, chunk: int, src: Array, seq: int | None = None) -> int:
         """Queue frame (slot, chunk) without waiting for the send window (one-frame
         operations, where it cannot matter). Returns the payload's size in bytes."""
-        link = self.link(peer)
+        link = self.fabric.links[self.ranks[peer]]
         data = _bytes(src)
         link.send(self.header(slot, chunk, len(data), seq), data)
         sent = self._sent
@@ -224,6 +225,7 @@ class Op:
 
 
 _bytes = byte_view
+_tuple_new = tuple.__new__
 
 
 def flat_blocks(arr: Array, parts: int) -> list[Array]:

@@ -70,6 +70,7 @@ class Schedule:
     """Runs ``steps`` of ``op`` in order and resolves ``handle`` with ``result``."""
 
     __slots__ = (
+        "_flushed",
         "_i",
         "_released",
         "_timing_out",
@@ -101,6 +102,7 @@ class Schedule:
         self.result = result
         self.timeout = timeout
         self._i = 0
+        self._flushed = True  # nothing this schedule sent is still queued in user space
         self._timing_out = False
         self._released = False
         self._waiting: asyncio.Future[None] | None = None  # the receive the schedule awaits
@@ -144,6 +146,7 @@ class Schedule:
                     fut = op.recv(step.peer, step.slot, 0, step.recv, hook=self._landed)
                 if step.send is not None:
                     op.send_now(step.peer, step.slot, 0, step.send)
+                    self._flushed = False
                 if fut is not None and not fut.done():
                     self._waiting = fut
                     fut.add_done_callback(self._landed)
@@ -153,8 +156,8 @@ class Schedule:
         except Exception as exc:
             self._fail(exc)
             return
-        if op.unsent():  # rare for one-frame messages: let a task wait for the socket
-            self._spawn(self._drain())
+        if not self._flushed and op.unsent():  # rare for one-frame messages: let a task
+            self._spawn(self._drain())  # wait for the socket
             return
         self._succeed()
 
@@ -171,10 +174,12 @@ class Schedule:
                 self._fail(exc)
                 return False
         step = self.steps[self._i]
-        if step.then is not None and step.send is not None and self.op.unsent():
-            # The callback may rewrite the buffer still queued for sending: wait first.
-            self._spawn(self._drain())
-            return False
+        if step.then is not None and step.send is not None:
+            if self.op.unsent():
+                # The callback may rewrite the buffer still queued for sending: wait first.
+                self._spawn(self._drain())
+                return False
+            self._flushed = True  # (the callback sends nothing: no second look at the end)
         return self._next()
 
     def _next(self) -> bool:
