@@ -15,8 +15,9 @@ What is checked is the contract of docs/design.md ("The Link contract"): frames 
 stream arrive in order and land in their posted receive; frames that arrive before their
 receive is posted are staged, up to ``early_limit`` (then ProtocolError), and a receive
 posted while its frame is half received still gets it; zero-length frames work for data
-and control; ``send`` after ``close`` raises an aiocollect error; ``drained()`` ends (or
-raises PeerDisconnected) once the peer is gone; ``fail()`` fails posted and later receives;
+and control; the merged ``sent_mark`` of frames the peer has received is released;
+``send`` after ``close`` raises an aiocollect error; ``drained()`` ends (or raises
+PeerDisconnected) once the peer is gone; ``fail()`` fails posted and later receives;
 ``close()`` delivers a queued ABORT before the connection ends, ``abort()`` ends it at once.
 
 Each check raises AssertionError (with what went wrong) on a violation; every wait is
@@ -36,7 +37,7 @@ from aiocollect.errors import AiocollectError, PeerDisconnected, ProtocolError
 from aiocollect.rendezvous.handshake import AcceptorHandshake, ConnectorHandshake
 from aiocollect.tls import TLSConfig
 from aiocollect.transport import host, memory, shm, tcp
-from aiocollect.transport.base import Handshaker, Link, LinkEvents
+from aiocollect.transport.base import Handshaker, Link, LinkEvents, SendMark
 from aiocollect.transport.interface import LinkSetup, Listener, Transport
 from aiocollect.transport.wire import ABORT, DATA, P2P, PING, Header, Key, pack_header
 
@@ -160,6 +161,27 @@ async def check_frames_in_order(make_pair: PairFactory) -> None:
                 f"stream {slot} arrived out of order: chunks {chunks}"
             )
         assert b.early_bytes == 0, "staged frames were not released once received"
+
+
+async def check_sent_marks(make_pair: PairFactory) -> None:
+    """``sent_mark`` after each send, merged over small and large frames (by reference
+    where the link pulls): once the peer has every frame, ``wait_released`` of the merged
+    mark returns and ``released`` holds; a frame's own mark may be released sooner."""
+    ra, rb = Recorder(), Recorder()
+    async with make_pair(ra, rb, MAX_FRAME) as (a, b):
+        mark: SendMark = None
+        pending = []
+        for i, n in enumerate((1000, 4 << 20, 10, 1 << 20)):
+            data = payload(n, i)
+            key, hdr = frame(P2P, 40 + i, data)
+            buf = bytearray(n)
+            pending.append((b.post_recv(key, memoryview(buf)), buf, data))
+            a.send(hdr, data)
+            mark = a.sent_mark(mark)
+        for fut, buf, data in pending:
+            await _received(fut, buf, data, f"a frame of {len(data)} bytes")
+        await within("the sent frames' mark to be released", a.wait_released(mark))
+        assert a.released(mark), f"mark {mark} not released after wait_released()"
 
 
 async def check_early_frames(make_pair: PairFactory) -> None:
@@ -341,6 +363,7 @@ async def check_close_flushes_abort(make_pair: PairFactory) -> None:
 
 LINK_CHECKS: tuple[Callable[[PairFactory], Awaitable[None]], ...] = (
     check_frames_in_order,
+    check_sent_marks,
     check_early_frames,
     check_staging_limit,
     check_post_while_arriving,

@@ -22,8 +22,12 @@ socket carries only doorbell bytes:
   of at least ``policy.pull_min`` bytes goes as a *reference record* (address and length,
   :mod:`aiocollect.transport.shm_ring`) and the reader copies it straight from the sender's
   array into its posted receive (:mod:`aiocollect.transport.cma`). The payload counts in
-  ``write_buffer_size`` until the reader reports it pulled, so ``drained`` (and an
-  operation's end) waits for that, exactly as for bytes still queued.
+  ``write_buffer_size`` until the reader reports it pulled, so ``drained`` waits for
+  that, exactly as for bytes still queued.
+- An operation's end waits only for its own frames (``sent_mark``): nothing for a frame
+  that went straight into the ring, else its place in the queue and its reference's
+  turn among the pulls (both advance in order), not for other operations' bulk frames
+  queued or unpulled on the same link.
 - Head-of-line blocking (off unless ``AIOCOLLECT_SHM_BULK_CAP`` is set to a byte count):
   a *bulk* frame (payload of at least ``tcp.BULK_MIN`` bytes) enters the ring only while
   the bulk bytes ahead of it (unread in the ring, queued for it, or sent by reference and
@@ -31,8 +35,8 @@ socket carries only doorbell bytes:
   writer's flag is armed so that the reader rings as it makes progress. Other frames enter
   the ring at once, ahead of the waiting bulk frames, unless a frame of their stream
   ``(kind, gid, seq, slot)`` is waiting. Off by default: every release then waits for the
-  reader's doorbell, which on the shared 2-core machine halved bulk bandwidth
-  (docs/benchmarks.md, *Head-of-line blocking*).
+  reader's doorbell, which on the shared 2-core machine cost 35-45 % of bulk bandwidth
+  at 1 and 2 MiB (docs/benchmarks.md, *Head-of-line blocking*).
 - The socket closing (a SIGKILLed peer's kernel closes it) is the loss of the peer; what
   the peer put in the ring before is still read first, so an ABORT frame is never lost.
 - A rank that finds a ring corrupt (either direction) sends its ABORT on the socket
@@ -111,7 +115,7 @@ class ShmLink(RingReader):
         self._queue_in = 0  # bytes ever queued for the ring
         self._queue_out = 0  # of those, bytes ever written into the ring
         self._mark: SendMark = None  # what the last send's payload waits for
-        self._mark_waiters = 0
+        self._mark_waits: list[SendMark] = []  # the marks wait_released waits for now
         self._wgen = 0
         self._rung_reader = 0  # the peer reader's generation we last rang for
         self._close_pending = False
@@ -390,7 +394,7 @@ class ShmLink(RingReader):
                     fence()
                     free = tx.free()
                     if not free:
-                        if self._mark_waiters:
+                        if self._mark_waits and self._marks_released():
                             self._wake_drain()
                         return
                     continue
@@ -431,7 +435,7 @@ class ShmLink(RingReader):
         if (
             drain is not None
             and not drain.done()
-            and (self._mark_waiters or self._all_pulled())
+            and (self._marks_released() if self._mark_waits else self._all_pulled())
             and not drain.done()
         ):
             drain.set_result(None)
@@ -609,7 +613,7 @@ class ShmLink(RingReader):
             await super().wait_released(mark)
             return
         spin_until = None
-        self._mark_waiters += 1
+        self._mark_waits.append(mark)
         try:
             while not self.released(mark):
                 if self.lost or self._tx_dead or self._tx is None:
@@ -633,10 +637,25 @@ class ShmLink(RingReader):
                     self._ring_drain = asyncio.get_running_loop().create_future()
                 await asyncio.shield(self._ring_drain)
         finally:
-            self._mark_waiters -= 1
+            self._mark_waits.remove(mark)
+
+    def _marks_released(self) -> bool:
+        """Whether the mark of a waiter (``wait_released``) is released now; if none is
+        and payloads are still to be pulled, the writer's flag is armed again (a new
+        generation) so that the reader rings once it pulls more (as ``_all_pulled``)."""
+        waits = self._mark_waits
+        if any(self.released(m) for m in waits):
+            return True
+        tx = self._tx
+        if tx is None or self._tx_dead or not self._refs:
+            return False
+        self._wgen += 1
+        tx.arm_writer(self._wgen)
+        fence()
+        return any(self.released(m) for m in waits)
 
     def _wake_drain(self) -> None:
-        """Progress for the frames waited on (their waiters check their marks again)."""
+        """The frames of a waiter's mark have left: its waiter (and any other) looks again."""
         drain = self._ring_drain
         if drain is not None and not drain.done():
             drain.set_result(None)

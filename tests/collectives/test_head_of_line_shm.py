@@ -71,10 +71,22 @@ async def small_ops_ahead_of_bulk(g: ac.Group) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("uvloop", [False, True], ids=["asyncio", "uvloop"])
-@pytest.mark.parametrize("transport", ["shm", "auto"])
+@pytest.mark.parametrize(
+    ("transport", "env"),
+    [
+        ("shm", {}),
+        ("auto", {}),
+        # ring copies only, the bulk cap on: the allreduce's frames beyond the cap are
+        # held back in the link, and the small frames go into the ring ahead of them
+        ("shm", {"AIOCOLLECT_SHM_PULL": "0", "AIOCOLLECT_SHM_BULK_CAP": str(1 << 20)}),
+    ],
+    ids=["shm", "auto", "shm-copies-capped"],
+)
 async def test_small_operations_end_while_bulk_frames_are_outstanding(
-    transport: str, uvloop: bool
+    transport: str, env: dict[str, str], uvloop: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     res = await spawn_ranks(
         2, small_ops_ahead_of_bulk, timeout=100, transport=transport, uvloop=uvloop
     )
