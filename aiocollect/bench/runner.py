@@ -160,27 +160,9 @@ def run_round(
         procs: list[subprocess.Popen[bytes]] = []
         try:
             for rank in range(plan.world_size):
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "aiocollect.bench.worker",
-                    "--backend",
-                    backend,
-                    "--rank",
-                    str(rank),
-                    "--world-size",
-                    str(plan.world_size),
-                    "--rendezvous",
-                    rendezvous,
-                    "--config",
-                    config,
-                    "--label",
-                    label,
-                    "--result",
-                    str(result),
-                ]
-                if name is not None and name != backend:
-                    cmd += ["--name", name]
+                cmd = worker_command(
+                    backend, rank, plan.world_size, rendezvous, config, label, result, name
+                )
                 # Worker stdout goes to our stderr: our stdout is the table.
                 procs.append(
                     subprocess.Popen(
@@ -194,6 +176,27 @@ def run_round(
             raise RoundFailed(f"{what} round {label}: rank 0 wrote no result")
         rounds: list[dict[str, Any]] = json.loads(result.read_text())
         return rounds[0]
+
+
+def worker_command(
+    backend: str,
+    rank: int,
+    world_size: int,
+    rendezvous: str,
+    config: str,
+    label: str,
+    result: Path,
+    name: str | None = None,
+) -> list[str]:
+    """The command line of one rank (``aiocollect.bench.worker``), started by this process:
+    the rank exits on its own once this process is gone (``--parent``)."""
+    cmd = [sys.executable, "-m", "aiocollect.bench.worker", "--backend", backend]
+    cmd += ["--rank", str(rank), "--world-size", str(world_size), "--rendezvous", rendezvous]
+    cmd += ["--config", config, "--label", label, "--result", str(result)]
+    cmd += ["--parent", str(os.getpid())]
+    if name is not None and name != backend:
+        cmd += ["--name", name]
+    return cmd
 
 
 def wait_all(procs: list[subprocess.Popen[bytes]], timeout: float, what: str) -> None:

@@ -154,9 +154,16 @@ def run_loop(loop: str, coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
-def _watch_parent() -> None:
-    """Exit when the parent process goes away (e.g. it was killed by SIGKILL)."""
-    parent = os.getppid()
+def _watch_parent(parent: int | None) -> None:
+    """Exit (status ``ORPHANED``) when the parent process goes away (e.g. it was killed by
+    SIGKILL, or interrupted while starting this rank), checked now and every 0.5 s.
+    ``parent`` is the pid of the process that started this one (``--parent``): a parent
+    that died while this rank was still importing is noticed too (``os.getppid()`` is
+    then already the reaper's pid). None: whatever parent this rank has now."""
+    if parent is None:
+        parent = os.getppid()
+    elif os.getppid() != parent:
+        os._exit(ORPHANED)
 
     def watch() -> None:
         while True:
@@ -187,8 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--label", required=True)
     parser.add_argument("--result", type=Path, required=True)
     parser.add_argument("--name", help="tag of the progress lines (default: the backend)")
+    parser.add_argument("--parent", type=int, help="pid of the process that started it")
     ns = parser.parse_args(argv)
-    _watch_parent()
+    _watch_parent(ns.parent)
     cfg, opts = decode(ns.config)
     try:
         if ns.backend == "aiocollect":

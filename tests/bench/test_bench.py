@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -245,43 +246,89 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
+#: 4 B (done in a moment), then 32 MiB (far longer than the test), 1000 iterations each.
+_TWO_CASES = ("--sizes", "4,32M", "--iters", "1000", "--warmup", "1", "--rounds", "1")
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
 def test_interrupt_stops_every_rank(tmp_path: Path) -> None:
+    """SIGINT to ``aiocollect bench`` while its ranks measure stops every rank. The signal
+    goes once rank 0 printed the first case's line (4 B, 1000 iterations): both ranks are
+    then running and in their group, measuring the second (32 MiB, 1000 iterations, far
+    longer than the test). (It was sent after polling for two children and a 1 s sleep,
+    which on a loaded machine could be before the ranks had started.)"""
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "aiocollect",
-            "bench",
-            "allreduce",
-            "-n",
-            "2",
-            "--sizes",
-            "4",
-            "--iters",
-            "20000000",
-            "--rounds",
-            "1",
-        ],
+        [sys.executable, "-m", "aiocollect", "bench", "allreduce", "-n", "2", *_TWO_CASES],
         cwd=tmp_path,
-        stdout=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        deadline = time.monotonic() + 30
-        ranks: list[int] = []
-        while len(ranks) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-            ranks = _children(proc.pid)
-        assert len(ranks) == 2, "the rank processes did not start"
-        time.sleep(1.0)  # let them form the group and start measuring
+        assert proc.stderr is not None
+        seen: list[str] = []
+        for line in proc.stderr:  # bounded by the test's timeout
+            seen.append(line)
+            if line.startswith("[aiocollect r1/1 allreduce 4]"):
+                break
+        else:
+            pytest.fail("the benchmark ended before its first case:\n" + "".join(seen))
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2, (ranks, seen)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=20)
     finally:
         proc.kill()
+        proc.wait()
+    err = "".join(seen) + err
     assert proc.returncode == 130, err
     assert "interrupted" in err
     for pid in ranks:
         assert not Path(f"/proc/{pid}").exists(), f"rank pid {pid} survived"
+
+
+_ORPHAN_PARENT = """\
+import os, subprocess, sys
+from pathlib import Path
+from aiocollect.bench.runner import worker_command
+from aiocollect.bench.spec import Case
+from aiocollect.bench.sweep import SweepConfig
+from aiocollect.bench.worker import RankOptions, encode
+
+config = encode(SweepConfig([Case("allreduce", 4)], "float32", 1, 5, 0.1), RankOptions())
+cmd = worker_command("aiocollect", 1, 2, sys.argv[1], config, "x", Path("r.json"))
+quiet = subprocess.DEVNULL
+rank = subprocess.Popen(cmd, stdin=quiet, stdout=quiet, stderr=quiet)
+print(rank.pid, flush=True)
+os._exit(0)  # gone while its rank still starts (as when interrupted inside Popen)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd_open (Linux 5.3)")
+def test_a_rank_whose_parent_died_while_it_started_exits(tmp_path: Path) -> None:
+    """A bench rank whose parent is gone before the rank's parent watch starts exits at once
+    (status ORPHANED) instead of waiting for a group that never forms: it once took the
+    pid of the process it had been reparented to for its parent, and ran on, keeping
+    ``aiocollect bench``'s stderr open (a SIGINT test timed out on it)."""
+    parent = subprocess.run(
+        [sys.executable, "-c", _ORPHAN_PARENT, f"tcp://127.0.0.1:{free_port()}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    pid = int(parent.stdout)
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # already gone
+    try:
+        ready, _, _ = select.select([fd], [], [], 30)  # readable once the process ended
+        if not ready:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+    finally:
+        os.close(fd)
+    assert ready, f"the orphaned rank (pid {pid}) still ran 30 s after its parent died"
