@@ -7,7 +7,9 @@ Modes: ``memory`` (ranks in one process, on both loops), and in real processes `
 and ``auto`` (the default a same-host user gets: shared memory with pulls where the kernel
 allows it).
 
-A stall shows as a PeerTimeout after ``OP_TIMEOUT`` seconds, well inside the test's bound.
+A stall shows as a PeerTimeout after ``op_timeout()`` seconds (30 s on a machine with a
+core per runnable process, up to 4 times that when it is oversubscribed), inside the
+test's bound.
 """
 
 from __future__ import annotations
@@ -24,11 +26,23 @@ from tests.stress import targets
 
 ROUNDS = 2
 OPS = 32
+#: Seconds an operation may take on a machine that is not oversubscribed. An operation's
+#: deadline runs from its call, and a round calls all of its operations at once, so the
+#: last one's covers the whole round: about 1.4 s of CPU per rank at world 4, which took
+#: 20 s of wall time at load average 18 on 2 cores (tcp and tls alike, measured).
 OP_TIMEOUT = 30.0
+#: The most ``op_timeout`` stretches OP_TIMEOUT on a loaded machine.
+MAX_STRETCH = 4.0
 PROCESS_MODES = ["tcp", "tls", "shm", "shm-nopull", "auto"]
 WORLDS = [2, 3, 4]
 
-pytestmark = pytest.mark.timeout(240)
+
+def op_timeout() -> float:
+    """OP_TIMEOUT times the machine's oversubscription now (1-minute load average per
+    core, between 1 and MAX_STRETCH): a round that only waits for CPU time is not a stall,
+    and a stall (no progress at all) still fails as a PeerTimeout, at most 120 s on."""
+    cores = os.cpu_count() or 1
+    return OP_TIMEOUT * min(MAX_STRETCH, max(1.0, os.getloadavg()[0] / cores))
 
 
 def _check(res: list[dict[str, int]], world: int) -> None:
@@ -40,7 +54,7 @@ def _check(res: list[dict[str, int]], world: int) -> None:
     assert len(kinds) >= 10, kinds
 
 
-async def tls_stress(g: Any, certs: Any, seed: int) -> dict[str, int]:
+async def tls_stress(g: Any, certs: Any, seed: int, timeout: float) -> dict[str, int]:
     """Open a TLS group beside the spawned one (certificates cannot be pickled as
     contexts) and stress it."""
     import aiocollect as ac
@@ -54,7 +68,7 @@ async def tls_stress(g: Any, certs: Any, seed: int) -> dict[str, int]:
         transport="tls",
         ssl=tls.contexts(cert, key, certs.ca),
         name="stress-tls",
-        timeout=OP_TIMEOUT,
+        timeout=timeout,
     ) as t:
         return await targets.stress(t, seed, ROUNDS, OPS)
 
@@ -65,6 +79,8 @@ async def tls_stress(g: Any, certs: Any, seed: int) -> dict[str, int]:
 FULL = os.environ.get("AIOCOLLECT_STRESS") == "full"
 if FULL:
     ROUNDS = 8
+#: Beyond a whole run's operation deadlines (spawn_ranks' bound) at the largest stretch.
+pytestmark = pytest.mark.timeout(ROUNDS * OP_TIMEOUT * MAX_STRETCH + 180)
 QUICK_WORLDS = {"auto": WORLDS, "shm": [2, 4], "shm-nopull": [3], "tcp": [3], "tls": [4]}
 CASES = [
     (mode, uv, world)
@@ -83,7 +99,9 @@ async def test_stress_in_processes(
     mode: str, uvloop: bool, world: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seed = 100 * world + PROCESS_MODES.index(mode) * 10 + uvloop
-    options: dict[str, Any] = {"uvloop": uvloop, "group_timeout": OP_TIMEOUT}
+    timeout = op_timeout()
+    bound = max(200.0, ROUNDS * timeout + 60)  # a stall in the last round fails inside it
+    options: dict[str, Any] = {"uvloop": uvloop, "group_timeout": timeout}
     if mode == "shm-nopull":
         monkeypatch.setenv(cma.ENV, "0")
     if mode in ("shm", "shm-nopull", "auto"):
@@ -92,16 +110,16 @@ async def test_stress_in_processes(
         from tests.failure.conftest import make_certs
 
         certs = make_certs(tmp_path, world)
-        res = await spawn_ranks(world, tls_stress, certs, seed, timeout=200, **options)
+        res = await spawn_ranks(world, tls_stress, certs, seed, timeout, timeout=bound, **options)
     else:
-        res = await spawn_ranks(world, targets.stress, seed, ROUNDS, OPS, timeout=200, **options)
+        res = await spawn_ranks(world, targets.stress, seed, ROUNDS, OPS, timeout=bound, **options)
     _check(res, world)
 
 
 @pytest.mark.parametrize("world", WORLDS)
 async def test_stress_memory(world: int) -> None:
     """Ranks in one process (memory links); run on asyncio and uvloop (tests/conftest.py)."""
-    res = await run_ranks(world, targets.stress, 7 * world, ROUNDS, OPS, timeout=OP_TIMEOUT)
+    res = await run_ranks(world, targets.stress, 7 * world, ROUNDS, OPS, timeout=op_timeout())
     _check(res, world)
 
 
