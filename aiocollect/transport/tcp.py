@@ -33,7 +33,14 @@ from typing import Any, cast
 import msgpack
 
 from aiocollect.errors import PeerDisconnected, ProtocolError, RendezvousError
-from aiocollect.transport.base import COPIES, Handshaker, Link, LinkCaps, LinkEvents
+from aiocollect.transport.base import (
+    COPIES,
+    Handshaker,
+    Link,
+    LinkCaps,
+    LinkEvents,
+    SendMark,
+)
 from aiocollect.transport.handshake_stream import HandshakeStream
 from aiocollect.transport.interface import LinkSetup, Listener, Record, Screen, Transport
 from aiocollect.transport.wire import (
@@ -132,6 +139,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         #: (header, payload, stream), with the bytes and the streams they hold.
         self._bulk: deque[tuple[bytes, memoryview | bytes, bytes]] = deque()
         self._bulk_bytes = 0
+        self._copied = False  # the last send's payload was copied (joined to its header)
         self._bulk_streams: Counter[bytes] = Counter()
 
     # -- connection lifecycle --------------------------------------------------------------
@@ -406,6 +414,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         n = len(payload)
         self.bytes_sent += n
         self.frames_sent += 1
+        self._copied = False
         if n >= BULK_MIN:
             if self._bulk or self._must_wait(transport, n):
                 self._queue_bulk(header, payload, stream_of(header))
@@ -419,6 +428,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
             transport.writelines((header, payload))
         else:  # one buffer: the event loop writes it with one plain write()
             transport.write(header + payload if n else header)
+            self._copied = True
 
     def _queue_bulk(self, header: bytes, payload: memoryview | bytes, stream: bytes) -> None:
         self._bulk.append((header, payload, stream))
@@ -467,6 +477,13 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         self._bulk.clear()
         self._bulk_bytes = 0
         self._bulk_streams.clear()
+
+    def sent_mark(self, prev: SendMark = None) -> SendMark:
+        """A small frame joined to its header was copied: nothing of the caller's memory
+        is kept, whatever is queued ahead of it; any other waits for the drain."""
+        if self._copied:
+            return prev
+        return super().sent_mark(prev)
 
     def write_buffer_size(self) -> int:
         if self.transport is None:
