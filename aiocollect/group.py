@@ -23,7 +23,7 @@ from aiocollect.collectives import registry
 from aiocollect.collectives.checks import check_rank, check_tag, divisible, output, reduction
 from aiocollect.engine.op import Op, split_even
 from aiocollect.errors import ProtocolError, UsageError
-from aiocollect.fingerprint import pack
+from aiocollect.fingerprint import Fingerprint, pack
 from aiocollect.group_core import GroupCore
 from aiocollect.transport.wire import P2P, Key
 from aiocollect.types import Collective, OpLike, ReduceOp
@@ -97,7 +97,7 @@ class Group(GroupCore):
         if dst == self.rank:
             raise UsageError("send to self: dst must differ from this rank")
         tag = check_tag(tag)
-        fp = pack(Collective.SEND, arr)
+        fp = self._p2p_fingerprint(arr)
         counter = self._next_send(dst, tag)
 
         async def body(op: Op) -> None:
@@ -118,7 +118,7 @@ class Group(GroupCore):
         if self.world_size == 1:
             raise UsageError("recv in a group of one rank can never complete")
         tag = check_tag(tag)
-        fp = pack(Collective.SEND, arr)
+        fp = self._p2p_fingerprint(arr)
         counter = -1 if src is None else self._next_recv(src, tag)
 
         async def body(op: Op) -> int:
@@ -128,6 +128,15 @@ class Group(GroupCore):
             return source
 
         return self._start("recv", fp, body, timeout, p2p=(max(counter, 0), tag))
+
+    def _p2p_fingerprint(self, arr: Array) -> Fingerprint:
+        """send's and recv's fingerprint of ``arr``, remembered per (dtype, size)."""
+        key = ("p2p", arr.dtype, arr.size)
+        plan = self._plan(key)
+        if plan is None:
+            plan = self._remember(key, (pack(Collective.SEND, arr),))
+        fp: Fingerprint = plan[0]
+        return fp
 
     async def _match_any(self, tag: int) -> tuple[int, int]:
         """Claim the first pending message with ``tag`` from any rank."""
@@ -148,10 +157,15 @@ class Group(GroupCore):
         self, *, timeout: float | None = None, algorithm: str | None = None
     ) -> asyncio.Task[None]:
         """Complete once every rank has entered the barrier (dissemination)."""
-        alg = registry.BARRIER.choose(algorithm, 0, self.world_size)
-        return self._start(
-            "barrier", pack(Collective.BARRIER, None, algorithm=alg.name), alg.run, timeout
-        )
+        key = ("barrier", algorithm)
+        plan = self._plan(key)
+        if plan is None:
+            alg = registry.BARRIER.choose(algorithm, 0, self.world_size)
+            plan = self._remember(
+                key, (pack(Collective.BARRIER, None, algorithm=alg.name), alg.run)
+            )
+        fp, run = plan
+        return self._start("barrier", fp, run, timeout)
 
     def broadcast(
         self, buf: B, *, root: int = 0, timeout: float | None = None, algorithm: str | None = None

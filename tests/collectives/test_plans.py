@@ -113,3 +113,39 @@ async def test_mismatch_on_warm_plans_raises_on_every_rank(transport: str, case:
         return "no error"
 
     assert await run_ranks(2, body, transport=transport, timeout=20) == ["MismatchError"] * 2
+
+
+async def test_send_recv_and_barrier_plans() -> None:
+    """send/recv remember their fingerprint per (dtype, size), barrier per algorithm: warm
+    ones for two sizes still tell a size mismatch, and a bad algorithm raises each time."""
+
+    async def body(g: ac.Group) -> str:
+        small, large = np.zeros(4, np.float32), np.zeros(8, np.float32)
+        for _ in range(3):
+            for buf in (small, large, np.zeros(4, np.float64)):
+                if g.rank == 0:
+                    buf[:] = 7
+                    await g.send(buf, 1)
+                else:
+                    buf[:] = 0
+                    assert await g.recv(buf, 0) == 0
+                    assert (buf == 7).all()
+            await g.barrier()
+            with pytest.raises(ac.UsageError):
+                g.barrier(algorithm="nope")
+        if g.rank == 0:
+            await g.send(large, 1)
+            try:
+                await g.barrier()
+            except ac.GroupBrokenError as exc:
+                return type(exc.__cause__).__name__
+            except ac.MismatchError:
+                return "MismatchError"
+            return "no error"
+        try:
+            await g.recv(small, 0)
+        except ac.MismatchError:
+            return "MismatchError"
+        return "no error"
+
+    assert await run_ranks(2, body, transport="tcp", timeout=20) == ["MismatchError"] * 2
