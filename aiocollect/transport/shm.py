@@ -531,6 +531,17 @@ class ShmLink(RingReader):
                 self._tx_failed(exc)
         return self._queued + self._ref_bytes + self._held_bytes
 
+    def _spin_step(self, until: float | None) -> tuple[float | None, bool]:
+        """One look of a busy-wait for the reader's pulls: the wait's deadline (set at the
+        first look, kept once passed, so a wait spins once) and whether to spin this turn
+        (False once it passed or when spinning is off)."""
+        if self.policy.spin <= 0:
+            return until, False
+        now = time.perf_counter()
+        if until is None:
+            until = now + self.policy.spin
+        return until, now < until
+
     async def drained(self) -> None:
         """Wait until everything queued is in the ring and every payload sent by
         reference has been pulled (spinning first, like a waiting reader, when the policy
@@ -553,13 +564,10 @@ class ShmLink(RingReader):
             if not self._queue:
                 if self.write_buffer_size() == 0:
                     return
-                if self.policy.spin > 0:
-                    now = time.perf_counter()
-                    if spin_until is None:
-                        spin_until = now + self.policy.spin
-                    if now < spin_until:
-                        await asyncio.sleep(0)
-                        continue
+                spin_until, spinning = self._spin_step(spin_until)
+                if spinning:
+                    await asyncio.sleep(0)
+                    continue
                 if self._all_pulled():
                     continue
             if self._ring_drain is None or self._ring_drain.done():
@@ -621,13 +629,10 @@ class ShmLink(RingReader):
                         f"link to {self.describe()} closed", self.peer
                     )
                 if self._queue_out >= mark[0]:  # only its pull is outstanding
-                    if self.policy.spin > 0:
-                        now = time.perf_counter()
-                        if spin_until is None:
-                            spin_until = now + self.policy.spin
-                        if now < spin_until:
-                            await asyncio.sleep(0)
-                            continue
+                    spin_until, spinning = self._spin_step(spin_until)
+                    if spinning:
+                        await asyncio.sleep(0)
+                        continue
                     self._wgen += 1
                     self._tx.arm_writer(self._wgen)  # the reader rings once it pulls more
                     fence()
