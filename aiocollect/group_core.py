@@ -123,12 +123,10 @@ class GroupCore:
         return self._fabric.failure is not None
 
     def _check_usable(self) -> None:
-        """Raise UsageError if closed, GroupBrokenError if broken. Once per operation, so
-        the usable case is three attribute tests and no further call."""
-        if self._closed or (self._parent is not None and self._parent.closed):
+        """Raise UsageError if closed, GroupBrokenError if broken."""
+        if self.closed:
             raise UsageError(f"group {self.name!r} is closed")
-        if self._fabric.failure is not None:
-            self._fabric.check()
+        self._fabric.check()
 
     def statistics(self) -> Statistics:
         """Counters: operations started and completed per kind, bytes and frames moved per

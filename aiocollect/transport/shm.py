@@ -175,8 +175,6 @@ class ShmLink(RingReader):
         if segment is not None:
             segment.close()
 
-    # -- reading ---------------------------------------------------------------------------
-
     # -- sending ---------------------------------------------------------------------------
 
     def send(self, header: bytes, payload: memoryview | bytes) -> None:
@@ -241,9 +239,7 @@ class ShmLink(RingReader):
         tx = self._tx
         if tx is None or self._tx_dead:
             return
-        self._wgen += 1
-        tx.arm_writer(self._wgen)
-        fence()
+        self._arm_writer(tx)
         if not self._must_hold(len(self._held[0][1])):
             asyncio.get_running_loop().call_soon(self._release_held)
 
@@ -389,9 +385,7 @@ class ShmLink(RingReader):
                     if wrote:
                         self._publish(tx)
                         wrote = False
-                    self._wgen += 1
-                    tx.arm_writer(self._wgen)
-                    fence()
+                    self._arm_writer(tx)
                     free = tx.free()
                     if not free:
                         if self._mark_waits and self._marks_released():
@@ -455,7 +449,7 @@ class ShmLink(RingReader):
         if tx is None:
             return
         refs = self._refs
-        before = self._refs_sent - len(refs)  # pulls already let go of
+        before = self._refs_let_go
         done = tx.pulled()
         if done == before:
             return
@@ -473,6 +467,18 @@ class ShmLink(RingReader):
             if drain is not None and not drain.done():
                 drain.set_result(None)
 
+    def _arm_writer(self, tx: Ring) -> None:
+        """Arm the writer's flag of ``tx`` with a new generation, so that the reader rings
+        once it reads or pulls more (the fence orders the flag before a last look)."""
+        self._wgen += 1
+        tx.arm_writer(self._wgen)
+        fence()
+
+    @property
+    def _refs_let_go(self) -> int:
+        """References sent whose payloads the reader has pulled (counted in order)."""
+        return self._refs_sent - len(self._refs)
+
     def _all_pulled(self) -> bool:
         """Whether every payload sent by reference has been pulled; if not, the writer's
         flag is armed (a new generation) so that the reader rings once it pulls more."""
@@ -482,9 +488,7 @@ class ShmLink(RingReader):
         try:
             self._reap()
             if self._refs:
-                self._wgen += 1
-                tx.arm_writer(self._wgen)
-                fence()
+                self._arm_writer(tx)
                 self._reap()
         except ProtocolError as exc:
             self._tx_failed(exc)
@@ -602,13 +606,13 @@ class ShmLink(RingReader):
         queued, ref = mark
         if self._queue_out < queued:
             return False
-        if ref > self._refs_sent - len(self._refs):
+        if ref > self._refs_let_go:
             try:
                 self._reap()
             except ProtocolError as exc:
                 self._tx_failed(exc)
                 return False
-            return ref <= self._refs_sent - len(self._refs)
+            return ref <= self._refs_let_go
         return True
 
     async def wait_released(self, mark: SendMark) -> None:
@@ -633,9 +637,7 @@ class ShmLink(RingReader):
                     if spinning:
                         await asyncio.sleep(0)
                         continue
-                    self._wgen += 1
-                    self._tx.arm_writer(self._wgen)  # the reader rings once it pulls more
-                    fence()
+                    self._arm_writer(self._tx)  # the reader rings once it pulls more
                     if self.released(mark):
                         return
                 if self._ring_drain is None or self._ring_drain.done():
@@ -654,9 +656,7 @@ class ShmLink(RingReader):
         tx = self._tx
         if tx is None or self._tx_dead or not self._refs:
             return False
-        self._wgen += 1
-        tx.arm_writer(self._wgen)
-        fence()
+        self._arm_writer(tx)
         return any(self.released(m) for m in waits)
 
     def _wake_drain(self) -> None:
