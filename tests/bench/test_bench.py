@@ -6,6 +6,7 @@ positive numbers, writes its files, rejects bad arguments and cleans up its rank
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -13,6 +14,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -250,6 +252,50 @@ def _children(pid: int) -> list[int]:
 _TWO_CASES = ("--sizes", "4,32M", "--iters", "1000", "--warmup", "1", "--rounds", "1")
 
 
+#: ``python -m aiocollect`` with a stack dump of every thread on SIGUSR1 (what a stalled
+#: run shows the test); the entry point is the same module ``-m aiocollect`` runs.
+_CLI_WITH_DUMP = (
+    "import faulthandler, runpy, signal, sys; "
+    "faulthandler.register(signal.SIGUSR1, all_threads=True); "
+    "sys.argv[0] = 'aiocollect'; runpy.run_module('aiocollect', run_name='__main__')"
+)
+
+
+def _state(pid: int) -> str:
+    """One line on a process: its state and the kernel function it sleeps in."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return f"{pid}: gone"
+    state = next((line for line in status if line.startswith("State:")), "State: ?")
+    return f"{pid}: {state}, wchan {wchan}"
+
+
+def _stalled(proc: subprocess.Popen[str], ranks: list[int]) -> str:
+    """What a run that did not stop in time was doing: the processes' states and the
+    parent's Python stacks (faulthandler on SIGUSR1, read for up to 2 s)."""
+    lines = [_state(pid) for pid in [proc.pid, *ranks]]
+    with contextlib.suppress(OSError):
+        proc.send_signal(signal.SIGUSR1)
+    assert proc.stderr is not None
+    fd = proc.stderr.fileno()
+    os.set_blocking(fd, False)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + 2.0
+    while (left := deadline - time.monotonic()) > 0:
+        if not select.select([fd], [], [], left)[0]:
+            break
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            continue
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return "\n".join(lines) + "\n" + b"".join(chunks).decode(errors="replace")[-6000:]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
 def test_interrupt_stops_every_rank(tmp_path: Path) -> None:
@@ -257,30 +303,32 @@ def test_interrupt_stops_every_rank(tmp_path: Path) -> None:
     goes once rank 0 printed the first case's line (4 B, 1000 iterations): both ranks are
     then running and in their group, measuring the second (32 MiB, 1000 iterations, far
     longer than the test). (It was sent after polling for two children and a 1 s sleep,
-    which on a loaded machine could be before the ranks had started.)"""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "aiocollect", "bench", "allreduce", "-n", "2", *_TWO_CASES],
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stderr is not None
-        seen: list[str] = []
-        for line in proc.stderr:  # bounded by the test's timeout
-            seen.append(line)
-            if line.startswith("[aiocollect r1/1 allreduce 4]"):
-                break
-        else:
-            pytest.fail("the benchmark ended before its first case:\n" + "".join(seen))
-        ranks = _children(proc.pid)
-        assert len(ranks) == 2, (ranks, seen)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=20)
-    finally:
-        proc.kill()
-        proc.wait()
+    which on a loaded machine could be before the ranks had started.) A run that has not
+    stopped 20 s after the signal fails with its processes' states and the parent's
+    stacks, and the pipe is closed whatever happens."""
+    cmd = [sys.executable, "-c", _CLI_WITH_DUMP, "bench", "allreduce", "-n", "2", *_TWO_CASES]
+    with subprocess.Popen(
+        cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            assert proc.stderr is not None
+            seen: list[str] = []
+            for line in proc.stderr:  # bounded by the test's timeout
+                seen.append(line)
+                if line.startswith("[aiocollect r1/1 allreduce 4]"):
+                    break
+            else:
+                pytest.fail("the benchmark ended before its first case:\n" + "".join(seen))
+            ranks = _children(proc.pid)
+            assert len(ranks) == 2, (ranks, seen)
+            proc.send_signal(signal.SIGINT)
+            try:
+                _, err = proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                pytest.fail("not stopped 20 s after SIGINT:\n" + _stalled(proc, ranks))
+        finally:
+            proc.kill()
+            proc.wait()
     err = "".join(seen) + err
     assert proc.returncode == 130, err
     assert "interrupted" in err

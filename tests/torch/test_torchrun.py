@@ -50,11 +50,12 @@ def test_every_collective_matches_gloo_and_errors_propagate() -> None:
         "future failed with the error",
         "next call raises GroupBrokenError",
         "ddp: check() reports the failed allreduce",
-        "peer death: wait() raises PeerDisconnected",
     ):
         assert name in passed, f"{name!r} did not run\n{tail(run.output)}"
     assert any(p.startswith("ddp 20 steps") for p in passed)
     assert any(p.startswith("ddp: the next backward raises") for p in passed)
+    # PeerDisconnected, or GroupBrokenError from it when the loss was seen first
+    assert any(p.startswith("peer death: wait() raises ") for p in passed), tail(run.output)
 
 
 def _reference(steps: int, world: int) -> list[torch.Tensor]:
