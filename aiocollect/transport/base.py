@@ -18,6 +18,11 @@ The receive-side contract, what a transport must keep to:
   header, before the next ``_begin_frame``. The view may be the posted receive's own
   memory; the payload may arrive in pieces across loop passes, and receives may be posted
   meanwhile (the mailbox checks for one when the frame ends).
+- Frames beside the current one: a transport whose payloads complete out of the order it
+  reads their headers in (shared memory pulls referenced payloads out of the peer's memory
+  while it reads on) begins such a frame with ``_begin_aside`` and ends it with
+  ``_end_aside(token)``; the frame read meanwhile stays current. Receivers match frames by
+  key, so frames of different keys may land in any order.
 - When ``_begin_frame`` returns None, the error has gone to ``events.on_error`` (the fabric
   fails and closes the link): read nothing more into the mailbox, and no ``_end_frame``.
 - Nothing after ``fail``: whoever fails a link closes it, and a closed link delivers no
@@ -159,7 +164,15 @@ Hook = Callable[[asyncio.Future[None]], None]
 #: that the shared-memory link's classes use nothing else underscored that is not their
 #: own.
 TRANSPORT_HOOKS = frozenset(
-    {"_begin_frame", "_end_frame", "_raise_error", "_staging_full", "_staging_relieved"}
+    {
+        "_begin_aside",
+        "_begin_frame",
+        "_end_aside",
+        "_end_frame",
+        "_raise_error",
+        "_staging_full",
+        "_staging_relieved",
+    }
 )
 
 
@@ -189,6 +202,10 @@ class _Recv:
             except Exception:  # a bug above us must not break the link's reading
                 log.exception("receive hook failed")
 
+
+#: A frame begun beside the current one (:meth:`Link._begin_aside`): its header, and the
+#: receive or the staging buffer its payload goes to.
+Aside = tuple[Header, _Recv | None, bytearray | None]
 
 #: What :meth:`Link.sent_mark` returns: None (nothing to wait for), :data:`DRAIN`, or a
 #: transport's own pair of positions (see :meth:`Link.sent_mark` of the transport).
@@ -222,6 +239,7 @@ class Link(abc.ABC):
         self._frame: Header | None = None
         self._frame_recv: _Recv | None = None
         self._frame_staging: bytearray | None = None
+        self._asides: list[Aside] = []  # frames begun beside the current one, not ended
         self._recv_loop: asyncio.AbstractEventLoop | None = None  # the loop receives run on
 
     # -- receiving -------------------------------------------------------------------------
@@ -270,8 +288,14 @@ class Link(abc.ABC):
 
     def has_frame(self, key: Key) -> bool:
         """Whether a frame with ``key`` arrived (or is arriving) with no receive posted."""
-        return key in self._early or (
-            self._frame is not None and self._frame_staging is not None and self._frame.key == key
+        return (
+            key in self._early
+            or (
+                self._frame is not None
+                and self._frame_staging is not None
+                and self._frame.key == key
+            )
+            or any(staging is not None and h.key == key for h, _, staging in self._asides)
         )
 
     def unpost(self, key: Key) -> None:
@@ -371,6 +395,36 @@ class Link(abc.ABC):
         if self._early_bytes > STAGING_LIMIT:
             self._staging_full()
 
+    def _begin_aside(self, h: Header) -> tuple[memoryview, Aside] | None:
+        """Begin frame ``h`` as :meth:`_begin_frame` does, but beside the current frame,
+        which stays current: returns where the payload goes and the token to end it with
+        (:meth:`_end_aside`), once all of it is in place. None: refused, as for
+        ``_begin_frame`` (the error has been reported; no ``_end_aside``)."""
+        saved = (self._frame, self._frame_recv, self._frame_staging)
+        self._frame = self._frame_recv = self._frame_staging = None
+        try:
+            dest = self._begin_frame(h)
+            token: Aside = (h, self._frame_recv, self._frame_staging)
+        finally:
+            self._frame, self._frame_recv, self._frame_staging = saved
+        if dest is None:
+            return None
+        self._asides.append(token)
+        return dest, token
+
+    def _end_aside(self, token: Aside) -> None:
+        """The payload of the frame begun by :meth:`_begin_aside` is complete (a frame the
+        link was failed during is dropped: its receive failed with the link)."""
+        if not any(t is token for t in self._asides):
+            return
+        self._asides = [t for t in self._asides if t is not token]
+        saved = (self._frame, self._frame_recv, self._frame_staging)
+        self._frame, self._frame_recv, self._frame_staging = token
+        try:
+            self._end_frame()
+        finally:
+            self._frame, self._frame_recv, self._frame_staging = saved
+
     def fail(self, exc: BaseException, drop_early: bool = True) -> None:
         """Fail every posted receive (and any posted later) with ``exc``. Frames that
         already arrived stay receivable unless ``drop_early``."""
@@ -380,6 +434,10 @@ class Link(abc.ABC):
         if self._frame_recv is not None:  # its payload was arriving: it never will now
             posted[("in-progress",)] = self._frame_recv  # type: ignore[index]
             self._frame_recv = None
+        for i, (_, recv, _) in enumerate(self._asides):  # (likewise)
+            if recv is not None:
+                posted[("aside", i)] = recv  # type: ignore[index]
+        self._asides = []
         for recv in posted.values():
             if not recv.fut.done():
                 recv.fut.set_exception(exc)

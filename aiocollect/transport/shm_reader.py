@@ -18,11 +18,12 @@ import asyncio
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from aiocollect.errors import ProtocolError
 from aiocollect.transport import cma
-from aiocollect.transport.base import Fingerprint, Handshaker, Hook, LinkEvents
+from aiocollect.transport.base import Aside, Fingerprint, Handshaker, Hook, LinkEvents
 from aiocollect.transport.shm_ring import (
     REF_DESC,
     REF_MAGIC_BYTES,
@@ -69,6 +70,10 @@ SPIN_ENV = "AIOCOLLECT_SHM_SPIN_US"
 #: Most bytes pulled out of the peer's memory in one go; a larger payload is pulled in
 #: steps, and every step (and every pulled frame) ends with a turn of the event loop, so
 #: that the operation waiting for the frame reduces it and sends on before the next pull.
+#: Reference records are taken out of the ring as they come (the pulls queue up, in
+#: order), so a small frame behind them is read at once instead of after their pulls,
+#: unless it belongs to the stream (kind, group, seq, slot) of a queued pull: frames of one
+#: stream land in order, so the ring then waits for that stream's pulls.
 PULL_STEP = 1024 * 1024
 REF_SIZE = HEADER_SIZE + REF_DESC.size
 _MAGIC_BYTES = MAGIC.to_bytes(2, "little")
@@ -134,6 +139,7 @@ class RingReader(StreamLink):
         self._rx_dead = False
         self._rx_paused = False  # too many early frames staged: leave the rest in the ring
         self._parked: Key | None = None
+        self._parked_in_ring = False  # the parked frame holds the ring (else the pulls)
         self._parked_op: tuple[int, int] | None = None
         self._unparked_op: tuple[int, int] | None = None
         self._park_timer: asyncio.TimerHandle | None = None
@@ -141,9 +147,15 @@ class RingReader(StreamLink):
         self._rgen = 1  # our reader's sleep generation; a new segment starts armed at 1
         self._rung_writer = 0  # the peer writer's generation we last rang for
         self._peer_pid = 0  # whose memory reference records point into
-        self._ref_addr: int | None = None  # the payload being pulled: its address there
+        #: Reference records taken out of the ring, to pull in order: header and address.
+        self._pulls: deque[tuple[Header, int]] = deque()
+        #: The pull under way: where it goes, its token (Link._begin_aside), its address.
+        self._pulling: tuple[memoryview, Aside, int] | None = None
+        self._pgot = 0  # bytes of it pulled so far
+        #: Streams (kind, group, seq, slot) with queued or underway pulls: how many each.
+        self._pull_streams: dict[tuple[int, ...], int] = {}
         self._pulled = 0  # reference records completed
-        self._resume: asyncio.Handle | None = None  # reading goes on at the loop's next turn
+        self._resume: asyncio.Handle | None = None  # the next pull step, at the loop's next turn
         self._desc = bytearray(REF_DESC.size)
         self._desc_view = memoryview(self._desc)
         #: A ring failed: an ABORT goes on the socket (escaped).
@@ -229,9 +241,11 @@ class RingReader(StreamLink):
         if self.lost:
             return
         rx = self.rx
-        if rx is not None and not self._rx_dead and self._resume is None:
+        if rx is not None and not self._rx_dead:
             try:
                 self._read_ring(rx)
+                if self._resume is None and not self._rx_dead:
+                    self._pull_step(rx)
             except ProtocolError as exc:
                 self._rx_failed(exc)
         self.write_pending()
@@ -269,8 +283,8 @@ class RingReader(StreamLink):
             self._spin_until = None
             return
         try:
-            hold = self._rx_paused or self._parked is not None
-            if self._resume is not None:  # a pull goes on from its own callback
+            hold = self._rx_paused or (self._parked is not None and self._parked_in_ring)
+            if self._resume is not None:  # a pull goes on (and reads the ring) on its own
                 self._spin_until = time.perf_counter() + self.policy.spin
             elif not hold and self._has_input(rx):
                 self._spin_until = time.perf_counter() + self.policy.spin
@@ -294,6 +308,7 @@ class RingReader(StreamLink):
             return
         try:
             self._consume(rx, final=True)
+            self._pull_step(rx, final=True)
         except ProtocolError as exc:
             self._rx_failed(exc)
 
@@ -316,10 +331,6 @@ class RingReader(StreamLink):
                         return True
                     continue
                 payload = self._rpayload
-                if payload is not None and self._ref_addr is not None:
-                    if not self._pull(rx, payload, final):
-                        return False  # the rest on the loop's next turn (or never)
-                    continue
                 if payload is not None:
                     if not avail and not (avail := rx.available()):
                         return True
@@ -336,7 +347,9 @@ class RingReader(StreamLink):
                             self._wake_writer(rx)
                         self._end_frame()
                     continue
-                if not final and (self._rx_paused or self._parked is not None):
+                if not final and (
+                    self._rx_paused or (self._parked is not None and self._parked_in_ring)
+                ):
                     return False
                 if avail < HEADER_SIZE and (avail := rx.available()) < HEADER_SIZE:
                     # The writer is not short of space (the ring is not full), so it will
@@ -349,12 +362,17 @@ class RingReader(StreamLink):
                         return True  # the writer publishes the rest on its own, as above
                     self._rhdr[:2] = _MAGIC_BYTES
                 h = parse_header(self._rhdr, self.max_frame)
+                if not ref and self._pull_streams and h.key[:4] in self._pull_streams:
+                    if not final:
+                        return False  # after its stream's pulls, in order (_pull_step)
+                    self._pull_step(rx, final=True)
                 if (
-                    not final
+                    not ref
+                    and not final
                     and h.kind == DATA
                     and h.length >= PARK_MIN
                     and not self.is_posted(h.key)
-                    and self._park(h)
+                    and self._park(h, in_ring=True)
                 ):
                     return False
                 rx.skip(HEADER_SIZE)
@@ -368,13 +386,9 @@ class RingReader(StreamLink):
                             f"{self.describe()} sent a bad reference record: {length} bytes "
                             f"at {addr:#x} for a frame of {h.length}"
                         )
-                    dest = self.open_frame(h)
-                    if dest is not None:
-                        self._rpayload = dest
-                        self._rgot = 0
-                        self._ref_addr = addr
-                    else:  # refused (the link is failing): nothing to copy
-                        self._count_pull(rx)
+                    self._pulls.append((h, addr))  # pulled in turn (_pull_step)
+                    stream = h.key[:4]
+                    self._pull_streams[stream] = self._pull_streams.get(stream, 0) + 1
                     continue
                 if (dest := self.open_frame(h)) is not None:
                     self._rpayload = dest
@@ -396,44 +410,77 @@ class RingReader(StreamLink):
 
     # -- pulls: payloads copied straight out of the peer's memory ----------------------------
 
-    def _pull(self, rx: Ring, payload: memoryview, final: bool) -> bool:
-        """Copy the next step of the referenced payload out of the peer's memory. Returns
-        True to go on reading (only when ``final``), False when reading goes on at the
-        loop's next turn (or never: the link can no longer read)."""
-        addr = self._ref_addr
-        assert addr is not None
-        got = self._rgot
-        n = min(PULL_STEP, len(payload) - got)
-        try:
-            cma.pull(self._peer_pid, payload[got : got + n], addr + got)
-        except ProcessLookupError:
-            # the peer is gone: its socket's end reports that; nothing more can be read
-            self._rx_dead = True
-            return False
-        except OSError as exc:
-            raise ProtocolError(
-                f"{self.describe()} sent a reference its memory does not back ({exc})"
-            ) from None
-        self._rgot = got = got + n
-        if got < len(payload):
-            if not final:
-                self._resume = self._loop.call_soon(self._resume_reading)
-                return False
-            return True  # keep going: nothing else runs before the end is reported
-        self._rpayload = None
-        self._rgot = 0
-        self._ref_addr = None
-        self._count_pull(rx)
-        self._end_frame()
-        if final:
-            return True
-        # after the callbacks the frame's receive just scheduled (one reduction per pull)
-        self._resume = self._loop.call_soon(self._resume_reading)
-        return False
+    def _pull_step(self, rx: Ring, final: bool = False) -> None:
+        """Copy the next step of the queued referenced payloads out of the peer's memory
+        (at most PULL_STEP bytes; all of them when ``final``); the next step follows on the
+        loop's next turn. A frame whose receive is not posted yet waits for it as the
+        ring's frames do (parking, then staging), and while staging is full; the ring is
+        read on meanwhile."""
+        while True:
+            if self.discarding or self.failure is not None:
+                self._pulls.clear()  # (the link is failing: its receives fail with it)
+                self._pull_streams.clear()
+                self._pulling = None
+                return
+            cur = self._pulling
+            if cur is None:
+                if not self._pulls:
+                    return
+                h, addr = self._pulls[0]
+                if not final:
+                    if self._parked is not None and not self._parked_in_ring:
+                        return  # waits for its receive (post_recv) or the park's end
+                    if not self.is_posted(h.key):
+                        if self._rx_paused:
+                            return  # staging is full: wait until it is relieved
+                        if h.kind == DATA and h.length >= PARK_MIN and self._park(h, in_ring=False):
+                            return
+                self._pulls.popleft()
+                begun = self._begin_aside(h)
+                if begun is None:  # refused (the link is failing): nothing to copy
+                    self.discarding = True
+                    self._pulled_one(rx, h)
+                    continue
+                cur = self._pulling = (begun[0], begun[1], addr)
+                self._pgot = 0
+            dest, token, addr = cur
+            got = self._pgot
+            n = min(PULL_STEP, len(dest) - got)
+            try:
+                cma.pull(self._peer_pid, dest[got : got + n], addr + got)
+            except ProcessLookupError:
+                # the peer is gone: its socket's end reports that; nothing more can be read
+                self._rx_dead = True
+                return
+            except OSError as exc:
+                raise ProtocolError(
+                    f"{self.describe()} sent a reference its memory does not back ({exc})"
+                ) from None
+            self._pgot = got = got + n
+            if got == len(dest):
+                self._pulling = None
+                self._pgot = 0
+                self._pulled_one(rx, token[0])
+                self._end_aside(token)
+            if final:
+                continue  # nothing else runs before the end is reported
+            # after the callbacks the frame's receive just scheduled (one reduction per pull)
+            self._resume = self._loop.call_soon(self._resume_reading)
+            return
 
     def _resume_reading(self) -> None:
         self._resume = None
         self._service()
+
+    def _pulled_one(self, rx: Ring, h: Header) -> None:
+        """The pull of frame ``h`` is over: count it, and let its stream's frames on."""
+        stream = h.key[:4]
+        left = self._pull_streams.get(stream, 1) - 1
+        if left:
+            self._pull_streams[stream] = left
+        else:
+            self._pull_streams.pop(stream, None)
+        self._count_pull(rx)
 
     def _count_pull(self, rx: Ring) -> None:
         """Tell the writer that one more reference record is done with."""
@@ -443,13 +490,15 @@ class RingReader(StreamLink):
 
     # -- parking: a frame whose receive is not posted yet stays in the ring ----------------
 
-    def _park(self, h: Header) -> bool:
-        """Leave the frame ``h`` in the ring until its receive is posted (saving the staging
-        copy), for at most PARK_SECONDS per operation; False to stage it now."""
+    def _park(self, h: Header, in_ring: bool) -> bool:
+        """Leave the frame ``h`` in the ring (``in_ring``; else at the head of the pulls)
+        until its receive is posted (saving the staging copy), for at most PARK_SECONDS
+        per operation; False to stage it now."""
         op = (h.gid, h.seq)
         if op == self._unparked_op:
             return False  # this operation's receives were slow once: stage the rest
         self._parked = h.key
+        self._parked_in_ring = in_ring
         self._parked_op = op
         self._park_timer = asyncio.get_running_loop().call_later(PARK_SECONDS, self._park_expired)
         return True

@@ -213,6 +213,39 @@ async def test_big_frames_pull_in_steps(monkeypatch: pytest.MonkeyPatch) -> None
     assert res == [True] * 3
 
 
+async def _small_passes_queued_pulls(g: ac.Group, count: int) -> int:
+    """Rank 1 sends ``count`` int64s by reference (tag 1) and then 1 KiB (tag 2); rank 0
+    receives the small message first, then the big one. Returns the bytes rank 0 had
+    staged when the small message landed (0 on rank 1)."""
+    if g.rank == 1:
+        big = np.arange(count, dtype=np.int64)
+        await asyncio.gather(g.send(big, 0, tag=1), g.send(np.full(128, 7, np.int64), 0, tag=2))
+        return 0
+    small = np.empty(128, np.int64)
+    await g.recv(small, 1, tag=2)
+    staged: int = g._fabric.links[1].early_bytes
+    big = np.empty(count, np.int64)
+    await g.recv(big, 1, tag=1)
+    assert (small == 7).all()
+    np.testing.assert_array_equal(big, np.arange(count, dtype=np.int64))
+    return staged
+
+
+@pytest.mark.timeout(30)
+async def test_small_frame_passes_queued_pulls() -> None:
+    """Head-of-line blocking, issue 17: reference records are taken out of the ring ahead
+    of their pulls, so a small frame behind 8 MiB of them (whose receive is not posted:
+    each is staged, one pull per loop turn) is read at the next turn after it enters the
+    ring, not after every pull ahead of it. Before, it landed only once all 8 MiB were
+    staged (this test then saw 8388608)."""
+    count = 1 << 20
+    res = await run_ranks(
+        2, _small_passes_queued_pulls, count, transport="shm", chunk_bytes=1 << 20
+    )
+    assert res[1] == 0
+    assert res[0] < count * 8, f"the small frame waited for all {res[0]} bytes of pulls"
+
+
 async def _corrupt_pull_count(g: ac.Group, count: int) -> str:
     if g.rank == 1:  # this reader claims pulls nobody sent
         link = g._fabric.links[0]
