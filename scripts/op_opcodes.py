@@ -8,6 +8,7 @@ so that the count does not depend on timing. Usage::
 
     python scripts/op_opcodes.py                      # every case, N=2, tcp
     python scripts/op_opcodes.py -n 4 --transport auto allreduce4
+    python scripts/op_opcodes.py --uvloop --transport auto --iters 10 allreduce16M
 
 Prints ``case: opcodes calls`` per operation and rank. Use it for A/B checks of the
 per-operation path (docs/benchmarks.md, "Small operations, third round").
@@ -33,6 +34,9 @@ import aiocollect as ac
 from aiocollect.store import MemoryStore
 
 CASES = ("allreduce4", "allreduce4K", "broadcast4", "barrier", "sendrecv4")
+#: Elements of the allreduce cases; ``allreduce16M`` (not run by default) counts the
+#: per-piece cost of bulk: with 1 MiB chunks, 16 pieces per operation and rank at N=2.
+SIZES = {"allreduce4K": 1024, "allreduce16M": 4 << 20}
 _names = itertools.count()
 
 
@@ -71,7 +75,7 @@ def _op(g: ac.Group, case: str) -> Callable[[], Awaitable[Any]]:
             return None
 
         return idle
-    buf = np.zeros(1024 if case == "allreduce4K" else 1, np.float32)
+    buf = np.zeros(SIZES.get(case, 1), np.float32)
     if case == "broadcast4":
         return lambda: g.broadcast(buf)
     return lambda: g.allreduce(buf)
@@ -87,7 +91,7 @@ async def _count(n: int, transport: str, case: str, iters: int, counter: _Counte
             rank, n, store=MemoryStore(name), transport=transport, name=name
         ) as g:
             run = _op(g, case)
-            for _ in range(200):
+            for _ in range(5 if case in SIZES and SIZES[case] > 1 << 16 else 200):
                 await run()
             await g.barrier()
             if await ready.wait() == 0:

@@ -8,6 +8,11 @@ same group (so on the same links). Before that it times the same round trip with
 group idle, and the allreduces alone, so the report has, from one run: the round trip's
 p50/p99 idle and under load, and bulk bandwidth with and without the pings. Prints one
 JSON line (``--json F`` also writes it).
+
+``--transport tls`` runs the measurement on a TLS group (mutual certificate
+authentication) opened beside the spawned one, with throw-away certificates made for the
+run (:mod:`aiocollect.testing.certs`: the ``cryptography`` package or the ``openssl``
+command).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 import asyncio
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +35,7 @@ from aiocollect.bench.stats import percentile
 
 if TYPE_CHECKING:
     from aiocollect.group import Group
+    from aiocollect.testing.certs import Certs
 
 #: Tag of the round trips; a first element of -1 ends them.
 TAG = 7
@@ -115,13 +122,35 @@ async def hol_rank(
     }
 
 
+async def tls_hol_rank(
+    group: Group, certs: Certs, size: int, allreduces: int, ping: int, idle_pings: int
+) -> dict[str, Any] | None:
+    """:func:`hol_rank` on a TLS group opened beside ``group`` (contexts cannot be
+    pickled, so each rank makes its own from the certificate files)."""
+    from aiocollect import tls
+    from aiocollect.api import open_group
+
+    cert, key = certs.ranks[group.rank]
+    async with open_group(
+        group.rank,
+        group.world_size,
+        store=group.store,
+        transport="tls",
+        ssl=tls.contexts(cert, key, certs.ca),
+        name="bench-hol-tls",
+        timeout=600.0,
+    ) as t:
+        return await hol_rank(t, size, allreduces, ping, idle_pings)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the measurement in spawned ranks and print its JSON line."""
+    from aiocollect.testing.certs import make_certs
     from aiocollect.testing.spawn import spawn_ranks
 
     p = argparse.ArgumentParser(prog="python -m aiocollect.bench.hol")
     p.add_argument("-n", "--nproc", type=int, default=2)
-    p.add_argument("--transport", default="tcp")
+    p.add_argument("--transport", default="tcp", help="auto, tcp, shm or tls")
     p.add_argument("--size", default="64M")
     p.add_argument("--allreduces", type=int, default=8)
     p.add_argument("--ping", default="1K")
@@ -132,21 +161,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("-n must be at least 2")
     start = load_average()
 
-    async def run() -> list[Any]:
+    sizes = (parse_size(ns.size), ns.allreduces, parse_size(ns.ping), ns.idle_pings)
+
+    async def run(tmp: str) -> list[Any]:
+        if ns.transport == "tls":
+            certs = make_certs(Path(tmp), ns.nproc)
+            target: Any = tls_hol_rank
+            args: tuple[Any, ...] = (certs, *sizes)
+            options: dict[str, Any] = {}
+        else:
+            target, args, options = hol_rank, sizes, {"transport": ns.transport}
         results: list[Any] = await spawn_ranks(
-            ns.nproc,
-            hol_rank,
-            parse_size(ns.size),
-            ns.allreduces,
-            parse_size(ns.ping),
-            ns.idle_pings,
-            timeout=600.0,
-            transport=ns.transport,
-            uvloop=True,
+            ns.nproc, target, *args, timeout=600.0, uvloop=True, **options
         )
         return results
 
-    results = asyncio.run(run())
+    with tempfile.TemporaryDirectory(prefix="aiocollect-hol-") as tmp:
+        results = asyncio.run(run(tmp))
     report = {
         **results[0],
         "transport": ns.transport,

@@ -110,6 +110,7 @@ class ShmLink(RingReader):
         self._segment: Segment | None = None
         self._tx: Ring | None = None
         self._tx_dead = False
+        self._caps_final: LinkCaps | None = None  # caps once pulls work both ways
         self._queue: deque[memoryview] = deque()
         self._queued = 0
         self._queue_in = 0  # bytes ever queued for the ring
@@ -171,6 +172,7 @@ class ShmLink(RingReader):
     def _release(self) -> None:
         segment, self._segment = self._segment, None
         self._tx = None
+        self._caps_final = None
         self.detach()
         if segment is not None:
             segment.close()
@@ -361,12 +363,17 @@ class ShmLink(RingReader):
         pulls (and sends by reference) from ``policy.pull_min`` on, in each direction once
         that direction's reader has checked it can read the writer's memory (the peer's
         check may end after this side's handshake). On TCP fallback, the stream's."""
+        if self._caps_final is not None and self.shm:
+            return self._caps_final  # (asked per frame sent: a pulls flag never goes back)
         stream = super().caps
         if not self.shm:
             return stream
         rx = self._ref_min(self.rx)
         tx = self._ref_min(self._tx)
-        return LinkCaps(pull_min=rx, reference_min=tx, local=stream.local, polls=True)
+        caps = LinkCaps(pull_min=rx, reference_min=tx, local=stream.local, polls=True)
+        if rx and tx:
+            self._caps_final = caps
+        return caps
 
     def _ref_min(self, ring: Ring | None) -> int:
         """The smallest payload through ``ring`` that goes by reference (0: none)."""

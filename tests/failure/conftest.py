@@ -11,13 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import socket
 import struct
-import subprocess
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +23,12 @@ import pytest
 import pytest_asyncio
 
 from aiocollect._deadline import Deadline
+from aiocollect.errors import UsageError
 from aiocollect.rendezvous import claims
 from aiocollect.rendezvous.handshake import PROTOCOL_VERSION, ConnectorHandshake
 from aiocollect.store import MemoryStore, Store
+from aiocollect.testing.certs import Certs
+from aiocollect.testing.certs import make_certs as _make_certs
 from aiocollect.transport.wire import (
     ABORT,
     DATA,
@@ -220,180 +220,12 @@ async def loop_errors() -> AsyncIterator[list[dict[str, Any]]]:
 # -- certificates ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Certs:
-    """Files of two independent CAs: ``ranks[r]`` are (cert, key) signed by the main CA,
-    ``stranger`` is (cert, key) signed by the other CA."""
-
-    ca: str
-    other_ca: str
-    ranks: list[tuple[str, str]]
-    stranger: tuple[str, str]
-
-
-def _openssl_certs(d: Path, n: int) -> Certs:
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
-
-    def ca(name: str) -> tuple[Path, Path]:
-        crt, key = d / f"{name}.pem", d / f"{name}.key"
-        run(
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(crt),
-            "-days",
-            "2",
-            "-subj",
-            f"/CN={name}",
-        )
-        return crt, key
-
-    def leaf(name: str, ca_crt: Path, ca_key: Path) -> tuple[str, str]:
-        crt, key, csr = d / f"{name}.pem", d / f"{name}.key", d / f"{name}.csr"
-        ext = d / f"{name}.ext"
-        ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-        run(
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(csr),
-            "-subj",
-            f"/CN={name}",
-        )
-        run(
-            "x509",
-            "-req",
-            "-in",
-            str(csr),
-            "-CA",
-            str(ca_crt),
-            "-CAkey",
-            str(ca_key),
-            "-CAcreateserial",
-            "-out",
-            str(crt),
-            "-days",
-            "2",
-            "-extfile",
-            str(ext),
-        )
-        return str(crt), str(key)
-
-    ca_crt, ca_key = ca("ca")
-    other_crt, other_key = ca("other-ca")
-    return Certs(
-        str(ca_crt),
-        str(other_crt),
-        [leaf(f"rank{r}", ca_crt, ca_key) for r in range(n)],
-        leaf("stranger", other_crt, other_key),
-    )
-
-
-def _cryptography_certs(d: Path, n: int) -> Certs:
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-
-    def write(
-        name: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey
-    ) -> tuple[str, str]:
-        crt_path, key_path = d / f"{name}.pem", d / f"{name}.key"
-        crt_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        key_path.write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
-        return str(crt_path), str(key_path)
-
-    def build(
-        name: str, issuer: x509.Name | None, signer: ec.EllipticCurvePrivateKey | None, is_ca: bool
-    ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-        key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(issuer or subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=2))
-            .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True)
-        )
-        if is_ca:
-            builder = builder.add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    key_cert_sign=True,
-                    crl_sign=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-        else:
-            builder = builder.add_extension(
-                x509.SubjectAlternativeName(
-                    [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
-                ),
-                critical=False,
-            )
-        return builder.sign(signer or key, hashes.SHA256()), key
-
-    ca_cert, ca_key = build("aiocollect test CA", None, None, True)
-    other_cert, other_key = build("another CA", None, None, True)
-    ranks = [
-        write(f"rank{r}", *build(f"rank{r}", ca_cert.subject, ca_key, False)) for r in range(n)
-    ]
-    stranger = write("stranger", *build("stranger", other_cert.subject, other_key, False))
-    return Certs(
-        write("ca", ca_cert, ca_key)[0],
-        write("other-ca", other_cert, other_key)[0],
-        ranks,
-        stranger,
-    )
-
-
 def make_certs(d: Path, n: int) -> Certs:
-    """Certificates from the ``cryptography`` package (a test dependency), else from the
-    ``openssl`` command; skips visibly when neither is available."""
+    """aiocollect.testing.certs.make_certs; skips visibly when it cannot make them."""
     try:
-        import cryptography  # noqa: F401
-    except ImportError:
-        if shutil.which("openssl") is None:
-            pytest.skip(
-                "neither the cryptography package nor the openssl command: TLS "
-                "tests skipped (pip install cryptography)"
-            )
-        return _openssl_certs(d, n)
-    return _cryptography_certs(d, n)
+        return _make_certs(d, n)
+    except UsageError as exc:
+        pytest.skip(f"TLS tests skipped: {exc}")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,54 @@
+"""``python -m aiocollect.bench.hol`` end to end: the real command in a subprocess, with
+small sizes. Nothing here asserts speed: only that it runs over each kind of link
+(TLS with the throw-away certificates it makes) and reports sane numbers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", ["auto", "tcp", "tls"])
+def test_hol_reports_round_trips_and_bandwidth(transport: str, tmp_path: Path) -> None:
+    out = tmp_path / "hol.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aiocollect.bench.hol",
+            "-n",
+            "2",
+            "--transport",
+            transport,
+            "--size",
+            "2M",
+            "--allreduces",
+            "3",
+            "--idle-pings",
+            "20",
+            "--json",
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report == json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["transport"] == transport
+    assert report["world_size"] == 2
+    assert report["idle_rtt_us"]["n"] == 20
+    assert report["idle_rtt_us"]["p50"] > 0
+    assert report["loaded_rtt_us"]["n"] >= 1
+    assert report["loaded_rtt_us"]["p99"] > 0
+    assert report["busbw_gbps_alone"] > 0
+    assert report["busbw_gbps_with_pings"] > 0
