@@ -353,13 +353,16 @@ class GroupCore:
         waited = op.silent_peers()
         others = [r for r in self._ranks if r != self._fabric.rank]
         absent: list[int] = []
-        if op.kind == DATA:
-            dead, absent, fps = await self._fabric.survey(others, PROBE_SECONDS, self._gid, op.seq)
-            mismatch = self._fabric.check_fingerprints(self._gid, op.seq, fps, self._ranks)
-            if mismatch is not None:
-                return mismatch
-        else:  # point to point: no operation number to ask about
-            dead = await self._fabric.probe(others, PROBE_SECONDS)
+        with self._fabric.diagnosing():  # a bystander's blame of this rank waits for it
+            if op.kind == DATA:
+                dead, absent, fps = await self._fabric.survey(
+                    others, PROBE_SECONDS, self._gid, op.seq
+                )
+                mismatch = self._fabric.check_fingerprints(self._gid, op.seq, fps, self._ranks)
+                if mismatch is not None:
+                    return mismatch
+            else:  # point to point: no operation number to ask about
+                dead = await self._fabric.probe(others, PROBE_SECONDS)
         if dead:
             silent, how = [self._ranks.index(r) for r in dead], "do not respond"
         elif absent:

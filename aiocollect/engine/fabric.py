@@ -13,6 +13,7 @@ import contextlib
 import logging
 import struct
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -70,6 +71,12 @@ class Fabric:
         self.links: dict[int, Link] = {}
         self.failure: BaseException | None = None
         self.closing = False
+        #: Timed-out operations of this rank searching for their culprits right now.
+        self._diagnosing = 0
+        #: A relayed PeerTimeout that blamed this rank, held while it diagnoses, and the
+        #: peers it came from (origin and relayer): their links' loss is that abort too.
+        self._held_abort: BaseException | None = None
+        self._held_from: set[int] = set()
         self._active: dict[tuple[int, int], Fingerprint] = {}
         self._started: dict[int, int] = {}
         # (gid, seq) -> {peer: fingerprint} of frames that came before this rank's call: one
@@ -212,8 +219,41 @@ class Fabric:
                 waiter.set_result(payload)
             return
         assert kind == ABORT
+        exc = _decode_abort(link.peer, payload)
+        if self._diagnosing and isinstance(exc, errors.PeerTimeout) and self.rank in exc.ranks:
+            # A bystander timed out waiting for this rank, which is timing out itself and
+            # probing for whom it waits on: its own diagnosis is the precise one.
+            if self._held_abort is None:
+                self._held_abort = exc
+            info = getattr(exc, "abort_info", {})
+            self._held_from.update({link.peer, int(info.get("rank", link.peer))})
+            return
         # Relay it: a peer that hears our close before the origin's ABORT must not blame us.
-        self.fail(_decode_abort(link.peer, payload), notify=True)
+        self.fail(exc, notify=True)
+
+    @contextlib.contextmanager
+    def diagnosing(self) -> Iterator[None]:
+        """Around a timed-out operation's search for culprits (its probe). Meanwhile a
+        relayed PeerTimeout that names this rank is held, and so is the loss of the links
+        of the peers it came from (they close right after their ABORT), and those peers
+        count as answering the probe. The held error breaks the group at the loop's next
+        turn unless the diagnosis did first (its caller fails the fabric with it as soon
+        as the search returns)."""
+        self._diagnosing += 1
+        try:
+            yield
+        finally:
+            self._diagnosing -= 1
+            if not self._diagnosing and self._held_abort is not None:
+                asyncio.get_running_loop().call_soon(self._release_held)
+
+    def _release_held(self) -> None:
+        if self._diagnosing:
+            return  # another diagnosis began meanwhile: its end releases it
+        held, self._held_abort = self._held_abort, None
+        self._held_from.clear()
+        if held is not None:
+            self.fail(held, notify=True)  # (a no-op once the diagnosis broke the group)
 
     def on_error(self, link: Link, exc: BaseException) -> None:
         self.fail(exc)
@@ -221,6 +261,10 @@ class Fabric:
     def on_lost(self, link: Link, exc: BaseException | None) -> None:
         self._wake_closers()
         if self.failure is not None or self.closing:
+            return
+        if self._held_abort is not None and link.peer in self._held_from:
+            # that peer aborted (held, see diagnosing): nothing more comes from it
+            link.fail(self._held_abort, drop_early=False)
             return
         if link.goodbye_received:
             # A clean close fails only what still needs that peer; such an op then breaks
@@ -298,8 +342,11 @@ class Fabric:
             await asyncio.wait(waiting.values(), timeout=timeout)
         for peer in waiting:
             self._pongs.pop((peer, token), None)
+        held = self._held_from  # peers whose ABORT is held: they answered that way
         return {
-            p: f.result()[len(request) :] if f.done() and not f.cancelled() else None
+            p: f.result()[len(request) :]
+            if f.done() and not f.cancelled()
+            else (b"" if p in held else None)
             for p, f in waiting.items()
         }
 

@@ -215,16 +215,11 @@ async def test_stalled_link_gives_peer_timeout_at_the_deadline(
         assert set(exc.ranks) <= {a, b}, (rank, exc)
 
 
-@pytest.mark.xfail(
-    reason="library: (1) PeerTimeout names 'ranks []' when the op was "
-    "awaiting the silent peer's receive (the timeout cancels that future, "
-    "and Op.silent_peers skips done futures); (2) a bystander's relayed "
-    "PeerTimeout wins over the ends' own probe, telling rank 1 'ranks [1]' "
-    "(docs/network-faults.md, findings)",
-    strict=False,
-)
 @pytest.mark.parametrize("which", ["allreduce-ring", "allgather-ring"])
 async def test_stalled_link_blame_is_precise(network: ProxyNetwork, which: str) -> None:
+    """Each end of the stalled link names the other; the bystander names an end, never
+    itself (docs/network-faults.md, findings 1 and 2: a bystander's relayed blame of an
+    end waits for that end's own probe)."""
     n, a, b = 3, 0, 1
     results = await _stall_run(network, which, n, a, b)
     for rank, res in enumerate(results):
