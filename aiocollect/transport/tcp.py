@@ -17,6 +17,11 @@ and small collectives) goes to the transport at once, ahead of the queued bulk f
 unless a bulk frame of the same stream ``(kind, gid, seq, slot)`` is still queued: the
 frames of one stream keep their order. Receivers match frames by key, so reordering
 across streams changes nothing they rely on. ``write_buffer_size`` counts both queues.
+
+Over TLS the transport encrypts what it is given at once, so a payload over ``TLS_PIECE``
+goes to it in pieces, one per loop turn; frames sent meanwhile wait for the end of that
+frame (small ones right after it, bulk ones in the queue), and the pieces, not the
+transport's buffer size, pace the bulk queue.
 """
 
 from __future__ import annotations
@@ -74,6 +79,12 @@ BULK_MIN = 64 * 1024
 #: Bytes in the transport's write buffer above which bulk frames wait in the link's queue:
 #: what a small frame may find queued ahead of it in user space.
 BULK_CAP = 1024 * 1024
+#: Over TLS, a payload larger than this is handed to the transport in pieces of this size,
+#: one per loop turn: the transport encrypts what it is given at once, so a whole 1 MiB
+#: chunk would hold the loop (and every small frame behind it) for milliseconds. Frames
+#: sent meanwhile wait for the end of the frame being written (docs/benchmarks.md,
+#: "Tenth-session findings").
+TLS_PIECE = 256 * 1024
 
 _unpack_header = HEADER.unpack_from
 
@@ -141,6 +152,12 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         self._bulk_bytes = 0
         self._copied = False  # the last send's payload was copied (joined to its header)
         self._bulk_streams: Counter[bytes] = Counter()
+        self._piece = 0  # TLS_PIECE on TLS connections (pieces per loop turn), else 0
+        #: The rest of the frame being written in pieces (TLS), and the frames sent since,
+        #: which go right after it (before queued bulk frames, as they would have).
+        self._partial: memoryview | None = None
+        self._behind: list[bytes | memoryview] = []
+        self._piece_handle: asyncio.Handle | None = None
 
     # -- connection lifecycle --------------------------------------------------------------
 
@@ -153,6 +170,8 @@ class StreamLink(Link, asyncio.BufferedProtocol):
 
     def _setup(self, transport: asyncio.Transport) -> None:
         transport.set_write_buffer_limits(high=0, low=0)
+        if transport.get_extra_info("ssl_object") is not None:
+            self._piece = TLS_PIECE
         sock = transport.get_extra_info("socket")
         peername = transport.get_extra_info("peername")
         sockname = transport.get_extra_info("sockname")
@@ -415,9 +434,22 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         self.bytes_sent += n
         self.frames_sent += 1
         self._copied = False
+        if self._partial is not None:  # after the frame being written in pieces
+            stream = stream_of(header)
+            if n >= BULK_MIN or stream in self._bulk_streams:  # (order within a stream)
+                self._queue_bulk(header, payload, stream)
+            else:
+                self._behind.append(header + bytes(payload))
+                self._bulk_bytes += len(header) + n
+                self._copied = True
+            return
         if n >= BULK_MIN:
-            if self._bulk or self._must_wait(transport, n):
+            # (over TLS the pieces pace the writes: its transport's buffer size says little)
+            if self._bulk or (not self._piece and self._must_wait(transport, n)):
                 self._queue_bulk(header, payload, stream_of(header))
+                return
+            if self._piece and n > self._piece:
+                self._write_in_pieces(transport, header, payload)
                 return
         elif self._bulk:
             stream = stream_of(header)
@@ -442,16 +474,52 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         queued = transport.get_write_buffer_size()
         return queued > 0 and queued + n > BULK_CAP
 
+    def _write_in_pieces(
+        self, transport: asyncio.Transport, header: bytes, payload: memoryview | bytes
+    ) -> None:
+        """Write the header and the first piece now, the rest one piece per loop turn."""
+        view = memoryview(payload).cast("B")
+        # set first: the transport may call resume_writing (and so _pump_bulk) from write
+        self._partial = view[self._piece :]
+        self._bulk_bytes += len(self._partial)
+        self._piece_handle = asyncio.get_running_loop().call_soon(self._next_piece)
+        transport.writelines((header, view[: self._piece]))
+
+    def _next_piece(self) -> None:
+        """Write the next piece of the frame being written; at its end, the frames sent
+        meanwhile, then the bulk queue."""
+        self._piece_handle = None
+        rest, transport = self._partial, self.transport
+        if rest is None or transport is None or self.lost or transport.is_closing():
+            return
+        piece = rest[: self._piece]
+        self._bulk_bytes -= len(piece)
+        if len(rest) > len(piece):  # (state first, as in _write_in_pieces)
+            self._partial = rest[len(piece) :]
+            self._piece_handle = asyncio.get_running_loop().call_soon(self._next_piece)
+            transport.write(piece)
+            return
+        self._partial = None
+        behind, self._behind = self._behind, []
+        self._bulk_bytes -= sum(len(b) for b in behind)
+        transport.writelines([piece, *behind])  # the frame's end and the frames behind it
+        self._pump_bulk()
+        drain = self._drain  # (resume_writing need not come: the transport may hold nothing)
+        if drain is not None and not drain.done() and not self.write_buffer_size():
+            drain.set_result(None)
+
     def _pump_bulk(self) -> None:
         """Hand queued bulk frames to the transport while its buffer allows. Afterwards
-        the queue is empty or the transport holds bytes (so ``resume_writing`` comes)."""
+        the queue is empty or the transport holds bytes (so ``resume_writing`` comes), or
+        a frame is being written in pieces (TLS; its end pumps again)."""
         transport, bulk = self.transport, self._bulk
         if transport is None or self.lost:
             return
-        while bulk:
+        # (re-checked each time: a write may call resume_writing, which pumps too)
+        while bulk and self._partial is None:
             header, payload, stream = bulk[0]
             n = len(payload)
-            if self._must_wait(transport, n):
+            if not self._piece and self._must_wait(transport, n):
                 return
             bulk.popleft()
             self._bulk_bytes -= len(header) + n
@@ -460,15 +528,22 @@ class StreamLink(Link, asyncio.BufferedProtocol):
                 self._bulk_streams[stream] = left
             else:
                 del self._bulk_streams[stream]
+            if self._piece and n > self._piece:
+                self._write_in_pieces(transport, header, payload)
+                return
             if n:
                 transport.writelines((header, payload))
             else:
                 transport.write(header)
 
     def _flush_bulk(self) -> None:
-        """Hand every queued bulk frame to the transport (closing: they go before EOF)."""
+        """Hand every queued bulk frame to the transport (closing: they go before EOF),
+        after the rest of a frame being written in pieces."""
         transport, bulk = self.transport, self._bulk
         if transport is not None and not self.lost and not transport.is_closing():
+            if self._partial is not None:
+                rest, self._partial = self._partial, None
+                transport.writelines([rest, *self._behind])
             for header, payload, _ in bulk:
                 transport.writelines((header, payload))
         self._drop_bulk()
@@ -477,6 +552,11 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         self._bulk.clear()
         self._bulk_bytes = 0
         self._bulk_streams.clear()
+        self._partial = None
+        self._behind = []
+        if self._piece_handle is not None:
+            self._piece_handle.cancel()
+            self._piece_handle = None
 
     def sent_mark(self, prev: SendMark = None) -> SendMark:
         """A small frame joined to its header was copied: nothing of the caller's memory
@@ -510,7 +590,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         transport = self.transport
         if transport is None or self.lost:
             return
-        if self._bulk:
+        if self._bulk or self._partial is not None:
             self._flush_bulk()
         if transport.can_write_eof():
             try:
