@@ -125,18 +125,15 @@ async def hol_rank(
 async def tls_hol_rank(
     group: Group, certs: Certs, size: int, allreduces: int, ping: int, idle_pings: int
 ) -> dict[str, Any] | None:
-    """:func:`hol_rank` on a TLS group opened beside ``group`` (contexts cannot be
-    pickled, so each rank makes its own from the certificate files)."""
-    from aiocollect import tls
+    """:func:`hol_rank` on a TLS group opened beside ``group``."""
     from aiocollect.api import open_group
 
-    cert, key = certs.ranks[group.rank]
     async with open_group(
         group.rank,
         group.world_size,
         store=group.store,
         transport="tls",
-        ssl=tls.contexts(cert, key, certs.ca),
+        ssl=certs.config(group.rank),
         name="bench-hol-tls",
         timeout=600.0,
     ) as t:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiocollect.errors import UsageError
+from aiocollect.tls import TLSConfig, contexts
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,12 @@ class Certs:
     other_ca: str
     ranks: list[tuple[str, str]]
     stranger: tuple[str, str]
+
+    def config(self, rank: int) -> TLSConfig:
+        """Rank ``rank``'s contexts (``open_group(ssl=...)``), trusting the main CA; a
+        spawned rank builds its own, since contexts cannot be pickled."""
+        cert, key = self.ranks[rank]
+        return contexts(cert, key, self.ca)
 
 
 def _openssl_certs(d: Path, n: int) -> Certs:

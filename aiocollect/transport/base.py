@@ -415,9 +415,12 @@ class Link(abc.ABC):
     def _end_aside(self, token: Aside) -> None:
         """The payload of the frame begun by :meth:`_begin_aside` is complete (a frame the
         link was failed during is dropped: its receive failed with the link)."""
-        if not any(t is token for t in self._asides):
+        for i, t in enumerate(self._asides):
+            if t is token:
+                del self._asides[i]
+                break
+        else:
             return
-        self._asides = [t for t in self._asides if t is not token]
         saved = (self._frame, self._frame_recv, self._frame_staging)
         self._frame, self._frame_recv, self._frame_staging = token
         try:

@@ -147,10 +147,12 @@ class RingReader(StreamLink):
         self._rgen = 1  # our reader's sleep generation; a new segment starts armed at 1
         self._rung_writer = 0  # the peer writer's generation we last rang for
         self._peer_pid = 0  # whose memory reference records point into
-        #: Reference records taken out of the ring, to pull in order: header and address.
-        self._pulls: deque[tuple[Header, int]] = deque()
-        #: The pull under way: where it goes, its token (Link._begin_aside), its address.
-        self._pulling: tuple[memoryview, Aside, int] | None = None
+        #: Reference records taken out of the ring, to pull in order: header, address and
+        #: stream (kind, group, seq, slot).
+        self._pulls: deque[tuple[Header, int, tuple[int, ...]]] = deque()
+        #: The pull under way: where it goes, its token (Link._begin_aside), its address
+        #: and stream.
+        self._pulling: tuple[memoryview, Aside, int, tuple[int, ...]] | None = None
         self._pgot = 0  # bytes of it pulled so far
         #: Streams (kind, group, seq, slot) with queued or underway pulls: how many each.
         self._pull_streams: dict[tuple[int, ...], int] = {}
@@ -386,8 +388,8 @@ class RingReader(StreamLink):
                             f"{self.describe()} sent a bad reference record: {length} bytes "
                             f"at {addr:#x} for a frame of {h.length}"
                         )
-                    self._pulls.append((h, addr))  # pulled in turn (_pull_step)
                     stream = h.key[:4]
+                    self._pulls.append((h, addr, stream))  # pulled in turn (_pull_step)
                     self._pull_streams[stream] = self._pull_streams.get(stream, 0) + 1
                     continue
                 if (dest := self.open_frame(h)) is not None:
@@ -426,7 +428,7 @@ class RingReader(StreamLink):
             if cur is None:
                 if not self._pulls:
                     return
-                h, addr = self._pulls[0]
+                h, addr, stream = self._pulls[0]
                 if not final:
                     if self._parked is not None and not self._parked_in_ring:
                         return  # waits for its receive (post_recv) or the park's end
@@ -439,11 +441,11 @@ class RingReader(StreamLink):
                 begun = self._begin_aside(h)
                 if begun is None:  # refused (the link is failing): nothing to copy
                     self.discarding = True
-                    self._pulled_one(rx, h)
+                    self._pulled_one(rx, stream)
                     continue
-                cur = self._pulling = (begun[0], begun[1], addr)
+                cur = self._pulling = (begun[0], begun[1], addr, stream)
                 self._pgot = 0
-            dest, token, addr = cur
+            dest, token, addr, stream = cur
             got = self._pgot
             n = min(PULL_STEP, len(dest) - got)
             try:
@@ -460,7 +462,7 @@ class RingReader(StreamLink):
             if got == len(dest):
                 self._pulling = None
                 self._pgot = 0
-                self._pulled_one(rx, token[0])
+                self._pulled_one(rx, stream)
                 self._end_aside(token)
             if final:
                 continue  # nothing else runs before the end is reported
@@ -472,9 +474,8 @@ class RingReader(StreamLink):
         self._resume = None
         self._service()
 
-    def _pulled_one(self, rx: Ring, h: Header) -> None:
-        """The pull of frame ``h`` is over: count it, and let its stream's frames on."""
-        stream = h.key[:4]
+    def _pulled_one(self, rx: Ring, stream: tuple[int, ...]) -> None:
+        """A pull of ``stream`` is over: count it, and let that stream's frames on."""
         left = self._pull_streams.get(stream, 1) - 1
         if left:
             self._pull_streams[stream] = left

@@ -156,7 +156,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         #: The rest of the frame being written in pieces (TLS), and the frames sent since,
         #: which go right after it (before queued bulk frames, as they would have).
         self._partial: memoryview | None = None
-        self._behind: list[bytes | memoryview] = []
+        self._behind: list[bytes] = []
         self._piece_handle: asyncio.Handle | None = None
 
     # -- connection lifecycle --------------------------------------------------------------
@@ -444,8 +444,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
                 self._copied = True
             return
         if n >= BULK_MIN:
-            # (over TLS the pieces pace the writes: its transport's buffer size says little)
-            if self._bulk or (not self._piece and self._must_wait(transport, n)):
+            if self._bulk or self._must_wait(transport, n):
                 self._queue_bulk(header, payload, stream_of(header))
                 return
             if self._piece and n > self._piece:
@@ -467,10 +466,12 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         self._bulk_bytes += len(header) + len(payload)
         self._bulk_streams[stream] += 1
 
-    @staticmethod
-    def _must_wait(transport: asyncio.Transport, n: int) -> bool:
+    def _must_wait(self, transport: asyncio.Transport, n: int) -> bool:
         """Whether a bulk frame of ``n`` bytes must wait: the transport holds bytes and
-        would then hold more than BULK_CAP."""
+        would then hold more than BULK_CAP. Never over TLS: its transport's buffer size
+        says little there (it encrypts and passes everything on), the pieces pace it."""
+        if self._piece:
+            return False
         queued = transport.get_write_buffer_size()
         return queued > 0 and queued + n > BULK_CAP
 
@@ -519,7 +520,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         while bulk and self._partial is None:
             header, payload, stream = bulk[0]
             n = len(payload)
-            if not self._piece and self._must_wait(transport, n):
+            if self._must_wait(transport, n):
                 return
             bulk.popleft()
             self._bulk_bytes -= len(header) + n

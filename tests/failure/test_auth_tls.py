@@ -237,11 +237,6 @@ async def test_rank_with_wrong_secret_cannot_reach_the_group_store(unique_name: 
 # == TLS =====================================================================================
 
 
-def _tls_for(certs: Certs, rank: int) -> tls.TLSConfig:
-    cert, key = certs.ranks[rank]
-    return tls.contexts(cert, key, certs.ca)
-
-
 async def _tls_details(g: ac.Group) -> list[tuple[str, bool]]:
     """(TLS version, peer certificate present) of every link: proof the links are TLS."""
     out = []
@@ -283,7 +278,7 @@ async def test_tls_in_process(certs: Certs, secret: str | None, unique_name: str
             store=store,
             transport="tls",
             name=unique_name,
-            ssl=_tls_for(certs, rank),
+            ssl=certs.config(rank),
             secret=secret,
             timeout=30,
         ) as g:
@@ -300,7 +295,7 @@ async def tls_target(g: ac.Group, certs: Certs) -> dict[str, Any]:
         g.world_size,
         store=g.store,
         transport="tls",
-        ssl=_tls_for(certs, g.rank),
+        ssl=certs.config(g.rank),
         name="tls",
         timeout=60,
     ) as t:
@@ -332,7 +327,7 @@ async def test_certificate_from_another_ca_cannot_join(
     store = MemoryStore(unique_name)
 
     def options(rank: int) -> dict[str, Any]:
-        ssl = tls.contexts(*certs.stranger, cafile) if rank == 2 else _tls_for(certs, rank)
+        ssl = tls.contexts(*certs.stranger, cafile) if rank == 2 else certs.config(rank)
         return {"transport": "tls", "ssl": ssl}
 
     out = await _each_rank(3, options, store=store, name=unique_name, timeout=RDV_TIMEOUT)
@@ -358,7 +353,7 @@ async def test_rejected_tls_stranger_cannot_inject_frames(
             timeout=30,
             name=unique_name,
             secret=SECRET,
-            ssl=_tls_for(certs, r),
+            ssl=certs.config(r),
         ) as g:
             return await _allreduce(g)
 
@@ -368,7 +363,7 @@ async def test_rejected_tls_stranger_cannot_inject_frames(
         reader, writer = await asyncio.open_connection(
             rec["address"],
             rec["port"],
-            ssl=_tls_for(certs, 1).client,
+            ssl=certs.config(1).client,
             server_hostname=rec["address"],
         )
         try:

@@ -58,15 +58,13 @@ async def tls_stress(g: Any, certs: Any, seed: int, timeout: float) -> dict[str,
     """Open a TLS group beside the spawned one (certificates cannot be pickled as
     contexts) and stress it."""
     import aiocollect as ac
-    from aiocollect import tls
 
-    cert, key = certs.ranks[g.rank]
     async with ac.open_group(
         g.rank,
         g.world_size,
         store=g.store,
         transport="tls",
-        ssl=tls.contexts(cert, key, certs.ca),
+        ssl=certs.config(g.rank),
         name="stress-tls",
         timeout=timeout,
     ) as t:

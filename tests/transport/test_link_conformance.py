@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Iterator
 import pytest
 
 from aiocollect.testing.link_suite import LINK_CHECKS, PairFactory, transport_pair
-from aiocollect.tls import TLSConfig, contexts
+from aiocollect.tls import TLSConfig
 from aiocollect.transport import cma, registry
 from aiocollect.transport.interface import Transport
 from tests.failure.conftest import Certs, make_certs
@@ -50,7 +50,7 @@ def _factory(
     tls: tuple[TLSConfig, TLSConfig] | None = None
     if transport.needs_tls:
         certs: Certs = request.getfixturevalue("link_certs")
-        tls = (contexts(*certs.ranks[0], certs.ca), contexts(*certs.ranks[1], certs.ca))
+        tls = (certs.config(0), certs.config(1))
     if not pulls:  # pulls off: shared-memory frames go through the ring
         monkeypatch.setenv(cma.ENV, "0")
         return transport_pair(transport, tls, expect_pulls=False if name == "shm" else None)

@@ -11,7 +11,6 @@ import pytest
 
 from aiocollect.testing.certs import make_certs
 from aiocollect.testing.link_suite import Recorder, frame, payload, tcp_pair, within
-from aiocollect.tls import contexts
 from aiocollect.transport import tcp
 from aiocollect.transport.wire import DATA
 
@@ -20,8 +19,7 @@ pytestmark = pytest.mark.timeout(60)
 
 async def test_small_frame_follows_the_frame_being_written(tmp_path: Path) -> None:
     certs = make_certs(tmp_path, 2)
-    server = contexts(*certs.ranks[1], certs.ca).server
-    client = contexts(*certs.ranks[0], certs.ca).client
+    server, client = certs.config(1).server, certs.config(0).client
     ra, rb = Recorder(), Recorder()
     big, bulk, small = payload(3 << 20, 1), payload(1 << 20, 2), payload(100, 3)
     sends = [(1, 0, big), (1, 1, bulk), (2, 0, small)]  # (slot, chunk, payload)
