@@ -30,6 +30,8 @@ from aiocollect.types import Collective, OpLike, ReduceOp
 
 #: Plans (argument checks' conclusions) a group keeps, see ``Group._remember``.
 PLANS = 256
+#: The buffer of a one-frame barrier (its frames are empty).
+_EMPTY = np.empty(0, dtype=np.uint8)
 
 #: alltoallv's send_counts: one non-negative count per rank.
 Counts = Sequence[int] | Array
@@ -155,16 +157,23 @@ class Group(GroupCore):
 
     def barrier(
         self, *, timeout: float | None = None, algorithm: str | None = None
-    ) -> asyncio.Task[None]:
+    ) -> asyncio.Future[None]:
         """Complete once every rank has entered the barrier (dissemination)."""
         key = ("barrier", algorithm)
         plan = self._plan(key)
         if plan is None:
-            alg = registry.BARRIER.choose(algorithm, 0, self.world_size)
-            plan = self._remember(
-                key, (pack(Collective.BARRIER, None, algorithm=alg.name), alg.run)
+            n = self.world_size
+            alg = registry.BARRIER.choose(algorithm, 0, n)
+            fp = pack(Collective.BARRIER, None, algorithm=alg.name)
+            small = (
+                self._small("barrier", alg.program(n, self.rank), fp, 0)
+                if alg.program is not None and alg.empty_frames(n)
+                else None
             )
-        fp, run = plan
+            plan = self._remember(key, (fp, alg.run, small))
+        fp, run, small = plan
+        if small is not None:
+            return self._quick(small, _EMPTY, None, None, timeout)
         return self._start("barrier", fp, run, timeout)
 
     def broadcast(
@@ -173,10 +182,10 @@ class Group(GroupCore):
         """Copy ``root``'s ``buf`` into every rank's ``buf`` (binomial tree or pipeline)."""
         arr = as_array(buf, "buf", writable=True)
         key = ("broadcast", arr.dtype, arr.size, type(root), root, algorithm)
-        fp, steps, run, root = self._plan(key) or self._broadcast_plan(key, arr, root, algorithm)
-        flat = arr.reshape(-1)
-        if steps is not None:
-            return self._schedule("broadcast", fp, steps, (flat, root), buf, timeout)
+        fp, small, run, root = self._plan(key) or self._broadcast_plan(key, arr, root, algorithm)
+        flat = arr if arr.ndim == 1 else arr.reshape(-1)
+        if small is not None:
+            return self._quick(small, flat, None, buf, timeout)
 
         async def body(o: Op) -> B:
             await run(o, flat, root)
@@ -187,13 +196,16 @@ class Group(GroupCore):
     def _broadcast_plan(
         self, key: tuple[Any, ...], arr: Array, root: Any, algorithm: Any
     ) -> tuple[Any, ...]:
-        """broadcast's checks and choices (fingerprint, one-frame steps or None, run, root),
-        remembered under ``key`` (dtype, size, root and algorithm)."""
-        root = check_rank(root, self.world_size, "root")
-        alg = registry.BROADCAST.choose(algorithm, arr.nbytes, self.world_size)
+        """broadcast's checks and choices (fingerprint, one-frame program or None, run,
+        root), remembered under ``key`` (dtype, size, root and algorithm)."""
+        n = self.world_size
+        root = check_rank(root, n, "root")
+        alg = registry.BROADCAST.choose(algorithm, arr.nbytes, n)
         fp = pack(Collective.BROADCAST, arr, root=root, algorithm=alg.name)
-        one = alg.one_frame(arr.nbytes, self.world_size, self.chunk_bytes)
-        return self._remember(key, (fp, alg.steps if one else None, alg.run, root))
+        small, prog = None, alg.program
+        if prog is not None and alg.one_frame(arr.nbytes, n, self.chunk_bytes):
+            small = self._small("broadcast", prog(n, self.rank, root), fp, arr.nbytes, arr.dtype)
+        return self._remember(key, (fp, small, alg.run, root))
 
     def _plan(self, key: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """The plan remembered for ``key``, or None (also for an unhashable key: not valid
@@ -225,12 +237,12 @@ class Group(GroupCore):
         (bandwidth), ``recursive_doubling`` (latency), ``halving_doubling``; default by size."""
         arr = as_array(buf, "buf", writable=True)
         key = ("allreduce", arr.dtype, arr.size, type(op), op, algorithm)
-        fp, steps, run, ufunc, average = self._plan(key) or self._allreduce_plan(
+        fp, small, run, ufunc, average = self._plan(key) or self._allreduce_plan(
             key, arr, op, algorithm
         )
-        flat = arr.reshape(-1)
-        if steps is not None:
-            return self._schedule("allreduce", fp, steps, (flat, ufunc, average), buf, timeout)
+        flat = arr if arr.ndim == 1 else arr.reshape(-1)
+        if small is not None:
+            return self._quick(small, flat, ufunc, buf, timeout)
 
         async def body(o: Op) -> B:
             await run(o, flat, ufunc, average)
@@ -241,15 +253,17 @@ class Group(GroupCore):
     def _allreduce_plan(
         self, key: tuple[Any, ...], arr: Array, op: Any, algorithm: Any
     ) -> tuple[Any, ...]:
-        """allreduce's checks and choices (fingerprint, one-frame steps or None, run,
+        """allreduce's checks and choices (fingerprint, one-frame program or None, run,
         ufunc, average), remembered under ``key`` (dtype, size, op and algorithm)."""
         rop, ufunc = reduction(op, arr)
         n = self.world_size
         alg = registry.ALLREDUCE.choose(algorithm, arr.nbytes, n)
         fp = pack(Collective.ALLREDUCE, arr, op=rop, algorithm=alg.name)
-        one = alg.one_frame(arr.nbytes, n, self.chunk_bytes)
-        plan = (fp, alg.steps if one else None, alg.run, ufunc, rop is ReduceOp.AVG)
-        return self._remember(key, plan)
+        average = rop is ReduceOp.AVG
+        small, prog = None, alg.program
+        if prog is not None and alg.one_frame(arr.nbytes, n, self.chunk_bytes):
+            small = self._small("allreduce", prog(n, self.rank, average), fp, arr.nbytes, arr.dtype)
+        return self._remember(key, (fp, small, alg.run, ufunc, average))
 
     def reduce(
         self,

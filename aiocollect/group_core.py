@@ -2,9 +2,9 @@
 
 Every collective method checks its arguments (raising UsageError before anything is sent),
 takes the next sequence number at call time, registers its fingerprint and returns an
-``asyncio.Task`` running the algorithm (:meth:`GroupCore._start`), or a plain Future run by
-a :class:`~aiocollect.engine.small.Schedule` for one-frame operations
-(:meth:`GroupCore._schedule`). Several may run at once; ranks must call a group's
+``asyncio.Task`` running the algorithm (:meth:`GroupCore._start`), or a Future resolved by
+a :class:`~aiocollect.engine.small.Quick` for one-frame operations
+(:meth:`GroupCore._quick`). Several may run at once; ranks must call a group's
 collectives in the same order.
 """
 
@@ -18,9 +18,10 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
+from aiocollect._buffers import Array
 from aiocollect.engine.fabric import Fabric
 from aiocollect.engine.op import Op
-from aiocollect.engine.small import Schedule, Step
+from aiocollect.engine.small import Handle, Program, Quick, Small
 from aiocollect.errors import (
     GroupBrokenError,
     MismatchError,
@@ -93,7 +94,7 @@ class GroupCore:
         self._recv_counters: Counter[tuple[int, int]] = Counter()
         self._stats: Counter[str] = Counter()  # operations started, per kind
         self._done: Counter[str] = Counter()  # and completed
-        self._deadlines: list[tuple[float, int, asyncio.Future[Any], Op | Schedule]] = []
+        self._deadlines: list[tuple[float, int, asyncio.Future[Any], Op | Quick]] = []
         self._watch_count = 0
         self._watch_at: float | None = None
         self._watch_handle: asyncio.TimerHandle | None = None
@@ -124,9 +125,10 @@ class GroupCore:
 
     def _check_usable(self) -> None:
         """Raise UsageError if closed, GroupBrokenError if broken."""
-        if self.closed:
+        if self._closed or (self._parent is not None and self._parent.closed):
             raise UsageError(f"group {self.name!r} is closed")
-        self._fabric.check()
+        if self._fabric.failure is not None:
+            self._fabric.check()
 
     def statistics(self) -> Statistics:
         """Counters: operations started and completed per kind, bytes and frames moved per
@@ -218,40 +220,51 @@ class GroupCore:
     def _untrack(self, fut: asyncio.Future[Any]) -> None:
         self._tasks.pop(fut, None)
 
-    def _schedule(
-        self,
-        kind: str,
-        fp: tuple[int, int, int, int, int],
-        build: Callable[..., list[Step]],
-        args: tuple[Any, ...],
-        result: Any,
-        timeout: float | None,
-    ) -> asyncio.Future[Any]:
-        """Like :meth:`_start` for an operation of one-frame steps: ``build(op, *args)``
-        lists them and a :class:`Schedule` runs them from callbacks; the handle is a
-        Future."""
-        op, timeout = self._new_op(kind, fp, timeout)
+    def _quick(
+        self, small: Small, buf: Array, ufunc: Any, result: Any, timeout: float | None
+    ) -> Handle:
+        """Like :meth:`_start` for a one-frame operation: ``small``'s program runs over
+        ``buf`` as a :class:`Quick` (no Task, no Op); the handle is a Future."""
+        self._check_usable()
+        timeout = self._timeout_arg(timeout)
+        seq = self._seq
+        self._seq = seq + 1
+        fabric = self._fabric
+        fabric.register(self._gid, seq, small.fp, self._ranks)
+        kind = small.kind
+        self._stats[kind] += 1
         loop = self._loop
         if loop is None:  # (asyncio.get_running_loop costs a getpid() system call)
             loop = self._loop = asyncio.get_running_loop()
-        handle: asyncio.Future[Any] = loop.create_future()
-        sched = Schedule(self, kind, op, build(op, *args), handle, result, timeout)
-        handle.add_done_callback(sched.on_done)  # also drops it from _tasks
+        handle = Handle(loop=loop)
+        quick = handle._quick = Quick(self, small, seq, buf, ufunc, handle, result, timeout)
         now = loop.time()
-        self._tasks[handle] = (op, kind, now, timeout)
-        loop.call_soon(sched.start)
+        self._tasks[handle] = (quick, kind, now, timeout)
+        loop.call_soon(quick.start)
         if self._tick_handle is None:
             self._tick_handle = loop.call_later(CHECK_SECONDS, _tick, weakref.ref(self), loop)
         if timeout is not None:
-            self._watch(loop, now + timeout, handle, sched)
+            self._watch(loop, now + timeout, handle, quick)
         return handle
+
+    def _small(
+        self,
+        kind: str,
+        program: Program,
+        fp: tuple[int, int, int, int, int],
+        nbytes: int,
+        dtype: Any = None,
+    ) -> Small:
+        """``program`` bound to this group's links and frame headers, for buffers of
+        ``dtype`` (a plan's part)."""
+        return Small(kind, program, self._gid, fp, self._ranks, self._fabric.links, nbytes, dtype)
 
     def _watch(
         self,
         loop: asyncio.AbstractEventLoop,
         deadline: float,
         task: asyncio.Future[Any],
-        op: Op | Schedule,
+        op: Op | Quick,
     ) -> None:
         """Expire ``task`` at ``deadline``. One timer per group (a loop timer costs several
         microseconds, a heap push well under one): entries of finished tasks are dropped
@@ -292,7 +305,7 @@ class GroupCore:
             _, _, task, target = heapq.heappop(heap)
             if task.done():
                 continue
-            if isinstance(target, Schedule):
+            if isinstance(target, Quick):
                 target.expire()
             else:
                 target.expired = True  # _run turns the cancellation into a PeerTimeout
@@ -345,7 +358,7 @@ class GroupCore:
                 fabric.unregister(self._gid, op.seq)
 
     async def _timeout_error(
-        self, kind: str, op: Op, timeout: float | None
+        self, kind: str, op: Op | Quick, timeout: float | None
     ) -> PeerTimeout | MismatchError:
         """Name the ranks to blame: those that do not answer a liveness probe, else those
         that have not called this operation, else those it was still waiting for. A peer
@@ -414,7 +427,7 @@ class GroupCore:
         if live:
             self._tick_handle = loop.call_later(TICK, _tick, weakref.ref(self), loop)
 
-    async def _check(self, op: Op, st: _Progress, loop: asyncio.AbstractEventLoop) -> None:
+    async def _check(self, op: Op | Quick, st: _Progress, loop: asyncio.AbstractEventLoop) -> None:
         """Ask the peers which operation they called at ``op``'s sequence number; one that
         called another breaks the group with MismatchError (on every rank, by the ABORT)."""
         fabric = self._fabric
@@ -438,7 +451,13 @@ class GroupCore:
             st.checking = False
 
     def _warn_stalled(
-        self, kind: str, op: Op, st: _Progress, stalled: float, timeout: float | None, age: float
+        self,
+        kind: str,
+        op: Op | Quick,
+        st: _Progress,
+        stalled: float,
+        timeout: float | None,
+        age: float,
     ) -> None:
         what = (
             f"op #{op.seq} of group {self.name!r}"
@@ -571,7 +590,7 @@ class GroupCore:
 #: Seconds between two looks of the progress ticker at the operations in flight.
 TICK = 0.5
 
-_Watched = tuple[Op, str, float, "float | None"]
+_Watched = tuple["Op | Quick", str, float, "float | None"]
 
 
 def _tick(ref: weakref.ref[GroupCore], loop: asyncio.AbstractEventLoop) -> None:
@@ -587,9 +606,9 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _progress_token(op: Op) -> tuple[int, int]:
+def _progress_token(op: Op | Quick) -> tuple[int, int]:
     """Changes whenever ``op`` posts or completes a receive (for stall warnings)."""
-    return len(op.pending), sum(1 for _, _, fut in op.pending if fut.done())
+    return op.progress()
 
 
 class _Progress:

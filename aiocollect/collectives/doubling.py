@@ -18,14 +18,20 @@ with bit-identical results.
 
 from __future__ import annotations
 
-from functools import lru_cache, partial
+from functools import lru_cache
 
 import numpy as np
 
 from aiocollect._buffers import Array
 from aiocollect.engine.op import Op
 from aiocollect.engine.reduce import reduce_into, settle
-from aiocollect.engine.small import Step
+from aiocollect.engine.small import (
+    Exchange,
+    Program,
+    Quick,
+    reduce_mine_first,
+    reduce_theirs_first,
+)
 
 FOLD_SLOT = 0
 STEP_SLOT = 1 << 10
@@ -57,33 +63,22 @@ async def _transfer(op: Op, peer: int, slot: int, send: Array, recv: Array) -> N
     await op.sent_left(peer)
 
 
-def small_steps(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> list[Step]:
-    """Recursive doubling for a power-of-two world size and a one-frame ``buf``, as steps
-    for :class:`aiocollect.engine.small.Schedule` (same frames and reduction order as
-    :func:`recursive_doubling`). Each step's reduction is a ``partial`` of the ufunc (no
-    Python frame per call), the lower rank's operand first, in place into ``buf``."""
-    tmp = np.empty_like(buf)
-    steps = [
-        Step(
-            partner,
-            slot,
-            buf,
-            tmp,
-            partial(ufunc, buf, tmp, out=buf) if lower else partial(ufunc, tmp, buf, out=buf),
-        )
-        for partner, slot, lower in _exchanges(op.size, op.rank)
-    ]
-    if average:
-        last = steps[-1].then
-        n = op.size
+@lru_cache(maxsize=256)
+def small_program(n: int, rank: int, average: bool) -> Program:
+    """Recursive doubling for a power-of-two world size ``n`` and a one-frame buffer, as
+    rank ``rank``'s program for :class:`aiocollect.engine.small.Quick` (the same frames
+    and reduction order as :func:`recursive_doubling`): per step exchange the buffer with
+    the partner and reduce, the lower rank's operand first, in place; ``average``: then
+    divide by ``n``."""
+    steps = tuple(
+        Exchange(partner, partner, slot, True, reduce_mine_first if lower else reduce_theirs_first)
+        for partner, slot, lower in _exchanges(n, rank)
+    )
+    return Program(steps, tmp=True, finish=_divide if average else None)
 
-        def finish() -> None:
-            if last is not None:
-                last()
-            np.divide(buf, n, out=buf)
 
-        steps[-1].then = finish
-    return steps
+def _divide(q: Quick) -> None:
+    np.divide(q.buf, len(q.small.ranks), out=q.buf)
 
 
 @lru_cache(maxsize=64)
@@ -148,7 +143,7 @@ async def halving_doubling(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -
 
 
 def small_covers(n: int) -> bool:
-    """Whether :func:`small_steps` covers world size ``n`` (a power of two above 1)."""
+    """Whether :func:`small_program` covers world size ``n`` (a power of two above 1)."""
     return n > 1 and not n & (n - 1)
 
 

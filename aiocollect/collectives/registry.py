@@ -20,7 +20,7 @@ import numpy as np
 from aiocollect._buffers import Array
 from aiocollect.collectives import barrier, direct, doubling, pipeline, ring, select, tree, vector
 from aiocollect.engine.op import Op
-from aiocollect.engine.small import Step
+from aiocollect.engine.small import Program
 from aiocollect.errors import UsageError
 from aiocollect.fingerprint import ALGORITHM_CODES
 from aiocollect.types import Collective
@@ -37,21 +37,23 @@ class Algorithm(Generic[P, T]):
     name: str
     #: The algorithm: a coroutine function over the operation's flat arrays.
     run: Callable[P, Awaitable[T]]
-    #: The same frames as ``run`` for a message of one frame, as steps for the callback
-    #: schedule (``engine/small.py``), where the algorithm has that form.
-    steps: Callable[P, list[Step]] | None = None
-    #: The world sizes ``steps`` covers.
+    #: The same frames as ``run`` for a message of one frame, as a rank's program for
+    #: the one-frame path (``engine/small.py``), where the algorithm has that form:
+    #: ``program(world_size, rank, *options)`` (the options per collective: allreduce's
+    #: ``average``, broadcast's ``root``, none for barrier).
+    program: Callable[..., Program] | None = None
+    #: The world sizes ``program`` covers.
     covers: Callable[[int], bool] | None = None
 
     def one_frame(self, nbytes: int, world_size: int, chunk_bytes: int) -> bool:
-        """Whether a message of ``nbytes`` runs as ``steps`` (one frame, a world size
-        they cover, something to send)."""
-        return (
-            self.steps is not None
-            and self.covers is not None
-            and 0 < nbytes <= chunk_bytes
-            and self.covers(world_size)
-        )
+        """Whether a message of ``nbytes`` runs as ``program`` (one frame, a world size
+        it covers, something to send; see :meth:`empty_frames` for barrier)."""
+        return 0 < nbytes <= chunk_bytes and self.empty_frames(world_size)
+
+    def empty_frames(self, world_size: int) -> bool:
+        """Whether ``program`` covers ``world_size`` (for barrier, whose frames are
+        empty, the whole question)."""
+        return self.program is not None and self.covers is not None and self.covers(world_size)
 
 
 class Registry(Generic[P, T]):
@@ -108,7 +110,7 @@ ALLREDUCE: Registry[[Op, Array, np.ufunc, bool], None] = Registry(
         Algorithm(
             "recursive_doubling",
             doubling.recursive_doubling,
-            doubling.small_steps,
+            doubling.small_program,
             doubling.small_covers,
         ),
         Algorithm("halving_doubling", doubling.halving_doubling),
@@ -119,7 +121,7 @@ ALLREDUCE: Registry[[Op, Array, np.ufunc, bool], None] = Registry(
 BROADCAST: Registry[[Op, Array, int], None] = Registry(
     Collective.BROADCAST,
     [
-        Algorithm("binomial", tree.broadcast, tree.small_steps, tree.small_covers),
+        Algorithm("binomial", tree.broadcast, tree.small_program, tree.small_covers),
         Algorithm("pipeline", pipeline.broadcast),
     ],
     select.broadcast,
@@ -171,7 +173,8 @@ ALLTOALLV: Registry[[Op, Array, list[int], Array | None], list[Array]] = Registr
 )
 #: ().
 BARRIER: Registry[[Op], None] = Registry(
-    Collective.BARRIER, [Algorithm("dissemination", barrier.barrier)]
+    Collective.BARRIER,
+    [Algorithm("dissemination", barrier.barrier, barrier.small_program, barrier.small_covers)],
 )
 
 #: Every registry by collective name (``allreduce``...).

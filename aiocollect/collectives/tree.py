@@ -8,12 +8,14 @@ whole message ceil(log2 n) times (a bandwidth-bound large broadcast prefers the 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from aiocollect._buffers import Array
 from aiocollect.engine.op import Op
 from aiocollect.engine.reduce import reduce_into, settle
-from aiocollect.engine.small import Step
+from aiocollect.engine.small import Exchange, Program
 
 SLOT = 0
 
@@ -57,14 +59,15 @@ async def broadcast(op: Op, buf: Array, root: int, slot: int = SLOT) -> None:
             await op.send(child, slot, c, part)
 
 
-def small_steps(op: Op, buf: Array, root: int, slot: int = SLOT) -> list[Step]:
-    """:func:`broadcast` of a one-frame ``buf`` as steps for
-    :class:`aiocollect.engine.small.Schedule`: receive from the parent (unless root), then
+@lru_cache(maxsize=256)
+def small_program(n: int, rank: int, root: int, slot: int = SLOT) -> Program:
+    """:func:`broadcast` of a one-frame buffer as rank ``rank``'s program for
+    :class:`aiocollect.engine.small.Quick`: receive from the parent (unless root), then
     send to each child; the same frames as the coroutine."""
-    parent, children = tree_links((op.rank - root) % op.size, op.size)
-    steps = [] if parent is None else [Step((parent + root) % op.size, slot, None, buf)]
-    steps += [Step((child + root) % op.size, slot, buf, None) for child in children]
-    return steps
+    parent, children = tree_links((rank - root) % n, n)
+    steps = [] if parent is None else [Exchange(-1, (parent + root) % n, slot)]
+    steps += [Exchange((child + root) % n, -1, slot) for child in children]
+    return Program(tuple(steps))
 
 
 async def reduce(op: Op, buf: Array, root: int, ufunc: np.ufunc, average: bool) -> None:
@@ -104,5 +107,5 @@ async def _reduce(op: Op, work: Array, root: int, ufunc: np.ufunc, slot: int = S
 
 
 def small_covers(n: int) -> bool:
-    """Whether :func:`small_steps` covers world size ``n`` (any above 1)."""
+    """Whether :func:`small_program` covers world size ``n`` (any above 1)."""
     return n > 1

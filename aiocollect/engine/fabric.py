@@ -19,7 +19,7 @@ from typing import Any
 import msgpack
 
 from aiocollect import errors
-from aiocollect.engine.spin import Spinner, budget_for
+from aiocollect.engine.spin import Awaited, Spinner, budget_for
 from aiocollect.errors import (
     GroupBrokenError,
     MismatchError,
@@ -110,7 +110,7 @@ class Fabric:
             )
         return spinner
 
-    def spin(self, fut: asyncio.Future[None], link: Link) -> None:
+    def spin(self, fut: Awaited, link: Link) -> None:
         """A receive ``fut`` on ``link`` is awaited: keep the loop polling for a while,
         unless the policy says not to or the link polls itself (``caps.polls``: shared
         memory)."""

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from aiocollect._buffers import Array, byte_view
 from aiocollect.engine.fabric import Fabric
 from aiocollect.errors import AiocollectError, InternalError
-from aiocollect.transport.base import Fingerprint, Hook, Link, SendMark
+from aiocollect.transport.base import Fingerprint, Link, SendMark
 from aiocollect.transport.wire import DATA, HEADER, MAGIC, Key
 
 #: Bytes queued in user space per link before a sender waits for the socket to drain.
@@ -108,10 +108,8 @@ class Op:
         dest: Array,
         expect: Fingerprint | None = None,
         seq: int | None = None,
-        hook: Hook | None = None,
     ) -> asyncio.Future[None]:
-        """Post a receive of frame (slot, chunk) from group rank ``peer`` into ``dest``
-        (``hook``: see :meth:`~aiocollect.transport.base.Link.post_recv`)."""
+        """Post a receive of frame (slot, chunk) from group rank ``peer`` into ``dest``."""
         kind = self.kind
         # tuple.__new__: a Key without its generated __new__'s Python frame (per receive)
         key = _tuple_new(Key, (kind, self.gid, self.seq if seq is None else seq, slot, chunk))
@@ -119,7 +117,7 @@ class Op:
         # Every frame of a collective carries the op's fingerprint (checked against it by
         # the fabric): with it posted too, a transport can match the frame in one step.
         fut = link.post_recv(
-            key, _bytes(dest), self.fp if expect is None and kind == DATA else expect, hook
+            key, _bytes(dest), self.fp if expect is None and kind == DATA else expect
         )
         self.pending.append((peer, key, fut))
         if not fut.done():
@@ -204,17 +202,13 @@ class Op:
         return sorted(waiting)
 
     def wrap(self, kind: str, exc: BaseException) -> BaseException:
-        """What this operation (a ``kind``) fails with when ``exc`` escaped it: ``exc``
-        itself if it is an aiocollect error (or not an Exception), else an InternalError
-        caused by it: anything else is a bug, and still breaks the group on every rank."""
-        if isinstance(exc, AiocollectError) or not isinstance(exc, Exception):
-            return exc
-        err = InternalError(
-            f"{kind} (op #{self.seq}) on rank {self.rank} failed on an "
-            f"unexpected {type(exc).__name__}: {exc}"
-        )
-        err.__cause__ = exc
-        return err
+        """What this operation (a ``kind``) fails with when ``exc`` escaped it
+        (:func:`wrap_error`)."""
+        return wrap_error(kind, self.seq, self.rank, exc)
+
+    def progress(self) -> tuple[int, int]:
+        """Changes whenever the operation posts or completes a receive (stall warnings)."""
+        return len(self.pending), sum(1 for _, _, fut in self.pending if fut.done())
 
     def abandon(self) -> None:
         """Withdraw receives that have not landed (after cancellation or failure)."""
@@ -222,6 +216,20 @@ class Op:
             if not fut.done():
                 self.link(peer).unpost(key)
                 fut.cancel()
+
+
+def wrap_error(kind: str, seq: int, rank: int, exc: BaseException) -> BaseException:
+    """What operation ``seq`` (a ``kind``) on ``rank`` fails with when ``exc`` escaped it:
+    ``exc`` itself if it is an aiocollect error (or not an Exception), else an
+    InternalError caused by it: anything else is a bug, and still breaks the group on
+    every rank."""
+    if isinstance(exc, AiocollectError) or not isinstance(exc, Exception):
+        return exc
+    err = InternalError(
+        f"{kind} (op #{seq}) on rank {rank} failed on an unexpected {type(exc).__name__}: {exc}"
+    )
+    err.__cause__ = exc
+    return err
 
 
 _bytes = byte_view

@@ -1,39 +1,56 @@
-"""Small operations without a Task: a callback-driven exchange schedule.
+"""One-frame operations in one object: no Task, no Op, no step list per call.
 
 An operation whose every message fits in one frame spends most of its time in Python
-overhead, not in moving bytes. For those the group runs a :class:`Schedule` instead of a
-coroutine in a Task: a list of steps, each "send this frame to that peer and/or receive that
-frame from that peer, then run a callback", advanced from the receive's completion
-callback. The handle is a plain ``asyncio.Future``. This saves the Task, the coroutine
-frames and one event-loop pass per step, which is most of a 4-byte allreduce's cost.
+overhead, not in moving bytes. For those a collective's algorithm gives a *program* (a
+:class:`Program`, built once per group, world size, rank and shape): a short tuple of
+:class:`Exchange` steps, each "send the operation's buffer to that peer and/or receive
+one frame from that peer, then run this function". The group binds it once per shape to
+its links' frame headers (:class:`Small`), and each call makes one :class:`Quick`: the
+operation's state, its own posted receive (the link calls it back as the frame lands, from
+the transport's read path, see :class:`~aiocollect.transport.base.Receiver`) and the
+record the group's deadline and progress checks read. The handle is a :class:`Handle`, an
+``asyncio.Future`` that notices its own cancellation. That saves the Task, the coroutine
+frames, the per-receive future, the step objects and one event-loop pass per step
+(docs/design.md, *The one-frame path*).
 
 Same contract as the Task path (group_core): the first step runs on the next loop pass, so
 cancelling the handle before then moves no data and leaves the group usable; cancelling it
-later, a failed receive, or an error breaks the group; the deadline names the ranks to blame
-through the group's probe.
+later (with data moved), a failed receive, or an error breaks the group; the deadline
+names the ranks to blame through the group's probe; any non-aiocollect exception becomes
+an InternalError that breaks the group on every rank.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections import Counter
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from aiocollect._buffers import Array
+import numpy as np
+
+from aiocollect._buffers import Array, byte_view
 from aiocollect.engine.fabric import Fabric
-from aiocollect.engine.op import Op
+from aiocollect.engine.op import wrap_error
 from aiocollect.errors import GroupBrokenError
+from aiocollect.transport.base import Fingerprint, Link, SendMark
+from aiocollect.transport.wire import DATA, HEADER, MAGIC, Key
 
 log = logging.getLogger("aiocollect")
 
+#: Where a frame header carries the operation's sequence number (``wire.HEADER``).
+_SEQ_AT = 14
+_SEQ = struct.Struct("<Q")
+_tuple_new = tuple.__new__
+
 
 class GroupCore(Protocol):
-    """What a schedule needs of the group running it (group_core.GroupCore): its fabric,
-    its rank, its bookkeeping of live and done operations, and its deadline probe. A
-    protocol, so that the engine never imports the group layer above it."""
+    """What a one-frame operation needs of the group running it (group_core.GroupCore):
+    its fabric, its rank, its bookkeeping of live and done operations, and its deadline
+    probe. A protocol, so that the engine never imports the group layer above it."""
 
     @property
     def rank(self) -> int: ...
@@ -50,62 +67,210 @@ class GroupCore(Protocol):
     def _track(self, fut: asyncio.Future[Any]) -> None: ...
 
     def _timeout_error(
-        self, kind: str, op: Op, timeout: float | None
+        self, kind: str, op: Any, timeout: float | None
     ) -> Awaitable[BaseException]: ...
 
 
-@dataclass(slots=True)
-class Step:
-    """One exchange: send ``send`` to ``peer`` (if given), receive into ``recv`` from
-    ``peer`` (if given), then call ``then()`` once the receive landed."""
+# -- programs ------------------------------------------------------------------------------
 
-    peer: int
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """One step of a program: send the operation's buffer to group rank ``send_to`` (if
+    not -1), receive one frame of slot ``slot`` from group rank ``recv_from`` (if not -1)
+    into the scratch buffer (``into_tmp``) or into the operation's buffer, then, once that
+    frame landed and every frame sent from the buffer so far has left user memory, call
+    ``then(quick)`` (if given; it may rewrite the buffer). A receive into the operation's
+    buffer must come before any send in the program (nothing waits for a sent frame before
+    it)."""
+
+    send_to: int
+    recv_from: int
     slot: int
-    send: Array | None
-    recv: Array | None
-    then: Callable[[], None] | None = None
+    into_tmp: bool = False
+    then: Callable[[Quick], None] | None = None
 
 
-class Schedule:
-    """Runs ``steps`` of ``op`` in order and resolves ``handle`` with ``result``."""
+@dataclass(frozen=True, slots=True)
+class Program:
+    """One rank's steps of a one-frame algorithm; ``tmp``: it needs a scratch buffer like
+    the operation's; ``finish(quick)``: run after the last step (every frame left)."""
+
+    steps: tuple[Exchange, ...]
+    tmp: bool = False
+    finish: Callable[[Quick], None] | None = None
+
+
+def reduce_mine_first(q: Quick) -> None:
+    """``buf = ufunc(buf, tmp)``: this rank is the lower of the pair (reduction order)."""
+    q.ufunc(q.buf, q.tmp, out=q.buf)
+
+
+def reduce_theirs_first(q: Quick) -> None:
+    """``buf = ufunc(tmp, buf)``: the peer is the lower of the pair."""
+    q.ufunc(q.tmp, q.buf, out=q.buf)
+
+
+class Small:
+    """A program bound to one group and shape: per step its links and its frame header
+    without the sequence number (``ops[i]``: receive link or None, send link or None,
+    slot, into_tmp, then, and the header's bytes before and after the sequence number).
+    Made once per group and (collective, dtype, count, options): a group's links never
+    change."""
+
+    __slots__ = ("cast", "fp", "gid", "kind", "ops", "program", "ranks", "steps", "tmp")
+
+    def __init__(
+        self,
+        kind: str,
+        program: Program,
+        gid: int,
+        fp: Fingerprint,
+        ranks: list[int],
+        links: Mapping[int, Link],
+        nbytes: int,
+        buf_dtype: np.dtype[Any] | None = None,
+    ) -> None:
+        self.kind = kind
+        self.program = program
+        self.steps = program.steps
+        self.tmp = program.tmp
+        #: whether a buffer's bytes are ``buf.data.cast("B")`` (not for bfloat16 & co.)
+        self.cast = True
+        self.gid = gid
+        self.fp = fp
+        self.ranks = ranks
+        coll, dtype, count, rop, root = fp
+        ops = []
+        for st in program.steps:
+            h = HEADER.pack(MAGIC, DATA, coll, rop, dtype, gid, 0, 0, st.slot, root, count, nbytes)
+            ops.append(
+                (
+                    links[ranks[st.recv_from]] if st.recv_from >= 0 else None,
+                    links[ranks[st.send_to]] if st.send_to >= 0 else None,
+                    st.slot,
+                    st.into_tmp,
+                    st.then,
+                    h[:_SEQ_AT],
+                    h[_SEQ_AT + _SEQ.size :],
+                )
+            )
+        self.ops: tuple[_Op, ...] = tuple(ops)
+        if buf_dtype is not None:
+            try:
+                np.empty(1, buf_dtype).data.cast("B")
+            except (TypeError, ValueError):
+                self.cast = False
+
+
+#: A bound step (Small.ops).
+_Op = tuple[
+    "Link | None",
+    "Link | None",
+    int,
+    bool,
+    "Callable[[Quick], None] | None",
+    bytes,
+    bytes,
+]
+
+
+# -- the handle ----------------------------------------------------------------------------
+
+
+class Handle(asyncio.Future[Any]):
+    """A one-frame operation's handle: a Future that tells its operation when it is
+    cancelled (no done callback, and no loop pass for one, per operation)."""
+
+    __slots__ = ("_quick",)
+
+    _quick: Quick | None
+
+    def cancel(self, msg: Any = None) -> bool:
+        if not super().cancel(msg):
+            return False
+        quick, self._quick = self._quick, None
+        if quick is not None:
+            quick.cancelled()
+        return True
+
+
+# -- the operation -------------------------------------------------------------------------
+
+
+class Quick:
+    """One call of a one-frame operation: runs ``small``'s steps over ``buf`` (with
+    ``ufunc`` and a scratch buffer where the program reduces) and resolves ``handle``
+    with ``result``. It is also the receiver it posts (one at a time) and, for the
+    group's deadline and progress checks, the record of the operation (``kind``, ``seq``,
+    ``ranks``, :meth:`silent_peers`, :meth:`progress`, as :class:`engine.op.Op`)."""
+
+    #: frames of a collective (the group's checks ask peers about it by number)
+    kind = DATA
 
     __slots__ = (
-        "_flushed",
         "_i",
+        "_key",
+        "_marks",
+        "_moved",
         "_released",
+        "_seqb",
+        "_started",
         "_timing_out",
-        "_waiting",
+        "buf",
+        "bview",
         "core",
+        "expect",
         "handle",
-        "kind",
-        "op",
         "result",
-        "steps",
+        "seq",
+        "small",
         "timeout",
+        "tmp",
+        "tview",
+        "ufunc",
+        "view",
     )
 
     def __init__(
         self,
         core: GroupCore,
-        kind: str,
-        op: Op,
-        steps: list[Step],
-        handle: asyncio.Future[Any],
+        small: Small,
+        seq: int,
+        buf: Array,
+        ufunc: Any,
+        handle: Handle,
         result: Any,
         timeout: float | None,
     ) -> None:
         self.core = core
-        self.kind = kind
-        self.op = op
-        self.steps = steps
+        self.small = small
+        self.seq = seq
+        self._seqb = _SEQ.pack(seq)
+        self.buf = buf
+        if small.cast:
+            self.bview = bview = buf.data.cast("B")
+        else:  # dtypes the buffer protocol cannot name (bfloat16)
+            self.bview = bview = byte_view(buf)
+        if small.tmp:
+            self.tmp = tmp = np.empty(buf.size, buf.dtype)
+            self.tview = tmp.data.cast("B") if small.cast else byte_view(tmp)
+        else:
+            self.tmp = buf
+            self.tview = bview
+        self.ufunc = ufunc
         self.handle = handle
         self.result = result
         self.timeout = timeout
+        self.expect: Fingerprint | None = small.fp
+        self.view = bview
         self._i = 0
-        self._flushed = True  # nothing this schedule sent is still queued in user space
+        self._key: Key | None = None  # the receive posted and not landed
+        self._marks: list[tuple[Link, SendMark]] | None = None  # sends still referenced
+        self._moved = False
+        self._started = False
         self._timing_out = False
         self._released = False
-        self._waiting: asyncio.Future[None] | None = None  # the receive the schedule awaits
 
     def __del__(self) -> None:
         # As asyncio does for a pending Task (the Task path gets asyncio's own warning).
@@ -114,9 +279,13 @@ class Schedule:
             log.warning(
                 "%s (op #%d) was garbage-collected while pending: its handle was "
                 "never awaited and its group was dropped",
-                self.kind,
-                self.op.seq,
+                self.small.kind,
+                self.seq,
             )
+
+    @property
+    def ranks(self) -> list[int]:
+        return self.small.ranks
 
     # -- running ---------------------------------------------------------------------------
 
@@ -127,131 +296,151 @@ class Schedule:
             # first step, the operation stays registered, so the peers' frames for it are
             # held rather than taken for a protocol error (docs/failures.md).
             return
+        self._started = True
         failure = self.core._fabric.failure
         if failure is not None:
             self._fail(failure)
             return
-        self._advance()
+        self._go()
 
-    def _advance(self) -> None:
-        op = self.op
+    def _go(self, landed: bool = False) -> None:
+        """Run steps from the current one until one waits for its frame, then end
+        (``landed``: the current step's frame is in, go on with its function)."""
+        small = self.small
+        ops = small.ops
+        i = self._i
         try:
-            while self._i < len(self.steps):
-                step = self.steps[self._i]
-                fut = None
-                if step.recv is not None:
-                    # The hook goes on from the transport's read path as the frame lands
-                    # (sending never reads, so not before the lines below); the done
-                    # callback covers failures, and whichever comes second does nothing.
-                    fut = op.recv(step.peer, step.slot, 0, step.recv, hook=self._landed)
-                if step.send is not None:
-                    op.send_now(step.peer, step.slot, 0, step.send)
-                    self._flushed = False
-                if fut is not None and not fut.done():
-                    self._waiting = fut
-                    fut.add_done_callback(self._landed)
-                    return
-                if not self._after(fut):
-                    return
+            while i < len(ops):
+                rlink, slink, slot, into_tmp, then, pre, post = ops[i]
+                if landed:
+                    landed = False
+                else:
+                    if rlink is not None:
+                        self.view = self.tview if into_tmp else self.bview
+                        key = _tuple_new(Key, (DATA, small.gid, self.seq, slot, 0))
+                        if rlink.post(key, self):
+                            self._moved = True
+                        else:
+                            self._key = key
+                    if slink is not None:
+                        slink.send(pre + self._seqb + post, self.bview)
+                        self._moved = True
+                        mark = slink.sent_mark(None)
+                        if mark is not None:
+                            if self._marks is None:
+                                self._marks = []
+                            self._marks.append((slink, mark))
+                        if self.handle.done():  # failed meanwhile (its link failed)
+                            return
+                    if self._key is not None:
+                        self._i = i
+                        self.core._fabric.spin(self, rlink)  # type: ignore[arg-type]
+                        return  # landed() goes on
+                if then is not None:
+                    if self._marks is not None and self._unsent():
+                        self._i = i  # then() rewrites the buffer still referenced: wait
+                        self._spawn(self._drain())
+                        return
+                    then(self)
+                i += 1
+            self._i = i
+            if self._marks is not None and self._unsent():
+                self._spawn(self._drain())
+                return
+            finish = small.program.finish
+            if finish is not None:
+                finish(self)
+            # success: every frame is in and out (nothing posted to withdraw)
+            core = self.core
+            core._done[small.kind] += 1
+            self._released = True
+            core._fabric.unregister(small.gid, self.seq)
+            handle = self.handle
+            core._tasks.pop(handle, None)
+            if not handle.done():
+                handle._quick = None
+                handle.set_result(self.result)
+        except Exception as exc:
+            self._fail(exc)
+
+    def _unsent(self) -> bool:
+        """Whether a frame this operation sent still lies in user memory (else forgets
+        them all)."""
+        marks = self._marks
+        assert marks is not None
+        for link, mark in marks:
+            if not link.released(mark):
+                return True
+        self._marks = None
+        return False
+
+    async def _drain(self) -> None:
+        """Wait until this operation's sent frames left user memory, then go on."""
+        try:
+            for link, mark in self._marks or ():
+                if not link.released(mark):
+                    await link.wait_released(mark)
+            self._marks = None
+            if self.handle.done() or self._timing_out:
+                return
         except Exception as exc:
             self._fail(exc)
             return
-        if not self._flushed and op.unsent():  # rare for one-frame messages: let a task
-            self._spawn(self._drain())  # wait for the socket
-            return
-        self._succeed()
-
-    def _after(self, fut: asyncio.Future[None] | None) -> bool:
-        """The current step's receive (if any) is done: check it and run the step's
-        callback. False if the schedule cannot go on synchronously."""
-        if fut is not None:
-            exc = (
-                GroupBrokenError(f"{self.kind} (op #{self.op.seq}): receive withdrawn")
-                if fut.cancelled()
-                else fut.exception()
-            )
-            if exc is not None:
-                self._fail(exc)
-                return False
-        step = self.steps[self._i]
-        if step.then is not None and step.send is not None:
-            if self.op.unsent():
-                # The callback may rewrite the buffer still queued for sending: wait first.
-                self._spawn(self._drain())
-                return False
-            self._flushed = True  # (the callback sends nothing: no second look at the end)
-        return self._next()
-
-    def _next(self) -> bool:
-        """Run the current step's callback and move to the next step. False if the
-        callback raised (the schedule failed)."""
-        then = self.steps[self._i].then
-        self._i += 1
-        if then is not None:
-            try:
-                then()
-            except Exception as exc:
-                self._fail(exc)
-                return False
-        return True
-
-    def _landed(self, fut: asyncio.Future[None]) -> None:
-        if fut is not self._waiting:
-            return  # seen already (hook, then done callback)
-        self._waiting = None
-        if self.handle.done() or self._timing_out:
-            return
-        if self._after(fut):
-            self._advance()
+        # stopped before a step's function (its frame is in) or before the end
+        self._go(self._i < len(self.small.ops))
 
     def _spawn(self, coro: Any) -> None:
         self.core._track(asyncio.get_running_loop().create_task(coro))
 
-    async def _drain(self) -> None:
-        """Wait until this op's frames left user space, then go on."""
-        try:
-            await self.op.finish()
-        except Exception as exc:
-            self._fail(exc)
-            return
+    # -- as the posted receiver (transport.base.Receiver) ------------------------------------
+
+    def done(self) -> bool:
+        """Whether no receive of this operation is waiting for its frame (the busy-wait's
+        question, engine/spin.py)."""
+        return self._key is None
+
+    def landed(self) -> None:
+        self._key = None
+        self._moved = True
         if self.handle.done() or self._timing_out:
             return
-        if self._i < len(self.steps):  # stopped before a step's callback
-            if self._next():
-                self._advance()
-        else:
-            self._succeed()
+        self._go(True)
+
+    def failed(self, exc: BaseException) -> None:
+        self._key = None
+        if self.handle.done() or self._timing_out:
+            return
+        self._fail(exc)
 
     # -- outcomes --------------------------------------------------------------------------
 
-    def _succeed(self) -> None:
-        self.core._done[self.kind] += 1
-        self._release(withdraw=False)  # every receive landed: nothing to withdraw
-        if not self.handle.done():
-            self.handle.set_result(self.result)
-
     def _fail(self, exc: BaseException) -> None:
         # As _run does: anything but an aiocollect error is wrapped, and breaks the group.
-        exc = self.core._fabric.cause(self.op.wrap(self.kind, exc))
+        fabric = self.core._fabric
+        exc = fabric.cause(wrap_error(self.small.kind, self.seq, self.core.rank, exc))
         self._release()
-        if not self.handle.done():
-            self.handle.set_exception(exc)
-
-    def on_done(self, handle: asyncio.Future[Any]) -> None:
-        """The handle's done callback: it leaves the group's in-flight set, and a caller's
-        cancellation after data moved breaks the group."""
+        handle = self.handle
         self.core._tasks.pop(handle, None)
-        if handle.cancelled() and not self._timing_out:
-            op = self.op
-            if op.moved_data():
-                self.core._fabric.fail(
-                    GroupBrokenError(
-                        f"{self.kind} (op #{op.seq}) was cancelled on rank {self.core.rank} with "
-                        "data in flight"
-                    )
+        if not handle.done():
+            handle._quick = None
+            handle.set_exception(exc)
+
+    def cancelled(self) -> None:
+        """The handle was cancelled: it leaves the group's in-flight set, and a caller's
+        cancellation after data moved breaks the group."""
+        core = self.core
+        core._tasks.pop(self.handle, None)
+        if self._timing_out:
+            return
+        if self._moved:
+            core._fabric.fail(
+                GroupBrokenError(
+                    f"{self.small.kind} (op #{self.seq}) was cancelled on rank {core.rank} "
+                    "with data in flight"
                 )
-            if self._i or op.pending or op.moved_data():  # it started
-                self._release()
+            )
+        if self._started:
+            self._release()
 
     def expire(self) -> None:
         """The deadline passed: find whom to blame (a liveness probe), then fail."""
@@ -261,23 +450,46 @@ class Schedule:
         self._spawn(self._timeout())
 
     async def _timeout(self) -> None:
-        core, op = self.core, self.op
+        core = self.core
         fabric = core._fabric
         if fabric.failure is None:
-            err = await core._timeout_error(self.kind, op, self.timeout)
+            err = await core._timeout_error(self.small.kind, self, self.timeout)
             fabric.fail(err)
         assert fabric.failure is not None
         self._release()
-        if not self.handle.done():
-            self.handle.set_exception(fabric.failure)
+        handle = self.handle
+        core._tasks.pop(handle, None)
+        if not handle.done():
+            handle._quick = None
+            handle.set_exception(fabric.failure)
 
-    def _release(self, withdraw: bool = True) -> None:
-        """Unregister the operation once (``withdraw``: first withdraw the receives that
-        have not landed; the success path has none)."""
+    def _release(self) -> None:
+        """Withdraw the receive still posted, if any, and unregister the operation, once."""
         if self._released:
             return
         self._released = True
-        op = self.op
-        if withdraw:
-            op.abandon()
-        self.core._fabric.unregister(op.gid, op.seq)
+        key = self._key
+        if key is not None:
+            self._key = None
+            link = self.small.ops[self._i][0]
+            if link is not None:
+                link.unpost(key)
+        self.core._fabric.unregister(self.small.gid, self.seq)
+
+    # -- for the group's checks ------------------------------------------------------------
+
+    def silent_peers(self) -> list[int]:
+        """Group ranks this operation still waits for (for timeout messages)."""
+        waiting = set()
+        steps = self.small.steps
+        if self._key is not None and self._i < len(steps):
+            waiting.add(steps[self._i].recv_from)
+        ranks = self.small.ranks
+        for link, mark in self._marks or ():
+            if not link.released(mark) and link.peer in ranks:
+                waiting.add(ranks.index(link.peer))
+        return sorted(waiting)
+
+    def progress(self) -> tuple[int, int]:
+        """Changes whenever the operation posts or completes a receive (stall warnings)."""
+        return self._i, self._key is None

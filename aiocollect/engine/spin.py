@@ -39,6 +39,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 from aiocollect.transport.base import Link
 
@@ -106,6 +107,13 @@ def budget_for(
     return spin_budget(1 + sum(1 for h in hosts if h), cores, env)
 
 
+class Awaited(Protocol):
+    """What the spinner polls: a posted receive's future, or a one-frame operation
+    (engine/small.py), done once its frame landed."""
+
+    def done(self) -> bool: ...
+
+
 class Spinner:
     """Keeps one event loop polling while a receive is awaited, for at most ``budget``
     seconds from the latest :meth:`wait`.
@@ -121,7 +129,7 @@ class Spinner:
     def __init__(self, budget: float, loop: asyncio.AbstractEventLoop) -> None:
         self.budget = budget
         self._loop = loop
-        self._fut: asyncio.Future[None] | None = None
+        self._fut: Awaited | None = None
         self._until = 0.0
         self._ticking = False
         self._misses = 0
@@ -132,7 +140,7 @@ class Spinner:
         """Whether the loop is being kept polling now."""
         return self._ticking
 
-    def wait(self, fut: asyncio.Future[None]) -> None:
+    def wait(self, fut: Awaited) -> None:
         """``fut`` (a posted receive) is awaited: poll until it is done, at most
         ``budget`` seconds from now."""
         if self._skip:

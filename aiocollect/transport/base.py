@@ -51,7 +51,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -156,7 +155,20 @@ class LinkCaps:
 COPIES = LinkCaps()
 
 
-Hook = Callable[[asyncio.Future[None]], None]
+class Receiver(Protocol):
+    """What a posted receive is to a link (:meth:`Link.post`): where the frame's payload
+    goes (``view``, exact length), the fingerprint the frame must carry (``expect``, or
+    None), and two calls, exactly one of which the link makes once: ``landed()`` when the
+    payload is in place (synchronously from the transport's read path), ``failed(exc)``
+    when the link fails first. Neither may raise (the link logs what does and reads on)."""
+
+    view: memoryview
+    expect: Fingerprint | None
+
+    def landed(self) -> None: ...
+
+    def failed(self, exc: BaseException) -> None: ...
+
 
 #: Link's protected interface for transport subclasses: what they call (``_begin_frame``,
 #: ``_end_frame``, ``_raise_error``) and the hooks they may override (``_staging_full``,
@@ -177,35 +189,38 @@ TRANSPORT_HOOKS = frozenset(
 
 
 class _Recv:
-    __slots__ = ("expect", "fut", "hook", "view")
+    """The receiver behind :meth:`Link.post_recv`: a future."""
+
+    __slots__ = ("expect", "fut", "view")
 
     def __init__(
-        self,
-        view: memoryview,
-        fut: asyncio.Future[None],
-        expect: Fingerprint | None,
-        hook: Hook | None,
+        self, view: memoryview, fut: asyncio.Future[None], expect: Fingerprint | None
     ) -> None:
         self.view = view
         self.fut = fut
         self.expect = expect
-        self.hook = hook
 
     def landed(self) -> None:
-        """The frame is in place: resolve the future, then run the hook at once."""
-        if self.fut.done():
-            return
-        self.fut.set_result(None)
-        if self.hook is not None:
-            try:
-                self.hook(self.fut)
-            except Exception:  # a bug above us must not break the link's reading
-                log.exception("receive hook failed")
+        if not self.fut.done():
+            self.fut.set_result(None)
+
+    def failed(self, exc: BaseException) -> None:
+        if not self.fut.done():
+            self.fut.set_exception(exc)
+            self.fut.exception()  # an op may fail on another future first
+
+
+def _landed(recv: Receiver) -> None:
+    """``recv.landed()``, a bug in it logged rather than breaking the link's reading."""
+    try:
+        recv.landed()
+    except Exception:
+        log.exception("receive completion failed")
 
 
 #: A frame begun beside the current one (:meth:`Link._begin_aside`): its header, and the
 #: receive or the staging buffer its payload goes to.
-Aside = tuple[Header, _Recv | None, bytearray | None]
+Aside = tuple[Header, Receiver | None, bytearray | None]
 
 #: What :meth:`Link.sent_mark` returns: None (nothing to wait for), :data:`DRAIN`, or a
 #: transport's own pair of positions (see :meth:`Link.sent_mark` of the transport).
@@ -231,13 +246,13 @@ class Link(abc.ABC):
         self.goodbye_digests: dict[int, tuple[int, int, list[Any]]] | None = None
         self.closed = False
         self._failure: BaseException | None = None
-        self._posted: dict[Key, _Recv] = {}
+        self._posted: dict[Key, Receiver] = {}
         self._early: dict[Key, tuple[Header, bytearray]] = {}
         self._early_bytes = 0
         self._early_frames = 0
         self.early_limit = MAX_EARLY_BYTES
         self._frame: Header | None = None
-        self._frame_recv: _Recv | None = None
+        self._frame_recv: Receiver | None = None
         self._frame_staging: bytearray | None = None
         self._asides: list[Aside] = []  # frames begun beside the current one, not ended
         self._recv_loop: asyncio.AbstractEventLoop | None = None  # the loop receives run on
@@ -245,46 +260,62 @@ class Link(abc.ABC):
     # -- receiving -------------------------------------------------------------------------
 
     def post_recv(
-        self,
-        key: Key,
-        view: memoryview,
-        expect: Fingerprint | None = None,
-        hook: Hook | None = None,
+        self, key: Key, view: memoryview, expect: Fingerprint | None = None
     ) -> asyncio.Future[None]:
         """Receive the frame with ``key`` into ``view`` (exact length). With ``expect``,
         the frame's fingerprint must equal it. The future fails with the link's failure if
-        the link breaks first.
-
-        ``hook(future)``, if given, is called synchronously from the transport's read path
-        as soon as a frame that arrives *after* this call has landed (after the future's
-        result is set, before its done callbacks run): it saves the event-loop pass a done
-        callback waits for. It is not called when the future is already done on return
-        (the frame was staged) nor when it fails; it must not raise, and must not expect
-        to be the only one to see the future done."""
+        the link breaks first."""
         loop = self._recv_loop
         if loop is None:  # asyncio.get_running_loop() costs a getpid() call: once a link
             loop = self._recv_loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        early = self._early.pop(key, None)
-        if early is not None:  # arrived before the peer closed: still good
-            h, data = early
-            self._early_bytes -= len(data)
-            self._early_frames -= 1
-            if self._early_bytes <= STAGING_LIMIT // 2:
-                self._staging_relieved()
-            if self._check(h, len(view), expect):
-                view[:] = data
+        try:
+            if self._take_early(key, view, expect):
                 fut.set_result(None)
-            else:
-                fut.set_exception(self._failure or MismatchError(f"frame {key} rejected"))
-                fut.exception()
-            return fut
-        if self._failure is not None:
-            fut.set_exception(self._failure)
+                return fut
+        except Exception as exc:
+            fut.set_exception(exc)
             fut.exception()
             return fut
-        self._posted[key] = _Recv(view, fut, expect, hook)
+        self._posted[key] = _Recv(view, fut, expect)
         return fut
+
+    def post(self, key: Key, recv: Receiver) -> bool:
+        """Post ``recv`` for the frame with ``key``, without a future (the one-frame
+        operations of engine/small.py are their own receivers). Returns True if the frame
+        had arrived already: its payload is now in ``recv.view`` and the link will not call
+        ``recv`` at all; False if it is posted: the link calls ``recv.landed()`` or
+        ``recv.failed(exc)`` later, never from inside this call.
+
+        Raises:
+            the link's failure if it failed; MismatchError if the staged frame does not
+            match ``recv`` (the link has reported it, which breaks the group).
+        """
+        if (self._early or self._failure is not None) and self._take_early(
+            key, recv.view, recv.expect
+        ):
+            return True
+        self._posted[key] = recv
+        return False
+
+    def _take_early(self, key: Key, view: memoryview, expect: Fingerprint | None) -> bool:
+        """Copy the staged frame ``key`` into ``view`` if there is one (True), raising if
+        it does not match or the link failed; False: nothing staged, post it."""
+        if self._early:
+            early = self._early.pop(key, None)
+            if early is not None:  # arrived before the peer closed: still good
+                h, data = early
+                self._early_bytes -= len(data)
+                self._early_frames -= 1
+                if self._early_bytes <= STAGING_LIMIT // 2:
+                    self._staging_relieved()
+                if not self._check(h, len(view), expect):
+                    raise self._failure or MismatchError(f"frame {key} rejected")
+                view[:] = data
+                return True
+        if self._failure is not None:
+            raise self._failure
+        return False
 
     def has_frame(self, key: Key) -> bool:
         """Whether a frame with ``key`` arrived (or is arriving) with no receive posted."""
@@ -379,7 +410,7 @@ class Link(abc.ABC):
             self.events.on_control(self, h.kind, bytes(staging or b""))
             return
         if recv is not None:
-            recv.landed()
+            _landed(recv)
             return
         assert staging is not None
         late = self._posted.get(h.key)  # posted while the payload was arriving
@@ -387,7 +418,7 @@ class Link(abc.ABC):
             if self._check(h, len(late.view), late.expect):
                 del self._posted[h.key]
                 late.view[:] = staging
-                late.landed()
+                _landed(late)
             return
         self._early[h.key] = (h, staging)
         self._early_bytes += len(staging)
@@ -442,9 +473,10 @@ class Link(abc.ABC):
                 posted[("aside", i)] = recv  # type: ignore[index]
         self._asides = []
         for recv in posted.values():
-            if not recv.fut.done():
-                recv.fut.set_exception(exc)
-                recv.fut.exception()  # an op may fail on another future first
+            try:
+                recv.failed(exc)
+            except Exception:
+                log.exception("receive failure handler failed")
         if drop_early:
             self._early.clear()
             self._early_bytes = 0

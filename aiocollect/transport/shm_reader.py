@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from aiocollect.errors import ProtocolError
 from aiocollect.transport import cma
-from aiocollect.transport.base import Aside, Fingerprint, Handshaker, Hook, LinkEvents
+from aiocollect.transport.base import Aside, Fingerprint, Handshaker, LinkEvents, Receiver
 from aiocollect.transport.shm_ring import (
     REF_DESC,
     REF_MAGIC_BYTES,
@@ -517,13 +517,19 @@ class RingReader(StreamLink):
             self._park_timer = None
 
     def post_recv(
-        self,
-        key: Key,
-        view: memoryview,
-        expect: Fingerprint | None = None,
-        hook: Hook | None = None,
+        self, key: Key, view: memoryview, expect: Fingerprint | None = None
     ) -> asyncio.Future[None]:
-        fut = super().post_recv(key, view, expect, hook)
+        fut = super().post_recv(key, view, expect)
+        self._posted_one(key, fut.done())
+        return fut
+
+    def post(self, key: Key, recv: Receiver) -> bool:
+        landed = super().post(key, recv)
+        self._posted_one(key, landed)
+        return landed
+
+    def _posted_one(self, key: Key, landed: bool) -> None:
+        """A receive for ``key`` was posted (``landed``: its frame was staged already)."""
         if key == self._parked:
             self._unpark()
             # the caller is an algorithm posting receives: read on the loop's next turn
@@ -531,12 +537,11 @@ class RingReader(StreamLink):
         elif (
             self.policy.spin > 0
             and self._spin_until is None
-            and not fut.done()
+            and not landed
             and self.rx is not None
             and not self._rx_dead
         ):
             self._start_spin(self.rx)  # a receive that has to wait
-        return fut
 
     def _staging_full(self) -> None:
         if not self.shm:

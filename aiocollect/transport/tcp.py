@@ -331,7 +331,10 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         self.bytes_received += n
         if n:
             recv.view[:] = self._rview[start : start + n]
-        recv.landed()
+        try:
+            recv.landed()
+        except Exception:  # a bug above us must not break the link's reading
+            log.exception("receive completion failed")
         after: int = start + n
         return after
 

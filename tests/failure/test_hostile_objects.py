@@ -501,21 +501,23 @@ async def test_unexpected_exception_in_a_schedule_is_wrapped_and_breaks_the_grou
     """The same on the callback-driven small-message path: a step's callback raises on
     rank 1 (from the transport's read path)."""
     entry = registry.ALLREDUCE.algorithms["recursive_doubling"]
-    original = entry.steps
-    assert original is doubling.small_steps
+    original = entry.program
+    assert original is doubling.small_program
 
-    def buggy(op: Any, *args: Any) -> list[Any]:
-        steps = original(op, *args)
-        if op.rank == 1:
+    def boom(q: Any) -> None:
+        raise ZeroDivisionError("injected bug")
 
-            def boom() -> None:
-                raise ZeroDivisionError("injected bug")
-
-            steps[-1].then = boom
-        return steps
+    def buggy(n: int, rank: int, *args: Any) -> Any:
+        program = original(n, rank, *args)
+        if rank == 1:
+            last = dataclasses.replace(program.steps[-1], then=boom)
+            program = dataclasses.replace(program, steps=(*program.steps[:-1], last))
+        return program
 
     monkeypatch.setitem(
-        registry.ALLREDUCE.algorithms, "recursive_doubling", dataclasses.replace(entry, steps=buggy)
+        registry.ALLREDUCE.algorithms,
+        "recursive_doubling",
+        dataclasses.replace(entry, program=buggy),
     )
     res = await run_ranks(
         2,

@@ -130,7 +130,7 @@ def test_choose_by_name_and_auto() -> None:
     assert reg.choose("auto", select.ALLREDUCE_HALVING_MAX, 4).name == "halving_doubling"
     assert reg.choose(None, select.ALLREDUCE_HALVING_MAX + 1, 4).name == "ring"
     assert reg.choose(None, select.TWO_RANK_DOUBLING_MAX, 2).name == "recursive_doubling"
-    assert reg.choose("recursive_doubling", 4, 4).steps is doubling.small_steps
+    assert reg.choose("recursive_doubling", 4, 4).program is doubling.small_program
     assert registry.BROADCAST.choose(None, 1 << 20, 4).name == "pipeline"
     assert registry.ALLGATHER.choose(None, 4 * select.DIRECT_BLOCK_MAX, 4).name == "direct"
     assert registry.BARRIER.choose(None, 0, 3).name == "dissemination"
