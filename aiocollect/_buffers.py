@@ -42,11 +42,12 @@ else:
 B = TypeVar("B", bound=Buffer)
 
 
-def as_array(buf: Any, name: str, *, writable: bool) -> Array:
+def as_array(buf: Any, name: str, *, writable: bool, dtype: bool = True) -> Array:
     """View ``buf`` as a C-contiguous numpy array sharing its memory.
 
     Accepts numpy arrays, objects with the buffer protocol (bytearray, memoryview,
-    array.array) and CPU torch tensors.
+    array.array) and CPU torch tensors. ``dtype=False``: a plain numpy array's dtype is
+    not checked here (the caller's plan for its dtype did, see ``Group._plans``).
 
     Raises:
         UsageError: ``buf`` is not a buffer, is not C-contiguous, is read-only while the
@@ -56,7 +57,8 @@ def as_array(buf: Any, name: str, *, writable: bool) -> Array:
     if type(buf) is np.ndarray:  # the common case, kept short: this runs per operation
         flags = buf.flags
         if flags.c_contiguous and (flags.writeable or not writable):
-            dtype_code(buf.dtype)
+            if dtype:
+                dtype_code(buf.dtype)
             return buf
     if isinstance(buf, np.ndarray):
         arr = buf

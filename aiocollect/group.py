@@ -22,11 +22,12 @@ from aiocollect.collectives import objects as object_collectives
 from aiocollect.collectives import registry
 from aiocollect.collectives.checks import check_rank, check_tag, divisible, output, reduction
 from aiocollect.engine.op import Op, split_even
+from aiocollect.engine.small import Small, one_way
 from aiocollect.errors import ProtocolError, UsageError
 from aiocollect.fingerprint import Fingerprint, pack
 from aiocollect.group_core import GroupCore
 from aiocollect.transport.wire import P2P, Key
-from aiocollect.types import Collective, OpLike, ReduceOp
+from aiocollect.types import Collective, OpLike, ReduceOp, dtype_code
 
 #: Plans (argument checks' conclusions) a group keeps, see ``Group._remember``.
 PLANS = 256
@@ -92,15 +93,17 @@ class Group(GroupCore):
 
     def send(
         self, buf: Buffer, dst: int, *, tag: int = 0, timeout: float | None = None
-    ) -> asyncio.Task[None]:
+    ) -> asyncio.Future[None]:
         """Send ``buf`` to rank ``dst``; messages are matched by (source, tag) in order."""
         arr = as_array(buf, "buf", writable=False)
         dst = check_rank(dst, self.world_size, "dst")
         if dst == self.rank:
             raise UsageError("send to self: dst must differ from this rank")
         tag = check_tag(tag)
-        fp = self._p2p_fingerprint(arr)
+        fp, small = self._p2p_plan("send", arr, dst, -1, tag)
         counter = self._next_send(dst, tag)
+        if small is not None:
+            return self._quick(small, _flat(arr), None, None, timeout, counter)
 
         async def body(op: Op) -> None:
             for c, part in enumerate(op.chunks(_flat(arr)) or [_flat(arr)]):
@@ -110,7 +113,7 @@ class Group(GroupCore):
 
     def recv(
         self, buf: Buffer, src: int | None = None, *, tag: int = 0, timeout: float | None = None
-    ) -> asyncio.Task[int]:
+    ) -> asyncio.Future[int]:
         """Receive into ``buf`` from ``src`` (None: any rank); the handle gives the source."""
         arr = as_array(buf, "buf", writable=True)
         if src is not None:
@@ -120,8 +123,13 @@ class Group(GroupCore):
         if self.world_size == 1:
             raise UsageError("recv in a group of one rank can never complete")
         tag = check_tag(tag)
-        fp = self._p2p_fingerprint(arr)
-        counter = -1 if src is None else self._next_recv(src, tag)
+        if src is not None:
+            fp, small = self._p2p_plan("recv", arr, -1, src, tag)
+            counter = self._next_recv(src, tag)
+            if small is not None:
+                return self._quick(small, _flat(arr), None, src, timeout, counter)
+        else:
+            fp, counter = self._p2p_fingerprint(arr), -1
 
         async def body(op: Op) -> int:
             source, seq = (src, counter) if src is not None else await self._match_any(tag)
@@ -130,6 +138,22 @@ class Group(GroupCore):
             return source
 
         return self._start("recv", fp, body, timeout, p2p=(max(counter, 0), tag))
+
+    def _p2p_plan(
+        self, kind: str, arr: Array, dst: int, src: int, tag: int
+    ) -> tuple[Fingerprint, Small | None]:
+        """send's or recv's fingerprint of ``arr`` and, for a message of one frame, its
+        one-frame program to ``dst`` or from ``src``, remembered per (dtype, size, peer,
+        tag)."""
+        key = (kind, arr.dtype, arr.size, dst, src, tag)
+        plan = self._plan(key)
+        if plan is None:
+            fp = self._p2p_fingerprint(arr)
+            small = None
+            if arr.nbytes <= self.chunk_bytes:
+                small = self._small(kind, one_way(dst, src, tag), fp, arr.nbytes, arr.dtype, P2P)
+            plan = self._remember(key, (fp, small))
+        return plan[0], plan[1]
 
     def _p2p_fingerprint(self, arr: Array) -> Fingerprint:
         """send's and recv's fingerprint of ``arr``, remembered per (dtype, size)."""
@@ -180,9 +204,13 @@ class Group(GroupCore):
         self, buf: B, *, root: int = 0, timeout: float | None = None, algorithm: str | None = None
     ) -> asyncio.Future[B]:
         """Copy ``root``'s ``buf`` into every rank's ``buf`` (binomial tree or pipeline)."""
-        arr = as_array(buf, "buf", writable=True)
+        arr = as_array(buf, "buf", writable=True, dtype=False)  # (the plan checks it)
         key = ("broadcast", arr.dtype, arr.size, type(root), root, algorithm)
-        fp, small, run, root = self._plan(key) or self._broadcast_plan(key, arr, root, algorithm)
+        try:
+            plan = self._plans.get(key)
+        except TypeError:  # not hashable: not valid arguments, the checks say why
+            plan = None
+        fp, small, run, root = plan or self._broadcast_plan(key, arr, root, algorithm)
         flat = arr if arr.ndim == 1 else arr.reshape(-1)
         if small is not None:
             return self._quick(small, flat, None, buf, timeout)
@@ -198,6 +226,7 @@ class Group(GroupCore):
     ) -> tuple[Any, ...]:
         """broadcast's checks and choices (fingerprint, one-frame program or None, run,
         root), remembered under ``key`` (dtype, size, root and algorithm)."""
+        dtype_code(arr.dtype)
         n = self.world_size
         root = check_rank(root, n, "root")
         alg = registry.BROADCAST.choose(algorithm, arr.nbytes, n)
@@ -235,11 +264,13 @@ class Group(GroupCore):
     ) -> asyncio.Future[B]:
         """Reduce ``buf`` across ranks, in place on every rank. Algorithms: ``ring``
         (bandwidth), ``recursive_doubling`` (latency), ``halving_doubling``; default by size."""
-        arr = as_array(buf, "buf", writable=True)
+        arr = as_array(buf, "buf", writable=True, dtype=False)  # (the plan checks it)
         key = ("allreduce", arr.dtype, arr.size, type(op), op, algorithm)
-        fp, small, run, ufunc, average = self._plan(key) or self._allreduce_plan(
-            key, arr, op, algorithm
-        )
+        try:
+            plan = self._plans.get(key)
+        except TypeError:  # not hashable: not valid arguments, the checks say why
+            plan = None
+        fp, small, run, ufunc, average = plan or self._allreduce_plan(key, arr, op, algorithm)
         flat = arr if arr.ndim == 1 else arr.reshape(-1)
         if small is not None:
             return self._quick(small, flat, ufunc, buf, timeout)
@@ -255,6 +286,7 @@ class Group(GroupCore):
     ) -> tuple[Any, ...]:
         """allreduce's checks and choices (fingerprint, one-frame program or None, run,
         ufunc, average), remembered under ``key`` (dtype, size, op and algorithm)."""
+        dtype_code(arr.dtype)
         rop, ufunc = reduction(op, arr)
         n = self.world_size
         alg = registry.ALLREDUCE.choose(algorithm, arr.nbytes, n)

@@ -221,16 +221,27 @@ class GroupCore:
         self._tasks.pop(fut, None)
 
     def _quick(
-        self, small: Small, buf: Array, ufunc: Any, result: Any, timeout: float | None
+        self,
+        small: Small,
+        buf: Array,
+        ufunc: Any,
+        result: Any,
+        timeout: float | None,
+        counter: int | None = None,
     ) -> Handle:
         """Like :meth:`_start` for a one-frame operation: ``small``'s program runs over
-        ``buf`` as a :class:`Quick` (no Task, no Op); the handle is a Future."""
-        self._check_usable()
-        timeout = self._timeout_arg(timeout)
-        seq = self._seq
-        self._seq = seq + 1
-        fabric = self._fabric
-        fabric.register(self._gid, seq, small.fp, self._ranks)
+        ``buf`` as a :class:`Quick` (no Task, no Op); the handle is a Future. A collective
+        takes the next sequence number; send and recv (``small.frame_kind`` P2P) use
+        their (peer, tag) message ``counter``."""
+        if self._closed or self._parent is not None or self._fabric.failure is not None:
+            self._check_usable()
+        timeout = self.timeout if timeout is None else self._timeout_arg(timeout)
+        if counter is None:
+            seq = self._seq
+            self._seq = seq + 1
+            self._fabric.register(self._gid, seq, small.fp, self._ranks)
+        else:
+            seq = counter
         kind = small.kind
         self._stats[kind] += 1
         loop = self._loop
@@ -254,10 +265,13 @@ class GroupCore:
         fp: tuple[int, int, int, int, int],
         nbytes: int,
         dtype: Any = None,
+        frame_kind: int = DATA,
     ) -> Small:
         """``program`` bound to this group's links and frame headers, for buffers of
-        ``dtype`` (a plan's part)."""
-        return Small(kind, program, self._gid, fp, self._ranks, self._fabric.links, nbytes, dtype)
+        ``dtype`` and frames of ``frame_kind`` (DATA, or P2P for send/recv): a plan's
+        part."""
+        links = self._fabric.links
+        return Small(kind, program, self._gid, fp, self._ranks, links, nbytes, dtype, frame_kind)
 
     def _watch(
         self,

@@ -14,6 +14,8 @@ MAX_TAG = (1 << 63) - 1
 
 
 def check_rank(value: Any, world_size: int, what: str) -> int:
+    if type(value) is int and 0 <= value < world_size:  # the common case, per operation
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise UsageError(f"{what} must be an int, got {type(value).__name__}")
     out = int(value)
@@ -23,6 +25,8 @@ def check_rank(value: Any, world_size: int, what: str) -> int:
 
 
 def check_tag(tag: Any) -> int:
+    if type(tag) is int and 0 <= tag <= MAX_TAG:  # the common case, per operation
+        return tag
     if (
         isinstance(tag, bool)
         or not isinstance(tag, (int, np.integer))

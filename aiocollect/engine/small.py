@@ -28,6 +28,7 @@ import struct
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Protocol
 
 import numpy as np
@@ -101,6 +102,13 @@ class Program:
     finish: Callable[[Quick], None] | None = None
 
 
+@lru_cache(maxsize=256)
+def one_way(send_to: int, recv_from: int, slot: int) -> Program:
+    """A program of one step: send to ``send_to`` or receive from ``recv_from`` (-1: not)
+    with slot ``slot`` (send and recv: the tag)."""
+    return Program((Exchange(send_to, recv_from, slot),))
+
+
 def reduce_mine_first(q: Quick) -> None:
     """``buf = ufunc(buf, tmp)``: this rank is the lower of the pair (reduction order)."""
     q.ufunc(q.buf, q.tmp, out=q.buf)
@@ -118,7 +126,18 @@ class Small:
     Made once per group and (collective, dtype, count, options): a group's links never
     change."""
 
-    __slots__ = ("cast", "fp", "gid", "kind", "ops", "program", "ranks", "steps", "tmp")
+    __slots__ = (
+        "cast",
+        "fp",
+        "frame_kind",
+        "gid",
+        "kind",
+        "ops",
+        "program",
+        "ranks",
+        "steps",
+        "tmp",
+    )
 
     def __init__(
         self,
@@ -130,8 +149,12 @@ class Small:
         links: Mapping[int, Link],
         nbytes: int,
         buf_dtype: np.dtype[Any] | None = None,
+        frame_kind: int = DATA,
     ) -> None:
         self.kind = kind
+        #: DATA (a collective: sequence numbers, fingerprints registered) or P2P (send and
+        #: recv: the sequence number is the (peer, tag) message counter, the slot the tag)
+        self.frame_kind = frame_kind
         self.program = program
         self.steps = program.steps
         self.tmp = program.tmp
@@ -143,7 +166,9 @@ class Small:
         coll, dtype, count, rop, root = fp
         ops = []
         for st in program.steps:
-            h = HEADER.pack(MAGIC, DATA, coll, rop, dtype, gid, 0, 0, st.slot, root, count, nbytes)
+            h = HEADER.pack(
+                MAGIC, frame_kind, coll, rop, dtype, gid, 0, 0, st.slot, root, count, nbytes
+            )
             ops.append(
                 (
                     links[ranks[st.recv_from]] if st.recv_from >= 0 else None,
@@ -205,9 +230,6 @@ class Quick:
     group's deadline and progress checks, the record of the operation (``kind``, ``seq``,
     ``ranks``, :meth:`silent_peers`, :meth:`progress`, as :class:`engine.op.Op`)."""
 
-    #: frames of a collective (the group's checks ask peers about it by number)
-    kind = DATA
-
     __slots__ = (
         "_i",
         "_key",
@@ -215,7 +237,6 @@ class Quick:
         "_moved",
         "_released",
         "_seqb",
-        "_started",
         "_timing_out",
         "buf",
         "bview",
@@ -268,7 +289,6 @@ class Quick:
         self._key: Key | None = None  # the receive posted and not landed
         self._marks: list[tuple[Link, SendMark]] | None = None  # sends still referenced
         self._moved = False
-        self._started = False
         self._timing_out = False
         self._released = False
 
@@ -287,6 +307,12 @@ class Quick:
     def ranks(self) -> list[int]:
         return self.small.ranks
 
+    @property
+    def kind(self) -> int:
+        """DATA for a collective (the group's checks ask peers about it by number), P2P
+        for send and recv."""
+        return self.small.frame_kind
+
     # -- running ---------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -296,7 +322,6 @@ class Quick:
             # first step, the operation stays registered, so the peers' frames for it are
             # held rather than taken for a protocol error (docs/failures.md).
             return
-        self._started = True
         failure = self.core._fabric.failure
         if failure is not None:
             self._fail(failure)
@@ -317,7 +342,7 @@ class Quick:
                 else:
                     if rlink is not None:
                         self.view = self.tview if into_tmp else self.bview
-                        key = _tuple_new(Key, (DATA, small.gid, self.seq, slot, 0))
+                        key = _tuple_new(Key, (small.frame_kind, small.gid, self.seq, slot, 0))
                         if rlink.post(key, self):
                             self._moved = True
                         else:
@@ -354,7 +379,8 @@ class Quick:
             core = self.core
             core._done[small.kind] += 1
             self._released = True
-            core._fabric.unregister(small.gid, self.seq)
+            if small.frame_kind == DATA:
+                core._fabric.unregister(small.gid, self.seq)
             handle = self.handle
             core._tasks.pop(handle, None)
             if not handle.done():
@@ -439,7 +465,7 @@ class Quick:
                     "with data in flight"
                 )
             )
-        if self._started:
+        if self._moved or self._key is not None or self._i:  # it started
             self._release()
 
     def expire(self) -> None:
@@ -474,7 +500,8 @@ class Quick:
             link = self.small.ops[self._i][0]
             if link is not None:
                 link.unpost(key)
-        self.core._fabric.unregister(self.small.gid, self.seq)
+        if self.small.frame_kind == DATA:
+            self.core._fabric.unregister(self.small.gid, self.seq)
 
     # -- for the group's checks ------------------------------------------------------------
 

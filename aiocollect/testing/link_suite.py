@@ -37,7 +37,7 @@ from aiocollect.errors import AiocollectError, PeerDisconnected, ProtocolError
 from aiocollect.rendezvous.handshake import AcceptorHandshake, ConnectorHandshake
 from aiocollect.tls import TLSConfig
 from aiocollect.transport import host, memory, shm, tcp
-from aiocollect.transport.base import Handshaker, Link, LinkEvents, SendMark
+from aiocollect.transport.base import Fingerprint, Handshaker, Link, LinkEvents, SendMark
 from aiocollect.transport.interface import LinkSetup, Listener, Transport
 from aiocollect.transport.wire import ABORT, DATA, P2P, PING, Header, Key, pack_header
 
@@ -337,6 +337,60 @@ async def check_fail(make_pair: PairFactory) -> None:
         )
 
 
+async def check_receivers(make_pair: PairFactory) -> None:
+    """Receivers posted with ``post`` (the one-frame operations' form): a frame that
+    arrives after the post lands in the receiver's view and its ``landed()`` is called
+    once, with the payload already in place, small and large alike; a frame staged before
+    the post is copied by ``post`` itself (True, no call); ``fail()`` calls ``failed``."""
+    ra, rb = Recorder(), Recorder()
+    loop = asyncio.get_running_loop()
+
+    class _Receiver:
+        def __init__(self, size: int) -> None:
+            self.buf = bytearray(size)
+            self.view = memoryview(self.buf)
+            self.expect: Fingerprint | None = None
+            self.calls: list[object] = []
+            self.done: asyncio.Future[None] = loop.create_future()
+
+        def landed(self) -> None:
+            self.calls.append(bytes(self.buf))
+            if not self.done.done():
+                self.done.set_result(None)
+
+        def failed(self, exc: BaseException) -> None:
+            self.calls.append(exc)
+            if not self.done.done():
+                self.done.set_result(None)
+
+    async with make_pair(ra, rb, MAX_FRAME) as (a, b):
+        for slot, n in ((1, 4), (2, 3 << 20)):
+            data = payload(n, slot)
+            key, hdr = frame(DATA, slot, data)
+            recv = _Receiver(n)
+            assert b.post(key, recv) is False, "post() said a frame not sent yet had arrived"
+            a.send(hdr, data)
+            await within(f"a posted receiver of {n} bytes to land", recv.done)
+            assert len(recv.calls) == 1, f"landed()/failed() called {len(recv.calls)} times"
+            assert recv.calls[0] == data, f"the {n}-byte payload was not in place at landed()"
+        data = payload(100, 3)
+        key, hdr = frame(DATA, 3, data)
+        fence_key, fence_hdr = frame(DATA, 3, b"", chunk=1)
+        fence = b.post_recv(fence_key, memoryview(bytearray(0)))
+        a.send(hdr, data)
+        a.send(fence_hdr, b"")
+        await within("the frame to be staged", fence)
+        staged = _Receiver(len(data))
+        assert b.post(key, staged) is True, "post() did not take the staged frame"
+        assert bytes(staged.buf) == data, "post() did not copy the staged frame"
+        assert staged.calls == [], "post() called the receiver of a staged frame"
+        waiting = _Receiver(1)
+        b.post(frame(DATA, 4, b"z")[0], waiting)
+        exc = PeerDisconnected("failed by the check", 0)
+        b.fail(exc)
+        assert waiting.calls == [exc], f"fail() called the receiver with {waiting.calls}"
+
+
 async def check_close_flushes_abort(make_pair: PairFactory) -> None:
     """``close()`` delivers what is queued, an ABORT behind a large frame included, before
     the peer sees the connection end; ``abort()`` ends the connection at once (what is
@@ -371,6 +425,7 @@ LINK_CHECKS: tuple[Callable[[PairFactory], Awaitable[None]], ...] = (
     check_send_after_close,
     check_drained_after_loss,
     check_fail,
+    check_receivers,
     check_close_flushes_abort,
 )
 

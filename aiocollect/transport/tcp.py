@@ -86,6 +86,7 @@ BULK_CAP = 1024 * 1024
 #: "Tenth-session findings").
 TLS_PIECE = 256 * 1024
 
+_new_key = tuple.__new__
 _unpack_header = HEADER.unpack_from
 
 
@@ -315,7 +316,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         )
         if kind != DATA:
             return None
-        key = Key(kind, gid, seq, slot, chunk)
+        key = _new_key(Key, (kind, gid, seq, slot, chunk))  # (no NamedTuple __new__ frame)
         recv = self._posted.get(key)
         start = pos + HEADER_SIZE
         if (
