@@ -307,18 +307,25 @@ async def check_drained_after_loss(make_pair: PairFactory) -> None:
             await within("drained() after the peer was lost", a.drained())
 
 
+async def _staged(a: Link, b: Link, slot: int, data: bytes, what: str) -> Key:
+    """Send ``data`` from ``a`` as frame (slot, chunk 0), unposted at ``b``, and a fence
+    after it; return the frame's key once the fence arrived (the frame is staged)."""
+    key, hdr = frame(DATA, slot, data)
+    fence_key, fence_hdr = frame(DATA, slot, b"", chunk=1)
+    fence = b.post_recv(fence_key, memoryview(bytearray(0)))
+    a.send(hdr, data)
+    a.send(fence_hdr, b"")
+    await within(what, fence)
+    return key
+
+
 async def check_fail(make_pair: PairFactory) -> None:
     """``fail(exc)`` fails every posted receive and every one posted later with ``exc``;
     a frame staged before it stays receivable with ``drop_early=False``."""
     ra, rb = Recorder(), Recorder()
     async with make_pair(ra, rb, MAX_FRAME) as (a, b):
         data = payload(100, 9)
-        staged_key, staged_hdr = frame(DATA, 1, data)
-        fence_key, fence_hdr = frame(DATA, 1, b"", chunk=1)
-        fence = b.post_recv(fence_key, memoryview(bytearray(0)))
-        a.send(staged_hdr, data)
-        a.send(fence_hdr, b"")
-        await within("the frames before fail()", fence)
+        staged_key = await _staged(a, b, 1, data, "the frames before fail()")
         posted = [b.post_recv(frame(DATA, s, b"xy")[0], memoryview(bytearray(2))) for s in (5, 6)]
         exc = PeerDisconnected("failed by the check", 0)
         b.fail(exc, drop_early=False)
@@ -374,12 +381,7 @@ async def check_receivers(make_pair: PairFactory) -> None:
             assert len(recv.calls) == 1, f"landed()/failed() called {len(recv.calls)} times"
             assert recv.calls[0] == data, f"the {n}-byte payload was not in place at landed()"
         data = payload(100, 3)
-        key, hdr = frame(DATA, 3, data)
-        fence_key, fence_hdr = frame(DATA, 3, b"", chunk=1)
-        fence = b.post_recv(fence_key, memoryview(bytearray(0)))
-        a.send(hdr, data)
-        a.send(fence_hdr, b"")
-        await within("the frame to be staged", fence)
+        key = await _staged(a, b, 3, data, "the frame to be staged")
         staged = _Receiver(len(data))
         assert b.post(key, staged) is True, "post() did not take the staged frame"
         assert bytes(staged.buf) == data, "post() did not copy the staged frame"
