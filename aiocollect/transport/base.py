@@ -184,6 +184,7 @@ TRANSPORT_HOOKS = frozenset(
         "_raise_error",
         "_staging_full",
         "_staging_relieved",
+        "_take_posted",
     }
 )
 
@@ -425,6 +426,21 @@ class Link(abc.ABC):
         self._early_frames += 1
         if self._early_bytes > STAGING_LIMIT:
             self._staging_full()
+
+    def _take_posted(self, key: Key, length: int, fp: Fingerprint) -> Receiver | None:
+        """A transport's one-step receive: the receive posted for frame ``key`` if the
+        frame (``length`` payload bytes, fingerprint ``fp``) matches it exactly, taken out
+        of the mailbox and the frame counted as received: the transport then copies the
+        payload into its ``view`` and calls ``landed()``. None for anything else (nothing
+        posted, another length or fingerprint): the transport then takes the general path
+        (``_begin_frame``), which checks, routes or stages the frame and reports errors."""
+        recv = self._posted.get(key)
+        if recv is None or len(recv.view) != length or recv.expect != fp:
+            return None
+        del self._posted[key]
+        self.frames_received += 1
+        self.bytes_received += length
+        return recv
 
     def _begin_aside(self, h: Header) -> tuple[memoryview, Aside] | None:
         """Begin frame ``h`` as :meth:`_begin_frame` does, but beside the current frame,

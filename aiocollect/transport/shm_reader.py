@@ -35,6 +35,7 @@ from aiocollect.transport.tcp import StreamLink
 from aiocollect.transport.wire import (
     ABORT,
     DATA,
+    HEADER,
     HEADER_SIZE,
     MAGIC,
     P2P,
@@ -44,6 +45,8 @@ from aiocollect.transport.wire import (
 )
 
 log = logging.getLogger("aiocollect.transport.shm")
+_unpack_header = HEADER.unpack_from
+_new_key = tuple.__new__
 
 _BELL_BYTES = bytearray(4096)
 _BELLS = memoryview(_BELL_BYTES)
@@ -359,6 +362,33 @@ class RingReader(StreamLink):
                     return True
                 rx.peek(self._rhdr_view)
                 ref = self._rhdr[:2] == REF_MAGIC_BYTES
+                if not ref and not self._pull_streams and not final:
+                    # The common small frame in one step (as StreamLink._fast_frame): a
+                    # DATA or P2P frame wholly in the ring whose receive is posted with its
+                    # fingerprint and length.
+                    magic, kind, coll, rop, dtype, gid, chunk, seq, slot, root, elems, n = (
+                        _unpack_header(self._rhdr, 0)
+                    )
+                    if (
+                        magic == MAGIC
+                        and kind in (DATA, P2P)
+                        and (avail >= HEADER_SIZE + n or rx.available() >= HEADER_SIZE + n)
+                    ):
+                        recv = self._take_posted(
+                            _new_key(Key, (kind, gid, seq, slot, chunk)),
+                            n,
+                            (coll, dtype, elems, rop, root),
+                        )
+                        if recv is not None:
+                            rx.skip(HEADER_SIZE)
+                            if n:
+                                rx.read(recv.view)
+                            avail = max(0, avail - HEADER_SIZE - n)
+                            try:
+                                recv.landed()
+                            except Exception:  # a bug above us must not stop the reading
+                                log.exception("receive completion failed")
+                            continue
                 if ref:
                     if avail < REF_SIZE and (avail := rx.available()) < REF_SIZE:
                         return True  # the writer publishes the rest on its own, as above
