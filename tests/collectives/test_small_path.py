@@ -194,3 +194,97 @@ async def test_small_broadcast_from_every_root(transport: str, n: int) -> None:
         for root, (task_free, got) in enumerate(per_root):
             assert task_free
             assert got == [root * 100 + root] * 6
+
+
+@pytest.mark.parametrize(("transport", "n"), [("memory", 3), ("tcp", 2), ("auto", 2), ("tcp", 4)])
+async def test_barrier_and_one_frame_send_recv_take_the_task_free_path(
+    transport: str, n: int
+) -> None:
+    """barrier, and send/recv with a given peer of one frame, run without a Task (the
+    default transport included); recv from any rank and a message larger than a chunk
+    keep the Task path, and both kinds of message keep their (source, tag) order."""
+
+    async def body(g: ac.Group) -> tuple[list[bool], list[Any]]:
+        kinds, got = [], []
+        for _ in range(3):
+            handle = g.barrier()
+            kinds.append(not isinstance(handle, asyncio.Task))
+            await handle
+        right, left = (g.rank + 1) % n, (g.rank - 1) % n
+        small = [np.full(4, g.rank * 10 + i, np.int32) for i in range(5)]
+        big = np.full(5000, g.rank, np.float64)  # 40 KB: several 16 KiB chunks
+        sends = [g.send(a, right, tag=7) for a in small[:2]]
+        sends.append(g.send(big, right, tag=7))
+        sends += [g.send(a, right, tag=7) for a in small[2:]]
+        kinds += [not isinstance(h, asyncio.Task) for h in sends]
+        bufs = [np.zeros(4, np.int32) for _ in range(5)]
+        into_big = np.zeros(5000, np.float64)
+        recvs = [g.recv(b, left, tag=7) for b in bufs[:2]]
+        recvs.append(g.recv(into_big, left, tag=7))
+        recvs += [g.recv(b, left, tag=7) for b in bufs[2:]]
+        kinds += [not isinstance(h, asyncio.Task) for h in recvs]
+        sources = await asyncio.gather(*recvs)
+        await asyncio.gather(*sends)
+        got = [sources, [b.tolist() for b in bufs], float(into_big.min()), float(into_big.max())]
+        anyone = g.recv(np.zeros(1), tag=9)  # any source: Task path
+        kinds.append(isinstance(anyone, asyncio.Task))
+        await g.send(np.ones(1), right, tag=9)
+        got.append(await anyone)
+        return kinds, got
+
+    results = await run_ranks(n, body, transport=transport, chunk_bytes=16 * 1024)
+    for rank, (kinds, got) in enumerate(results):
+        left = (rank - 1) % n
+        assert kinds == [True] * 3 + [True, True, False, True, True, True] * 2 + [True], kinds
+        sources, bufs, lo, hi = got[:4]
+        assert sources == [left] * 6
+        assert bufs == [[left * 10 + i] * 4 for i in range(5)]
+        assert (lo, hi) == (float(left), float(left))
+        assert got[4] == left
+
+
+async def test_one_frame_recv_deadline_and_cancellation() -> None:
+    """A one-frame recv that nothing answers times out with PeerTimeout naming its peer;
+    cancelling a one-frame recv that received nothing leaves the group usable; a one-frame
+    send is complete once its frame left (one loop pass over TCP: nothing to cancel)."""
+
+    async def body(g: ac.Group) -> Any:
+        peer = 1 - g.rank
+        if g.rank == 0:
+            with pytest.raises(ac.PeerTimeout) as info:
+                await g.recv(np.zeros(2), peer, tag=3, timeout=0.5)
+            return info.value
+        with pytest.raises(ac.PeerTimeout):  # rank 0's relayed deadline
+            await g.recv(np.zeros(2), peer, tag=4)
+        return None
+
+    err, _ = await run_ranks(2, body, transport="tcp", timeout=30.0)
+    assert isinstance(err, ac.PeerTimeout)
+    assert err.ranks == [1], err
+
+    async def cancels(g: ac.Group) -> list[Any]:
+        peer = 1 - g.rank
+        waiting = g.recv(np.zeros(2), peer, tag=5)
+        await asyncio.sleep(0)  # posted: nothing arrived
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        usable = not g.statistics()["broken"]
+        await g.barrier()  # still usable on both ranks
+        if g.rank == 0:
+            sent = g.send(np.full(2, 7.0), peer, tag=6)
+            await asyncio.sleep(0)  # its first (only) step: the frame went out
+            done_at_once = sent.done() and not sent.cancel()
+            await sent
+            got = None
+        else:
+            buf = np.zeros(2)
+            await g.recv(buf, peer, tag=6)
+            done_at_once, got = True, buf.tolist()
+        await g.barrier()
+        return [usable, done_at_once, got, g.statistics()["broken"]]
+
+    assert await run_ranks(2, cancels, transport="tcp", timeout=30.0) == [
+        [True, True, None, False],
+        [True, True, [7.0, 7.0], False],
+    ]
