@@ -74,7 +74,14 @@ from aiocollect.transport.shm_reader import (
 )
 from aiocollect.transport.shm_ring import REF_DESC, REF_MAGIC_BYTES, Ring, Segment, fence
 from aiocollect.transport.shm_setup import ShmSetup
-from aiocollect.transport.tcp import BULK_MIN, SocketListener, StreamLink, TcpLink, stream_of
+from aiocollect.transport.tcp import (
+    BULK_MIN,
+    JOIN_MAX,
+    SocketListener,
+    StreamLink,
+    TcpLink,
+    stream_of,
+)
 from aiocollect.transport.wire import ABORT
 
 #: Bulk bytes ahead in a ring above which bulk frames wait in the link (0: never).
@@ -290,12 +297,26 @@ class ShmLink(RingReader):
     def _send_frame(self, header: bytes, payload: memoryview | bytes) -> None:
         """Into the ring (or the queue for it) now, by reference where that applies."""
         n = len(payload)
+        tx = self._tx
+        pull_min = self.policy.pull_min
+        if n <= JOIN_MAX and (n < pull_min or pull_min <= 0) and tx is not None and not self._queue:
+            # The common small frame (below the by-reference threshold): header and payload
+            # as one write into the ring.
+            try:
+                if tx.free() >= len(header) + n:
+                    tx.write(memoryview(header + payload if n else header))
+                    self.bytes_sent += n
+                    self.frames_sent += 1
+                    self._publish(tx)
+                    self._mark = None
+                    return
+            except ProtocolError:
+                pass  # the general path below reports it
         view = memoryview(payload)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         self.bytes_sent += n
         self.frames_sent += 1
-        tx = self._tx
         if tx is None:
             raise self.failure or PeerDisconnected(
                 f"link to {self.describe()} is closed", self.peer
