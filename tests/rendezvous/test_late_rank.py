@@ -26,6 +26,7 @@ aiocollect.api.FAILED_STORE_LINGER = 2.0  # (5 s) a shorter test
 
 async def main() -> None:
     print("up", flush=True)
+    sys.stdin.readline()  # started: go on when told (rank 3: once rank 0 gave up)
     try:
         g = await ac.open_group(int(sys.argv[1]), int(sys.argv[2]), store=sys.argv[3],
                                 name="late", timeout=30)
@@ -38,13 +39,29 @@ asyncio.run(main())
 """
 
 
-async def _start(rank: int, world: int, url: str) -> asyncio.subprocess.Process:
+async def _start(rank: int, world: int, url: str, go: bool = True) -> asyncio.subprocess.Process:
+    """A rank process, its imports done ("up"); ``go``: told to begin (else :func:`_go`)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", SCRIPT, str(rank), str(world), url, stdout=asyncio.subprocess.PIPE
+        sys.executable,
+        "-c",
+        SCRIPT,
+        str(rank),
+        str(world),
+        url,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
     )
     assert proc.stdout is not None
     assert await proc.stdout.readline() == b"up\n"
+    if go:
+        await _go(proc)
     return proc
+
+
+async def _go(proc: asyncio.subprocess.Process) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(b"go\n")
+    await proc.stdin.drain()
 
 
 async def _output(proc: asyncio.subprocess.Process, timeout: float) -> str:
@@ -55,7 +72,8 @@ async def _output(proc: asyncio.subprocess.Process, timeout: float) -> str:
 @pytest.mark.one_loop  # real processes; nothing loop-specific
 async def test_rank_arriving_after_rank_0_gave_up_gets_rendezvous_error() -> None:
     """Rank 0 says world size 3, ranks 1-3 say 4; rank 3 starts only once rank 0 has
-    ended the job (``done`` is in the store) while rank 0's store still lingers (this test
+    ended the job (``done`` is in the store; its process is up before, waiting to be told)
+    while rank 0's store still lingers (this test
     keeps a connection open, so the linger lasts its full time, 2 s here). Rank 3 waits for a new
     job on that store, as after a restart; when the store closes it used to get
     ``StoreError: connection ... lost``, and now ``RendezvousError`` quoting why the
@@ -74,10 +92,13 @@ async def test_rank_arriving_after_rank_0_gave_up_gets_rendezvous_error() -> Non
                 watcher = TCPStore("127.0.0.1", port, timeout=20)
                 await asyncio.sleep(0.05)
         procs += [await _start(r, 4, url) for r in (1, 2)]
+        # Rank 3's process starts now, so that its start-up (1-3 s of imports on a loaded
+        # machine) does not outlast the store's 2 s linger; it begins once rank 0 gave up.
+        procs.append(await _start(3, 4, url, go=False))
         await watcher.wait(["aiocollect/late/done/0"], timeout=20)  # rank 0 gave up
         assert procs[0].returncode is None  # still lingering: our connection holds it
         started = time.monotonic()
-        procs.append(await _start(3, 4, url))
+        await _go(procs[3])
         late = await _output(procs[3], 20)
         took = time.monotonic() - started
         await watcher.close()
