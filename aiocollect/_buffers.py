@@ -101,6 +101,16 @@ def _torch_array(tensor: Any, name: str) -> Array:
     return out
 
 
+def byte_castable(dtype: np.dtype[Any]) -> bool:
+    """Whether :func:`byte_view` of an array of ``dtype`` is its ``data.cast("B")`` (the
+    fast route; not for dtypes the buffer protocol cannot name, such as bfloat16)."""
+    try:
+        np.empty(1, dtype).data.cast("B")
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def byte_view(arr: Array) -> memoryview:
     """A flat, writable-if-possible byte view of a C-contiguous array."""
     try:

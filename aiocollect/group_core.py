@@ -424,12 +424,12 @@ class GroupCore:
                 continue
             st = self._progress.get(fut)
             if st is None:
-                st = self._progress[fut] = _Progress(_progress_token(op), age, timeout)
+                st = self._progress[fut] = _Progress(op.progress(), age, timeout)
             if op.kind == DATA and not st.checking and age >= st.next_check:
                 st.checking = True
                 self._track(loop.create_task(self._check(op, st, loop)))
             if age >= st.next_warn:
-                token = _progress_token(op)
+                token = op.progress()
                 if token == st.token:
                     self._warn_stalled(kind, op, st, now - st.since, timeout, age)
                     st.warn_every = min(st.warn_every * 2, 300.0)
@@ -618,11 +618,6 @@ def _tick(ref: weakref.ref[GroupCore], loop: asyncio.AbstractEventLoop) -> None:
 def _describe(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _progress_token(op: Op | Quick) -> tuple[int, int]:
-    """Changes whenever ``op`` posts or completes a receive (for stall warnings)."""
-    return op.progress()
 
 
 class _Progress:

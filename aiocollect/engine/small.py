@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from aiocollect._buffers import Array, byte_view
+from aiocollect._buffers import Array, byte_castable, byte_view
 from aiocollect.engine.fabric import Fabric
 from aiocollect.engine.op import wrap_error
 from aiocollect.errors import GroupBrokenError
@@ -135,7 +135,6 @@ class Small:
         "ops",
         "program",
         "ranks",
-        "steps",
         "tmp",
     )
 
@@ -156,10 +155,9 @@ class Small:
         #: recv: the sequence number is the (peer, tag) message counter, the slot the tag)
         self.frame_kind = frame_kind
         self.program = program
-        self.steps = program.steps
         self.tmp = program.tmp
         #: whether a buffer's bytes are ``buf.data.cast("B")`` (not for bfloat16 & co.)
-        self.cast = True
+        self.cast = buf_dtype is None or byte_castable(buf_dtype)
         self.gid = gid
         self.fp = fp
         self.ranks = ranks
@@ -181,11 +179,6 @@ class Small:
                 )
             )
         self.ops: tuple[_Op, ...] = tuple(ops)
-        if buf_dtype is not None:
-            try:
-                np.empty(1, buf_dtype).data.cast("B")
-            except (TypeError, ValueError):
-                self.cast = False
 
 
 #: A bound step (Small.ops).
@@ -508,7 +501,7 @@ class Quick:
     def silent_peers(self) -> list[int]:
         """Group ranks this operation still waits for (for timeout messages)."""
         waiting = set()
-        steps = self.small.steps
+        steps = self.small.program.steps
         if self._key is not None and self._i < len(steps):
             waiting.add(steps[self._i].recv_from)
         ranks = self.small.ranks

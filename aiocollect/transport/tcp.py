@@ -316,20 +316,14 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         )
         if kind != DATA:
             return None
-        key = _new_key(Key, (kind, gid, seq, slot, chunk))  # (no NamedTuple __new__ frame)
-        recv = self._posted.get(key)
         start = pos + HEADER_SIZE
-        if (
-            recv is None
-            or end - start < n
-            or len(recv.view) != n
-            or magic != MAGIC
-            or recv.expect != (coll, dtype, elems, rop, root)
-        ):
+        if end - start < n or magic != MAGIC:
             return None
-        del self._posted[key]
-        self.frames_received += 1
-        self.bytes_received += n
+        recv = self._take_posted(
+            _new_key(Key, (kind, gid, seq, slot, chunk)), n, (coll, dtype, elems, rop, root)
+        )
+        if recv is None:
+            return None
         if n:
             recv.view[:] = self._rview[start : start + n]
         try:
