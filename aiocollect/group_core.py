@@ -230,9 +230,9 @@ class GroupCore:
         counter: int | None = None,
     ) -> Handle:
         """Like :meth:`_start` for a one-frame operation: ``small``'s program runs over
-        ``buf`` as a :class:`Quick` (no Task, no Op); the handle is a Future. A collective
-        takes the next sequence number; send and recv (``small.frame_kind`` P2P) use
-        their (peer, tag) message ``counter``."""
+        ``buf`` as a :class:`Quick` (no Task, no Op) whose first step runs before this
+        returns; the handle is a Future. A collective takes the next sequence number; send
+        and recv (``small.frame_kind`` P2P) use their (peer, tag) message ``counter``."""
         if self._closed or self._parent is not None or self._fabric.failure is not None:
             self._check_usable()
         timeout = self.timeout if timeout is None else self._timeout_arg(timeout)
@@ -251,11 +251,15 @@ class GroupCore:
         quick = handle._quick = Quick(self, small, seq, buf, ufunc, handle, result, timeout)
         now = loop.time()
         self._tasks[handle] = (quick, kind, now, timeout)
-        loop.call_soon(quick.start)
         if self._tick_handle is None:
             self._tick_handle = loop.call_later(CHECK_SECONDS, _tick, weakref.ref(self), loop)
         if timeout is not None:
             self._watch(loop, now + timeout, handle, quick)
+        # The first step runs here, in the call: it posts the first receive and sends the
+        # first frame (one loop pass less per operation than a call_soon; docs/design.md,
+        # "Sent in the call"), so cancelling the handle of an operation that sends first
+        # breaks the group even right after the call.
+        quick._go()
         return handle
 
     def _small(

@@ -13,11 +13,15 @@ record the group's deadline and progress checks read. The handle is a :class:`Ha
 frames, the per-receive future, the step objects and one event-loop pass per step
 (docs/design.md, *The one-frame path*).
 
-Same contract as the Task path (group_core): the first step runs on the next loop pass, so
-cancelling the handle before then moves no data and leaves the group usable; cancelling it
-later (with data moved), a failed receive, or an error breaks the group; the deadline
-names the ranks to blame through the group's probe; any non-aiocollect exception becomes
-an InternalError that breaks the group on every rank.
+The contract is the Task path's (group_core) but for when the first step runs: here in the
+call itself (``GroupCore._quick`` runs :meth:`Quick._go` before it returns the handle), not
+on the next loop pass, which saves a loop pass per operation (docs/design.md, *Sent in the
+call*). So the operation has moved data once the call returns if its program sends first,
+and cancelling it then breaks the group; an operation that only receives first (a recv, a
+broadcast off the root) moved nothing until its frame lands, and cancelling it before that
+leaves the group usable. A failed receive or an error breaks the group; the deadline names
+the ranks to blame through the group's probe; any non-aiocollect exception becomes an
+InternalError that breaks the group on every rank.
 """
 
 from __future__ import annotations
@@ -307,19 +311,6 @@ class Quick:
         return self.small.frame_kind
 
     # -- running ---------------------------------------------------------------------------
-
-    def start(self) -> None:
-        """First step (scheduled with call_soon by the group)."""
-        if self.handle.done():
-            # Cancelled before it started: nothing moved. Like a Task cancelled before its
-            # first step, the operation stays registered, so the peers' frames for it are
-            # held rather than taken for a protocol error (docs/failures.md).
-            return
-        failure = self.core._fabric.failure
-        if failure is not None:
-            self._fail(failure)
-            return
-        self._go()
 
     def _go(self, landed: bool = False) -> None:
         """Run steps from the current one until one waits for its frame, then end

@@ -4,7 +4,6 @@ deadline, cancellation and failure, over the in-process memory transport and rea
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
 import numpy as np
@@ -95,28 +94,30 @@ async def test_deadline_names_the_rank_that_never_called() -> None:
     assert "have not called it" in str(err), err
 
 
-async def test_cancel_before_start_moves_nothing_and_after_start_breaks() -> None:
+async def test_first_frame_leaves_in_the_call_so_cancelling_then_breaks() -> None:
+    """A one-frame operation runs its first step in the call (design.md, *Sent in the
+    call*): its frame has left when the handle is returned, so cancelling it right away
+    breaks the group on every rank. (One that receives first moves nothing until its frame
+    lands: a posted recv cancelled before that leaves the group usable, below.)"""
+
     async def body(g: ac.Group) -> Any:
-        early = g.allreduce(np.ones(4))
-        early.cancel()  # before its first step: nothing sent, group usable
-        with pytest.raises(asyncio.CancelledError):
-            await early
-        assert not g.statistics()["broken"]
-        buf = np.ones(4)
-        late = g.allreduce(buf)
-        await asyncio.sleep(0)  # first step ran: the frame was sent
-        if g.rank == 0:
+        await g.barrier()
+        in_call = None
+        if g.rank == 0:  # rank 1 calls only after the cancel: this one cannot finish
+            before = g.statistics()["links"][1]["frames_sent"]
+            late = g.allreduce(np.ones(4))
+            in_call = g.statistics()["links"][1]["frames_sent"] - before
             late.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await late
-        else:  # it may complete before rank 0's ABORT arrives
-            with contextlib.suppress(ac.GroupBrokenError):
-                await late
-        with pytest.raises(ac.GroupBrokenError):
+            await g.store.set("cancelled", b"1")
+        else:
+            await g.store.wait(["cancelled"], timeout=20.0)
+        with pytest.raises(ac.GroupBrokenError):  # at the call, or once the ABORT lands
             await g.allreduce(np.ones(4))
-        return g.statistics()["broken"]
+        return in_call, g.statistics()["broken"]
 
-    assert await run_ranks(2, body, transport="tcp", timeout=30.0) == [True, True]
+    assert await run_ranks(2, body, transport="tcp", timeout=30.0) == [(1, True), (None, True)]
 
 
 async def test_peer_loss_fails_the_pending_allreduce() -> None:
@@ -272,8 +273,7 @@ async def test_one_frame_recv_deadline_and_cancellation() -> None:
         usable = not g.statistics()["broken"]
         await g.barrier()  # still usable on both ranks
         if g.rank == 0:
-            sent = g.send(np.full(2, 7.0), peer, tag=6)
-            await asyncio.sleep(0)  # its first (only) step: the frame went out
+            sent = g.send(np.full(2, 7.0), peer, tag=6)  # its one step ran in the call
             done_at_once = sent.done() and not sent.cancel()
             await sent
             got = None

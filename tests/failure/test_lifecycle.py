@@ -324,12 +324,13 @@ async def test_cancel_with_data_in_flight_breaks_the_group_everywhere(unique_nam
 
 
 async def test_cancel_before_any_byte_moved_keeps_the_group(unique_name: str) -> None:
-    """Every rank cancels the same operation right after calling it (before its task ran):
-    nothing moved, nothing breaks, and the next operation works (its sequence number is
-    the next one on every rank)."""
+    """Every rank cancels the same operation right after calling it (before its task ran;
+    a ring allreduce runs as a Task, whose first step is on the next loop pass): nothing
+    moved, nothing breaks, and the next operation works (its sequence number is the next
+    one on every rank). A one-frame operation sends in the call: test_small_path."""
 
     async def body(g: ac.Group, store: Store) -> list[float]:
-        handle = g.allreduce(np.ones(1000))
+        handle = g.allreduce(np.ones(1000), algorithm="ring")
         handle.cancel()
         with pytest.raises(asyncio.CancelledError):
             await handle
@@ -351,8 +352,8 @@ async def test_cancel_only_on_one_rank_leaves_the_peer_waiting_until_its_deadlin
     PeerTimeout rank 1 relayed)."""
 
     async def body(g: ac.Group, store: Store) -> Any:
-        if g.rank == 0:
-            handle = g.allreduce(np.ones(16))
+        if g.rank == 0:  # (a ring allreduce: a Task, started on the next loop pass)
+            handle = g.allreduce(np.ones(16), algorithm="ring")
             handle.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await handle
@@ -364,7 +365,7 @@ async def test_cancel_only_on_one_rank_leaves_the_peer_waiting_until_its_deadlin
         await store.wait(["cancelled"], timeout=SLACK)
         t0 = time.monotonic()
         with pytest.raises(ac.PeerTimeout) as timeout:
-            await g.allreduce(np.ones(16), timeout=1.0)
+            await g.allreduce(np.ones(16), algorithm="ring", timeout=1.0)
         return time.monotonic() - t0, timeout.value
 
     relayed, (elapsed, timeout) = await _run(2, body, name=unique_name)
@@ -516,11 +517,11 @@ async def test_new_group_on_the_embedded_store_of_a_broken_group(unique_name: st
         first = await ac.open_group(
             r, 2, store=url, transport="tcp", name=unique_name, timeout=GROUP_TIMEOUT
         )
-        handle = first.allreduce(np.ones(64))
         if r == 1:
             first.abort()
-        with pytest.raises(ac.GroupBrokenError):
-            await handle
+        else:
+            with pytest.raises(ac.GroupBrokenError):  # rank 1's ABORT arrives
+                await first.allreduce(np.ones(64))
         async with ac.open_group(
             r, 2, store=url, transport="tcp", name=unique_name + "-again", timeout=GROUP_TIMEOUT
         ) as g:
