@@ -242,24 +242,28 @@ class GroupCore:
             self._fabric.register(self._gid, seq, small.fp, self._ranks)
         else:
             seq = counter
-        kind = small.kind
-        self._stats[kind] += 1
         loop = self._loop
         if loop is None:  # (asyncio.get_running_loop costs a getpid() system call)
             loop = self._loop = asyncio.get_running_loop()
         handle = Handle(loop=loop)
         quick = handle._quick = Quick(self, small, seq, buf, ufunc, handle, result, timeout)
         now = loop.time()
+        # The first step runs here, in the call: it posts the first receive and sends the
+        # first frame (one loop pass less per operation than a call_soon; docs/design.md,
+        # "Sent in the call"), so cancelling the handle of an operation that sends first
+        # breaks the group even right after the call. The bookkeeping that no step reads
+        # comes after it, so the frame leaves sooner; an operation that completed or failed
+        # in the call is neither in flight nor watched.
+        quick._go()
+        kind = small.kind
+        self._stats[kind] += 1
+        if handle.done():
+            return handle
         self._tasks[handle] = (quick, kind, now, timeout)
         if self._tick_handle is None:
             self._tick_handle = loop.call_later(CHECK_SECONDS, _tick, weakref.ref(self), loop)
         if timeout is not None:
             self._watch(loop, now + timeout, handle, quick)
-        # The first step runs here, in the call: it posts the first receive and sends the
-        # first frame (one loop pass less per operation than a call_soon; docs/design.md,
-        # "Sent in the call"), so cancelling the handle of an operation that sends first
-        # breaks the group even right after the call.
-        quick._go()
         return handle
 
     def _small(
