@@ -10,7 +10,9 @@ Usage::
 
 Prints the best of ``--repeat`` runs: CPU microseconds per 4-byte allreduce (both ranks
 together), after 200 warm-up operations. docs/benchmarks.md, "Refactor check (issue 16)",
-compares two trees with it (run it with each tree first on PYTHONPATH).
+compares two trees with it (run it with each tree first on PYTHONPATH). Both ranks share
+one loop, so a change in when frames are sent shows differently here than between two
+processes (docs/benchmarks.md, "Twelfth session": use ``scripts/op_latency.py``).
 """
 
 from __future__ import annotations

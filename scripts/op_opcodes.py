@@ -11,7 +11,10 @@ so that the count does not depend on timing. Usage::
     python scripts/op_opcodes.py --uvloop --transport auto --iters 10 allreduce16M
 
 Prints ``case: opcodes calls`` per operation and rank. Use it for A/B checks of the
-per-operation path (docs/benchmarks.md, "Small operations, third round").
+per-operation path (docs/benchmarks.md, "Small operations, third round"), but not for
+changes in *when* frames are sent: with both ranks on one loop a frame sent in the call
+lands before the other rank's call has posted its receive, which two processes seldom do
+(benchmarks.md, "Twelfth session"; use ``scripts/op_latency.py`` for those).
 """
 
 from __future__ import annotations
