@@ -94,7 +94,8 @@ async def test_deadline_names_the_rank_that_never_called() -> None:
     assert "have not called it" in str(err), err
 
 
-async def test_first_frame_leaves_in_the_call_so_cancelling_then_breaks() -> None:
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+async def test_first_frame_leaves_in_the_call_so_cancelling_then_breaks(transport: str) -> None:
     """A one-frame operation runs its first step in the call (design.md, *Sent in the
     call*): its frame has left when the handle is returned, so cancelling it right away
     breaks the group on every rank. (One that receives first moves nothing until its frame
@@ -117,7 +118,10 @@ async def test_first_frame_leaves_in_the_call_so_cancelling_then_breaks() -> Non
             await g.allreduce(np.ones(4))
         return in_call, g.statistics()["broken"]
 
-    assert await run_ranks(2, body, transport="tcp", timeout=30.0) == [(1, True), (None, True)]
+    assert await run_ranks(2, body, transport=transport, timeout=30.0) == [
+        (1, True),
+        (None, True),
+    ]
 
 
 async def test_peer_loss_fails_the_pending_allreduce() -> None:
