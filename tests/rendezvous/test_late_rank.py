@@ -83,6 +83,7 @@ async def test_rank_arriving_after_rank_0_gave_up_gets_rendezvous_error() -> Non
     url = f"tcp://127.0.0.1:{port}"
     procs = [await _start(0, 3, url)]
     watcher = TCPStore("127.0.0.1", port, timeout=20)
+    gave_up: asyncio.Future[None] | None = None
     try:
         for _ in range(200):  # rank 0 binds the store a moment after it printed "up"
             try:
@@ -91,11 +92,17 @@ async def test_rank_arriving_after_rank_0_gave_up_gets_rendezvous_error() -> Non
             except StoreError:  # not listening yet
                 watcher = TCPStore("127.0.0.1", port, timeout=20)
                 await asyncio.sleep(0.05)
-        procs += [await _start(r, 4, url) for r in (1, 2)]
-        # Rank 3's process starts now, so that its start-up (1-3 s of imports on a loaded
-        # machine) does not outlast the store's 2 s linger; it begins once rank 0 gave up.
-        procs.append(await _start(3, 4, url, go=False))
-        await watcher.wait(["aiocollect/late/done/0"], timeout=20)  # rank 0 gave up
+        # Every other rank's process starts (imports done) before any of them reaches the
+        # store: a start-up takes 1-3 s on a loaded machine, longer than the store's 2 s
+        # linger, so none may fall between rank 0 giving up and rank 3 arriving. The wait
+        # for rank 0's end is asked before ranks 1 and 2 begin, so its answer comes while
+        # the store is still up.
+        procs += [await _start(r, 4, url, go=False) for r in (1, 2, 3)]
+        gave_up = asyncio.ensure_future(watcher.wait(["aiocollect/late/done/0"], timeout=20))
+        await asyncio.sleep(0)  # the wait request is written before ranks 1 and 2 begin
+        for proc in procs[1:3]:
+            await _go(proc)
+        await gave_up  # rank 0 gave up
         assert procs[0].returncode is None  # still lingering: our connection holds it
         started = time.monotonic()
         await _go(procs[3])
@@ -104,6 +111,8 @@ async def test_rank_arriving_after_rank_0_gave_up_gets_rendezvous_error() -> Non
         await watcher.close()
         outs = [await _output(p, 20) for p in procs[:3]]
     finally:
+        if gave_up is not None and not gave_up.done():
+            gave_up.cancel()
         await watcher.close()
         await reap(procs)
     for rank, out in enumerate(outs):
