@@ -449,8 +449,7 @@ class Quick:
                     "with data in flight"
                 )
             )
-        if self._moved or self._key is not None or self._i:  # it started
-            self._release()
+        self._release()  # (it started: its first step ran in the call)
 
     def expire(self) -> None:
         """The deadline passed: find whom to blame (a liveness probe), then fail."""
