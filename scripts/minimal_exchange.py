@@ -1,15 +1,18 @@
 """The smallest pure-Python 4-byte allreduce over TCP: what Python and uvloop cost alone.
 
-    python scripts/minimal_exchange.py              # 5000 exchanges, no busy-wait
+    python scripts/minimal_exchange.py              # 2 ranks, 5000 exchanges, no busy-wait
     SPIN_US=50 python scripts/minimal_exchange.py   # poll the loop up to 50 µs first
+    python scripts/minimal_exchange.py 4            # 4 ranks (recursive doubling)
 
-Two processes (a fork), one TCP connection on loopback with TCP_NODELAY, one
-``asyncio.BufferedProtocol`` each on uvloop. Per operation each side writes a 16-byte
-header and 4 bytes, waits for the peer's 20 bytes, checks the sequence number and adds
-the peer's value with numpy: no library, no checks, no deadlines, no failure handling.
-Each side prints the mean, p50 and p99 of its per-operation time and its user and system
-CPU per operation. docs/benchmarks.md (*Twelfth session*) compares it with
-``scripts/op_latency.py`` in the same hour; it is a yardstick, not part of aiocollect.
+N processes (forks; N a power of two), one TCP connection on loopback with TCP_NODELAY
+per pair of partners, one ``asyncio.BufferedProtocol`` per connection on uvloop. Per
+operation each rank runs recursive doubling: in step k it writes a 16-byte header and 4
+bytes to rank ``r ^ 2**k``, waits for that partner's 20 bytes, checks the sequence
+number and adds the partner's value with numpy: no library, no checks, no deadlines, no
+failure handling. Each rank prints the mean, p50 and p99 of its per-operation time and
+its user and system CPU per operation. docs/benchmarks.md (*Twelfth session*, *Thirteenth
+session*) compares it with ``scripts/op_latency.py`` in the same hour; it is a
+yardstick, not part of aiocollect.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import resource
 import socket
 import struct
+import sys
 import time
 from typing import cast
 
@@ -58,50 +62,74 @@ class Peer(asyncio.BufferedProtocol):
         pass
 
 
-async def run(rank: int, port: int) -> None:
+async def connect(rank: int, n: int, ports: list[int]) -> dict[int, Peer]:
+    """This rank's connections, by partner: it accepts from lower partners on its own
+    port and connects to the higher ones' ports."""
     loop = asyncio.get_running_loop()
-    if rank == 0:
-        accepted: asyncio.Future[Peer] = loop.create_future()
-
-        def factory() -> Peer:
-            made = Peer()
-            if not accepted.done():
-                accepted.set_result(made)
-            return made
-
-        server = await loop.create_server(factory, "127.0.0.1", port)
-        peer = await accepted
-    else:
-        for _ in range(200):
+    partners = [rank ^ (1 << k) for k in range(n.bit_length() - 1)]
+    lower = [p for p in partners if p < rank]
+    accepted: asyncio.Queue[Peer] = asyncio.Queue()
+    server = await loop.create_server(lambda: _accepted(accepted), "127.0.0.1", ports[rank])
+    peers: dict[int, Peer] = {}
+    for p in partners:
+        if p < rank:
+            continue
+        for _ in range(500):
             try:
-                _, peer = await loop.create_connection(Peer, "127.0.0.1", port)
+                _, peer = await loop.create_connection(Peer, "127.0.0.1", ports[p])
                 break
             except OSError:
                 await asyncio.sleep(0.01)
         else:
             raise SystemExit("could not connect")
-    await peer.connected
-    transport = peer.transport
-    assert transport is not None
+        await peer.connected
+        peer.transport.write(struct.pack("<I", rank))  # type: ignore[union-attr]
+        peers[p] = peer
+    for _ in lower:  # each lower partner says who it is first
+        peer = await accepted.get()
+        await peer.connected
+        while peer.filled < 4:
+            peer.waiter = loop.create_future()
+            await peer.waiter
+        (who,) = struct.unpack_from("<I", peer.buf)
+        peer.buf[: peer.filled - 4] = peer.buf[4 : peer.filled]
+        peer.filled -= 4
+        peers[who] = peer
+    server.close()
+    return peers
+
+
+def _accepted(queue: asyncio.Queue[Peer]) -> Peer:
+    made = Peer()
+    queue.put_nowait(made)
+    return made
+
+
+async def run(rank: int, n: int, ports: list[int]) -> None:
+    loop = asyncio.get_running_loop()
+    peers = await connect(rank, n, ports)
+    steps = [peers[rank ^ (1 << k)] for k in range(n.bit_length() - 1)]
     value = np.zeros(1, np.float32)
     spin = float(os.environ.get("SPIN_US", "0")) * 1e-6
 
     async def exchange(seq: int) -> None:
-        transport.write(HEADER.pack(seq, 1, 4) + value.tobytes())
-        if peer.filled < FRAME:
-            peer.waiter = loop.create_future()
-            if spin:
-                end = time.perf_counter() + spin
-                # the busy-wait being measured: poll the loop, then sleep on the future
-                while not peer.waiter.done() and time.perf_counter() < end:  # noqa: ASYNC110
-                    await asyncio.sleep(0)
-            await peer.waiter
-        got, _, _ = HEADER.unpack_from(peer.buf, 0)
-        assert got == seq, (got, seq)
-        np.add(value, np.frombuffer(peer.buf, np.float32, 1, HEADER.size), out=value)
-        rest = peer.filled - FRAME
-        peer.buf[:rest] = peer.buf[FRAME : peer.filled]
-        peer.filled = rest
+        for peer in steps:
+            assert peer.transport is not None
+            peer.transport.write(HEADER.pack(seq, 1, 4) + value.tobytes())
+            if peer.filled < FRAME:
+                peer.waiter = loop.create_future()
+                if spin:
+                    end = time.perf_counter() + spin
+                    # the busy-wait being measured: poll the loop, then sleep on the future
+                    while not peer.waiter.done() and time.perf_counter() < end:  # noqa: ASYNC110
+                        await asyncio.sleep(0)
+                await peer.waiter
+            got, _, _ = HEADER.unpack_from(peer.buf, 0)
+            assert got == seq, (got, seq)
+            np.add(value, np.frombuffer(peer.buf, np.float32, 1, HEADER.size), out=value)
+            rest = peer.filled - FRAME
+            peer.buf[:rest] = peer.buf[FRAME : peer.filled]
+            peer.filled = rest
 
     for i in range(WARMUP):
         await exchange(i)
@@ -116,29 +144,41 @@ async def run(rank: int, port: int) -> None:
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     us = 1e6 / ITERS
     print(
-        f"minimal exchange, side {rank}: mean {wall * us:.1f} us, p50 "
+        f"minimal exchange, N={n} rank {rank}: mean {wall * us:.1f} us, p50 "
         f"{np.median(lat) * 1e6:.1f}, p99 {np.percentile(lat, 99) * 1e6:.1f}; CPU per op: "
         f"user {(r1.ru_utime - r0.ru_utime) * us:.1f} us, sys "
-        f"{(r1.ru_stime - r0.ru_stime) * us:.1f} us",
+        f"{(r1.ru_stime - r0.ru_stime) * us:.1f} us; context switches per op: "
+        f"{(r1.ru_nvcsw - r0.ru_nvcsw) / ITERS:.2f} voluntary, "
+        f"{(r1.ru_nivcsw - r0.ru_nivcsw) / ITERS:.2f} involuntary",
         flush=True,
     )
-    transport.close()
-    if rank == 0:
-        server.close()
+    for peer in steps:
+        assert peer.transport is not None
+        peer.transport.close()
 
 
 def main() -> None:
-    with socket.socket() as probe:  # a free port, picked by the kernel
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    if n < 2 or n & (n - 1):
+        raise SystemExit("the number of ranks must be a power of two, at least 2")
+    probes = [socket.socket() for _ in range(n)]
+    for probe in probes:  # free ports, picked by the kernel (closed just before use)
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    child = os.fork()
-    if child == 0:
-        try:
-            uvloop.run(run(1, port))
-        finally:
-            os._exit(0)
-    uvloop.run(run(0, port))
-    os.waitpid(child, 0)
+    ports = [probe.getsockname()[1] for probe in probes]
+    for probe in probes:
+        probe.close()
+    children = []
+    for rank in range(1, n):
+        child = os.fork()
+        if child == 0:
+            try:
+                uvloop.run(run(rank, n, ports))
+            finally:
+                os._exit(0)
+        children.append(child)
+    uvloop.run(run(0, n, ports))
+    for child in children:
+        os.waitpid(child, 0)
 
 
 if __name__ == "__main__":

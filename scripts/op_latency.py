@@ -57,7 +57,9 @@ async def main(iters: int, case: str) -> None:
             f"rank {group.rank} {case}: mean {wall * us:.1f} us, p50 "
             f"{np.median(lat) * 1e6:.1f}, p99 {np.percentile(lat, 99) * 1e6:.1f}; CPU per op: "
             f"user {(r1.ru_utime - r0.ru_utime) * us:.1f} us, sys "
-            f"{(r1.ru_stime - r0.ru_stime) * us:.1f} us",
+            f"{(r1.ru_stime - r0.ru_stime) * us:.1f} us; context switches per op: "
+            f"{(r1.ru_nvcsw - r0.ru_nvcsw) / iters:.2f} voluntary, "
+            f"{(r1.ru_nivcsw - r0.ru_nivcsw) / iters:.2f} involuntary",
             flush=True,
         )
 

@@ -22,6 +22,12 @@ Over TLS the transport encrypts what it is given at once, so a payload over ``TL
 goes to it in pieces, one per loop turn; frames sent meanwhile wait for the end of that
 frame (small ones right after it, bulk ones in the queue), and the pieces, not the
 transport's buffer size, pace the bulk queue.
+
+What lies in the kernel's socket buffers is ahead of a small frame too, and user space
+cannot reorder it: plain TCP links to processes on this host ask for
+``LOCAL_SOCKET_BUFFER`` (1 MiB) per buffer, TLS links and links to other hosts for
+``SOCKET_BUFFER`` (4 MiB), and
+``AIOCOLLECT_SOCKET_BUFFER`` overrides both (:func:`socket_buffer`).
 """
 
 from __future__ import annotations
@@ -29,10 +35,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import ssl as ssl_module
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import msgpack
@@ -60,7 +67,18 @@ from aiocollect.transport.wire import (
 
 log = logging.getLogger("aiocollect.transport.tcp")
 
+#: Kernel socket buffer (SO_SNDBUF and SO_RCVBUF, which Linux doubles) of a link to another
+#: host: enough bytes in flight for a LAN's round trip.
 SOCKET_BUFFER = 4 * 1024 * 1024
+#: The same for a plain TCP link to a process on this host (loopback, or this host's own
+#: address; TLS links keep ``SOCKET_BUFFER``):
+#: everything in these buffers lies ahead of a small frame sent behind bulk frames, and
+#: drains at the receiver's pace, so they are kept small; 1 MiB measured no slower than
+#: 4 MiB for bulk and took the round trip behind 64 MiB allreduces from 9-13 ms to 6 ms
+#: at p99 (docs/benchmarks.md, "Thirteenth session").
+LOCAL_SOCKET_BUFFER = 1024 * 1024
+#: Overrides both (bytes; 0 leaves the buffers to the kernel's autotuning).
+SOCKET_BUFFER_ENV = "AIOCOLLECT_SOCKET_BUFFER"
 #: Seconds a closing link waits for the peer's FIN before resetting the connection.
 LINGER = 5.0
 _SCRATCH = memoryview(bytearray(64 * 1024))
@@ -188,9 +206,10 @@ class StreamLink(Link, asyncio.BufferedProtocol):
                 return
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            size = socket_buffer(self._caps.local, tls=bool(self._piece))
+            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF) if size else ():
                 with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+                    sock.setsockopt(socket.SOL_SOCKET, opt, size)
         assert self.handshake is not None
         try:
             self.handshake.start()
@@ -625,6 +644,28 @@ class StreamLink(Link, asyncio.BufferedProtocol):
 
     def describe(self) -> str:
         return f"rank {self.peer} ({self.address})" if self.peer >= 0 else self.address
+
+
+def socket_buffer(
+    local: bool | None, tls: bool = False, env: Mapping[str, str] | None = None
+) -> int:
+    """Bytes to ask the kernel for as each socket buffer of a TCP link (0: leave them to
+    its autotuning): ``AIOCOLLECT_SOCKET_BUFFER`` (in ``env``, default ``os.environ``) if
+    set, else :data:`LOCAL_SOCKET_BUFFER` for a plain TCP link to this host (``local``)
+    and :data:`SOCKET_BUFFER` otherwise. TLS links keep the larger buffers: their bytes
+    drain at the receiver's decryption rate whatever the buffer holds, and the smaller one
+    measured no better for a small frame there (docs/benchmarks.md, "Thirteenth
+    session"). A value that is not a non-negative integer is ignored with a warning."""
+    raw = (os.environ if env is None else env).get(SOCKET_BUFFER_ENV, "").strip()
+    if raw:
+        try:
+            size = int(raw)
+            if size < 0:
+                raise ValueError(raw)
+            return size
+        except ValueError:
+            log.warning("ignoring %s=%r: not a number of bytes", SOCKET_BUFFER_ENV, raw)
+    return LOCAL_SOCKET_BUFFER if local and not tls else SOCKET_BUFFER
 
 
 def is_local(peername: object, sockname: object) -> bool | None:

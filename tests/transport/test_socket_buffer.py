@@ -1,0 +1,87 @@
+"""TCP links size the kernel's socket buffers (transport/tcp.py, :func:`socket_buffer`):
+what lies there is ahead of every small frame, so plain TCP links to this host ask for
+``LOCAL_SOCKET_BUFFER``, TLS links and links to other hosts for ``SOCKET_BUFFER``, and
+``AIOCOLLECT_SOCKET_BUFFER`` overrides both. Checked on real loopback connections by
+reading the sockets back (Linux reports twice what was asked, up to its own limits, so
+every expectation is what a fresh socket reports for the same request)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+
+import pytest
+
+from aiocollect.testing.certs import make_certs
+from aiocollect.testing.link_suite import Recorder, tcp_pair
+from aiocollect.transport import tcp
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _granted(size: int) -> tuple[int, int]:
+    """(SO_SNDBUF, SO_RCVBUF) the kernel reports for a TCP socket asked for ``size``."""
+    with socket.socket() as probe:
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            probe.setsockopt(socket.SOL_SOCKET, opt, size)
+        return (
+            probe.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
+            probe.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
+        )
+
+
+def _buffers(link: object) -> tuple[int, int]:
+    assert isinstance(link, tcp.StreamLink)
+    assert link.transport is not None
+    sock = link.transport.get_extra_info("socket")
+    return (
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
+    )
+
+
+def test_the_policy_by_locality_and_override(caplog: pytest.LogCaptureFixture) -> None:
+    assert tcp.socket_buffer(True, env={}) == tcp.LOCAL_SOCKET_BUFFER
+    assert tcp.socket_buffer(True, tls=True, env={}) == tcp.SOCKET_BUFFER
+    assert tcp.socket_buffer(False, env={}) == tcp.SOCKET_BUFFER
+    assert tcp.socket_buffer(None, env={}) == tcp.SOCKET_BUFFER
+    assert tcp.LOCAL_SOCKET_BUFFER < tcp.SOCKET_BUFFER
+    env = {tcp.SOCKET_BUFFER_ENV: "262144"}
+    assert tcp.socket_buffer(True, env=env) == tcp.socket_buffer(False, env=env) == 262144
+    assert tcp.socket_buffer(True, tls=True, env=env) == 262144
+    assert tcp.socket_buffer(True, env={tcp.SOCKET_BUFFER_ENV: "0"}) == 0
+    with caplog.at_level(logging.WARNING, logger="aiocollect.transport.tcp"):
+        for bad in ("lots", "-5", "1.5"):
+            assert tcp.socket_buffer(True, env={tcp.SOCKET_BUFFER_ENV: bad}) == (
+                tcp.LOCAL_SOCKET_BUFFER
+            )
+    assert caplog.text.count(tcp.SOCKET_BUFFER_ENV) == 3, caplog.text
+
+
+async def test_a_loopback_link_gets_the_local_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(tcp.SOCKET_BUFFER_ENV, raising=False)
+    async with tcp_pair()(Recorder(), Recorder(), 1 << 20) as (a, b):
+        assert a.caps.local
+        assert b.caps.local
+        want = _granted(tcp.LOCAL_SOCKET_BUFFER)
+        assert want != _granted(tcp.SOCKET_BUFFER), "this host cannot tell the sizes apart"
+        assert _buffers(a) == want
+        assert _buffers(b) == want
+
+
+async def test_the_environment_overrides_the_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(tcp.SOCKET_BUFFER_ENV, str(256 * 1024))
+    async with tcp_pair()(Recorder(), Recorder(), 1 << 20) as (a, b):
+        assert _buffers(a) == _buffers(b) == _granted(256 * 1024)
+
+
+async def test_a_loopback_tls_link_keeps_the_larger_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(tcp.SOCKET_BUFFER_ENV, raising=False)
+    certs = make_certs(tmp_path, 2)
+    server, client = certs.config(1).server, certs.config(0).client
+    async with tcp_pair(server, client)(Recorder(), Recorder(), 1 << 20) as (a, b):
+        assert a.caps.local
+        assert _buffers(a) == _buffers(b) == _granted(tcp.SOCKET_BUFFER)
