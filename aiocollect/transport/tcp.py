@@ -71,11 +71,11 @@ log = logging.getLogger("aiocollect.transport.tcp")
 #: host: enough bytes in flight for a LAN's round trip.
 SOCKET_BUFFER = 4 * 1024 * 1024
 #: The same for a plain TCP link to a process on this host (loopback, or this host's own
-#: address; TLS links keep ``SOCKET_BUFFER``):
-#: everything in these buffers lies ahead of a small frame sent behind bulk frames, and
-#: drains at the receiver's pace, so they are kept small; 1 MiB measured no slower than
-#: 4 MiB for bulk and took the round trip behind 64 MiB allreduces from 9-13 ms to 6 ms
-#: at p99 (docs/benchmarks.md, "Thirteenth session").
+#: address; TLS links keep ``SOCKET_BUFFER``). Everything in these buffers lies ahead of a
+#: small frame sent behind bulk frames and drains at the receiver's pace, so they are kept
+#: small: 1 MiB measured no slower than 4 MiB for bulk and took the round trip behind
+#: 64 MiB allreduces from 9-13 ms to 6 ms at p99 (docs/benchmarks.md, "Thirteenth
+#: session").
 LOCAL_SOCKET_BUFFER = 1024 * 1024
 #: Overrides both (bytes; 0 leaves the buffers to the kernel's autotuning).
 SOCKET_BUFFER_ENV = "AIOCOLLECT_SOCKET_BUFFER"
@@ -655,7 +655,8 @@ def socket_buffer(
     and :data:`SOCKET_BUFFER` otherwise. TLS links keep the larger buffers: their bytes
     drain at the receiver's decryption rate whatever the buffer holds, and the smaller one
     measured no better for a small frame there (docs/benchmarks.md, "Thirteenth
-    session"). A value that is not a non-negative integer is ignored with a warning."""
+    session"). A value that is not a non-negative integer is ignored, with a warning the
+    first time."""
     raw = (os.environ if env is None else env).get(SOCKET_BUFFER_ENV, "").strip()
     if raw:
         try:
@@ -664,8 +665,13 @@ def socket_buffer(
                 raise ValueError(raw)
             return size
         except ValueError:
-            log.warning("ignoring %s=%r: not a number of bytes", SOCKET_BUFFER_ENV, raw)
+            if raw not in _WARNED:  # once per value, not once per link
+                _WARNED.add(raw)
+                log.warning("ignoring %s=%r: not a number of bytes", SOCKET_BUFFER_ENV, raw)
     return LOCAL_SOCKET_BUFFER if local and not tls else SOCKET_BUFFER
+
+
+_WARNED: set[str] = set()
 
 
 def is_local(peername: object, sockname: object) -> bool | None:

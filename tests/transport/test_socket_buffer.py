@@ -41,7 +41,10 @@ def _buffers(link: object) -> tuple[int, int]:
     )
 
 
-def test_the_policy_by_locality_and_override(caplog: pytest.LogCaptureFixture) -> None:
+def test_the_policy_by_locality_and_override(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tcp, "_WARNED", set())
     assert tcp.socket_buffer(True, env={}) == tcp.LOCAL_SOCKET_BUFFER
     assert tcp.socket_buffer(True, tls=True, env={}) == tcp.SOCKET_BUFFER
     assert tcp.socket_buffer(False, env={}) == tcp.SOCKET_BUFFER
@@ -52,7 +55,7 @@ def test_the_policy_by_locality_and_override(caplog: pytest.LogCaptureFixture) -
     assert tcp.socket_buffer(True, tls=True, env=env) == 262144
     assert tcp.socket_buffer(True, env={tcp.SOCKET_BUFFER_ENV: "0"}) == 0
     with caplog.at_level(logging.WARNING, logger="aiocollect.transport.tcp"):
-        for bad in ("lots", "-5", "1.5"):
+        for bad in ("lots", "-5", "1.5", "lots"):  # each link asks: one warning per value
             assert tcp.socket_buffer(True, env={tcp.SOCKET_BUFFER_ENV: bad}) == (
                 tcp.LOCAL_SOCKET_BUFFER
             )
