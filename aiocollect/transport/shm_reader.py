@@ -240,15 +240,16 @@ class RingReader(StreamLink):
         self.bytes_received += h.length
         self.events.on_control(self, ABORT, bytes(buf[HEADER_SIZE : HEADER_SIZE + h.length]))
 
-    def _service(self) -> None:
-        """A doorbell rang (or reading may resume): read what arrived, then write what
-        waits for space."""
+    def _service(self, spin: bool = True) -> None:
+        """A doorbell rang (or reading may resume, or a spin ended): read what arrived,
+        start the pulls it queued, then write what waits for space. ``spin``: whether
+        running out of input may start a spin (not when one just ended)."""
         if self.lost:
             return
         rx = self.rx
         if rx is not None and not self._rx_dead:
             try:
-                self._read_ring(rx)
+                self._read_ring(rx, spin)
                 if self._resume is None and not self._rx_dead:
                     self._pull_step(rx)
             except ProtocolError as exc:
@@ -295,8 +296,10 @@ class RingReader(StreamLink):
                 self._spin_until = time.perf_counter() + self.policy.spin
                 self._service()
             elif hold or time.perf_counter() >= (self._spin_until or 0):
+                # A last read before sleeping, and the pulls it queued: no doorbell comes
+                # for what arrived during the spin (the writer rings only a sleeping reader).
                 self._spin_until = None
-                self._read_ring(rx, spin=False)
+                self._service(spin=False)
                 return
         except ProtocolError as exc:
             self._spin_until = None
