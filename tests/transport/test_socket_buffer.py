@@ -62,29 +62,41 @@ def test_the_policy_by_locality_and_override(
     assert caplog.text.count(tcp.SOCKET_BUFFER_ENV) == 3, caplog.text
 
 
+#: A size below Linux's default cap on what a socket may ask for (``net.core.wmem_max`` and
+#: ``rmem_max``, 208 KiB unless raised), so that what a socket reports tells it apart from
+#: ``SOCKET_BUFFER`` on any host, not only on one whose caps were raised.
+_SMALL = 96 * 1024
+
+
 async def test_a_loopback_link_gets_the_local_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(tcp.SOCKET_BUFFER_ENV, raising=False)
     async with tcp_pair()(Recorder(), Recorder(), 1 << 20) as (a, b):
         assert a.caps.local
         assert b.caps.local
-        want = _granted(tcp.LOCAL_SOCKET_BUFFER)
-        assert want != _granted(tcp.SOCKET_BUFFER), "this host cannot tell the sizes apart"
-        assert _buffers(a) == want
-        assert _buffers(b) == want
+        assert _buffers(a) == _buffers(b) == _granted(tcp.LOCAL_SOCKET_BUFFER)
+    # The local size is the one that decides (a host with default caps grants 1 MiB and
+    # 4 MiB requests alike: a size under the cap tells them apart).
+    monkeypatch.setattr(tcp, "LOCAL_SOCKET_BUFFER", _SMALL)
+    assert _granted(_SMALL) != _granted(tcp.SOCKET_BUFFER), "the host caps buffers below 96 KiB"
+    async with tcp_pair()(Recorder(), Recorder(), 1 << 20) as (a, b):
+        assert _buffers(a) == _buffers(b) == _granted(_SMALL)
 
 
 async def test_the_environment_overrides_the_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(tcp.SOCKET_BUFFER_ENV, str(256 * 1024))
+    monkeypatch.setenv(tcp.SOCKET_BUFFER_ENV, str(2 * _SMALL))
+    assert _granted(2 * _SMALL) != _granted(tcp.LOCAL_SOCKET_BUFFER)
     async with tcp_pair()(Recorder(), Recorder(), 1 << 20) as (a, b):
-        assert _buffers(a) == _buffers(b) == _granted(256 * 1024)
+        assert _buffers(a) == _buffers(b) == _granted(2 * _SMALL)
 
 
 async def test_a_loopback_tls_link_keeps_the_larger_buffers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(tcp.SOCKET_BUFFER_ENV, raising=False)
+    monkeypatch.setattr(tcp, "LOCAL_SOCKET_BUFFER", _SMALL)  # (told apart on any host)
     certs = make_certs(tmp_path, 2)
     server, client = certs.config(1).server, certs.config(0).client
     async with tcp_pair(server, client)(Recorder(), Recorder(), 1 << 20) as (a, b):
         assert a.caps.local
         assert _buffers(a) == _buffers(b) == _granted(tcp.SOCKET_BUFFER)
+        assert _buffers(a) != _granted(_SMALL)
