@@ -114,10 +114,13 @@ async def test_open_close_cycles_leak_no_fds_or_tasks() -> None:
 
 async def test_cycles_with_tcp_store_and_secret_leak_nothing() -> None:
     """The same with the embedded TCP store (a server and client connections per cycle)
-    and authentication."""
-    store = f"tcp://127.0.0.1:{free_port()}"
+    and authentication. Each cycle takes a fresh port for its store: one port reused for
+    all cycles lies free between them, and a listener of a test running beside this one
+    (bound to port 0) once got it, so rank 0 dialled that listener as if it were a running
+    store (CI at 13f9c5e: "store message of 939524096 bytes exceeds the limit")."""
 
     async def cycle() -> None:
+        store = f"tcp://127.0.0.1:{free_port()}"
         assert await run_ranks(
             2, _allreduce_one, transport="tcp", store=store, secret="s", timeout=GROUP_TIMEOUT
         ) == [3.0, 3.0]
