@@ -646,6 +646,10 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         return f"rank {self.peer} ({self.address})" if self.peer >= 0 else self.address
 
 
+#: AIOCOLLECT_SOCKET_BUFFER values already warned about (:func:`socket_buffer`).
+_WARNED: set[str] = set()
+
+
 def socket_buffer(
     local: bool | None, tls: bool = False, env: Mapping[str, str] | None = None
 ) -> int:
@@ -658,20 +662,12 @@ def socket_buffer(
     session"). A value that is not a non-negative integer is ignored, with a warning the
     first time."""
     raw = (os.environ if env is None else env).get(SOCKET_BUFFER_ENV, "").strip()
-    if raw:
-        try:
-            size = int(raw)
-            if size < 0:
-                raise ValueError(raw)
-            return size
-        except ValueError:
-            if raw not in _WARNED:  # once per value, not once per link
-                _WARNED.add(raw)
-                log.warning("ignoring %s=%r: not a number of bytes", SOCKET_BUFFER_ENV, raw)
+    if raw.isdecimal():
+        return int(raw)
+    if raw and raw not in _WARNED:  # once per value, not once per link
+        _WARNED.add(raw)
+        log.warning("ignoring %s=%r: not a number of bytes", SOCKET_BUFFER_ENV, raw)
     return LOCAL_SOCKET_BUFFER if local and not tls else SOCKET_BUFFER
-
-
-_WARNED: set[str] = set()
 
 
 def is_local(peername: object, sockname: object) -> bool | None:
