@@ -17,7 +17,7 @@ from aiocollect._protect import insecure_from_env
 from aiocollect.engine.fabric import Fabric
 from aiocollect.errors import UsageError
 from aiocollect.group import Group
-from aiocollect.group_core import DEFAULT_CHUNK_BYTES
+from aiocollect.rendezvous.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_FRAME
 from aiocollect.rendezvous.rendezvous import RendezvousConfig, rendezvous
 from aiocollect.store import Store, open_store
 from aiocollect.tls import TLSConfig, as_config
@@ -201,9 +201,13 @@ async def _open(
     timeout = resolve_timeout(timeout)
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise UsageError(f"timeout must be a positive number, got {timeout!r}")
+    # chunk_bytes=None: the default, which the rendezvous records choose (0 in the
+    # record); elastic groups keep DEFAULT_CHUNK_BYTES, as every generation must agree.
     chunk = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    if not isinstance(chunk, int) or chunk < 1:
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
         raise UsageError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+    chosen = chunk_bytes is None and not elastic
+    max_frame = DEFAULT_MAX_FRAME if chosen else chunk
     if secret is None:
         secret = os.environ.get("AIOCOLLECT_SECRET") or None
     key = _auth.as_secret(secret)
@@ -228,7 +232,7 @@ async def _open(
             insecure=insecure,
             timeout=300.0 if timeout is None else timeout,
         )
-    fabric = Fabric(rank, world_size, max_frame=chunk)
+    fabric = Fabric(rank, world_size, max_frame=max_frame)
     try:
         cfg = RendezvousConfig(
             name=name,
@@ -239,10 +243,10 @@ async def _open(
             secret=key,
             ssl=tls,
             insecure=insecure,
-            chunk_bytes=chunk,
+            chunk_bytes=0 if chosen else chunk,
             deadline=deadline,
         )
-        endpoint, links = await rendezvous(store_obj, cfg, fabric, max_frame=chunk)
+        endpoint, links = await rendezvous(store_obj, cfg, fabric, max_frame=max_frame)
     except BaseException:
         if owned:
             if not elastic:
@@ -250,6 +254,7 @@ async def _open(
             await store_obj.close()
         raise
     fabric.links.update(links)
+    chunk = endpoint.chunk_bytes
     group = Group(
         fabric,
         WORLD_GID,

@@ -35,7 +35,6 @@ log = logging.getLogger("aiocollect")
 
 T = TypeVar("T")
 
-DEFAULT_CHUNK_BYTES = 1 << 20
 #: Seconds a timed-out operation waits for peers to answer a liveness probe.
 PROBE_SECONDS = 0.5
 #: An operation still waiting after this many seconds asks its peers which operation they

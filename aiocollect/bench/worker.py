@@ -110,7 +110,10 @@ async def aiocollect_rounds(
         name="bench",
     ) as group:
         backend = AiocollectBackend(group, opts.algorithm)
-        return [await sweep(backend, cfg, label, name) for label in labels]
+        rounds = [await sweep(backend, cfg, label, name) for label in labels]
+        for one in rounds:  # the size the group chose when none was given
+            one["chunk_bytes"] = group.chunk_bytes
+        return rounds
 
 
 def gloo_round(

@@ -281,6 +281,9 @@ def _publish(
                 "seconds": ns.seconds,
                 "algorithm": ns.algorithm,
                 "chunk_bytes": plan.options.chunk_bytes,
+                "chunk_bytes_used": (
+                    rounds[0].get("aiocollect", {}).get("chunk_bytes") if rounds else None
+                ),
                 "loop": loop,
                 "baseline": ns.baseline,
                 "baseline_used": plan.baseline,

@@ -24,7 +24,7 @@ from typing import Any
 from aiocollect import _protect, errors
 from aiocollect._deadline import Deadline
 from aiocollect.errors import RendezvousError, RendezvousTimeout
-from aiocollect.rendezvous import claims
+from aiocollect.rendezvous import chunking, claims
 from aiocollect.rendezvous.handshake import PROTOCOL_VERSION, AcceptorHandshake, ConnectorHandshake
 from aiocollect.store.base import Store
 from aiocollect.tls import TLSConfig
@@ -42,6 +42,8 @@ class RendezvousConfig:
     host: str | None
     secret: bytes | None
     ssl: TLSConfig | None
+    #: The chunk size this rank was given, or 0 for the default (chosen from every
+    #: rank's record: :mod:`aiocollect.rendezvous.chunking`).
     chunk_bytes: int
     deadline: Deadline
     #: Without a secret, accept peer links from other hosts too (else: protected mode).
@@ -56,6 +58,8 @@ class Endpoint:
     links: dict[int, Link] = field(default_factory=dict)
     #: This rank's claim in the group (released when the group closes).
     claim: claims.Claim | None = None
+    #: The group's chunk size (the configured one, or the default the records chose).
+    chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES
 
     def close(self) -> None:
         self.listener.close()
@@ -139,6 +143,7 @@ async def rendezvous(
         }
         await claim.publish(record)
         peers = await _read_records(claim, cfg, record)
+        endpoint.chunk_bytes = cfg.chunk_bytes or chunking.group_chunk_bytes(peers)
         endpoint.listener.prepare(peers)
         if expected == 0:
             arrived.set()
@@ -233,10 +238,15 @@ def _check_settings(cfg: RendezvousConfig, r: int, rec: dict[str, Any]) -> None:
     if bad:
         raise RendezvousError(
             f"rank {r} joined group {cfg.name!r} with "
-            + ", ".join(f"{k}={rec[k]!r}" for k in bad)
+            + ", ".join(f"{k}={_shown(k, rec[k])}" for k in bad)
             + f" but rank {cfg.rank} has world_size={cfg.world_size}, "
-            f"chunk_bytes={cfg.chunk_bytes}, protocol {PROTOCOL_VERSION}"
+            f"chunk_bytes={cfg.chunk_bytes or 'default'}, protocol {PROTOCOL_VERSION}"
         )
+
+
+def _shown(key: str, value: Any) -> str:
+    """A record's setting as an error message shows it (chunk_bytes 0: the default)."""
+    return "default" if key == "chunk_bytes" and value == 0 else repr(value)
 
 
 async def _read_records(

@@ -750,8 +750,11 @@ class ShmListener(SocketListener):
     def __init__(self, setup: LinkSetup, mode: str) -> None:
         super().__init__(setup, "tcp")
         self.mode = mode
-        self.record["shm"] = mode
         self.policy = ShmPolicy()
+        self.record["shm"] = mode
+        #: Whether (and from which size) this rank pulls: the group's default chunk size
+        #: depends on every rank's (aiocollect.rendezvous.chunking).
+        self.record["pull_min"] = self.policy.pull_min if mode != "off" else 0
 
     def make_link(self, handshaker: Handshaker, record: Record | None) -> StreamLink:
         setup, mode = self.setup, self.mode

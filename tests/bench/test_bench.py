@@ -77,6 +77,7 @@ def test_smoke_table_and_json(tmp_path: Path) -> None:
     assert {"uvloop", "torch", "event_loop", "cpu"} <= set(machine)
     assert doc["config"]["world_size"] == 2
     assert doc["config"]["rounds"] == 1
+    assert doc["config"]["chunk_bytes_used"] == 1 << 20  # what a TCP group chose
     rows = doc["summary"]
     assert [(r["name"], r["size"]) for r in rows] == [
         (c, s) for c in ("allreduce", "broadcast") for s in (4, 16, 64, 256, 1024, 4096)

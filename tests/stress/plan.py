@@ -25,7 +25,7 @@ import aiocollect as ac
 from aiocollect.engine.op import SEND_WINDOW
 from aiocollect.transport.cma import PULL_MIN
 
-CHUNK = 1 << 20  # the library's default chunk size (open_group's chunk_bytes)
+CHUNK = 1 << 20  # the default chunk size of a group whose links may copy (TCP, memory)
 KINDS = (
     "allreduce",
     "broadcast",

@@ -1,0 +1,56 @@
+"""The group's default chunk size, chosen from the rendezvous records.
+
+A chunk is the payload of one frame of a pipelined collective (and the largest frame a
+link accepts). Every rank must cut a message into the same frames, so the size may only
+depend on what every rank knows alike: the records every rank publishes and reads during
+rendezvous. A link's own capabilities (``Link.caps``) will not do: each end evaluates them
+on its own, and they change once as a handshake's checks end.
+
+- ``DEFAULT_CHUNK_BYTES`` (1 MiB): any group with a link that copies its bytes through a
+  socket. On a byte stream a small frame waits behind the frame being written, so bulk
+  frames stay at 1 MiB there (docs/design.md, *Bytes ahead of a small frame*).
+- ``PULLED_CHUNK_BYTES`` (2 MiB): a group whose ranks all run on one host, all offer
+  shared memory and may all pull payloads out of each other's memory. Such a link moves a
+  bulk frame as a reference record that the reader pulls in ``PULL_STEP`` pieces, reading
+  its ring between them, so a small frame does not wait behind the larger frame; and half
+  as many frames halve the per-frame work of the interpreter, which measured 13-24 %
+  faster 16 and 64 MiB allreduces with four ranks on two cores (docs/benchmarks.md,
+  *Fourteenth session*).
+
+The choice is a prediction from the records, not a promise: a link between two ranks of
+such a group whose pull check fails still works (its frames go through the ring), and every
+rank still cuts alike. An explicit ``chunk_bytes`` always wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+#: The chunk size of a group whose links may copy their bytes through a socket.
+DEFAULT_CHUNK_BYTES = 1 << 20
+#: The chunk size of a group whose every link pulls (see the module docstring).
+PULLED_CHUNK_BYTES = 2 << 20
+#: The largest frame a link of a group with the default chunk size accepts (it learns
+#: which of the two sizes its group uses only once every record is read).
+DEFAULT_MAX_FRAME = max(DEFAULT_CHUNK_BYTES, PULLED_CHUNK_BYTES)
+
+
+def group_chunk_bytes(records: Mapping[int, Mapping[str, Any]]) -> int:
+    """The default chunk size of the group whose ranks published ``records`` (all of them,
+    this rank's included): ``PULLED_CHUNK_BYTES`` when there are two or more, every one
+    names the same host (hostname and a non-empty boot id), offers shared memory (its
+    ``shm`` mode is not ``off``) and pulls (a positive ``pull_min``); else
+    ``DEFAULT_CHUNK_BYTES``. A pure function of the records, so every rank computes the
+    same size."""
+    if len(records) < 2:
+        return DEFAULT_CHUNK_BYTES
+    hosts = set()
+    for rec in records.values():
+        boot, pull_min = rec.get("boot_id"), rec.get("pull_min")
+        if not boot or rec.get("shm", "off") == "off":
+            return DEFAULT_CHUNK_BYTES
+        if not isinstance(pull_min, int) or isinstance(pull_min, bool) or pull_min <= 0:
+            return DEFAULT_CHUNK_BYTES
+        hosts.add((rec.get("hostname"), boot))
+    return PULLED_CHUNK_BYTES if len(hosts) == 1 else DEFAULT_CHUNK_BYTES
