@@ -13,9 +13,8 @@ on its own, and they change once as a handshake's checks end.
   shared memory and may all pull payloads out of each other's memory. Such a link moves a
   bulk frame as a reference record that the reader pulls in ``PULL_STEP`` pieces, reading
   its ring between them, so a small frame does not wait behind the larger frame; and half
-  as many frames halve the per-frame work of the interpreter, which measured 13-24 %
-  faster 16 and 64 MiB allreduces with four ranks on two cores (docs/benchmarks.md,
-  *Fourteenth session*).
+  as many frames halve the per-frame work of the interpreter, which is what four ranks on
+  two cores wait for (docs/benchmarks.md, *Fourteenth session*).
 
 The choice is a prediction from the records, not a promise: a link between two ranks of
 such a group whose pull check fails still works (its frames go through the ring), and every
