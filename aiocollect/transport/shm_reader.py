@@ -363,14 +363,17 @@ class RingReader(StreamLink):
                     # The writer is not short of space (the ring is not full), so it will
                     # publish the rest of the header without our help.
                     return True
-                rx.peek(self._rhdr_view)
-                ref = self._rhdr[:2] == REF_MAGIC_BYTES
-                if not ref and not self._pull_streams and not final:
+                if (
+                    not self._pull_streams
+                    and not final
+                    and (off := rx.pos % rx.cap) <= rx.cap - HEADER_SIZE
+                ):
                     # The common small frame in one step (as StreamLink._fast_frame): a
                     # DATA or P2P frame wholly in the ring whose receive is posted with its
-                    # fingerprint and length.
+                    # fingerprint and length. Its header is read where it lies in the ring
+                    # (unless it wraps): the writer does not touch unread bytes.
                     magic, kind, coll, rop, dtype, gid, chunk, seq, slot, root, elems, n = (
-                        _unpack_header(self._rhdr, 0)
+                        _unpack_header(rx.data, off)
                     )
                     if (
                         magic == MAGIC
@@ -383,7 +386,7 @@ class RingReader(StreamLink):
                             (coll, dtype, elems, rop, root),
                         )
                         if recv is not None:
-                            rx.skip(HEADER_SIZE)
+                            rx.pos += HEADER_SIZE
                             if n:
                                 rx.read(recv.view)
                             avail = max(0, avail - HEADER_SIZE - n)
@@ -392,6 +395,8 @@ class RingReader(StreamLink):
                             except Exception:  # a bug above us must not stop the reading
                                 log.exception("receive completion failed")
                             continue
+                rx.peek(self._rhdr_view)
+                ref = self._rhdr[:2] == REF_MAGIC_BYTES
                 if ref:
                     if avail < REF_SIZE and (avail := rx.available()) < REF_SIZE:
                         return True  # the writer publishes the rest on its own, as above

@@ -204,9 +204,11 @@ class Ring:
         """Copy ``src`` (at most ``free()`` bytes) in at the head; ``publish`` shows it."""
         n = len(src)
         off = self.pos % self.cap
-        first = min(n, self.cap - off)
-        self.data[off : off + first] = src[:first]
-        if first < n:
+        if off + n <= self.cap:  # the common case: no wrap
+            self.data[off : off + n] = src
+        else:
+            first = self.cap - off
+            self.data[off:] = src[:first]
             self.data[: n - first] = src[first:]
         self.pos += n
 
@@ -248,9 +250,11 @@ class Ring:
         """Copy ``len(dst)`` bytes (at most ``available()``) out at the tail."""
         n = len(dst)
         off = self.pos % self.cap
-        first = min(n, self.cap - off)
-        dst[:first] = self.data[off : off + first]
-        if first < n:
+        if off + n <= self.cap:  # the common case: no wrap
+            dst[:] = self.data[off : off + n]
+        else:
+            first = self.cap - off
+            dst[:first] = self.data[off:]
             dst[first:] = self.data[: n - first]
         self.pos += n
 

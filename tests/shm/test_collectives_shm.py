@@ -110,6 +110,38 @@ async def test_frames_larger_than_the_ring(
     assert res == [True] * 3
 
 
+async def _ping_pong(g: ac.Group, rounds: int) -> bool:
+    """``rounds`` round trips of one float32 each way between ranks 0 and 1, checked."""
+    out, back = np.zeros(1, np.float32), np.zeros(1, np.float32)
+    peer = 1 - g.rank
+    for i in range(rounds):
+        if g.rank == 0:
+            out[0] = i
+            await g.send(out, peer, tag=3)
+            await g.recv(back, peer, tag=3)
+            assert back[0] == i + 1, (i, back[0])
+        else:
+            await g.recv(back, peer, tag=3)
+            out[0] = back[0] + 1
+            await g.send(out, peer, tag=3)
+    return True
+
+
+@pytest.mark.timeout(60)
+async def test_small_frames_whose_headers_wrap_around_the_ring(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reader takes a small frame's header straight from the ring unless it wraps
+    around the ring's end: 54-byte frames (a 50-byte header, 4 bytes) through 64 KiB
+    rings put the header of frame 1,214 across the end on the first lap (54 k mod 65536
+    passes 65486), and 3,000 round trips lap each ring twice."""
+    from aiocollect.transport.wire import HEADER_SIZE
+
+    assert HEADER_SIZE == 50  # (the arithmetic above)
+    monkeypatch.setenv("AIOCOLLECT_SHM_RING_BYTES", str(64 << 10))
+    assert await run_ranks(2, _ping_pong, 3000, transport="shm") == [True, True]
+
+
 @pytest.mark.timeout(60)
 async def test_links_are_shared_memory() -> None:
     kinds = await run_ranks(3, targets.link_kinds, transport="shm")
