@@ -257,6 +257,10 @@ def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{format_number(meta.get('idle_lag_p99_ms', float('nan')), 2)} ms); rss+: peak RSS "
         "growth in the timed iterations, max over ranks and rounds.",
     ]
+    chunk = meta.get("chunk_bytes")
+    if isinstance(chunk, int) and chunk > 0:
+        how = "--chunk-bytes" if meta.get("chunk_given") else "chosen by the group at rendezvous"
+        out.append(f"chunk: {format_size(chunk)} per frame ({how}).")
     if compare is not None:
         out.append(
             f"{compare} p50, {compare} GB/s: aiocollect over {compare} (--compare); "

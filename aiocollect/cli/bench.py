@@ -258,6 +258,9 @@ def _publish(
         "baseline_note": note,
         "idle_lag_p99_ms": median(idle) / 1000 if idle else float("nan"),
         "load_warning": load["warning"] if load else None,
+        # the group's chunk size (chosen at rendezvous unless --chunk-bytes gave it)
+        "chunk_bytes": rounds[0].get("aiocollect", {}).get("chunk_bytes") if rounds else None,
+        "chunk_given": plan.options.chunk_bytes is not None,
     }
     print(report.format_tables(rows, meta), flush=True)
     if meta["load_warning"]:
@@ -281,9 +284,7 @@ def _publish(
                 "seconds": ns.seconds,
                 "algorithm": ns.algorithm,
                 "chunk_bytes": plan.options.chunk_bytes,
-                "chunk_bytes_used": (
-                    rounds[0].get("aiocollect", {}).get("chunk_bytes") if rounds else None
-                ),
+                "chunk_bytes_used": meta["chunk_bytes"],
                 "loop": loop,
                 "baseline": ns.baseline,
                 "baseline_used": plan.baseline,

@@ -66,6 +66,7 @@ def test_smoke_table_and_json(tmp_path: Path) -> None:
     assert "p50" in done.stdout
     assert "busbw GB/s" in done.stdout
     assert "WRONG" not in done.stdout
+    assert "chunk: 1M per frame (chosen by the group at rendezvous)." in done.stdout
     assert "[aiocollect r1/1 allreduce 4K] 3 iters" in done.stderr  # progress
     doc = json.loads(out.read_text())
     assert doc["ok"] is True
