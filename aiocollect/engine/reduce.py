@@ -22,7 +22,7 @@ async def reduce_into(ufunc: np.ufunc, dst: Array, src: Array, base: Array | Non
     ``dst = ufunc(base, src)`` (``dst`` is only written: no copy of ``base`` into it first).
 
     Runs on the calling (loop) thread below ``THREAD_THRESHOLD`` bytes, in a worker thread
-    from there on. The ring reduce-scatter calls it once per ``chunk_bytes`` frame (1 MiB
+    from there on. The ring reduce-scatter calls it once per ``chunk_bytes`` frame (1 or 2 MiB
     by default), never for a whole block, so it holds the loop for one chunk at most."""
     first = dst if base is None else base
     if dst.nbytes >= THREAD_THRESHOLD:
