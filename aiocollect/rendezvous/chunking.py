@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from aiocollect.transport import host
+
 #: The chunk size of a group whose links may copy their bytes through a socket.
 DEFAULT_CHUNK_BYTES = 1 << 20
 #: The chunk size of a group whose every link pulls (see the module docstring).
@@ -37,19 +39,19 @@ DEFAULT_MAX_FRAME = max(DEFAULT_CHUNK_BYTES, PULLED_CHUNK_BYTES)
 
 def group_chunk_bytes(records: Mapping[int, Mapping[str, Any]]) -> int:
     """The default chunk size of the group whose ranks published ``records`` (all of them,
-    this rank's included): ``PULLED_CHUNK_BYTES`` when there are two or more, every one
-    names the same host (hostname and a non-empty boot id), offers shared memory (its
-    ``shm`` mode is not ``off``) and pulls (a positive ``pull_min``); else
-    ``DEFAULT_CHUNK_BYTES``. A pure function of the records, so every rank computes the
-    same size."""
-    if len(records) < 2:
-        return DEFAULT_CHUNK_BYTES
-    hosts = set()
-    for rec in records.values():
-        boot, pull_min = rec.get("boot_id"), rec.get("pull_min")
-        if not boot or rec.get("shm", "off") == "off":
-            return DEFAULT_CHUNK_BYTES
-        if not isinstance(pull_min, int) or isinstance(pull_min, bool) or pull_min <= 0:
-            return DEFAULT_CHUNK_BYTES
-        hosts.add((rec.get("hostname"), boot))
-    return PULLED_CHUNK_BYTES if len(hosts) == 1 else DEFAULT_CHUNK_BYTES
+    this rank's included): ``PULLED_CHUNK_BYTES`` when there are two or more and every one
+    comes from this host (:func:`~aiocollect.transport.host.same_host`), offers shared
+    memory (its ``shm`` mode is not ``off``) and pulls (a positive ``pull_min``); else
+    ``DEFAULT_CHUNK_BYTES``. Every rank computes the same size: its own record is among
+    them, so "every record from this host" holds on every rank or on none."""
+
+    def pulls(rec: Mapping[str, Any]) -> bool:
+        pull_min = rec.get("pull_min")
+        return isinstance(pull_min, int) and not isinstance(pull_min, bool) and pull_min > 0
+
+    if len(records) >= 2 and all(
+        host.same_host(rec) and rec.get("shm", "off") != "off" and pulls(rec)
+        for rec in records.values()
+    ):
+        return PULLED_CHUNK_BYTES
+    return DEFAULT_CHUNK_BYTES

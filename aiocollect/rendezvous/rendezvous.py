@@ -240,12 +240,12 @@ def _check_settings(cfg: RendezvousConfig, r: int, rec: dict[str, Any]) -> None:
             f"rank {r} joined group {cfg.name!r} with "
             + ", ".join(f"{k}={_shown(k, rec[k])}" for k in bad)
             + f" but rank {cfg.rank} has world_size={cfg.world_size}, "
-            f"chunk_bytes={cfg.chunk_bytes or 'default'}, protocol {PROTOCOL_VERSION}"
+            f"chunk_bytes={_shown('chunk_bytes', cfg.chunk_bytes)}, protocol {PROTOCOL_VERSION}"
         )
 
 
 def _shown(key: str, value: Any) -> str:
-    """A record's setting as an error message shows it (chunk_bytes 0: the default)."""
+    """A setting as an error message shows it (chunk_bytes 0: the default)."""
     return "default" if key == "chunk_bytes" and value == 0 else repr(value)
 
 

@@ -4,6 +4,7 @@ boot id (two containers on one machine share the boot id; a rebooted machine doe
 from __future__ import annotations
 
 import socket
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -21,7 +22,7 @@ def identity() -> dict[str, str]:
     return {"hostname": socket.gethostname(), "boot_id": boot_id()}
 
 
-def same_host(rec: dict[str, Any]) -> bool:
+def same_host(rec: Mapping[str, Any]) -> bool:
     """Whether a rendezvous record comes from this machine (same hostname and boot id)."""
     mine = boot_id()
     return bool(mine) and rec.get("boot_id") == mine and rec.get("hostname") == socket.gethostname()

@@ -754,7 +754,7 @@ class ShmListener(SocketListener):
         self.record["shm"] = mode
         #: Whether (and from which size) this rank pulls: the group's default chunk size
         #: depends on every rank's (aiocollect.rendezvous.chunking).
-        self.record["pull_min"] = self.policy.pull_min if mode != "off" else 0
+        self.record["pull_min"] = self.policy.pull_min
 
     def make_link(self, handshaker: Handshaker, record: Record | None) -> StreamLink:
         setup, mode = self.setup, self.mode

@@ -9,17 +9,15 @@ import aiocollect as ac
 from tests.stress.plan import boundary_sizes, plan, start
 
 
-async def stress(
-    g: ac.Group, seed: int, rounds: int, count: int, chunk: int | None = None
-) -> dict[str, Any]:
+async def stress(g: ac.Group, seed: int, rounds: int, count: int) -> dict[str, Any]:
     """``rounds`` rounds of ``count`` planned operations in flight at once, on the world
     group and two sub-groups; every result checked exactly. Returns counts per kind.
-    Sizes straddle ``chunk`` (default: the group's chunk size, which a group on shared
-    memory chooses larger than the 1 MiB of the others)."""
+    Sizes straddle the group's chunk size (which a group on shared memory chooses larger
+    than the 1 MiB of the others)."""
     half = await g.split(g.rank % 2) if g.world_size >= 3 else None
     rest = await g.split(None if g.rank == 0 else 0) if g.world_size >= 3 else None
     handles = {"world": g, "half": half, "rest": rest}
-    sizes = boundary_sizes(g.chunk_bytes if chunk is None else chunk)
+    sizes = boundary_sizes(g.chunk_bytes)
     done: dict[str, int] = {}
     for rnd in range(rounds):
         specs = plan(seed * 1000 + rnd, g.world_size, count, sizes)
