@@ -30,11 +30,11 @@ import uvloop
 import aiocollect as ac
 
 
-async def main(iters: int, case: str) -> None:
+async def main(iters: int, case: str, algorithm: str | None, count: int) -> None:
     async with ac.open_group() as group:
-        buf = np.zeros(1, np.float32)
+        buf = np.zeros(count, np.float32)
         calls: dict[str, Callable[[], Awaitable[Any]]] = {
-            "allreduce": lambda: group.allreduce(buf),
+            "allreduce": lambda: group.allreduce(buf, algorithm=algorithm),
             "broadcast": lambda: group.broadcast(buf),
             "barrier": group.barrier,
         }
@@ -70,5 +70,7 @@ if __name__ == "__main__":
     parser.add_argument(
         "--case", choices=("allreduce", "broadcast", "barrier"), default="allreduce"
     )
+    parser.add_argument("--algorithm", default=None, help="allreduce's algorithm (default: auto)")
+    parser.add_argument("--count", type=int, default=1, help="float32 elements (default 1)")
     ns = parser.parse_args()
-    uvloop.run(main(ns.iters, ns.case))
+    uvloop.run(main(ns.iters, ns.case, ns.algorithm, ns.count))

@@ -18,7 +18,17 @@ from typing import Any, Generic, ParamSpec, TypeVar
 import numpy as np
 
 from aiocollect._buffers import Array
-from aiocollect.collectives import barrier, direct, doubling, pipeline, ring, select, tree, vector
+from aiocollect.collectives import (
+    barrier,
+    direct,
+    doubling,
+    pipeline,
+    ring,
+    select,
+    star,
+    tree,
+    vector,
+)
 from aiocollect.engine.op import Op
 from aiocollect.engine.small import Program
 from aiocollect.errors import UsageError
@@ -114,6 +124,7 @@ ALLREDUCE: Registry[[Op, Array, np.ufunc, bool], None] = Registry(
             doubling.small_covers,
         ),
         Algorithm("halving_doubling", doubling.halving_doubling),
+        Algorithm("star", star.allreduce, star.small_program, star.small_covers),
     ],
     select.allreduce,
 )

@@ -16,13 +16,19 @@ BROADCAST_BINOMIAL_MAX = 512 * 1024
 DIRECT_BLOCK_MAX = 16 * 1024
 #: With two ranks recursive doubling (one exchange) beats the ring (two) up to here.
 TWO_RANK_DOUBLING_MAX = 64 * 1024
+#: World sizes where the star (through rank 0) replaces recursive doubling up to
+#: ALLREDUCE_DOUBLING_MAX: as few steps of latency (two), fewer messages (2(n-1) against
+#: n log2 n, or the fold's extra steps at three ranks), and a rank 0 whose n-1 receives
+#: and sends are still few. Past four ranks its root's serial messages outgrow recursive
+#: doubling's log2(n) steps where every rank has a core (docs/algorithms.md, "Star").
+STAR_WORLD = range(3, 5)
 
 
 def allreduce(nbytes: int, n: int) -> str:
     if n <= 2:
         return "recursive_doubling" if nbytes <= TWO_RANK_DOUBLING_MAX else "ring"
     if nbytes <= ALLREDUCE_DOUBLING_MAX:
-        return "recursive_doubling"
+        return "star" if n in STAR_WORLD else "recursive_doubling"
     if nbytes <= ALLREDUCE_HALVING_MAX:
         return "halving_doubling"
     return "ring"

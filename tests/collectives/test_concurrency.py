@@ -162,7 +162,7 @@ async def test_mismatch_in_subgroup() -> None:
 
 async def _custom_ufunc(g: ac.Group) -> None:
     n = g.world_size
-    for alg in ("ring", "recursive_doubling", "halving_doubling"):
+    for alg in ("ring", "recursive_doubling", "halving_doubling", "star"):
         buf = np.linspace(-3, 3, 37) + g.rank
         await g.allreduce(buf, op=np.logaddexp, algorithm=alg)
         want = np.logaddexp.reduce([np.linspace(-3, 3, 37) + x for x in range(n)])

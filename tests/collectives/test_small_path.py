@@ -16,7 +16,16 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.mark.parametrize(
-    ("transport", "n"), [("memory", 2), ("memory", 4), ("memory", 8), ("tcp", 2), ("tcp", 4)]
+    ("transport", "n"),
+    [
+        ("memory", 2),
+        ("memory", 3),
+        ("memory", 4),
+        ("memory", 8),
+        ("tcp", 2),
+        ("tcp", 3),
+        ("tcp", 4),
+    ],
 )
 @pytest.mark.parametrize(
     "op", [ac.ReduceOp.SUM, ac.ReduceOp.MAX, ac.ReduceOp.PROD, ac.ReduceOp.AVG, np.logaddexp]

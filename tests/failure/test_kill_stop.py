@@ -21,6 +21,8 @@ pytestmark = pytest.mark.timeout(90)
         (3, 2, 1 << 20, "ring"),
         (4, 1, 4096, "recursive_doubling"),
         (4, 3, 1 << 18, "halving_doubling"),
+        (4, 0, 16, None),  # the star's root (the default at 3-4 ranks, small buffers)
+        (3, 2, 4096, None),  # a star leaf
     ],
 )
 async def test_sigkill_named_on_every_survivor_within_a_second(

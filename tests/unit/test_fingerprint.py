@@ -126,7 +126,10 @@ def test_a_registry_refuses_an_algorithm_without_a_code() -> None:
 def test_choose_by_name_and_auto() -> None:
     reg = registry.ALLREDUCE
     assert reg.choose("ring", 4, 4).run is ring.allreduce
-    assert reg.choose(None, 4, 4).name == "recursive_doubling"
+    assert reg.choose(None, 4, 4).name == "star"
+    assert reg.choose(None, select.ALLREDUCE_DOUBLING_MAX, 3).name == "star"
+    assert reg.choose(None, 4, 8).name == "recursive_doubling"
+    assert reg.choose(None, select.ALLREDUCE_DOUBLING_MAX + 1, 4).name == "halving_doubling"
     assert reg.choose("auto", select.ALLREDUCE_HALVING_MAX, 4).name == "halving_doubling"
     assert reg.choose(None, select.ALLREDUCE_HALVING_MAX + 1, 4).name == "ring"
     assert reg.choose(None, select.TWO_RANK_DOUBLING_MAX, 2).name == "recursive_doubling"
@@ -141,7 +144,7 @@ def test_choose_refuses_unknown_names(bad: object) -> None:
     with pytest.raises(
         UsageError,
         match=r"allreduce has no algorithm .*; choose one of "
-        r"ring, recursive_doubling, halving_doubling or 'auto'",
+        r"ring, recursive_doubling, halving_doubling, star or 'auto'",
     ):
         registry.ALLREDUCE.choose(bad, 4, 2)  # type: ignore[arg-type]
 
