@@ -48,7 +48,7 @@ ALGORITHM_CODES: dict[Collective, dict[str, int]] = {
     Collective.SCATTER: {"direct": 0},
     Collective.ALLTOALL: {"pairwise": 0},
     Collective.ALLTOALLV: {"pairwise": 0},
-    Collective.BARRIER: {"dissemination": 0},
+    Collective.BARRIER: {"dissemination": 0, "star": 1},
 }
 _ALGORITHM_NAMES: dict[Collective, dict[int, str]] = {
     coll: {code: name for name, code in codes.items()} for coll, codes in ALGORITHM_CODES.items()

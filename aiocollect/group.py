@@ -182,7 +182,8 @@ class Group(GroupCore):
     def barrier(
         self, *, timeout: float | None = None, algorithm: str | None = None
     ) -> asyncio.Future[None]:
-        """Complete once every rank has entered the barrier (dissemination)."""
+        """Complete once every rank has entered the barrier (``dissemination``, or at three
+        and four ranks by default ``star``: through rank 0)."""
         key = ("barrier", algorithm)
         plan = self._plan(key)
         if plan is None:
@@ -263,7 +264,8 @@ class Group(GroupCore):
         algorithm: str | None = None,
     ) -> asyncio.Future[B]:
         """Reduce ``buf`` across ranks, in place on every rank. Algorithms: ``ring``
-        (bandwidth), ``recursive_doubling`` (latency), ``halving_doubling``; default by size."""
+        (bandwidth), ``recursive_doubling`` (latency), ``halving_doubling``, ``star``
+        (through rank 0: few messages, few ranks); default by size and world size."""
         arr = as_array(buf, "buf", writable=True, dtype=False)  # (the plan checks it)
         key = ("allreduce", arr.dtype, arr.size, type(op), op, algorithm)
         try:

@@ -36,7 +36,7 @@ async def main(iters: int, case: str, algorithm: str | None, count: int) -> None
         calls: dict[str, Callable[[], Awaitable[Any]]] = {
             "allreduce": lambda: group.allreduce(buf, algorithm=algorithm),
             "broadcast": lambda: group.broadcast(buf),
-            "barrier": group.barrier,
+            "barrier": lambda: group.barrier(algorithm=algorithm),
         }
         call = calls[case]
         for _ in range(300):
@@ -70,7 +70,9 @@ if __name__ == "__main__":
     parser.add_argument(
         "--case", choices=("allreduce", "broadcast", "barrier"), default="allreduce"
     )
-    parser.add_argument("--algorithm", default=None, help="allreduce's algorithm (default: auto)")
+    parser.add_argument(
+        "--algorithm", default=None, help="allreduce's or barrier's algorithm (default: auto)"
+    )
     parser.add_argument("--count", type=int, default=1, help="float32 elements (default 1)")
     ns = parser.parse_args()
     uvloop.run(main(ns.iters, ns.case, ns.algorithm, ns.count))

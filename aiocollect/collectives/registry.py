@@ -185,7 +185,11 @@ ALLTOALLV: Registry[[Op, Array, list[int], Array | None], list[Array]] = Registr
 #: ().
 BARRIER: Registry[[Op], None] = Registry(
     Collective.BARRIER,
-    [Algorithm("dissemination", barrier.barrier, barrier.small_program, barrier.small_covers)],
+    [
+        Algorithm("dissemination", barrier.barrier, barrier.small_program, barrier.small_covers),
+        Algorithm("star", barrier.star, barrier.star_program, barrier.small_covers),
+    ],
+    select.barrier,
 )
 
 #: Every registry by collective name (``allreduce``...).

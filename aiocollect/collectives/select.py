@@ -34,6 +34,11 @@ def allreduce(nbytes: int, n: int) -> str:
     return "ring"
 
 
+def barrier(nbytes: int, n: int) -> str:
+    """(``nbytes`` is 0: a barrier's frames are empty.)"""
+    return "star" if n in STAR_WORLD else "dissemination"
+
+
 def broadcast(nbytes: int, n: int) -> str:
     return "binomial" if n <= 3 or nbytes <= BROADCAST_BINOMIAL_MAX else "pipeline"
 

@@ -1,4 +1,5 @@
-"""Bodies for tests/collectives/test_star.py that run in spawned rank processes."""
+"""Bodies for tests/collectives/test_star.py and test_barrier.py that run in spawned rank
+processes."""
 
 from __future__ import annotations
 
@@ -41,3 +42,16 @@ async def star_mix(g: ac.Group, in_flight: int) -> str:
         for arr in sums + avgs:
             digest.update(arr.tobytes())
     return digest.hexdigest()
+
+
+async def barriers(g: ac.Group, rounds: int) -> int:
+    """``rounds`` default barriers; before each a rank counts itself in the store, after it
+    the count must be the world size (nobody left early). Returns the rounds passed."""
+    passed = 0
+    for k in range(rounds):
+        await g.store.add(f"star-barrier/{k}", 1)
+        await g.barrier()
+        count = await g.store.add(f"star-barrier/{k}", 0)
+        assert count == g.world_size, (k, count)
+        passed += 1
+    return passed

@@ -97,18 +97,28 @@ async def test_many_frames_forced_star(transport: str) -> None:
             assert (b == sum(r * 10 + i for r in range(4))).all()
 
 
-async def test_a_forced_algorithm_against_the_default_is_a_mismatch() -> None:
+@pytest.mark.parametrize(
+    ("n", "collective", "other"),
+    [(4, "allreduce", "recursive_doubling"), (3, "barrier", "dissemination")],
+)
+async def test_a_forced_algorithm_against_the_default_is_a_mismatch(
+    n: int, collective: str, other: str
+) -> None:
+    """The default (the star, at three and four ranks) against another algorithm forced on
+    one rank: MismatchError on every rank, naming both (the star barrier too)."""
+
     async def body(g: ac.Group) -> str:
-        alg = "recursive_doubling" if g.rank == 2 else None
+        alg = other if g.rank == 2 else None
+        call = g.barrier(algorithm=alg) if collective == "barrier" else None
         try:
-            await g.allreduce(np.ones(4), algorithm=alg)
+            await (call or g.allreduce(np.ones(4), algorithm=alg))
         except ac.MismatchError as exc:
             return str(exc)
         return "no error"
 
-    for message in await run_ranks(4, body, timeout=10):
-        assert "allreduce[star]" in message
-        assert "allreduce[recursive_doubling]" in message
+    for message in await run_ranks(n, body, timeout=10):
+        assert f"{collective}[star]" in message
+        assert f"{collective}[{other}]" in message
 
 
 @pytest.mark.parametrize("uvloop", [False, True], ids=["asyncio", "uvloop"])

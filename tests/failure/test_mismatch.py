@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import aiocollect as ac
+from aiocollect.collectives import select
 from aiocollect.testing import run_ranks, spawn_ranks
 from tests.helpers import ON_SHM
 
@@ -77,6 +78,16 @@ async def _body(g: ac.Group, case: str, odd: int) -> tuple[float, str, str]:
     return time.monotonic() - t0, "no error", ""
 
 
+def _limit(case: str, n: int) -> float:
+    """Seconds within which every rank must raise: one frame's latency (under 1 s here)
+    where a frame reveals the mismatch; about 1-2 s where none does and the ranks' check
+    finds it (docs/failures.md, *When each rank learns of a mismatch*). At three and four
+    ranks the default small allreduce goes through rank 0 (the star), so in "kind" the
+    rank calling broadcast (it only receives, from rank 0) and rank 0 (waiting for that
+    rank's frame) exchange nothing."""
+    return 2.5 if case == "kind" and n in select.STAR_WORLD else 1.0
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize(
     ("n", "transport"),
@@ -90,9 +101,10 @@ async def _body(g: ac.Group, case: str, odd: int) -> tuple[float, str, str]:
 )
 async def test_mismatch_in_process(case: str, n: int, transport: str) -> None:
     res = await run_ranks(n, _body, case, n - 1, transport=transport, timeout=20)
+    limit = _limit(case, n)
     for rank, (elapsed, kind, message) in enumerate(res):
         assert kind == "MismatchError", f"rank {rank}: {kind}"
-        assert elapsed < 1.0, f"rank {rank} took {elapsed:.2f}s"
+        assert elapsed < limit, f"rank {rank} took {elapsed:.2f}s"
         assert "called" in message
         assert "but rank" in message
     assert any(CASES[case][2] in m for _, _, m in res), [m for _, _, m in res]
@@ -105,7 +117,7 @@ async def test_mismatch_in_process(case: str, n: int, transport: str) -> None:
 async def test_mismatch_in_processes(case: str, transport: str | None) -> None:
     res = await spawn_ranks(3, _body, case, 1, timeout=40, transport=transport)
     assert [kind for _, kind, _ in res] == ["MismatchError"] * 3
-    assert max(elapsed for elapsed, _, _ in res) < 1.0
+    assert max(elapsed for elapsed, _, _ in res) < _limit(case, 3)
 
 
 async def _p2p_size(g: ac.Group) -> str:

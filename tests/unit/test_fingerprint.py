@@ -136,7 +136,10 @@ def test_choose_by_name_and_auto() -> None:
     assert reg.choose("recursive_doubling", 4, 4).program is doubling.small_program
     assert registry.BROADCAST.choose(None, 1 << 20, 4).name == "pipeline"
     assert registry.ALLGATHER.choose(None, 4 * select.DIRECT_BLOCK_MAX, 4).name == "direct"
-    assert registry.BARRIER.choose(None, 0, 3).name == "dissemination"
+    assert registry.BARRIER.choose(None, 0, 3).name == "star"
+    assert registry.BARRIER.choose(None, 0, 4).name == "star"
+    assert registry.BARRIER.choose(None, 0, 2).name == "dissemination"
+    assert registry.BARRIER.choose(None, 0, 5).name == "dissemination"
 
 
 @pytest.mark.parametrize("bad", ["tree", 1, ["ring"]])
