@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 import aiocollect as ac
+from aiocollect.collectives import select
 from aiocollect.engine.op import SEND_WINDOW
 from aiocollect.transport.cma import PULL_MIN
 
@@ -50,6 +51,10 @@ def boundary_sizes(chunk: int = CHUNK, pull_min: int = PULL_MIN) -> list[int]:
         8,
         64,
         4096,
+        # the automatic allreduce's switch points: star or recursive doubling, then
+        # halving-doubling, then the ring
+        select.ALLREDUCE_DOUBLING_MAX - 8,
+        select.ALLREDUCE_DOUBLING_MAX + 8,
         64 * 1024,
         chunk - 64,
         chunk + 64,

@@ -122,12 +122,15 @@ async def test_stress_memory(world: int) -> None:
 
 
 def test_plan_straddles_every_threshold() -> None:
-    """The sizes drawn cross the small-op path, the chunk size and the pull threshold."""
+    """The sizes drawn cross the small-op path, the chunk size, the pull threshold and the
+    automatic allreduce's switch points (the star's or recursive doubling's last size)."""
+    from aiocollect.collectives import select
     from aiocollect.engine.op import SEND_WINDOW
     from tests.stress.plan import CHUNK, boundary_sizes, plan
 
     sizes = boundary_sizes()
-    for threshold in (CHUNK, cma.PULL_MIN):
+    thresholds = (CHUNK, cma.PULL_MIN, select.ALLREDUCE_DOUBLING_MAX, select.ALLREDUCE_HALVING_MAX)
+    for threshold in thresholds:
         assert any(s < threshold for s in sizes)
         assert any(s > threshold for s in sizes)
     assert 0 in sizes
