@@ -188,7 +188,7 @@ class Group(GroupCore):
         plan = self._plan(key)
         if plan is None:
             n = self.world_size
-            alg = registry.BARRIER.choose(algorithm, 0, n)
+            alg = registry.BARRIER.choose(algorithm, 0, n, self._one_thread())
             fp = pack(Collective.BARRIER, None, algorithm=alg.name)
             small = (
                 self._small("barrier", alg.program(n, self.rank), fp, 0)
@@ -236,6 +236,13 @@ class Group(GroupCore):
         if prog is not None and alg.one_frame(arr.nbytes, n, self.chunk_bytes):
             small = self._small("broadcast", prog(n, self.rank, root), fp, arr.nbytes, arr.dtype)
         return self._remember(key, (fp, small, alg.run, root))
+
+    def _one_thread(self) -> bool:
+        """Whether every peer of this group runs on this thread (in-process memory links:
+        the same answer on every rank), for the automatic algorithm choice."""
+        links, me = self._fabric.links, self._fabric.rank
+        peers = [links.get(r) for r in self._ranks if r != me]
+        return bool(peers) and all(link is not None and link.caps.same_thread for link in peers)
 
     def _plan(self, key: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """The plan remembered for ``key``, or None (also for an unhashable key: not valid
@@ -291,7 +298,7 @@ class Group(GroupCore):
         dtype_code(arr.dtype)
         rop, ufunc = reduction(op, arr)
         n = self.world_size
-        alg = registry.ALLREDUCE.choose(algorithm, arr.nbytes, n)
+        alg = registry.ALLREDUCE.choose(algorithm, arr.nbytes, n, self._one_thread())
         fp = pack(Collective.ALLREDUCE, arr, op=rop, algorithm=alg.name)
         average = rop is ReduceOp.AVG
         small, prog = None, alg.program

@@ -73,7 +73,7 @@ class Registry(Generic[P, T]):
         self,
         collective: Collective,
         algorithms: Sequence[Algorithm[P, T]],
-        auto: Callable[[int, int], str] | None = None,
+        auto: Callable[[int, int, bool], str] | None = None,
     ) -> None:
         self.collective = collective
         self.name = collective.name.lower()
@@ -89,17 +89,22 @@ class Registry(Generic[P, T]):
         self._auto = auto
         self._default = self.names[0]
 
-    def choose(self, algorithm: str | None, nbytes: int, world_size: int) -> Algorithm[P, T]:
+    def choose(
+        self, algorithm: str | None, nbytes: int, world_size: int, one_thread: bool = False
+    ) -> Algorithm[P, T]:
         """The algorithm named ``algorithm``, or for None and ``"auto"`` the automatic
-        choice for a message of ``nbytes`` over ``world_size`` ranks (the same on every
-        rank: it depends only on values they share).
+        choice for a message of ``nbytes`` over ``world_size`` ranks, ``one_thread``
+        when every rank runs on this thread (the same on every rank: it depends only on
+        values they share).
 
         Raises:
             UsageError: no algorithm of this collective has that name.
         """
         if algorithm is None or algorithm == "auto":
             auto = self._auto
-            return self.algorithms[self._default if auto is None else auto(nbytes, world_size)]
+            if auto is None:
+                return self.algorithms[self._default]
+            return self.algorithms[auto(nbytes, world_size, one_thread)]
         found = self.algorithms.get(algorithm) if isinstance(algorithm, str) else None
         if found is None:
             raise UsageError(

@@ -1,7 +1,9 @@
 """The automatic algorithm choice: one rule per collective, by message size and world size.
 
 The thresholds were measured on the development machine (docs/algorithms.md has the tables
-and the commands). Every rank computes the same choice from the same (size, world size), and
+and the commands). Every rank computes the same choice from the same (size, world size,
+and for allreduce and barrier whether every rank runs on one thread: an in-process group,
+whose links all say so on every rank), and
 the choice travels in the frame fingerprint, so ranks that force different algorithms get
 MismatchError instead of garbage. The registries (``registry.py``) call these rules for
 ``algorithm=None`` or ``"auto"``.
@@ -24,25 +26,34 @@ TWO_RANK_DOUBLING_MAX = 64 * 1024
 STAR_WORLD = range(3, 5)
 
 
-def allreduce(nbytes: int, n: int) -> str:
+def star(n: int, one_thread: bool) -> bool:
+    """Whether the star is the automatic choice for a small allreduce or a barrier: at
+    three and four ranks, and at any world size from three when every rank runs on one
+    thread (the in-process memory transport), where nothing runs in parallel and the
+    operation's time is the sum of its messages' CPU."""
+    return n in STAR_WORLD or (one_thread and n >= 3)
+
+
+def allreduce(nbytes: int, n: int, one_thread: bool = False) -> str:
     if n <= 2:
         return "recursive_doubling" if nbytes <= TWO_RANK_DOUBLING_MAX else "ring"
     if nbytes <= ALLREDUCE_DOUBLING_MAX:
-        return "star" if n in STAR_WORLD else "recursive_doubling"
+        return "star" if star(n, one_thread) else "recursive_doubling"
     if nbytes <= ALLREDUCE_HALVING_MAX:
         return "halving_doubling"
     return "ring"
 
 
-def barrier(nbytes: int, n: int) -> str:
+def barrier(nbytes: int, n: int, one_thread: bool = False) -> str:
     """(``nbytes`` is 0: a barrier's frames are empty.)"""
-    return "star" if n in STAR_WORLD else "dissemination"
+    return "star" if star(n, one_thread) else "dissemination"
 
 
-def broadcast(nbytes: int, n: int) -> str:
+def broadcast(nbytes: int, n: int, one_thread: bool = False) -> str:
     return "binomial" if n <= 3 or nbytes <= BROADCAST_BINOMIAL_MAX else "pipeline"
 
 
-def by_block(nbytes: int, n: int) -> str:
-    """allgather (``nbytes``: the gathered total) and reduce_scatter (the input)."""
+def by_block(nbytes: int, n: int, one_thread: bool = False) -> str:
+    """allgather (``nbytes``: the gathered total) and reduce_scatter (the input).
+    (``one_thread``, as every rule takes it: no difference here.)"""
     return "direct" if nbytes // max(1, n) <= DIRECT_BLOCK_MAX else "ring"

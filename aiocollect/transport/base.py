@@ -135,12 +135,16 @@ class LinkCaps:
     counts the local peers (engine/spin.py).
     ``polls``: the link polls for its frames from the event loop itself (shared memory's
     ring reader), so the engine's busy-wait leaves receives on it alone.
+    ``same_thread``: the peer runs on this very thread (the in-process memory link), so
+    every message of an operation costs this thread's CPU at both ends; the automatic
+    algorithm choice then counts messages (collectives/select.py).
     """
 
     pull_min: int = 0
     reference_min: int = 0
     local: bool | None = None
     polls: bool = False
+    same_thread: bool = False
 
     def pulls(self, nbytes: int) -> bool:
         """Whether a frame of ``nbytes`` from the peer is pulled out of its memory."""
@@ -153,6 +157,8 @@ class LinkCaps:
 
 #: What a link that delivers bytes and copies what it sends can do (the default).
 COPIES = LinkCaps()
+#: The same, for a link whose peer runs on this thread (the in-process memory link).
+SAME_THREAD = LinkCaps(same_thread=True)
 
 
 class Receiver(Protocol):

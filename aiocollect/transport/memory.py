@@ -13,7 +13,14 @@ from collections.abc import Callable
 from typing import Any
 
 from aiocollect.errors import PeerDisconnected, RendezvousError
-from aiocollect.transport.base import Handshaker, Link, LinkEvents, Rejection
+from aiocollect.transport.base import (
+    SAME_THREAD,
+    Handshaker,
+    Link,
+    LinkCaps,
+    LinkEvents,
+    Rejection,
+)
 from aiocollect.transport.interface import LinkSetup, Listener, Record, Transport
 from aiocollect.transport.wire import parse_header
 
@@ -31,6 +38,10 @@ class MemoryLink(Link):
         self.handshaker = handshaker
         self.other: MemoryLink | None = None
         self._loop = asyncio.get_running_loop()
+
+    @property
+    def caps(self) -> LinkCaps:
+        return SAME_THREAD
 
     def send(self, header: bytes, payload: memoryview | bytes) -> None:
         other = self.other

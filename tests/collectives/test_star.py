@@ -28,6 +28,13 @@ def test_the_automatic_choice() -> None:
     assert choose(None, 4, 2).name == "recursive_doubling"
     assert choose(None, 4, 5).name == "recursive_doubling"
     assert choose(None, 4, 8).name == "recursive_doubling"
+    # every rank on one thread (in-process): the star from three ranks on, at any size
+    for n in (3, 5, 8, 16):
+        assert choose(None, 4, n, one_thread=True).name == "star"
+        assert registry.BARRIER.choose(None, 0, n, one_thread=True).name == "star"
+    assert choose(None, 4, 2, one_thread=True).name == "recursive_doubling"
+    assert choose(None, select.ALLREDUCE_DOUBLING_MAX + 1, 8, True).name == "halving_doubling"
+    assert registry.BARRIER.choose(None, 0, 5).name == "dissemination"
 
 
 @pytest.mark.parametrize("transport", ["memory", "tcp"])
@@ -98,26 +105,38 @@ async def test_many_frames_forced_star(transport: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("n", "collective", "other"),
-    [(4, "allreduce", "recursive_doubling"), (3, "barrier", "dissemination")],
+    ("n", "transport", "collective", "default", "other"),
+    [
+        (4, "memory", "allreduce", "star", "recursive_doubling"),
+        (3, "tcp", "barrier", "star", "dissemination"),
+        (8, "memory", "allreduce", "star", "recursive_doubling"),  # one thread: any size
+        (8, "memory", "barrier", "star", "dissemination"),
+        (5, "tcp", "allreduce", "recursive_doubling", "star"),  # processes' links: not
+        (5, "tcp", "barrier", "dissemination", "star"),
+    ],
 )
-async def test_a_forced_algorithm_against_the_default_is_a_mismatch(
-    n: int, collective: str, other: str
+async def test_the_default_against_a_forced_algorithm_is_a_mismatch(
+    n: int, transport: str, collective: str, default: str, other: str
 ) -> None:
-    """The default (the star, at three and four ranks) against another algorithm forced on
-    one rank: MismatchError on every rank, naming both (the star barrier too)."""
+    """What the automatic choice took, shown by forcing another algorithm on one rank:
+    MismatchError on every rank, naming both."""
 
     async def body(g: ac.Group) -> str:
         alg = other if g.rank == 2 else None
-        call = g.barrier(algorithm=alg) if collective == "barrier" else None
         try:
-            await (call or g.allreduce(np.ones(4), algorithm=alg))
+            if collective == "barrier":
+                await g.barrier(algorithm=alg)
+            else:
+                await g.allreduce(np.ones(4), algorithm=alg)
         except ac.MismatchError as exc:
             return str(exc)
+        except ac.GroupBrokenError as exc:  # called after the group broke (in the call)
+            cause = exc.__cause__
+            return str(cause) if isinstance(cause, ac.MismatchError) else repr(exc)
         return "no error"
 
-    for message in await run_ranks(n, body, timeout=10):
-        assert f"{collective}[star]" in message
+    for message in await run_ranks(n, body, transport=transport, timeout=10):
+        assert f"{collective}[{default}]" in message
         assert f"{collective}[{other}]" in message
 
 
