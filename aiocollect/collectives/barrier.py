@@ -16,6 +16,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from aiocollect.collectives import star as star_frames
 from aiocollect.engine.op import Op
 from aiocollect.engine.small import Exchange, Program
 
@@ -61,12 +62,9 @@ async def star(op: Op) -> None:
 
 @lru_cache(maxsize=256)
 def star_program(n: int, rank: int) -> Program:
-    """:func:`star` as rank ``rank``'s program for :class:`aiocollect.engine.small.Quick`."""
-    if rank != 0:
-        return Program((Exchange(0, 0, 0),))
-    steps = [Exchange(-1, peer, 0) for peer in range(1, n)]
-    steps += [Exchange(peer, -1, 0) for peer in range(1, n)]
-    return Program(tuple(steps))
+    """:func:`star` as rank ``rank``'s program for :class:`aiocollect.engine.small.Quick`
+    (the star allreduce's frames, empty and with nothing to fold)."""
+    return star_frames.program(n, rank)
 
 
 def small_covers(n: int) -> bool:

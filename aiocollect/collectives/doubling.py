@@ -28,7 +28,7 @@ from aiocollect.engine.reduce import reduce_into, settle
 from aiocollect.engine.small import (
     Exchange,
     Program,
-    Quick,
+    divide,
     reduce_mine_first,
     reduce_theirs_first,
 )
@@ -74,11 +74,7 @@ def small_program(n: int, rank: int, average: bool) -> Program:
         Exchange(partner, partner, slot, True, reduce_mine_first if lower else reduce_theirs_first)
         for partner, slot, lower in _exchanges(n, rank)
     )
-    return Program(steps, tmp=True, finish=_divide if average else None)
-
-
-def _divide(q: Quick) -> None:
-    np.divide(q.buf, len(q.small.ranks), out=q.buf)
+    return Program(steps, tmp=True, finish=divide if average else None)
 
 
 @lru_cache(maxsize=64)

@@ -18,6 +18,7 @@ at three and four ranks up to ``select.ALLREDUCE_DOUBLING_MAX`` (select.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
@@ -25,7 +26,7 @@ import numpy as np
 from aiocollect._buffers import Array
 from aiocollect.engine.op import Op
 from aiocollect.engine.reduce import reduce_into, settle
-from aiocollect.engine.small import Exchange, Program, Quick, reduce_mine_first
+from aiocollect.engine.small import Exchange, Program, Quick, divide, reduce_mine_first
 
 #: The slot of every frame (towards rank 0 and back: the two directions of a link are
 #: told apart by the link).
@@ -61,26 +62,39 @@ async def allreduce(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> None:
     await op.finish()
 
 
-@lru_cache(maxsize=256)
-def small_program(n: int, rank: int, average: bool) -> Program:
-    """:func:`allreduce` of a one-frame buffer as rank ``rank``'s program for
-    :class:`aiocollect.engine.small.Quick` (the same frames and reduction order)."""
+def program(
+    n: int,
+    rank: int,
+    fold: Callable[[Quick], None] | None = None,
+    last: Callable[[Quick], None] | None = None,
+) -> Program:
+    """Rank ``rank``'s star for :class:`aiocollect.engine.small.Quick`: a non-root rank
+    sends its buffer to rank 0 and receives the answer into it (posted first; rank 0
+    answers only once it has our frame, so the answer cannot overwrite what we send);
+    rank 0 receives from ranks 1..n-1 in rank order, into a scratch buffer with ``fold``
+    after each (``last`` after rank n-1's) where given, then sends its buffer to each. The
+    allreduce's and the barrier's (no fold: empty frames) one-frame programs."""
     if rank != 0:
-        # The result lands in the buffer: it is posted before the buffer is sent, and
-        # rank 0 answers only once it has our frame, so it cannot overwrite what we send.
         return Program((Exchange(0, 0, SLOT),))
-    last = _reduce_and_divide if average else reduce_mine_first
+    into_tmp = fold is not None
     steps = [
-        Exchange(-1, peer, SLOT, True, reduce_mine_first if peer < n - 1 else last)
-        for peer in range(1, n)
+        Exchange(-1, peer, SLOT, into_tmp, fold if peer < n - 1 else last) for peer in range(1, n)
     ]
     steps += [Exchange(peer, -1, SLOT) for peer in range(1, n)]
-    return Program(tuple(steps), tmp=True)
+    return Program(tuple(steps), tmp=into_tmp)
 
 
-def _reduce_and_divide(q: Quick) -> None:
+@lru_cache(maxsize=256)
+def small_program(n: int, rank: int, average: bool) -> Program:
+    """:func:`allreduce` of a one-frame buffer as rank ``rank``'s program (the same frames
+    and reduction order): rank 0 folds each buffer in, the last one then divided for an
+    AVG before the answer goes out."""
+    return program(n, rank, reduce_mine_first, _fold_and_divide if average else reduce_mine_first)
+
+
+def _fold_and_divide(q: Quick) -> None:
     reduce_mine_first(q)
-    np.divide(q.buf, len(q.small.ranks), out=q.buf)
+    divide(q)
 
 
 def small_covers(n: int) -> bool:

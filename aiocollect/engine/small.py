@@ -123,6 +123,11 @@ def reduce_theirs_first(q: Quick) -> None:
     q.ufunc(q.tmp, q.buf, out=q.buf)
 
 
+def divide(q: Quick) -> None:
+    """``buf /= world size``: the end of an AVG."""
+    np.divide(q.buf, len(q.small.ranks), out=q.buf)
+
+
 class Small:
     """A program bound to one group and shape: per step its links and its frame header
     without the sequence number (``ops[i]``: receive link or None, send link or None,
