@@ -254,6 +254,7 @@ async def _open(
             await store_obj.close()
         raise
     fabric.links.update(links)
+    fabric.pulls = endpoint.pulls
     chunk = endpoint.chunk_bytes
     group = Group(
         fabric,

@@ -200,6 +200,7 @@ async def _form(
             with contextlib.suppress(BaseException):
                 await task
     fabric.links.update(links)
+    fabric.pulls = endpoint.pulls
     group = Group(
         fabric,
         WORLD_GID,

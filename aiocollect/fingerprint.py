@@ -38,7 +38,13 @@ MAX_ALGORITHM_CODE = 7
 #: Algorithm codes per collective, carried in bits 5-7 of the collective field. Part of the
 #: protocol: never renumber, append only (at most 8 per collective).
 ALGORITHM_CODES: dict[Collective, dict[str, int]] = {
-    Collective.ALLREDUCE: {"ring": 0, "recursive_doubling": 1, "halving_doubling": 2, "star": 3},
+    Collective.ALLREDUCE: {
+        "ring": 0,
+        "recursive_doubling": 1,
+        "halving_doubling": 2,
+        "star": 3,
+        "pull": 4,
+    },
     Collective.BROADCAST: {"binomial": 0, "pipeline": 1},
     Collective.REDUCE: {"binomial": 0},
     Collective.ALLGATHER: {"ring": 0, "direct": 1},

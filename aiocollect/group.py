@@ -272,7 +272,8 @@ class Group(GroupCore):
     ) -> asyncio.Future[B]:
         """Reduce ``buf`` across ranks, in place on every rank. Algorithms: ``ring``
         (bandwidth), ``recursive_doubling`` (latency), ``halving_doubling``, ``star``
-        (through rank 0: few messages, few ranks); default by size and world size."""
+        (through rank 0: few messages, few ranks), ``pull`` (reads the peers' buffers
+        where every rank can: shared memory); default by size, world size and links."""
         arr = as_array(buf, "buf", writable=True, dtype=False)  # (the plan checks it)
         key = ("allreduce", arr.dtype, arr.size, type(op), op, algorithm)
         try:
@@ -298,7 +299,9 @@ class Group(GroupCore):
         dtype_code(arr.dtype)
         rop, ufunc = reduction(op, arr)
         n = self.world_size
-        alg = registry.ALLREDUCE.choose(algorithm, arr.nbytes, n, self._one_thread())
+        alg = registry.ALLREDUCE.choose(
+            algorithm, arr.nbytes, n, self._one_thread(), self._fabric.pulls
+        )
         fp = pack(Collective.ALLREDUCE, arr, op=rop, algorithm=alg.name)
         average = rop is ReduceOp.AVG
         small, prog = None, alg.program

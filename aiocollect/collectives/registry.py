@@ -23,6 +23,7 @@ from aiocollect.collectives import (
     direct,
     doubling,
     pipeline,
+    pull,
     ring,
     select,
     star,
@@ -73,7 +74,7 @@ class Registry(Generic[P, T]):
         self,
         collective: Collective,
         algorithms: Sequence[Algorithm[P, T]],
-        auto: Callable[[int, int, bool], str] | None = None,
+        auto: Callable[[int, int, bool, bool], str] | None = None,
     ) -> None:
         self.collective = collective
         self.name = collective.name.lower()
@@ -90,12 +91,18 @@ class Registry(Generic[P, T]):
         self._default = self.names[0]
 
     def choose(
-        self, algorithm: str | None, nbytes: int, world_size: int, one_thread: bool = False
+        self,
+        algorithm: str | None,
+        nbytes: int,
+        world_size: int,
+        one_thread: bool = False,
+        pulls: bool = False,
     ) -> Algorithm[P, T]:
         """The algorithm named ``algorithm``, or for None and ``"auto"`` the automatic
         choice for a message of ``nbytes`` over ``world_size`` ranks, ``one_thread``
-        when every rank runs on this thread (the same on every rank: it depends only on
-        values they share).
+        when every rank runs on this thread, ``pulls`` when every rank reads every
+        other's memory (the same on every rank: they depend only on values they
+        share).
 
         Raises:
             UsageError: no algorithm of this collective has that name.
@@ -104,7 +111,7 @@ class Registry(Generic[P, T]):
             auto = self._auto
             if auto is None:
                 return self.algorithms[self._default]
-            return self.algorithms[auto(nbytes, world_size, one_thread)]
+            return self.algorithms[auto(nbytes, world_size, one_thread, pulls)]
         found = self.algorithms.get(algorithm) if isinstance(algorithm, str) else None
         if found is None:
             raise UsageError(
@@ -130,6 +137,7 @@ ALLREDUCE: Registry[[Op, Array, np.ufunc, bool], None] = Registry(
         ),
         Algorithm("halving_doubling", doubling.halving_doubling),
         Algorithm("star", star.allreduce, star.small_program, star.small_covers),
+        Algorithm("pull", pull.allreduce),
     ],
     select.allreduce,
 )

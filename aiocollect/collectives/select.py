@@ -2,8 +2,9 @@
 
 The thresholds were measured on the development machine (docs/algorithms.md has the tables
 and the commands). Every rank computes the same choice from the same (size, world size,
-and for allreduce and barrier whether every rank runs on one thread: an in-process group,
-whose links all say so on every rank), and
+whether every rank runs on one thread: an in-process group, whose links all say so on
+every rank; and whether the rendezvous records predict that every rank reads every other
+rank's memory: ``pulls``, ``Fabric.pulls``), and
 the choice travels in the frame fingerprint, so ranks that force different algorithms get
 MismatchError instead of garbage. The registries (``registry.py``) call these rules for
 ``algorithm=None`` or ``"auto"``.
@@ -24,6 +25,11 @@ TWO_RANK_DOUBLING_MAX = 64 * 1024
 #: and sends are still few. Past four ranks its root's serial messages outgrow recursive
 #: doubling's log2(n) steps where every rank has a core (docs/algorithms.md, "Star").
 STAR_WORLD = range(3, 5)
+#: Where every rank reads the others' memory (``pulls``), allreduces from this size on
+#: read the peers' buffers (``pull``): 3(n-1) small frames per rank instead of the ring's
+#: frame per chunk and step. At 64-256 KiB the ring was as fast or faster; from 1 MiB the
+#: pull allreduce was faster at two and four ranks (docs/algorithms.md, "Pull").
+PULL_MIN = 1024 * 1024
 
 
 def star(n: int, one_thread: bool) -> bool:
@@ -34,7 +40,9 @@ def star(n: int, one_thread: bool) -> bool:
     return n in STAR_WORLD or (one_thread and n >= 3)
 
 
-def allreduce(nbytes: int, n: int, one_thread: bool = False) -> str:
+def allreduce(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False) -> str:
+    if pulls and nbytes >= PULL_MIN and n >= 2:
+        return "pull"
     if n <= 2:
         return "recursive_doubling" if nbytes <= TWO_RANK_DOUBLING_MAX else "ring"
     if nbytes <= ALLREDUCE_DOUBLING_MAX:
@@ -44,16 +52,16 @@ def allreduce(nbytes: int, n: int, one_thread: bool = False) -> str:
     return "ring"
 
 
-def barrier(nbytes: int, n: int, one_thread: bool = False) -> str:
+def barrier(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False) -> str:
     """(``nbytes`` is 0: a barrier's frames are empty.)"""
     return "star" if star(n, one_thread) else "dissemination"
 
 
-def broadcast(nbytes: int, n: int, one_thread: bool = False) -> str:
+def broadcast(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False) -> str:
     return "binomial" if n <= 3 or nbytes <= BROADCAST_BINOMIAL_MAX else "pipeline"
 
 
-def by_block(nbytes: int, n: int, one_thread: bool = False) -> str:
+def by_block(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False) -> str:
     """allgather (``nbytes``: the gathered total) and reduce_scatter (the input).
-    (``one_thread``, as every rule takes it: no difference here.)"""
+    (``one_thread`` and ``pulls``, as every rule takes them: no difference here.)"""
     return "direct" if nbytes // max(1, n) <= DIRECT_BLOCK_MAX else "ring"

@@ -69,6 +69,9 @@ class Fabric:
         self.world_size = world_size
         self.max_frame = max_frame
         self.links: dict[int, Link] = {}
+        #: Whether every rank may read every other rank's memory, as the rendezvous
+        #: records predict (the same on every rank; the automatic algorithm choice).
+        self.pulls = False
         self.failure: BaseException | None = None
         self.closing = False
         #: Timed-out operations of this rank searching for their culprits right now.

@@ -37,21 +37,31 @@ PULLED_CHUNK_BYTES = 2 << 20
 DEFAULT_MAX_FRAME = max(DEFAULT_CHUNK_BYTES, PULLED_CHUNK_BYTES)
 
 
-def group_chunk_bytes(records: Mapping[int, Mapping[str, Any]]) -> int:
-    """The default chunk size of the group whose ranks published ``records`` (all of them,
-    this rank's included): ``PULLED_CHUNK_BYTES`` when there are two or more and every one
-    comes from this host (:func:`~aiocollect.transport.host.same_host`), offers shared
-    memory (its ``shm`` mode is not ``off``) and pulls (a positive ``pull_min``); else
-    ``DEFAULT_CHUNK_BYTES``. Every rank computes the same size: its own record is among
-    them, so "every record from this host" holds on every rank or on none."""
+def all_pull(records: Mapping[int, Mapping[str, Any]]) -> bool:
+    """Whether the records (all of them, this rank's included) predict that every rank
+    can read every other rank's memory: two or more ranks, each from this host
+    (:func:`~aiocollect.transport.host.same_host`), offering shared memory (its ``shm``
+    mode is not ``off``) and pulling (a positive ``pull_min``). The same answer on every
+    rank: its own record is among them, so "every record from this host" holds on every
+    rank or on none. It chooses the chunk size (:func:`group_chunk_bytes`) and lets the
+    automatic choice take the pull allreduce (collectives/select.py); a link whose pull
+    check fails anyway still works under both (ring copies; the pull allreduce's
+    pushes)."""
 
     def pulls(rec: Mapping[str, Any]) -> bool:
         pull_min = rec.get("pull_min")
         return isinstance(pull_min, int) and not isinstance(pull_min, bool) and pull_min > 0
 
-    if len(records) >= 2 and all(
+    return len(records) >= 2 and all(
         host.same_host(rec) and rec.get("shm", "off") != "off" and pulls(rec)
         for rec in records.values()
-    ):
-        return PULLED_CHUNK_BYTES
-    return DEFAULT_CHUNK_BYTES
+    )
+
+
+def group_chunk_bytes(records: Mapping[int, Mapping[str, Any]]) -> int:
+    """The default chunk size of the group whose ranks published ``records`` (all of them,
+    this rank's included): ``PULLED_CHUNK_BYTES`` when there are two or more and every one
+    comes from this host (:func:`~aiocollect.transport.host.same_host`), offers shared
+    memory (its ``shm`` mode is not ``off``) and pulls (a positive ``pull_min``); else
+    ``DEFAULT_CHUNK_BYTES`` (:func:`all_pull`: the same on every rank)."""
+    return PULLED_CHUNK_BYTES if all_pull(records) else DEFAULT_CHUNK_BYTES

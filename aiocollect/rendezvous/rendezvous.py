@@ -60,6 +60,9 @@ class Endpoint:
     claim: claims.Claim | None = None
     #: The group's chunk size (the configured one, or the default the records chose).
     chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES
+    #: Whether the records predict that every rank reads every other's memory
+    #: (:func:`~aiocollect.rendezvous.chunking.all_pull`).
+    pulls: bool = False
 
     def close(self) -> None:
         self.listener.close()
@@ -144,6 +147,7 @@ async def rendezvous(
         await claim.publish(record)
         peers = await _read_records(claim, cfg, record)
         endpoint.chunk_bytes = cfg.chunk_bytes or chunking.group_chunk_bytes(peers)
+        endpoint.pulls = chunking.all_pull(peers)
         endpoint.listener.prepare(peers)
         if expected == 0:
             arrived.set()

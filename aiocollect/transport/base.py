@@ -54,7 +54,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from aiocollect.errors import MismatchError, ProtocolError
+from aiocollect.errors import InternalError, MismatchError, ProtocolError
 from aiocollect.transport.wire import CONTROL, Header, Key
 from aiocollect.types import dtype_label
 
@@ -535,6 +535,18 @@ class Link(abc.ABC):
         """What this link can do for the algorithm using it, now (it may change once, as
         a link's handshake ends): the only thing algorithms ask a link about itself."""
         return COPIES
+
+    def read_peer(self, dest: memoryview, addr: int) -> None:
+        """Copy ``len(dest)`` bytes from address ``addr`` of the peer's memory into
+        ``dest`` (a one-sided read, for algorithms that pull from the peer's own arrays:
+        collectives/pull.py). Only on a link whose ``caps.pull_min`` is positive; the
+        peer's side of the algorithm keeps the range unchanged until the reader says it
+        is done.
+
+        Raises:
+            InternalError: this link cannot read its peer's memory (the default).
+        """
+        raise InternalError(f"the link to {self.describe()} cannot read its peer's memory")
 
     @abc.abstractmethod
     def write_buffer_size(self) -> int:

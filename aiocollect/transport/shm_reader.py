@@ -21,7 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from aiocollect.errors import ProtocolError
+from aiocollect.errors import PeerDisconnected, ProtocolError
 from aiocollect.transport import cma
 from aiocollect.transport.base import Aside, Fingerprint, Handshaker, LinkEvents, Receiver
 from aiocollect.transport.shm_ring import (
@@ -178,6 +178,37 @@ class RingReader(StreamLink):
         self.rx = rx
         self._peer_pid = peer_pid
         self.shm = True
+
+    def read_peer(self, dest: memoryview, addr: int) -> None:
+        """Copy ``len(dest)`` bytes at ``addr`` in the peer's memory into ``dest``
+        (``process_vm_readv``; only where this side's pull check worked: ``caps.pull_min``
+        is positive). A range the peer's memory does not back is malformed input: the
+        link fails (the group breaks) and so does the call.
+
+        Raises:
+            PeerDisconnected: the link is down, or the peer process is gone.
+            ProtocolError: the range is not the peer's memory (``EFAULT``), or this side
+                may not read it although it said it would.
+        """
+        rx = self.rx
+        if rx is None or self._rx_dead or not self.shm:
+            raise self.failure or PeerDisconnected(
+                f"link to {self.describe()} is closed", self.peer
+            )
+        if not dest:
+            return
+        try:
+            cma.pull(self._peer_pid, dest, addr)
+        except ProcessLookupError:
+            raise PeerDisconnected(
+                f"{self.describe()} is gone (its memory could not be read)", self.peer
+            ) from None
+        except OSError as exc:
+            err = ProtocolError(
+                f"{self.describe()} gave an address its memory does not back ({exc})"
+            )
+            self._rx_failed(err)
+            raise err from None
 
     def detach(self) -> None:
         """Let go of the incoming ring (its segment is being closed)."""

@@ -20,12 +20,12 @@ def _inputs(rank: int, count: int, i: int) -> np.ndarray[Any, Any]:
     return ((np.arange(count, dtype=np.float32) * (i + 1) + rank) % 1000).astype(np.float32)
 
 
-async def star_mix(g: ac.Group, in_flight: int) -> str:
+async def star_mix(g: ac.Group, in_flight: int, counts: tuple[int, ...] = COUNTS) -> str:
     """For every count, ``in_flight`` SUM allreduces and as many AVG ones at once (the
     default algorithm), each checked against numpy; returns a digest of every result,
     which must be the same on every rank (the root's bits)."""
     n, digest = g.world_size, hashlib.sha256()
-    for count in COUNTS:
+    for count in counts:
         sums = [_inputs(g.rank, count, i) for i in range(in_flight)]
         avgs = [np.random.default_rng((g.rank, count, i)).random(count) for i in range(in_flight)]
         handles = [g.allreduce(b) for b in sums]

@@ -23,6 +23,9 @@ BULK = 16 * 1024 * 1024  # bytes of the allreduce: several 1 MiB frames, under t
 #: Over TCP: more than the kernel's socket buffers take (4 MiB a side, doubled), so that
 #: the rest stays queued in user space
 TCP_BULK = 64 * 1024 * 1024
+#: The bulk operation: the ring, whose chunks are the bulk frames on the link (the default
+#: over shared memory with pulls from 1 MiB, the pull allreduce, sends none: it reads)
+RING = "ring"
 
 
 async def small_ops_ahead_of_bulk(g: ac.Group, bulk_bytes: int = BULK) -> dict[str, Any]:
@@ -47,7 +50,7 @@ async def small_ops_ahead_of_bulk(g: ac.Group, bulk_bytes: int = BULK) -> dict[s
             link._staging_relieved()  # reads on (the loop's next turn)
         else:
             link.transport.resume_reading()
-        bulk = asyncio.ensure_future(g.allreduce(data))
+        bulk = asyncio.ensure_future(g.allreduce(data, algorithm=RING))
         await g.broadcast(small, root=0)
         got = np.empty_like(msg)
         await g.recv(got, 0, tag=5)
@@ -57,7 +60,7 @@ async def small_ops_ahead_of_bulk(g: ac.Group, bulk_bytes: int = BULK) -> dict[s
         assert np.all(data == 3.0)
         return {}
     await g.store.wait(["hol-shm/paused"], timeout=60)
-    bulk = asyncio.ensure_future(g.allreduce(data))
+    bulk = asyncio.ensure_future(g.allreduce(data, algorithm=RING))
     for _ in range(1000):  # the allreduce's first frames go out within a few loop turns
         if link.write_buffer_size():
             break

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.timeout(90)
         (4, 3, 1 << 18, "halving_doubling"),
         (4, 0, 16, None),  # the star's root (the default at 3-4 ranks, small buffers)
         (3, 2, 4096, None),  # a star leaf
+        (4, 2, 1 << 22, None),  # the pull allreduce (the default from 1 MiB where ranks pull)
     ],
 )
 async def test_sigkill_named_on_every_survivor_within_a_second(

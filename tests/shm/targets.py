@@ -111,7 +111,7 @@ async def corrupt_pull_count(g: ac.Group, count: int) -> dict[str, Any]:
     buf = np.ones(count, np.float32)
     try:
         for _ in range(20):
-            await g.allreduce(buf, timeout=20)
+            await g.allreduce(buf, timeout=20, algorithm="ring")  # (frames by reference)
     except ac.AiocollectError as exc:
         cause = exc.__cause__
         return {

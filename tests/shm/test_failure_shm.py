@@ -39,6 +39,7 @@ from tests.shm.conftest import leaked, segments
         (4, 3, 1 << 18, "halving_doubling"),
         (4, 0, 16, None),  # the star's root (the default at 3-4 ranks, small buffers)
         (3, 2, 4096, None),  # a star leaf
+        (4, 2, 1 << 22, None),  # the pull allreduce (the default from 1 MiB where ranks pull)
     ],
 )
 async def test_sigkill_named_on_every_survivor_within_a_second(
@@ -70,7 +71,7 @@ async def test_sigkill_during_rendezvous_leaves_no_segment() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("size", [1 << 14, 1 << 20])  # 1 << 20: 1 MiB frames, pulled
+@pytest.mark.parametrize("size", [1 << 14, 1 << 20])  # 1 << 20 (4 MiB): the pull allreduce
 async def test_sigstop_gives_peer_timeout_naming_the_frozen_rank(size: int) -> None:
     """A frozen rank is named at the deadline, also when its peers' frames wait for it to
     pull them (a frozen process's memory can still be pulled, so it is the one that stops

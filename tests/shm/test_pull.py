@@ -100,7 +100,9 @@ async def _allreduce_counting(g: ac.Group, count: int, rounds: int) -> dict[str,
     total = n * (n + 1) // 2
     for i in range(rounds):
         buf = np.arange(count, dtype=np.float64) + (g.rank + 1) * (i + 1)
-        await g.allreduce(buf)
+        # the ring: its chunks go by reference (the pull allreduce, the default from 1 MiB
+        # where every rank pulls, reads the buffers itself: tests/shm/test_pull_allreduce.py)
+        await g.allreduce(buf, algorithm="ring")
         want = n * np.arange(count, dtype=np.float64) + total * (i + 1)
         np.testing.assert_array_equal(buf, want)
     if g.rank == 0:
@@ -173,7 +175,7 @@ async def test_failed_probe_falls_back_to_ring_copies(monkeypatch: pytest.Monkey
 async def _bad_reference(g: ac.Group, count: int) -> str:
     buf = np.ones(count, np.float32)
     try:
-        await asyncio.wait_for(g.allreduce(buf, timeout=20), 30)
+        await asyncio.wait_for(g.allreduce(buf, timeout=20, algorithm="ring"), 30)
     except ac.AiocollectError as exc:
         return f"{type(exc).__name__}: {exc} / {exc.__cause__!r}"
     return "no error"

@@ -1,0 +1,136 @@
+"""The pull allreduce (collectives/pull.py): the default for allreduces from
+``select.PULL_MIN`` on where the rendezvous records say every rank reads the others'
+memory (the default transport on one host). Real processes over the default transport on
+both loops, several operations in flight, sizes on both sides of the switch; links whose
+pull check failed get pushes instead; a forced other algorithm is a mismatch; an address
+frame that lies breaks the group, not the process. (SIGKILL and SIGSTOP in the middle of
+it: tests/shm/test_failure_shm.py and tests/failure/test_kill_stop.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aiocollect as ac
+from aiocollect.collectives import registry, select
+from aiocollect.rendezvous import chunking
+from aiocollect.testing import run_ranks, spawn_ranks
+from aiocollect.transport import cma, host
+from tests.shm import pull_targets
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_the_automatic_choice() -> None:
+    choose = registry.ALLREDUCE.choose
+    for n in (2, 3, 4, 8):
+        assert choose(None, select.PULL_MIN, n, pulls=True).name == "pull"
+        assert choose(None, 64 << 20, n, pulls=True).name == "pull"
+        assert choose(None, select.PULL_MIN - 4, n, pulls=True).name == "ring"
+        assert choose(None, 64 << 20, n).name == "ring"  # no pulls predicted: the ring
+    assert choose(None, 16, 4, pulls=True).name == "star"
+
+
+def test_the_records_predict_pulls() -> None:
+    rec = {**host.identity(), "shm": "auto", "pull_min": 1 << 18}
+    assert chunking.all_pull({0: rec, 1: rec, 2: rec})
+    assert not chunking.all_pull({0: rec})
+    assert not chunking.all_pull({0: rec, 1: {**rec, "pull_min": 0}})
+    assert not chunking.all_pull({0: rec, 1: {**rec, "pull_min": True}})
+    assert not chunking.all_pull({0: rec, 1: {**rec, "shm": "off"}})
+    assert not chunking.all_pull({0: rec, 1: {**rec, "hostname": "elsewhere"}})
+    assert not chunking.all_pull({0: rec, 1: {**rec, "boot_id": "another-boot"}})
+
+
+@pytest.mark.parametrize("uvloop", [False, True], ids=["asyncio", "uvloop"])
+@pytest.mark.parametrize("n", [2, 4])
+async def test_in_processes_over_the_default_transport(n: int, uvloop: bool) -> None:
+    """auto is shared memory with pulls here: the records predict pulls, the automatic
+    choice takes the ring below PULL_MIN and the pull allreduce from it on; 2 SUM and 2
+    AVG allreduces in flight at each size, checked, identical on every rank."""
+    res = await spawn_ranks(n, pull_targets.pull_mix, 2, timeout=100, uvloop=uvloop)
+    assert [r["pulls"] for r in res] == [True] * n
+    assert res[0]["chosen"] == ["ring", "pull", "pull"]
+    assert len({r["digest"] for r in res}) == 1
+
+
+async def test_over_tcp_no_pulls_are_predicted() -> None:
+    res = await spawn_ranks(3, pull_targets.pull_mix, 2, timeout=100, transport="tcp")
+    assert [r["pulls"] for r in res] == [False] * 3
+    assert res[0]["chosen"] == ["ring"] * 3
+    assert len({r["digest"] for r in res}) == 1
+
+
+async def _reads_and_sums(g: ac.Group) -> tuple[list[bool], int]:
+    """Which peers this rank reads (its links' pull check), then default allreduces at
+    and above PULL_MIN (the records still predict pulls: the pull allreduce), exact."""
+    reads = [bool(g._fabric.links[p].caps.pull_min) for p in range(g.world_size) if p != g.rank]
+    count = select.PULL_MIN // 4
+    done = 0
+    for c in (count, 2 * count + 3):
+        bufs = [np.full(c, g.rank + i, np.float32) for i in range(3)]
+        await asyncio.gather(*[g.allreduce(b) for b in bufs])
+        for i, b in enumerate(bufs):
+            want = sum(r + i for r in range(g.world_size))
+            assert (b == want).all(), (c, i, b[:4])
+            done += 1
+    return reads, done
+
+
+@pytest.mark.parametrize("failing", ["every", "alternate"])
+async def test_links_whose_pull_check_failed_get_pushes(
+    failing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pull check that fails (a ptrace policy, injected here) on every link or on every
+    other one: the records still predict pulls, so the pull allreduce runs, and a rank
+    that cannot be read pushes its data to that peer instead. Same results."""
+    calls = itertools.count()
+
+    def probe(*_: Any) -> str | None:
+        if failing == "every" or next(calls) % 2:
+            return "denied by policy (injected)"
+        return None
+
+    monkeypatch.setattr(cma, "probe", probe)
+    res = await run_ranks(3, _reads_and_sums, transport="shm")
+    reads = [r for rank_reads, _ in res for r in rank_reads]
+    if failing == "every":
+        assert not any(reads)
+    else:
+        assert any(reads), reads  # both kinds of link in one group
+        assert not all(reads), reads
+    assert [done for _, done in res] == [6] * 3
+
+
+async def test_the_default_against_a_forced_ring_is_a_mismatch() -> None:
+    async def body(g: ac.Group) -> str:
+        alg = "ring" if g.rank == 1 else None
+        try:
+            await g.allreduce(np.ones(select.PULL_MIN // 4, np.float32), algorithm=alg)
+        except ac.MismatchError as exc:
+            return str(exc)
+        except ac.GroupBrokenError as exc:
+            cause = exc.__cause__
+            return str(cause) if isinstance(cause, ac.MismatchError) else repr(exc)
+        return "no error"
+
+    for message in await run_ranks(3, body, transport="shm", timeout=10):
+        assert "allreduce[pull]" in message, message
+        assert "allreduce[ring]" in message, message
+
+
+@pytest.mark.parametrize(
+    ("fault", "why"),
+    [("address", "does not back"), ("length", "malformed address frame")],
+)
+async def test_a_lying_address_frame_breaks_the_group_not_the_process(fault: str, why: str) -> None:
+    """Rank 1 announces memory it does not have, or the wrong length: the ranks that
+    read it fail with ProtocolError naming it, every other rank gets the group's
+    failure, and every process returns normally."""
+    res = await spawn_ranks(3, pull_targets.bad_record, fault, timeout=60)
+    assert all(r != "no error" for r in res), res
+    assert any("ProtocolError" in r and why in r and "rank 1" in r for r in res), res
