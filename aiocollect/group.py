@@ -237,6 +237,24 @@ class Group(GroupCore):
             small = self._small("broadcast", prog(n, self.rank, root), fp, arr.nbytes, arr.dtype)
         return self._remember(key, (fp, small, alg.run, root))
 
+    def chosen_algorithm(self, collective: str, nbytes: int) -> str:
+        """The algorithm that ``algorithm=None`` runs for ``collective`` (``"allreduce"``,
+        ``"barrier"``, ...) on a message of ``nbytes`` in this group (allgather: the
+        gathered total), by size, world size and the group's links (docs/algorithms.md).
+        The same on every rank.
+
+        Raises:
+            UsageError: no collective of that name takes ``algorithm=``.
+        """
+        reg = registry.REGISTRIES.get(collective) if isinstance(collective, str) else None
+        if reg is None:
+            raise UsageError(
+                f"no collective {collective!r}; one of {', '.join(registry.REGISTRIES)}"
+            )
+        return reg.choose(
+            None, nbytes, self.world_size, self._one_thread(), self._fabric.pulls
+        ).name
+
     def _one_thread(self) -> bool:
         """Whether every peer of this group runs on this thread (in-process memory links:
         the same answer on every rank), for the automatic algorithm choice."""

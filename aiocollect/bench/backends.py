@@ -48,11 +48,8 @@ class AiocollectBackend:
         says what it chooses, else ``auto``."""
         if self.algorithm != "auto":
             return self.algorithm
-        try:  # internal API, so only best effort: the report must not depend on it
-            from aiocollect.collectives.registry import REGISTRIES
-
-            chosen = REGISTRIES[collective].choose(None, shp.total_bytes, self.world_size)
-            return f"auto:{chosen.name}"
+        try:  # older versions lack it: the report must not depend on it
+            return f"auto:{self.group.chosen_algorithm(collective, shp.total_bytes)}"
         except Exception:
             return "auto"
 

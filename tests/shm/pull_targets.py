@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 import aiocollect as ac
-from aiocollect.collectives import pull, registry, select
+from aiocollect.collectives import pull, select
 from tests.collectives.star_targets import star_mix
 
 
@@ -24,11 +24,7 @@ async def pull_mix(g: ac.Group, in_flight: int) -> dict[str, Any]:
     with the default algorithm, each checked against numpy (``star_mix``). Returns what
     the automatic choice took at each count and a digest of every result (the same on
     every rank)."""
-    n = g.world_size
-    chosen = [
-        registry.ALLREDUCE.choose(None, count * 4, n, False, g._fabric.pulls).name
-        for count in counts()
-    ]
+    chosen = [g.chosen_algorithm("allreduce", count * 4) for count in counts()]
     digest = await star_mix(g, in_flight, counts())
     return {"pulls": g._fabric.pulls, "chosen": chosen, "digest": digest}
 

@@ -134,3 +134,17 @@ async def test_a_lying_address_frame_breaks_the_group_not_the_process(fault: str
     res = await spawn_ranks(3, pull_targets.bad_record, fault, timeout=60)
     assert all(r != "no error" for r in res), res
     assert any("ProtocolError" in r and why in r and "rank 1" in r for r in res), res
+
+
+async def test_chosen_algorithm_names_what_runs() -> None:
+    async def body(g: ac.Group) -> list[str]:
+        with pytest.raises(ac.UsageError, match="no collective 'sendrecv'"):
+            g.chosen_algorithm("sendrecv", 4)
+        return [
+            g.chosen_algorithm("allreduce", select.PULL_MIN),
+            g.chosen_algorithm("allreduce", select.PULL_MIN - 4),
+            g.chosen_algorithm("barrier", 0),
+        ]
+
+    assert await run_ranks(3, body, transport="shm") == [["pull", "ring", "star"]] * 3
+    assert await run_ranks(3, body, transport="tcp") == [["ring", "ring", "star"]] * 3
