@@ -188,7 +188,7 @@ class Group(GroupCore):
         plan = self._plan(key)
         if plan is None:
             n = self.world_size
-            alg = registry.BARRIER.choose(algorithm, 0, n, self._one_thread())
+            alg = self._choose(registry.BARRIER, algorithm, 0)
             fp = pack(Collective.BARRIER, None, algorithm=alg.name)
             small = (
                 self._small("barrier", alg.program(n, self.rank), fp, 0)
@@ -230,7 +230,7 @@ class Group(GroupCore):
         dtype_code(arr.dtype)
         n = self.world_size
         root = check_rank(root, n, "root")
-        alg = registry.BROADCAST.choose(algorithm, arr.nbytes, n)
+        alg = self._choose(registry.BROADCAST, algorithm, arr.nbytes)
         fp = pack(Collective.BROADCAST, arr, root=root, algorithm=alg.name)
         small, prog = None, alg.program
         if prog is not None and alg.one_frame(arr.nbytes, n, self.chunk_bytes):
@@ -251,9 +251,15 @@ class Group(GroupCore):
             raise UsageError(
                 f"no collective {collective!r}; one of {', '.join(registry.REGISTRIES)}"
             )
+        return self._choose(reg, None, nbytes).name
+
+    def _choose(
+        self, reg: registry.Registry[Any, Any], algorithm: str | None, nbytes: int
+    ) -> registry.Algorithm[Any, Any]:
+        """``reg.choose`` with what this group's links are (the same on every rank)."""
         return reg.choose(
-            None, nbytes, self.world_size, self._one_thread(), self._fabric.pulls
-        ).name
+            algorithm, nbytes, self.world_size, self._one_thread(), self._fabric.pulls
+        )
 
     def _one_thread(self) -> bool:
         """Whether every peer of this group runs on this thread (in-process memory links:
@@ -317,9 +323,7 @@ class Group(GroupCore):
         dtype_code(arr.dtype)
         rop, ufunc = reduction(op, arr)
         n = self.world_size
-        alg = registry.ALLREDUCE.choose(
-            algorithm, arr.nbytes, n, self._one_thread(), self._fabric.pulls
-        )
+        alg = self._choose(registry.ALLREDUCE, algorithm, arr.nbytes)
         fp = pack(Collective.ALLREDUCE, arr, op=rop, algorithm=alg.name)
         average = rop is ReduceOp.AVG
         small, prog = None, alg.program
@@ -377,7 +381,7 @@ class Group(GroupCore):
         arr = as_array(send, "send", writable=False)
         n = self.world_size
         res = output(out, (n, *arr.shape), arr.dtype)
-        alg = registry.ALLGATHER.choose(algorithm, arr.nbytes * n, n)
+        alg = self._choose(registry.ALLGATHER, algorithm, arr.nbytes * n)
         fp = pack(Collective.ALLGATHER, arr, algorithm=alg.name)
         run = alg.run
 
@@ -506,7 +510,7 @@ class Group(GroupCore):
         divisible(arr, n, "send")
         rop, ufunc = reduction(op, arr)
         res = output(out, (arr.shape[0] // n, *arr.shape[1:]), arr.dtype)
-        alg = registry.REDUCE_SCATTER.choose(algorithm, arr.nbytes, n)
+        alg = self._choose(registry.REDUCE_SCATTER, algorithm, arr.nbytes)
         fp = pack(Collective.REDUCE_SCATTER, arr, op=rop, algorithm=alg.name)
         run = alg.run
 

@@ -46,12 +46,13 @@ not bit-identical to the ring's, whose fold order differs.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import numpy as np
 
 from aiocollect._buffers import Array, byte_view
-from aiocollect.engine.op import Op, flat_blocks
-from aiocollect.engine.reduce import reduce_into
+from aiocollect.engine.op import Op, flat_blocks, split_even
+from aiocollect.engine.reduce import copy_into, reduce_into
 from aiocollect.engine.scratch import SCRATCH
 from aiocollect.errors import ProtocolError
 
@@ -73,6 +74,124 @@ def _record(base: int, nbytes: int, push: bool) -> Array:
     return np.array([base, nbytes, PUSHES if push else 0], np.uint64)
 
 
+class _Exchange:
+    """One operation's addresses and its end: this rank's buffer ``buf`` announced to
+    every peer (read, or pushed to where the peer cannot read it), the peers' addresses
+    as they come, and the finished frames that hand every buffer back."""
+
+    def __init__(self, op: Op, buf: Array, what: str) -> None:
+        n, r = op.size, op.rank
+        self.op = op
+        self.what = what
+        self.nbytes = buf.nbytes
+        self.order = [(r + k) % n for k in range(1, n)]
+        # this rank pushes to the peers that cannot read its memory
+        self.push_to = {q: not op.link(q).caps.reference_min for q in self.order}
+        self.table = np.zeros((n, 3), np.uint64)
+        # (in chunks like any payload: a group's frames may be smaller than the record)
+        self._addrs = {q: op.recv_chunks(q, ADDR, self.table[q].view(np.uint8)) for q in self.order}
+        self._fins = [op.recv(q, FIN, 0, _EMPTY) for q in self.order if not self.push_to[q]]
+        base = int(buf.ctypes.data)
+        for q in self.order:
+            record = _record(base, buf.nbytes, self.push_to[q])
+            for c, part in enumerate(op.chunks(record.view(np.uint8))):
+                op.send_now(q, ADDR, c, part)
+
+    async def address(self, q: int) -> int | None:
+        """Rank ``q``'s buffer address once its frame is here, None when it pushes.
+
+        Raises:
+            ProtocolError: the frame is malformed, or asks to be read where this side
+                cannot read.
+        """
+        for fut in self._addrs[q]:
+            await fut
+        addr, length, flags = (int(x) for x in self.table[q])
+        if length != self.nbytes or flags & ~PUSHES:
+            raise ProtocolError(
+                f"rank {q} sent a malformed address frame ({length} bytes, flags "
+                f"{flags:#x}) for a {self.nbytes}-byte {self.what}"
+            )
+        if flags & PUSHES:
+            return None
+        if not self.op.link(q).caps.pull_min or not addr:
+            raise ProtocolError(
+                f"rank {q} asked to be read ({addr:#x}), but this side cannot read it"
+            )
+        return addr
+
+    async def read(self, q: int, dest: memoryview, src: int) -> None:
+        """Copy ``len(dest)`` bytes from ``src`` in rank ``q``'s memory, ``AG_STEP``
+        per turn of the event loop."""
+        link = self.op.link(q)
+        lo, hi = 0, len(dest)
+        while lo < hi:
+            e = min(hi, lo + AG_STEP)
+            link.read_peer(dest[lo:e], src + lo)
+            lo = e
+            await asyncio.sleep(0)
+
+    async def fold(
+        self,
+        q: int,
+        src: int,
+        dest: Array,
+        ufunc: np.ufunc,
+        scratch: Array,
+        base: Array | None = None,
+    ) -> None:
+        """``dest = ufunc(dest, x)`` (with ``base``: ``ufunc(base, x)``), where ``x`` is
+        ``dest.nbytes`` bytes from ``src`` in rank ``q``'s memory, read ``scratch.size``
+        elements at a time into ``scratch``, a turn of the event loop after each."""
+        link = self.op.link(q)
+        sview = byte_view(scratch)
+        itemsize, step = dest.itemsize, scratch.size
+        first = dest if base is None else base
+        for s in range(0, dest.size, step):
+            m = min(step, dest.size - s)
+            link.read_peer(sview[: m * itemsize], src + s * itemsize)
+            piece = dest[s : s + m]
+            ufunc(first[s : s + m], scratch[:m], out=piece)
+            await asyncio.sleep(0)
+
+    async def push(
+        self, slot: int, parts: Sequence[Array] | None, whole: Array | None = None
+    ) -> None:
+        """Send every peer this rank pushes to its data as frames of ``slot``:
+        ``parts[q]``, or ``whole`` to each."""
+        for q in self.order:
+            if self.push_to[q]:
+                data = whole if parts is None else parts[q]
+                assert data is not None
+                for c, part in enumerate(self.op.chunks(data)):
+                    await self.op.send(q, slot, c, part)
+
+    async def fold_pushed(
+        self, q: int, dest: Array, ufunc: np.ufunc, base: Array | None = None
+    ) -> None:
+        """As :meth:`fold`, for the block rank ``q`` pushes (``PUSH_RS`` frames)."""
+        part = np.empty_like(dest)
+        for fut in self.op.recv_chunks(q, PUSH_RS, part):
+            await fut
+        await reduce_into(ufunc, dest, part, base)
+
+    def finished(self, q: int) -> None:
+        """Tell rank ``q`` this rank has read all it needs from it."""
+        self.op.send_now(q, FIN, 0, _EMPTY)
+
+    async def handed_back(self) -> None:
+        """Wait until every peer that reads this rank's buffer has said it finished."""
+        for fut in self._fins:
+            await fut
+
+
+def _scratch(block: Array) -> Array:
+    """Scratch for one ``RS_STEP`` piece of ``block``'s dtype (release it with
+    ``SCRATCH.release``)."""
+    step = max(1, RS_STEP // block.itemsize)
+    return SCRATCH.acquire(min(step, max(1, block.size)), block.dtype)
+
+
 async def allreduce(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> None:
     """Reduce the flat ``buf`` in place on every rank (``average``: then divide by the
     world size), reading the peers' buffers where their links allow (module docstring).
@@ -87,92 +206,103 @@ async def allreduce(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> None:
         return
     blocks = flat_blocks(buf, n)
     mine = blocks[r]
-    itemsize = buf.itemsize
     offsets = [0] * n
     for b in range(1, n):
         offsets[b] = offsets[b - 1] + blocks[b - 1].nbytes
-    order = [(r + k) % n for k in range(1, n)]
-    # this rank pushes to the peers that cannot read its memory
-    push_to = {q: not op.link(q).caps.reference_min for q in order}
-    table = np.zeros((n, 3), np.uint64)
-    # (in chunks like any payload: a group's frames may be smaller than the record)
-    addrs = {q: op.recv_chunks(q, ADDR, table[q].view(np.uint8)) for q in order}
-    fins = {q: op.recv(q, FIN, 0, _EMPTY) for q in order if not push_to[q]}
-    base = int(buf.ctypes.data)
-    for q in order:
-        record = _record(base, buf.nbytes, push_to[q])
-        for c, part in enumerate(op.chunks(record.view(np.uint8))):
-            op.send_now(q, ADDR, c, part)
-    for q in order:
-        if push_to[q]:
-            for c, part in enumerate(op.chunks(blocks[q])):
-                await op.send(q, PUSH_RS, c, part)
+    ex = _Exchange(op, buf, "allreduce")
+    await ex.push(PUSH_RS, blocks)
 
     pushed: dict[int, list[asyncio.Future[None]]] = {}  # allgather frames of pushers
     dones: dict[int, asyncio.Future[None]] = {}
-    step = max(1, RS_STEP // itemsize)
-    scratch = SCRATCH.acquire(min(step, max(1, mine.size)), mine.dtype)
+    scratch = _scratch(mine)
     try:
-        sview = byte_view(scratch)
-        for q in order:
-            for fut in addrs[q]:
-                await fut
-            addr, length, flags = (int(x) for x in table[q])
-            if length != buf.nbytes or flags & ~PUSHES:
-                raise ProtocolError(
-                    f"rank {q} sent a malformed address frame ({length} bytes, flags "
-                    f"{flags:#x}) for a {buf.nbytes}-byte allreduce"
-                )
-            if flags & PUSHES:
-                part = np.empty_like(mine)
-                futs = op.recv_chunks(q, PUSH_RS, part)
+        for q in ex.order:
+            addr = await ex.address(q)
+            if addr is None:
                 # its block q lands in place: q pushes it only after reading what it needs
                 pushed[q] = op.recv_chunks(q, PUSH_AG, blocks[q])
-                for fut in futs:
-                    await fut
-                await reduce_into(ufunc, mine, part)
+                await ex.fold_pushed(q, mine, ufunc)
                 continue
-            link = op.link(q)
-            if not link.caps.pull_min or not addr:
-                raise ProtocolError(
-                    f"rank {q} asked to be read ({addr:#x}), but this side cannot read it"
-                )
             dones[q] = op.recv(q, DONE, 0, _EMPTY)
-            src = addr + offsets[r]
-            for s in range(0, mine.size, step):
-                m = min(step, mine.size - s)
-                link.read_peer(sview[: m * itemsize], src + s * itemsize)
-                piece = mine[s : s + m]
-                ufunc(piece, scratch[:m], out=piece)
-                await asyncio.sleep(0)
+            await ex.fold(q, addr + offsets[r], mine, ufunc, scratch)
     finally:
         SCRATCH.release(scratch)  # (only ever written by the synchronous reads above)
     if average:
         mine /= n
 
-    for q in order:
-        if not push_to[q]:
+    for q in ex.order:
+        if not ex.push_to[q]:
             op.send_now(q, DONE, 0, _EMPTY)
-    for q in order:
-        if push_to[q]:
-            for c, part in enumerate(op.chunks(mine)):
-                await op.send(q, PUSH_AG, c, part)
+    await ex.push(PUSH_AG, None, mine)
 
     view = byte_view(buf)
-    for q in order:
+    for q in ex.order:
         if q in pushed:
             for fut in pushed[q]:
                 await fut
             continue
         await dones[q]
-        link = op.link(q)
         lo, hi = offsets[q], offsets[q] + blocks[q].nbytes
-        src = int(table[q, 0])
-        while lo < hi:
-            e = min(hi, lo + AG_STEP)
-            link.read_peer(view[lo:e], src + lo)
-            lo = e
-            await asyncio.sleep(0)
-        op.send_now(q, FIN, 0, _EMPTY)
-    for fut in fins.values():
-        await fut
+        await ex.read(q, view[lo:hi], int(ex.table[q, 0]) + lo)
+        ex.finished(q)
+    await ex.handed_back()
+
+
+async def reduce_scatter(op: Op, send: Array, dest: Array, ufunc: np.ufunc, average: bool) -> None:
+    """Reduce the flat ``send`` across ranks; the flat ``dest`` gets this rank's block
+    (block ``op.rank`` of ``op.size``, divided by the world size when ``average``): the
+    allreduce's steps 1, 2 and 5 (nobody changes the inputs, so no done frames).
+
+    Raises:
+        as :func:`allreduce`.
+    """
+    n, r = op.size, op.rank
+    blocks = split_even(send, n)
+    if n == 1 or not send.nbytes:
+        if dest is not send:
+            dest[...] = blocks[r]
+        return
+    ex = _Exchange(op, send, "reduce_scatter")
+    await ex.push(PUSH_RS, blocks)
+    base: Array | None = blocks[r]  # this rank's own part, folded in with the first peer
+    scratch = _scratch(dest)
+    try:
+        for q in ex.order:
+            addr = await ex.address(q)
+            if addr is None:
+                await ex.fold_pushed(q, dest, ufunc, base)
+            else:
+                await ex.fold(q, addr + r * blocks[r].nbytes, dest, ufunc, scratch, base)
+                ex.finished(q)
+            base = None
+    finally:
+        SCRATCH.release(scratch)
+    if average:
+        dest /= n
+    await ex.handed_back()
+
+
+async def allgather(op: Op, send: Array, blocks: Sequence[Array]) -> None:
+    """Gather every rank's flat ``send`` into ``blocks`` (block i from rank i): each rank
+    reads every peer's ``send`` straight into place (steps 1, 4 without done frames, and
+    5 of the allreduce).
+
+    Raises:
+        as :func:`allreduce`.
+    """
+    n, r = op.size, op.rank
+    if n == 1 or not send.nbytes:
+        await copy_into(blocks[r], send)
+        return
+    ex = _Exchange(op, send, "allgather")
+    await ex.push(PUSH_AG, None, send)
+    await copy_into(blocks[r], send)
+    for q in ex.order:
+        addr = await ex.address(q)
+        if addr is None:
+            for fut in op.recv_chunks(q, PUSH_AG, blocks[q]):
+                await fut
+        else:
+            await ex.read(q, byte_view(blocks[q]), addr)
+            ex.finished(q)
+    await ex.handed_back()

@@ -163,8 +163,9 @@ ALLGATHER: Registry[[Op, Array, Sequence[Array]], None] = Registry(
     [
         Algorithm("ring", ring.allgather),
         Algorithm("direct", direct.allgather),
+        Algorithm("pull", pull.allgather),
     ],
-    select.by_block,
+    select.allgather,
 )
 #: (send, dest, ufunc, average): block op.rank of the reduction of send into dest.
 REDUCE_SCATTER: Registry[[Op, Array, Array, np.ufunc, bool], None] = Registry(
@@ -172,8 +173,9 @@ REDUCE_SCATTER: Registry[[Op, Array, Array, np.ufunc, bool], None] = Registry(
     [
         Algorithm("ring", ring.reduce_scatter),
         Algorithm("direct", direct.reduce_scatter),
+        Algorithm("pull", pull.reduce_scatter),
     ],
-    select.by_block,
+    select.reduce_scatter,
 )
 #: (send, blocks on the root else None, root).
 GATHER: Registry[[Op, Array, Sequence[Array] | None, int], None] = Registry(

@@ -30,6 +30,11 @@ STAR_WORLD = range(3, 5)
 #: frame per chunk and step. At 64-256 KiB the ring was as fast or faster; from 1 MiB the
 #: pull allreduce was faster at two and four ranks (docs/algorithms.md, "Pull").
 PULL_MIN = 1024 * 1024
+#: The same for allgather (the gathered total) and reduce_scatter (the input), except that
+#: a two-rank allgather reads from the pull allreduce's size up: at 1 and 4 MiB the ring's
+#: one pulled frame per rank beat the pull's address and finished rounds, at 16 MiB it
+#: no longer did (docs/algorithms.md, "Pull").
+TWO_RANK_PULL_ALLGATHER_MIN = 16 * 1024 * 1024
 
 
 def star(n: int, one_thread: bool) -> bool:
@@ -62,6 +67,22 @@ def broadcast(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False
 
 
 def by_block(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False) -> str:
-    """allgather (``nbytes``: the gathered total) and reduce_scatter (the input).
-    (``one_thread`` and ``pulls``, as every rule takes them: no difference here.)"""
+    """Between direct and the ring, for allgather (``nbytes``: the gathered total) and
+    reduce_scatter (the input). (``one_thread`` and ``pulls``, as every rule takes them:
+    no difference here.)"""
     return "direct" if nbytes // max(1, n) <= DIRECT_BLOCK_MAX else "ring"
+
+
+def allgather(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False) -> str:
+    """``nbytes``: the gathered total."""
+    least = PULL_MIN if n > 2 else TWO_RANK_PULL_ALLGATHER_MIN
+    if pulls and n >= 2 and nbytes // n > DIRECT_BLOCK_MAX and nbytes >= least:
+        return "pull"
+    return by_block(nbytes, n, one_thread, pulls)
+
+
+def reduce_scatter(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False) -> str:
+    """``nbytes``: the input."""
+    if pulls and n >= 2 and nbytes // n > DIRECT_BLOCK_MAX and nbytes >= PULL_MIN:
+        return "pull"
+    return by_block(nbytes, n, one_thread, pulls)

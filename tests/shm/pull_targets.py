@@ -29,6 +29,38 @@ async def pull_mix(g: ac.Group, in_flight: int) -> dict[str, Any]:
     return {"pulls": g._fabric.pulls, "chosen": chosen, "digest": digest}
 
 
+def _block(rank: int, count: int, i: int) -> np.ndarray[Any, Any]:
+    return ((np.arange(count, dtype=np.float32) * (i + 2) + 3 * rank) % 997).astype(np.float32)
+
+
+async def gather_scatter_mix(g: ac.Group, in_flight: int) -> dict[str, Any]:
+    """allgather and reduce_scatter with the default algorithm, ``in_flight`` of each at
+    once, on both sides of their switch to the pull algorithms (block counts: the
+    gathered total or the input just under and at ``select.PULL_MIN``, then 16 MiB and
+    past it), checked exactly. Returns what the automatic choice took per size."""
+    n, chosen = g.world_size, {}
+    for total in (select.PULL_MIN - 4 * n, select.PULL_MIN, 16 << 20, (16 << 20) + 4 * n):
+        count = total // 4 // n  # float32 elements per block
+        chosen[f"allgather {total}"] = g.chosen_algorithm("allgather", count * 4 * n)
+        chosen[f"reduce_scatter {total}"] = g.chosen_algorithm("reduce_scatter", count * 4 * n)
+        sends = [_block(g.rank, count, i) for i in range(in_flight)]
+        outs = [np.empty((n, count), np.float32) for _ in range(in_flight)]
+        inputs = [
+            np.concatenate([_block(g.rank + b, count, i) for b in range(n)])
+            for i in range(in_flight)
+        ]
+        dests = [np.empty(count, np.float32) for _ in range(in_flight)]
+        handles = [g.allgather(s, o) for s, o in zip(sends, outs, strict=True)]
+        handles += [g.reduce_scatter(x, d) for x, d in zip(inputs, dests, strict=True)]
+        await asyncio.gather(*handles)
+        for i in range(in_flight):
+            for q in range(n):
+                np.testing.assert_array_equal(outs[i][q], _block(q, count, i), f"allgather {total}")
+            want = np.sum([_block(q + g.rank, count, i) for q in range(n)], axis=0)
+            np.testing.assert_array_equal(dests[i], want, f"reduce_scatter {total}")
+    return chosen
+
+
 async def bad_record(g: ac.Group, fault: str) -> str:
     """Rank 1 announces a buffer its memory does not back (``address``) or of the wrong
     length (``length``) in the pull allreduce's address frame; every rank reports what it

@@ -33,6 +33,16 @@ def test_the_automatic_choice() -> None:
         assert choose(None, select.PULL_MIN - 4, n, pulls=True).name == "ring"
         assert choose(None, 64 << 20, n).name == "ring"  # no pulls predicted: the ring
     assert choose(None, 16, 4, pulls=True).name == "star"
+    gather, scatter = registry.ALLGATHER.choose, registry.REDUCE_SCATTER.choose
+    for n in (3, 4, 8):
+        assert gather(None, select.PULL_MIN, n, pulls=True).name == "pull"
+        assert scatter(None, select.PULL_MIN, n, pulls=True).name == "pull"
+        assert gather(None, select.PULL_MIN - 8 * n, n, pulls=True).name == "ring"
+        assert gather(None, 64 << 20, n).name == "ring"
+    assert gather(None, select.PULL_MIN, 2, pulls=True).name == "ring"  # two ranks: later
+    assert gather(None, select.TWO_RANK_PULL_ALLGATHER_MIN, 2, pulls=True).name == "pull"
+    assert scatter(None, select.PULL_MIN, 2, pulls=True).name == "pull"
+    assert gather(None, 256 * select.DIRECT_BLOCK_MAX, 256, pulls=True).name == "direct"
 
 
 def test_the_records_predict_pulls() -> None:
@@ -58,6 +68,25 @@ async def test_in_processes_over_the_default_transport(n: int, uvloop: bool) -> 
     assert len({r["digest"] for r in res}) == 1
 
 
+@pytest.mark.parametrize("n", [2, 4])
+async def test_allgather_and_reduce_scatter_in_processes(n: int) -> None:
+    """The same for allgather and reduce_scatter (uvloop), 2 of each in flight."""
+    res = await spawn_ranks(n, pull_targets.gather_scatter_mix, 2, timeout=100, uvloop=True)
+    small, at = select.PULL_MIN - 4 * n, select.PULL_MIN
+    big = 16 << 20
+    want = {
+        f"allgather {small}": "ring",
+        f"reduce_scatter {small}": "ring",
+        f"allgather {at}": "pull" if n > 2 else "ring",
+        f"reduce_scatter {at}": "pull",
+        f"allgather {big}": "pull",
+        f"reduce_scatter {big}": "pull",
+        f"allgather {big + 4 * n}": "pull",
+        f"reduce_scatter {big + 4 * n}": "pull",
+    }
+    assert res == [want] * n
+
+
 async def test_over_tcp_no_pulls_are_predicted() -> None:
     res = await spawn_ranks(3, pull_targets.pull_mix, 2, timeout=100, transport="tcp")
     assert [r["pulls"] for r in res] == [False] * 3
@@ -78,6 +107,15 @@ async def _reads_and_sums(g: ac.Group) -> tuple[list[bool], int]:
             want = sum(r + i for r in range(g.world_size))
             assert (b == want).all(), (c, i, b[:4])
             done += 1
+    n = g.world_size
+    for c in (count, 2 * count + 3):  # allgather and reduce_scatter (blocks of c)
+        assert g.chosen_algorithm("allgather", 4 * c * n) == "pull"
+        assert g.chosen_algorithm("reduce_scatter", 4 * c * n) == "pull"
+        out = await g.allgather(np.full(c, g.rank, np.float32))
+        assert all((out[q] == q).all() for q in range(n))
+        dest = await g.reduce_scatter(np.repeat(np.arange(n, dtype=np.float32) + g.rank, c))
+        assert (dest == sum(g.rank + q for q in range(n))).all(), dest[:4]
+        done += 2
     return reads, done
 
 
@@ -103,7 +141,7 @@ async def test_links_whose_pull_check_failed_get_pushes(
     else:
         assert any(reads), reads  # both kinds of link in one group
         assert not all(reads), reads
-    assert [done for _, done in res] == [6] * 3
+    assert [done for _, done in res] == [10] * 3
 
 
 async def test_the_default_against_a_forced_ring_is_a_mismatch() -> None:
