@@ -377,7 +377,7 @@ class Group(GroupCore):
         algorithm: str | None = None,
     ) -> asyncio.Task[Any]:
         """Gather every rank's ``send`` into ``out`` of shape ``(world_size, *send.shape)``
-        (``ring`` or ``direct``)."""
+        (``ring``, ``direct``, or ``pull`` where every rank reads the others' memory)."""
         arr = as_array(send, "send", writable=False)
         n = self.world_size
         res = output(out, (n, *arr.shape), arr.dtype)
@@ -504,7 +504,7 @@ class Group(GroupCore):
         algorithm: str | None = None,
     ) -> asyncio.Task[Any]:
         """Reduce ``send`` across ranks; rank r gets the r-th of ``world_size`` blocks
-        (``ring`` or ``direct``)."""
+        (``ring``, ``direct``, or ``pull`` where every rank reads the others' memory)."""
         arr = as_array(send, "send", writable=False)
         n = self.world_size
         divisible(arr, n, "send")

@@ -80,3 +80,18 @@ async def bad_record(g: ac.Group, fault: str) -> str:
     except ac.AiocollectError as exc:
         return f"{type(exc).__name__}: {exc} / {exc.__cause__!r}"
     return "no error"
+
+
+async def subgroups(g: ac.Group) -> list[int]:
+    """A pull allreduce in each half of a split, in flight together with one of the whole
+    group, then a pull allgather in the half; returns the half's gathered ranks."""
+    sub = await g.split(g.rank % 2)
+    assert sub is not None
+    assert sub.chosen_algorithm("allreduce", select.PULL_MIN) == "pull"
+    x = np.full(select.PULL_MIN // 4, g.rank, np.float32)
+    y = np.ones(select.PULL_MIN // 4, np.float32)
+    await asyncio.gather(sub.allreduce(x), g.allreduce(y))
+    assert (x == sum(r for r in range(g.world_size) if r % 2 == g.rank % 2)).all(), x[:3]
+    assert (y == g.world_size).all(), y[:3]
+    out = await sub.allgather(np.full(select.PULL_MIN // 4, g.rank, np.float32))
+    return [int(row[0]) for row in out]

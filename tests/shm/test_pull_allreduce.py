@@ -186,3 +186,10 @@ async def test_chosen_algorithm_names_what_runs() -> None:
 
     assert await run_ranks(3, body, transport="shm") == [["pull", "ring", "star"]] * 3
     assert await run_ranks(3, body, transport="tcp") == [["ring", "ring", "star"]] * 3
+
+
+async def test_subgroups_read_too() -> None:
+    """A split of a group on one host reads as well (its ranks' records predicted it), with
+    the whole group's operation in flight beside the halves'."""
+    res = await spawn_ranks(4, pull_targets.subgroups, timeout=60)
+    assert res == [[0, 2], [1, 3], [0, 2], [1, 3]]
