@@ -45,7 +45,7 @@ ALGORITHM_CODES: dict[Collective, dict[str, int]] = {
         "star": 3,
         "pull": 4,
     },
-    Collective.BROADCAST: {"binomial": 0, "pipeline": 1},
+    Collective.BROADCAST: {"binomial": 0, "pipeline": 1, "pull": 2},
     Collective.REDUCE: {"binomial": 0},
     Collective.ALLGATHER: {"ring": 0, "direct": 1, "pull": 2},
     Collective.ALLGATHERV: {"ring": 0},

@@ -39,6 +39,9 @@ q of its buffer (slot ``PUSH_RS``) for the reduce-scatter and, instead of the do
 its final block (``PUSH_AG``). So the algorithm is correct over any links, and fast where
 it reads.
 
+The reduce-scatter, allgather and broadcast of this module are parts of the same scheme
+(their docstrings say which).
+
 Results are identical on every rank (each block is reduced by one rank and copied), but
 not bit-identical to the ring's, whose fold order differs.
 """
@@ -79,20 +82,31 @@ class _Exchange:
     every peer (read, or pushed to where the peer cannot read it), the peers' addresses
     as they come, and the finished frames that hand every buffer back."""
 
-    def __init__(self, op: Op, buf: Array, what: str) -> None:
+    def __init__(
+        self,
+        op: Op,
+        buf: Array,
+        what: str,
+        readers: Sequence[int] | None = None,
+        sources: Sequence[int] | None = None,
+    ) -> None:
+        """Announce ``buf`` to ``readers`` and expect the addresses of ``sources`` (both
+        default to every peer, in the order r+1, r+2, ...: ``order``)."""
         n, r = op.size, op.rank
         self.op = op
         self.what = what
         self.nbytes = buf.nbytes
         self.order = [(r + k) % n for k in range(1, n)]
+        readers = self.order if readers is None else readers
+        sources = self.order if sources is None else sources
         # this rank pushes to the peers that cannot read its memory
-        self.push_to = {q: not op.link(q).caps.reference_min for q in self.order}
+        self.push_to = {q: not op.link(q).caps.reference_min for q in readers}
         self.table = np.zeros((n, 3), np.uint64)
         # (in chunks like any payload: a group's frames may be smaller than the record)
-        self._addrs = {q: op.recv_chunks(q, ADDR, self.table[q].view(np.uint8)) for q in self.order}
-        self._fins = [op.recv(q, FIN, 0, _EMPTY) for q in self.order if not self.push_to[q]]
+        self._addrs = {q: op.recv_chunks(q, ADDR, self.table[q].view(np.uint8)) for q in sources}
+        self._fins = [op.recv(q, FIN, 0, _EMPTY) for q in readers if not self.push_to[q]]
         base = int(buf.ctypes.data)
-        for q in self.order:
+        for q in readers:
             record = _record(base, buf.nbytes, self.push_to[q])
             for c, part in enumerate(op.chunks(record.view(np.uint8))):
                 op.send_now(q, ADDR, c, part)
@@ -159,8 +173,8 @@ class _Exchange:
     ) -> None:
         """Send every peer this rank pushes to its data as frames of ``slot``:
         ``parts[q]``, or ``whole`` to each."""
-        for q in self.order:
-            if self.push_to[q]:
+        for q, push in self.push_to.items():
+            if push:
                 data = whole if parts is None else parts[q]
                 assert data is not None
                 for c, part in enumerate(self.op.chunks(data)):
@@ -306,3 +320,30 @@ async def allgather(op: Op, send: Array, blocks: Sequence[Array]) -> None:
             await ex.read(q, byte_view(blocks[q]), addr)
             ex.finished(q)
     await ex.handed_back()
+
+
+async def broadcast(op: Op, buf: Array, root: int) -> None:
+    """Copy ``root``'s flat ``buf`` into every rank's: the root announces its buffer, every
+    other rank reads it straight into its own (``AG_STEP`` per loop turn) and says
+    finished; the root ends once every reader has (a root that cannot be read by a rank
+    pushes to it).
+
+    Raises:
+        as :func:`allreduce`.
+    """
+    n = op.size
+    if n == 1 or not buf.nbytes:
+        return
+    if op.rank == root:
+        ex = _Exchange(op, buf, "broadcast", sources=())
+        await ex.push(PUSH_AG, None, buf)
+        await ex.handed_back()
+        return
+    ex = _Exchange(op, buf, "broadcast", readers=(), sources=(root,))
+    addr = await ex.address(root)
+    if addr is None:
+        for fut in op.recv_chunks(root, PUSH_AG, buf):
+            await fut
+        return
+    await ex.read(root, byte_view(buf), addr)
+    ex.finished(root)

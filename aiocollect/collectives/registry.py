@@ -147,6 +147,7 @@ BROADCAST: Registry[[Op, Array, int], None] = Registry(
     [
         Algorithm("binomial", tree.broadcast, tree.small_program, tree.small_covers),
         Algorithm("pipeline", pipeline.broadcast),
+        Algorithm("pull", pull.broadcast),
     ],
     select.broadcast,
 )

@@ -31,10 +31,14 @@ STAR_WORLD = range(3, 5)
 #: pull allreduce was faster at two and four ranks (docs/algorithms.md, "Pull").
 PULL_MIN = 1024 * 1024
 #: The same for allgather (the gathered total) and reduce_scatter (the input), except that
-#: a two-rank allgather reads from the pull allreduce's size up: at 1 and 4 MiB the ring's
-#: one pulled frame per rank beat the pull's address and finished rounds, at 16 MiB it
-#: no longer did (docs/algorithms.md, "Pull").
-TWO_RANK_PULL_ALLGATHER_MIN = 16 * 1024 * 1024
+#: a two-rank allgather reads from here up: at 1 and 4 MiB the ring's one pulled frame
+#: per rank beat the pull's address and finished rounds, at 16 MiB it no longer did; and
+#: a two-rank broadcast (binomial: one pulled frame per chunk) likewise
+#: (docs/algorithms.md, "Pull").
+TWO_RANK_PULL_MIN = 16 * 1024 * 1024
+#: A broadcast of three or more ranks reads the root's buffer from here up (binomial was
+#: faster at 1 MiB, the pull from 4 MiB at four ranks).
+PULL_BROADCAST_MIN = 4 * 1024 * 1024
 
 
 def star(n: int, one_thread: bool) -> bool:
@@ -63,6 +67,8 @@ def barrier(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False) 
 
 
 def broadcast(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False) -> str:
+    if pulls and n >= 2 and nbytes >= (PULL_BROADCAST_MIN if n > 2 else TWO_RANK_PULL_MIN):
+        return "pull"
     return "binomial" if n <= 3 or nbytes <= BROADCAST_BINOMIAL_MAX else "pipeline"
 
 
@@ -75,7 +81,7 @@ def by_block(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False)
 
 def allgather(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False) -> str:
     """``nbytes``: the gathered total."""
-    least = PULL_MIN if n > 2 else TWO_RANK_PULL_ALLGATHER_MIN
+    least = PULL_MIN if n > 2 else TWO_RANK_PULL_MIN
     if pulls and n >= 2 and nbytes // n > DIRECT_BLOCK_MAX and nbytes >= least:
         return "pull"
     return by_block(nbytes, n, one_thread, pulls)

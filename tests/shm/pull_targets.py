@@ -34,7 +34,8 @@ def _block(rank: int, count: int, i: int) -> np.ndarray[Any, Any]:
 
 
 async def gather_scatter_mix(g: ac.Group, in_flight: int) -> dict[str, Any]:
-    """allgather and reduce_scatter with the default algorithm, ``in_flight`` of each at
+    """allgather, reduce_scatter and broadcast (from a different root each) with the
+    default algorithm, ``in_flight`` of each at
     once, on both sides of their switch to the pull algorithms (block counts: the
     gathered total or the input just under and at ``select.PULL_MIN``, then 16 MiB and
     past it), checked exactly. Returns what the automatic choice took per size."""
@@ -52,12 +53,16 @@ async def gather_scatter_mix(g: ac.Group, in_flight: int) -> dict[str, Any]:
         dests = [np.empty(count, np.float32) for _ in range(in_flight)]
         handles = [g.allgather(s, o) for s, o in zip(sends, outs, strict=True)]
         handles += [g.reduce_scatter(x, d) for x, d in zip(inputs, dests, strict=True)]
+        chosen[f"broadcast {total}"] = g.chosen_algorithm("broadcast", count * 4 * n)
+        casts = [_block(g.rank, count * n, i) for i in range(in_flight)]
+        handles += [g.broadcast(b, root=i % n) for i, b in enumerate(casts)]
         await asyncio.gather(*handles)
         for i in range(in_flight):
             for q in range(n):
                 np.testing.assert_array_equal(outs[i][q], _block(q, count, i), f"allgather {total}")
             want = np.sum([_block(q + g.rank, count, i) for q in range(n)], axis=0)
             np.testing.assert_array_equal(dests[i], want, f"reduce_scatter {total}")
+            np.testing.assert_array_equal(casts[i], _block(i % n, count * n, i), "broadcast")
     return chosen
 
 

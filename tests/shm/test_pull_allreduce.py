@@ -40,9 +40,15 @@ def test_the_automatic_choice() -> None:
         assert gather(None, select.PULL_MIN - 8 * n, n, pulls=True).name == "ring"
         assert gather(None, 64 << 20, n).name == "ring"
     assert gather(None, select.PULL_MIN, 2, pulls=True).name == "ring"  # two ranks: later
-    assert gather(None, select.TWO_RANK_PULL_ALLGATHER_MIN, 2, pulls=True).name == "pull"
+    assert gather(None, select.TWO_RANK_PULL_MIN, 2, pulls=True).name == "pull"
     assert scatter(None, select.PULL_MIN, 2, pulls=True).name == "pull"
     assert gather(None, 256 * select.DIRECT_BLOCK_MAX, 256, pulls=True).name == "direct"
+    cast = registry.BROADCAST.choose
+    assert cast(None, select.PULL_BROADCAST_MIN, 4, pulls=True).name == "pull"
+    assert cast(None, select.PULL_BROADCAST_MIN - 1, 4, pulls=True).name == "pipeline"
+    assert cast(None, select.PULL_BROADCAST_MIN, 2, pulls=True).name == "binomial"
+    assert cast(None, select.TWO_RANK_PULL_MIN, 2, pulls=True).name == "pull"
+    assert cast(None, 64 << 20, 4).name == "pipeline"
 
 
 def test_the_records_predict_pulls() -> None:
@@ -70,7 +76,8 @@ async def test_in_processes_over_the_default_transport(n: int, uvloop: bool) -> 
 
 @pytest.mark.parametrize("n", [2, 4])
 async def test_allgather_and_reduce_scatter_in_processes(n: int) -> None:
-    """The same for allgather and reduce_scatter (uvloop), 2 of each in flight."""
+    """The same for allgather, reduce_scatter and broadcast (uvloop), 2 of each in
+    flight."""
     res = await spawn_ranks(n, pull_targets.gather_scatter_mix, 2, timeout=100, uvloop=True)
     small, at = select.PULL_MIN - 4 * n, select.PULL_MIN
     big = 16 << 20
@@ -83,6 +90,10 @@ async def test_allgather_and_reduce_scatter_in_processes(n: int) -> None:
         f"reduce_scatter {big}": "pull",
         f"allgather {big + 4 * n}": "pull",
         f"reduce_scatter {big + 4 * n}": "pull",
+        f"broadcast {small}": "binomial" if n == 2 else "pipeline",
+        f"broadcast {at}": "binomial" if n == 2 else "pipeline",
+        f"broadcast {big}": "pull",
+        f"broadcast {big + 4 * n}": "pull",
     }
     assert res == [want] * n
 
@@ -108,13 +119,17 @@ async def _reads_and_sums(g: ac.Group) -> tuple[list[bool], int]:
             assert (b == want).all(), (c, i, b[:4])
             done += 1
     n = g.world_size
-    for c in (count, 2 * count + 3):  # allgather and reduce_scatter (blocks of c)
+    for c in (count, 2 * count + 3):  # allgather, reduce_scatter, broadcast (blocks of c)
         assert g.chosen_algorithm("allgather", 4 * c * n) == "pull"
         assert g.chosen_algorithm("reduce_scatter", 4 * c * n) == "pull"
         out = await g.allgather(np.full(c, g.rank, np.float32))
         assert all((out[q] == q).all() for q in range(n))
         dest = await g.reduce_scatter(np.repeat(np.arange(n, dtype=np.float32) + g.rank, c))
         assert (dest == sum(g.rank + q for q in range(n))).all(), dest[:4]
+        for root in range(n):
+            cast = np.full(c * n, g.rank, np.float32)
+            await g.broadcast(cast, root=root, algorithm="pull")
+            assert (cast == root).all(), (root, cast[:4])
         done += 2
     return reads, done
 
