@@ -208,3 +208,17 @@ async def test_subgroups_read_too() -> None:
     the whole group's operation in flight beside the halves'."""
     res = await spawn_ranks(4, pull_targets.subgroups, timeout=60)
     assert res == [[0, 2], [1, 3], [0, 2], [1, 3]]
+
+
+async def test_links_that_cannot_read_say_so() -> None:
+    """``Link.read_peer`` on a link without one-sided reads (in-process memory, TCP) is an
+    InternalError, never a silent no-op; the pull algorithms never call it there."""
+
+    async def body(g: ac.Group) -> str:
+        link = g._fabric.links[1 - g.rank]
+        with pytest.raises(ac.InternalError, match="cannot read its peer's memory"):
+            link.read_peer(memoryview(bytearray(8)), 4096)
+        return g.chosen_algorithm("allreduce", 64 << 20)
+
+    assert await run_ranks(2, body) == ["ring", "ring"]
+    assert await run_ranks(2, body, transport="tcp") == ["ring", "ring"]
