@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import zlib
 from collections.abc import Sequence
 from typing import Any, overload
@@ -257,13 +258,13 @@ class Group(GroupCore):
         self, reg: registry.Registry[Any, Any], algorithm: str | None, nbytes: int
     ) -> registry.Algorithm[Any, Any]:
         """``reg.choose`` with what this group's links are (the same on every rank)."""
-        return reg.choose(
-            algorithm, nbytes, self.world_size, self._one_thread(), self._fabric.pulls
-        )
+        return reg.choose(algorithm, nbytes, self.world_size, self._one_thread, self._fabric.pulls)
 
+    @functools.cached_property
     def _one_thread(self) -> bool:
         """Whether every peer of this group runs on this thread (in-process memory links:
-        the same answer on every rank), for the automatic algorithm choice."""
+        the same answer on every rank), for the automatic algorithm choice. A group's
+        links are fixed when it forms, so this is asked once, not per call."""
         links, me = self._fabric.links, self._fabric.rank
         peers = [links.get(r) for r in self._ranks if r != me]
         return bool(peers) and all(link is not None and link.caps.same_thread for link in peers)

@@ -49,6 +49,7 @@ not bit-identical to the ring's, whose fold order differs.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -168,16 +169,12 @@ class _Exchange:
             ufunc(first[s : s + m], scratch[:m], out=piece)
             await asyncio.sleep(0)
 
-    async def push(
-        self, slot: int, parts: Sequence[Array] | None, whole: Array | None = None
-    ) -> None:
-        """Send every peer this rank pushes to its data as frames of ``slot``:
-        ``parts[q]``, or ``whole`` to each."""
+    async def push(self, slot: int, parts: Sequence[Array]) -> None:
+        """Send every peer this rank pushes to its part ``parts[q]`` as frames of
+        ``slot``."""
         for q, push in self.push_to.items():
             if push:
-                data = whole if parts is None else parts[q]
-                assert data is not None
-                for c, part in enumerate(self.op.chunks(data)):
+                for c, part in enumerate(self.op.chunks(parts[q])):
                     await self.op.send(q, slot, c, part)
 
     async def fold_pushed(
@@ -185,8 +182,7 @@ class _Exchange:
     ) -> None:
         """As :meth:`fold`, for the block rank ``q`` pushes (``PUSH_RS`` frames)."""
         part = np.empty_like(dest)
-        for fut in self.op.recv_chunks(q, PUSH_RS, part):
-            await fut
+        await _landed(self.op.recv_chunks(q, PUSH_RS, part))
         await reduce_into(ufunc, dest, part, base)
 
     def finished(self, q: int) -> None:
@@ -197,6 +193,12 @@ class _Exchange:
         """Wait until every peer that reads this rank's buffer has said it finished."""
         for fut in self._fins:
             await fut
+
+
+async def _landed(futs: list[asyncio.Future[None]]) -> None:
+    """Wait for every receive in ``futs`` (the frames of one pushed array)."""
+    for fut in futs:
+        await fut
 
 
 def _scratch(block: Array) -> Array:
@@ -220,9 +222,7 @@ async def allreduce(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> None:
         return
     blocks = flat_blocks(buf, n)
     mine = blocks[r]
-    offsets = [0] * n
-    for b in range(1, n):
-        offsets[b] = offsets[b - 1] + blocks[b - 1].nbytes
+    offsets = [0, *itertools.accumulate(b.nbytes for b in blocks)]  # (bytes, in buf)
     ex = _Exchange(op, buf, "allreduce")
     await ex.push(PUSH_RS, blocks)
 
@@ -247,13 +247,12 @@ async def allreduce(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> None:
     for q in ex.order:
         if not ex.push_to[q]:
             op.send_now(q, DONE, 0, _EMPTY)
-    await ex.push(PUSH_AG, None, mine)
+    await ex.push(PUSH_AG, [mine] * n)
 
     view = byte_view(buf)
     for q in ex.order:
         if q in pushed:
-            for fut in pushed[q]:
-                await fut
+            await _landed(pushed[q])
             continue
         await dones[q]
         lo, hi = offsets[q], offsets[q] + blocks[q].nbytes
@@ -309,13 +308,12 @@ async def allgather(op: Op, send: Array, blocks: Sequence[Array]) -> None:
         await copy_into(blocks[r], send)
         return
     ex = _Exchange(op, send, "allgather")
-    await ex.push(PUSH_AG, None, send)
+    await ex.push(PUSH_AG, [send] * n)
     await copy_into(blocks[r], send)
     for q in ex.order:
         addr = await ex.address(q)
         if addr is None:
-            for fut in op.recv_chunks(q, PUSH_AG, blocks[q]):
-                await fut
+            await _landed(op.recv_chunks(q, PUSH_AG, blocks[q]))
         else:
             await ex.read(q, byte_view(blocks[q]), addr)
             ex.finished(q)
@@ -336,14 +334,13 @@ async def broadcast(op: Op, buf: Array, root: int) -> None:
         return
     if op.rank == root:
         ex = _Exchange(op, buf, "broadcast", sources=())
-        await ex.push(PUSH_AG, None, buf)
+        await ex.push(PUSH_AG, [buf] * n)
         await ex.handed_back()
         return
     ex = _Exchange(op, buf, "broadcast", readers=(), sources=(root,))
     addr = await ex.address(root)
     if addr is None:
-        for fut in op.recv_chunks(root, PUSH_AG, buf):
-            await fut
+        await _landed(op.recv_chunks(root, PUSH_AG, buf))
         return
     await ex.read(root, byte_view(buf), addr)
     ex.finished(root)

@@ -79,16 +79,19 @@ def by_block(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False)
     return "direct" if nbytes // max(1, n) <= DIRECT_BLOCK_MAX else "ring"
 
 
-def allgather(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False) -> str:
-    """``nbytes``: the gathered total."""
-    least = PULL_MIN if n > 2 else TWO_RANK_PULL_MIN
+def _pull_or_by_block(nbytes: int, n: int, pulls: bool, least: int) -> str:
+    """``pull`` from ``least`` bytes where every rank reads the others (and the blocks
+    are past direct's), else :func:`by_block`."""
     if pulls and n >= 2 and nbytes // n > DIRECT_BLOCK_MAX and nbytes >= least:
         return "pull"
-    return by_block(nbytes, n, one_thread, pulls)
+    return by_block(nbytes, n)
+
+
+def allgather(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False) -> str:
+    """``nbytes``: the gathered total."""
+    return _pull_or_by_block(nbytes, n, pulls, PULL_MIN if n > 2 else TWO_RANK_PULL_MIN)
 
 
 def reduce_scatter(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False) -> str:
     """``nbytes``: the input."""
-    if pulls and n >= 2 and nbytes // n > DIRECT_BLOCK_MAX and nbytes >= PULL_MIN:
-        return "pull"
-    return by_block(nbytes, n, one_thread, pulls)
+    return _pull_or_by_block(nbytes, n, pulls, PULL_MIN)

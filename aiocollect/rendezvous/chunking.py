@@ -60,8 +60,7 @@ def all_pull(records: Mapping[int, Mapping[str, Any]]) -> bool:
 
 def group_chunk_bytes(records: Mapping[int, Mapping[str, Any]]) -> int:
     """The default chunk size of the group whose ranks published ``records`` (all of them,
-    this rank's included): ``PULLED_CHUNK_BYTES`` when there are two or more and every one
-    comes from this host (:func:`~aiocollect.transport.host.same_host`), offers shared
-    memory (its ``shm`` mode is not ``off``) and pulls (a positive ``pull_min``); else
-    ``DEFAULT_CHUNK_BYTES`` (:func:`all_pull`: the same on every rank)."""
+    this rank's included): ``PULLED_CHUNK_BYTES`` when they predict that every rank pulls
+    from every other (:func:`all_pull`, the same on every rank), else
+    ``DEFAULT_CHUNK_BYTES``."""
     return PULLED_CHUNK_BYTES if all_pull(records) else DEFAULT_CHUNK_BYTES

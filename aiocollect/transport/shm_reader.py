@@ -190,8 +190,7 @@ class RingReader(StreamLink):
             ProtocolError: the range is not the peer's memory (``EFAULT``), or this side
                 may not read it although it said it would.
         """
-        rx = self.rx
-        if rx is None or self._rx_dead or not self.shm:
+        if self.rx is None or self._rx_dead or not self.shm:
             raise self.failure or PeerDisconnected(
                 f"link to {self.describe()} is closed", self.peer
             )

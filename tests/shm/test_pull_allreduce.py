@@ -106,8 +106,9 @@ async def test_over_tcp_no_pulls_are_predicted() -> None:
 
 
 async def _reads_and_sums(g: ac.Group) -> tuple[list[bool], int]:
-    """Which peers this rank reads (its links' pull check), then default allreduces at
-    and above PULL_MIN (the records still predict pulls: the pull allreduce), exact."""
+    """Which peers this rank reads (its links' pull check), then default allreduces,
+    allgathers and reduce_scatters at and above PULL_MIN (the records still predict pulls:
+    the pull algorithms) and pull broadcasts from every root, exact."""
     reads = [bool(g._fabric.links[p].caps.pull_min) for p in range(g.world_size) if p != g.rank]
     count = select.PULL_MIN // 4
     done = 0
