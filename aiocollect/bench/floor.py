@@ -14,9 +14,13 @@ that data flow can reach the target on this machine (docs/shm.md, *Against the t
   ring moves per rank (2 (N-1)/N of the data, one copy each, (N-1)/N reduced) with the
   fewest copies and no pipelining overhead. Prints the median time of the slowest rank and
   the NCCL-tests bus bandwidth, as ``aiocollect bench`` does.
-- ``latency``: a 4-byte float32 allreduce by recursive doubling over blocking Unix socket
-  pairs (N a power of two), numpy adds. Prints the median time per allreduce (slowest
-  rank).
+- ``latency``: a small float32 allreduce (4 bytes unless ``--sizes`` says otherwise) by
+  recursive doubling over blocking Unix socket pairs (N a power of two), numpy adds.
+  Prints the median time per allreduce (slowest rank).
+
+:func:`measure` picks the floor of one allreduce size as ``aiocollect bench --floor``
+does in every round: the latency floor below ``BULK_MIN`` bytes (where a frame's cost is
+the time), the bandwidth floor from there (where the copies are).
 
 Every rank checks its result against the closed form; a wrong one fails the run (exit 1).
 Rank processes are forked; they exit with the run.
@@ -25,6 +29,7 @@ Rank processes are forked; they exit with the run.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -33,17 +38,24 @@ import sys
 import time
 from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from aiocollect._buffers import byte_view
-from aiocollect.bench.spec import parse_size, parse_sizes
+from aiocollect.bench.spec import format_size, parse_size, parse_sizes
 from aiocollect.transport import cma
 
 _CTX = mp.get_context("fork")
 #: A rank waiting longer than this at a barrier gives up (exits non-zero).
 BARRIER_SECONDS = 60.0
+#: :func:`measure` uses the bandwidth floor from this many bytes, the latency floor below
+#: (the size from which shared-memory links send by reference: ``cma.PULL_MIN``).
+BULK_MIN = cma.PULL_MIN
+#: :func:`measure`'s iterations: latency floor, bandwidth floor.
+LATENCY_ITERS = 2000
+BANDWIDTH_ITERS = 15
 
 
 def _pull_worker(
@@ -139,10 +151,15 @@ def bandwidth(n: int, nbytes: int, chunk: int = 1 << 20, iters: int = 15) -> flo
 
 
 def _doubling_worker(
-    rank: int, n: int, socks: dict[tuple[int, int], socket.socket], iters: int, out: Any
+    rank: int,
+    n: int,
+    socks: dict[tuple[int, int], socket.socket],
+    iters: int,
+    nbytes: int,
+    out: Any,
 ) -> None:
-    val = np.ones(1, np.float32)
-    raw = bytearray(4)
+    val = np.ones(nbytes // 4, np.float32)
+    raw = bytearray(nbytes)
     got = np.frombuffer(raw, np.float32)
     times = []
     ok = True
@@ -151,26 +168,30 @@ def _doubling_worker(
         mask = 1
         while mask < n:
             sock = socks[(rank, rank ^ mask)]
-            sock.sendall(val.tobytes())
-            sock.recv_into(raw, 4, socket.MSG_WAITALL)
+            sock.sendall(byte_view(val))
+            sock.recv_into(raw, nbytes, socket.MSG_WAITALL)
             val += got
             mask <<= 1
-        ok = ok and bool(val[0] == n)
-        val[0] = 1
+        ok = ok and bool((val == n).all())
+        val[...] = 1
         if i >= iters // 10:  # the first tenth warms up
             times.append(time.perf_counter() - start)
     out.put((rank, float(np.median(times)), ok))
 
 
-def latency(n: int, iters: int = 3000) -> float:
-    """Seconds per 4-byte allreduce among ``n`` ranks (a power of two; the slowest rank's
-    median), by recursive doubling over blocking socket pairs.
+def latency(n: int, iters: int = 3000, nbytes: int = 4) -> float:
+    """Seconds per allreduce of ``nbytes`` (float32, 4 by default) among ``n`` ranks (a
+    power of two; the slowest rank's median), by recursive doubling over blocking socket
+    pairs.
 
     Raises:
-        ValueError: ``n`` is not a power of two of at least 2.
+        ValueError: ``n`` is not a power of two of at least 2, or ``nbytes`` is not a
+            positive multiple of 4.
         RuntimeError: a rank failed or computed a wrong result."""
     if n < 2 or n & (n - 1):
         raise ValueError("recursive doubling needs a power-of-two number of ranks")
+    if nbytes <= 0 or nbytes % 4:
+        raise ValueError(f"need a size that is a positive multiple of 4 bytes, got {nbytes}")
     socks: dict[tuple[int, int], socket.socket] = {}
     for r in range(n):
         mask = 1
@@ -180,10 +201,63 @@ def latency(n: int, iters: int = 3000) -> float:
                 socks[(r, p)], socks[(p, r)] = socket.socketpair()
             mask <<= 1
     try:
-        return _run(_doubling_worker, n, (socks, iters))
+        return _run(_doubling_worker, n, (socks, iters, nbytes))
     finally:
         for s in socks.values():
             s.close()
+
+
+def method(n: int, nbytes: int) -> str:
+    """Which floor :func:`measure` runs for an allreduce of ``nbytes`` among ``n`` ranks:
+    ``"latency"`` below ``BULK_MIN`` bytes, else ``"bandwidth"``."""
+    del n  # (the same switch for every world size)
+    return "latency" if nbytes < BULK_MIN else "bandwidth"
+
+
+def measure(n: int, nbytes: int) -> tuple[str, int, float]:
+    """The floor of an allreduce of ``nbytes`` among ``n`` ranks: ``(method, bytes
+    measured, seconds)``. The latency floor (:func:`method`) measures ``nbytes`` rounded
+    down to a multiple of 4 (at least 4), the bandwidth floor ``nbytes`` rounded down to a
+    multiple of ``4 n``; a size that rounds to nothing is an error.
+
+    Raises:
+        ValueError: the floor cannot measure this (rank count not a power of two for the
+            latency floor, a size too small for the bandwidth floor, fewer than 2 ranks).
+        OSError: this host cannot use process_vm_readv (the bandwidth floor).
+        RuntimeError: a rank failed or computed a wrong result."""
+    how = method(n, nbytes)
+    if how == "latency":
+        size = max(4, nbytes // 4 * 4)
+        return how, size, latency(n, LATENCY_ITERS, size)
+    size = nbytes // (4 * n) * (4 * n)
+    return how, size, bandwidth(n, size, iters=BANDWIDTH_ITERS)
+
+
+def _measure_main(n: int, sizes: str, out: Path) -> int:
+    """``measure``: the floor of every size (:func:`measure`), one JSON record per size,
+    ``{"size", "method", "bytes", "us"}`` or ``{"size", "error"}`` where the floor cannot
+    measure it; a progress line per size on stderr. Exit status 1 only for bad arguments."""
+    try:
+        wanted = parse_sizes(sizes)
+    except ValueError as exc:
+        print(f"floor: {exc}", file=sys.stderr)
+        return 1
+    records: list[dict[str, Any]] = []
+    for size in wanted:
+        try:
+            how, nbytes, t = measure(n, size)
+        except (ValueError, OSError, RuntimeError) as exc:
+            records.append({"size": size, "error": str(exc)})
+            print(f"floor N={n} {format_size(size)}: not measured: {exc}", file=sys.stderr)
+            continue
+        records.append({"size": size, "method": how, "bytes": nbytes, "us": t * 1e6})
+        print(
+            f"floor N={n} {format_size(size)} ({how}): p50 {t * 1e6:.1f} us",
+            file=sys.stderr,
+            flush=True,
+        )
+    out.write_text(json.dumps(records))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -197,10 +271,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     bw.add_argument("--sizes", default="16M,64M", help="default 16M,64M")
     bw.add_argument("--chunk", default="1M", help="pull-and-add piece (default 1M)")
     bw.add_argument("--iters", type=int, default=15, help="timed iterations (default 15)")
-    lat = sub.add_parser("latency", help="4-byte allreduce over blocking sockets")
+    lat = sub.add_parser("latency", help="small allreduce over blocking sockets")
     lat.add_argument("-n", "--nproc", default="2", help="rank counts, e.g. 2,4 (default 2)")
+    lat.add_argument("--sizes", default="4", help="bytes per allreduce (default 4)")
     lat.add_argument("--iters", type=int, default=3000, help="timed iterations")
+    each = sub.add_parser(
+        "measure", help="the floor of each size, as aiocollect bench --floor runs it (JSON)"
+    )
+    each.add_argument("-n", "--nproc", type=int, default=2, help="ranks (default 2)")
+    each.add_argument("--sizes", required=True, help="allreduce sizes in bytes")
+    each.add_argument("--json", type=Path, required=True, help="write the results here")
     ns = parser.parse_args(argv)
+    if ns.what == "measure":
+        return _measure_main(ns.nproc, ns.sizes, ns.json)
     try:
         ranks = [int(x) for x in str(ns.nproc).split(",")]
         if ns.what == "bandwidth":
@@ -216,8 +299,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     )
         else:
             for n in ranks:
-                t = latency(n, ns.iters)
-                print(f"floor allreduce N={n} 4B: p50 {t * 1e6:.0f} us", flush=True)
+                for size in parse_sizes(ns.sizes):
+                    t = latency(n, ns.iters, size)
+                    print(
+                        f"floor allreduce N={n} {format_size(size)}B: p50 {t * 1e6:.0f} us",
+                        flush=True,
+                    )
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"floor: {exc}", file=sys.stderr)
         return 1

@@ -1,11 +1,14 @@
 """The figure of ``aiocollect bench --plot``: four panels from the summary rows.
 
 - top left, the headline: the same-run ratio, aiocollect bus bandwidth / the baseline's
-  (gloo; else the ``--compare`` transport), per size, on a linear axis with the line at 1;
+  (gloo; else the ``--compare`` transport; else, with ``--floor`` alone, the floor's: floor
+  time / aiocollect p50), per size, on a linear axis with the line at 1;
 - top right: bus bandwidth on a linear axis (large sizes are what it is about; a log axis
   let the 4-byte points squash them into a sliver);
 - bottom: p50 latency split at 256 KiB, each half on its own axis (small sizes linear in
   µs, large sizes in ms), so neither range flattens the other;
+- with ``--floor``, the framework-free floor's p50 as a grey dash-dotted series in both
+  latency panels;
 - a footer with the date, the load average (start, peak, end, against the cores) and the
   load warning when the machine was busy.
 
@@ -102,7 +105,14 @@ def plot(
     names = list(dict.fromkeys(r["name"] for r in rows if r["concurrency"] == 1))
     series = _series(rows, transport)
     has_gloo = any(r.get("gloo") is not None for r in rows)
+    has_compare = any("compare_transport" in r for r in rows)
     ref_key, ref_tag = ("bw_ratio", "gloo") if has_gloo else ("compare_bw_ratio", series[-2][3])
+    if not has_gloo and not has_compare and any("floor_ratio" in r for r in rows):
+        # --floor alone: the bandwidth against the floor's (floor time / aiocollect's p50)
+        ref_key, ref_tag = "floor_bw", "floor"
+        rows = [
+            {**r, "floor_bw": 1 / r["floor_ratio"]} if r.get("floor_ratio") else r for r in rows
+        ]
     ticks: set[int] = set()
     n = 0
     for name in names:
@@ -141,6 +151,20 @@ def plot(
                     color=color,
                     label=f"{name}: {tag} / {ref_tag}",
                 )
+    floor = [
+        (r["size"], r["floor_us"])
+        for r in rows
+        if r.get("floor_us") is not None and r["floor_us"] == r["floor_us"]
+    ]
+    if floor:  # (--floor: allreduce only)
+        kw = {"marker": "+", "color": "grey", "label": "allreduce (framework-free floor)"}
+        small_f = [p for p in floor if p[0] < SPLIT]
+        large_f = [p for p in floor if p[0] >= SPLIT]
+        if small_f:
+            ax_small.plot([p[0] for p in small_f], [p[1] for p in small_f], "-.", **kw)
+        if large_f:
+            ax_large.plot([p[0] for p in large_f], [p[1] / 1000 for p in large_f], "-.", **kw)
+        ticks.update(p[0] for p in floor)
     ax_ratio.axhline(1.0, color="black", linewidth=0.8)
     ax_ratio.set_ylim(bottom=0)
     if not ax_ratio.get_lines()[:-1]:
@@ -172,7 +196,7 @@ def plot(
         ax.xaxis.set_minor_locator(NullLocator())
         if ax is not ax_ratio:
             ax.set_ylim(bottom=0)
-    for ax in (ax_ratio, ax_bw):
+    for ax in (ax_ratio, ax_bw, *((ax_small, ax_large) if floor else ())):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
     fig.suptitle(title)

@@ -6,7 +6,10 @@ correct only if every rank of every round got the closed-form result. Ratios are
 aiocollect/gloo of those medians: bandwidth (above 1 favours aiocollect) and p50 latency
 (below 1 favours aiocollect). With ``--compare T``, aiocollect over transport T is a third
 backend (key ``"compare"``), and ``compare_bw_ratio`` / ``compare_lat_ratio`` are
-aiocollect over ``--transport`` divided by aiocollect over T, from the same medians.
+aiocollect over ``--transport`` divided by aiocollect over T, from the same medians. With
+``--floor``, an allreduce row also holds the framework-free floor's median over rounds
+(``floor_us``) and ``floor_ratio``: aiocollect's median p50 / ``floor_us`` (1 is the
+floor; a bandwidth target of "85 % of the floor" is a ratio of at most 1/0.85).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from aiocollect import __version__
+from aiocollect.bench.floor import BULK_MIN
 from aiocollect.bench.spec import Case, format_size
 from aiocollect.bench.stats import format_number, format_time, median, summarize
 
@@ -75,9 +79,12 @@ def aggregate(
     ``"compare_algorithm"``, and ``"compare_bw_ratio"`` / ``"compare_lat_ratio"``:
     aiocollect's median busbw / the compared one (>1 favours ``--transport``) and median
     p50 / the compared one (<1 favours ``--transport``). Without it, rows are as before.
+    Where rounds ran the floor (``"floor"`` entries), allreduce rows run one at a time get
+    the floor's entries (:func:`_floor`).
     """
     backends = BACKENDS if compare is None else COMPARE_BACKENDS
     indexed = [{b: _records(entry.get(b)) for b in backends} for entry in rounds]
+    floors = _floor_records(rounds)
     rows = []
     for case in cases:
         key = (case.name, case.size)
@@ -104,8 +111,45 @@ def aggregate(
             row["compare_transport"] = compare
             row["compare_bw_ratio"] = _ratio(ac, row["compare"], "busbw_gbps")
             row["compare_lat_ratio"] = _ratio(ac, row["compare"], "p50_us")
+        if floors and case.collective == "allreduce" and case.concurrency == 1:
+            row.update(_floor(floors, case.size, ac))
         rows.append(row)
     return rows
+
+
+def _floor_records(rounds: list[dict[str, Any]]) -> list[dict[int, dict[str, Any]]]:
+    """Per round that ran the floor (``--floor``): its records by size."""
+    out = []
+    for entry in rounds:
+        floor = entry.get("floor")
+        if floor is not None:
+            out.append({int(r["size"]): r for r in floor.get("records", [])})
+    return out
+
+
+def _floor(
+    floors: list[dict[int, dict[str, Any]]], size: int, ac: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A row's floor entries: ``floor_us`` (median over the rounds that measured it, NaN
+    where none did), ``floor_method``, ``floor_bytes``, ``floor_rounds``, ``floor_ratio``
+    (aiocollect's median p50 / ``floor_us``) and, where no round measured it,
+    ``floor_error`` (why)."""
+    got = [f[size] for f in floors if size in f and "us" in f[size]]
+    out: dict[str, Any] = {
+        "floor_us": median([float(r["us"]) for r in got]) if got else float("nan"),
+        "floor_method": got[0]["method"] if got else None,
+        "floor_bytes": got[0]["bytes"] if got else None,
+        "floor_rounds": len(got),
+    }
+    out["floor_ratio"] = (
+        ac["p50_us"] / out["floor_us"]
+        if ac is not None and got and out["floor_us"] > 0
+        else float("nan")
+    )
+    if not got:
+        errors = [f[size]["error"] for f in floors if size in f and "error" in f[size]]
+        out["floor_error"] = errors[0] if errors else "the floor did not run"
+    return out
 
 
 def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str) -> float:
@@ -153,7 +197,9 @@ def _x(value: float) -> str:
     return format_number(value, 2, "x")
 
 
-def _line(row: dict[str, Any], baseline: bool, compare: str | None) -> list[str]:
+def _line(
+    row: dict[str, Any], baseline: bool, compare: str | None, floor: bool = False
+) -> list[str]:
     ac, gl = row["aiocollect"], row["gloo"]
     line = [format_size(row["size"]), row.get("aiocollect_algorithm", "auto"), str(ac["iters"])]
     if row["concurrency"] > 1:
@@ -169,6 +215,9 @@ def _line(row: dict[str, Any], baseline: bool, compare: str | None) -> list[str]
         format_number(ac["lag_p99_ms"], 2),
         format_number(ac["rss_growth_mib"], 1),
     ]
+    if floor:
+        nan = float("nan")
+        line += [format_time(row.get("floor_us", nan)), _x(row.get("floor_ratio", nan))]
     if compare is not None:
         cmp = row["compare"]
         line += [
@@ -190,7 +239,11 @@ def _line(row: dict[str, Any], baseline: bool, compare: str | None) -> list[str]
 
 
 def _headers(
-    concurrency: int, baseline: bool, transport: str = "", compare: str | None = None
+    concurrency: int,
+    baseline: bool,
+    transport: str = "",
+    compare: str | None = None,
+    floor: bool = False,
 ) -> list[str]:
     if concurrency > 1:
         head = [
@@ -204,6 +257,8 @@ def _headers(
     else:
         head = ["size", "algorithm", "iters", "p50", "p99", "mean"]
     head += ["busbw GB/s", "lag p99 ms", "rss+ MiB"]
+    if floor:
+        head += ["floor", "x floor"]
     if compare is not None:
         head += [
             f"{compare} conc p50" if concurrency > 1 else f"{compare} p50",
@@ -245,9 +300,10 @@ def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{name}: {meta['world_size']} ranks, {over(transport, compare)}, "
             f"{meta['dtype']}, median of {meta['rounds']} rounds"
         )
+        with_floor = any("floor_us" in r for r in group)
         out += _render(
-            _headers(group[0]["concurrency"], baseline, transport, compare),
-            [_line(r, baseline, compare) for r in group],
+            _headers(group[0]["concurrency"], baseline, transport, compare, with_floor),
+            [_line(r, baseline, compare, with_floor) for r in group],
         )
         out.append("")
     out += [
@@ -267,6 +323,18 @@ def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{transport}/{compare} bw: busbw over {transport} / busbw over {compare}, "
             f"medians over rounds (>1 favours {transport})."
         )
+    floored = [r for r in rows if "floor_us" in r]
+    if floored:
+        out.append(
+            "floor: the framework-free allreduce of the same bytes on this machine, run "
+            "after the others in every round (python -m aiocollect.bench.floor: recursive "
+            f"doubling over socket pairs below {format_size(BULK_MIN)}, pull-and-add from "
+            "there); x floor: aiocollect p50 / floor, medians over rounds (1/0.85 = 1.18x "
+            "is 85 % of the floor's bandwidth)."
+        )
+        missing = {r["floor_error"] for r in floored if "floor_error" in r}
+        for why in sorted(missing):
+            out.append(f"floor not measured ('-'): {why}.")
     if baseline:
         out.append(
             "bw ratio: aiocollect/gloo busbw (>1 favours aiocollect); lat ratio: "

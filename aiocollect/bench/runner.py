@@ -1,8 +1,10 @@
 """Running the rounds: one set of rank processes per backend and round, interleaved.
 
 Round i runs aiocollect's ranks over ``--transport``, then (with ``--compare T``)
-aiocollect's ranks over transport T, then (with a baseline) gloo's ranks, then round i+1,
-so that slow phases of a shared, noisy machine hit every backend alike. Every rank is a
+aiocollect's ranks over transport T, then (with a baseline) gloo's ranks, then (with
+``--floor``) the framework-free floor of every allreduce size
+(``python -m aiocollect.bench.floor measure``), then round i+1, so that slow phases of a
+shared, noisy machine hit every backend alike. Every rank is a
 ``python -m aiocollect.bench.worker`` subprocess; whatever happens (a failing rank, a
 timeout, Ctrl-C), every process started here is terminated and reaped before returning.
 """
@@ -47,6 +49,15 @@ class Plan:
     compare: str | None = None
     round_timeout: float = 900.0
     env: dict[str, str] = field(default_factory=dict)
+    #: Measure the framework-free floor of every allreduce size in every round.
+    floor: bool = False
+
+    def floor_sizes(self) -> list[int]:
+        """The sizes whose floor ``--floor`` measures: those of the allreduce cases run
+        one at a time (the floor is an allreduce, one at a time)."""
+        return sorted(
+            {c.size for c in self.sweep.cases if c.collective == "allreduce" and c.concurrency == 1}
+        )
 
 
 def rank_env(extra: dict[str, str]) -> dict[str, str]:
@@ -97,8 +108,10 @@ def _legs(plan: Plan) -> list[_Leg]:
 
 def run_rounds(plan: Plan) -> list[dict[str, Any]]:
     """All rounds, interleaved across backends: ``[{"round": i, "aiocollect": result,
-    "compare": result, "gloo": result}, …]``, ``"compare"`` only with ``plan.compare`` and
-    ``"gloo"`` only with that baseline.
+    "compare": result, "gloo": result, "floor": {"records": [...]}}, …]``, ``"compare"``
+    only with ``plan.compare``, ``"gloo"`` only with that baseline and ``"floor"`` only with
+    ``plan.floor`` (see :func:`run_floor`; ``{"error": …}`` for a round whose floor
+    failed, which the run goes on without).
 
     In each round aiocollect runs over ``plan.options.transport``, then over
     ``plan.compare``, then the baseline runs. The compared transport is treated like the
@@ -133,8 +146,64 @@ def run_rounds(plan: Plan) -> list[dict[str, Any]]:
             if leg.key == "compare":
                 result["transport"] = plan.compare
             entry[leg.key] = result
+        if plan.floor and plan.floor_sizes():
+            try:
+                entry["floor"] = {"records": run_floor(plan, label)}
+            except RoundFailed as exc:
+                print(
+                    f"aiocollect bench: floor round {label} failed: {exc}; continuing without it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                entry["floor"] = {"error": str(exc)}
         rounds.append(entry)
     return rounds
+
+
+def run_floor(plan: Plan, label: str) -> list[dict[str, Any]]:
+    """The framework-free floor of every size in ``plan.floor_sizes()`` among
+    ``world_size`` ranks, measured in a subprocess (``python -m aiocollect.bench.floor
+    measure``): one record per size, ``{"size", "method", "bytes", "us"}``, or ``{"size",
+    "error"}`` where the floor cannot measure that size (say, the latency floor with a
+    rank count that is not a power of two).
+
+    Raises:
+        RoundFailed: the floor's process failed or ran past the round's deadline.
+    """
+    sizes = ",".join(str(s) for s in plan.floor_sizes())
+    print(f"[floor {label}] sizes {sizes}", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="aiocollect-floor-") as tmp:
+        result = Path(tmp) / "floor.json"
+        cmd = [sys.executable, "-m", "aiocollect.bench.floor", "measure"]
+        cmd += ["-n", str(plan.world_size), "--sizes", sizes, "--json", str(result)]
+        records: list[dict[str, Any]] = _collect(
+            [cmd], rank_env(plan.env), plan.round_timeout, f"floor round {label}", result
+        )
+        return records
+
+
+def _collect(
+    cmds: list[list[str]], env: dict[str, str], timeout: float, what: str, result: Path
+) -> Any:
+    """Run ``cmds`` at once (their stdout to our stderr: our stdout is the table), wait
+    for all of them (:func:`wait_all`), stop and reap them on every path, and return the
+    JSON they left in ``result``.
+
+    Raises:
+        RoundFailed: one failed, ``timeout`` passed, or ``result`` was not written.
+    """
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for cmd in cmds:
+            procs.append(
+                subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno())
+            )
+        wait_all(procs, timeout, what)
+    finally:
+        stop_all(procs)
+    if not result.exists():
+        raise RoundFailed(f"{what}: no result was written")
+    return json.loads(result.read_text())
 
 
 def run_round(
@@ -157,24 +226,13 @@ def run_round(
         result = Path(tmp) / "rank0.json"
         # The aiocollect store URL, or torch.distributed's init_method: the same form.
         rendezvous = f"tcp://127.0.0.1:{free_port()}"
-        procs: list[subprocess.Popen[bytes]] = []
-        try:
-            for rank in range(plan.world_size):
-                cmd = worker_command(
-                    backend, rank, plan.world_size, rendezvous, config, label, result, name
-                )
-                # Worker stdout goes to our stderr: our stdout is the table.
-                procs.append(
-                    subprocess.Popen(
-                        cmd, env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno()
-                    )
-                )
-            wait_all(procs, plan.round_timeout, f"{what} round {label}")
-        finally:
-            stop_all(procs)
-        if not result.exists():
-            raise RoundFailed(f"{what} round {label}: rank 0 wrote no result")
-        rounds: list[dict[str, Any]] = json.loads(result.read_text())
+        cmds = [
+            worker_command(backend, rank, plan.world_size, rendezvous, config, label, result, name)
+            for rank in range(plan.world_size)
+        ]
+        rounds: list[dict[str, Any]] = _collect(
+            cmds, env, plan.round_timeout, f"{what} round {label}", result
+        )
         return rounds[0]
 
 

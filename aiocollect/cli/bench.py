@@ -5,13 +5,17 @@ Usage::
     aiocollect bench [COLLECTIVE ...] -n N [--sizes 4..64M] [--transport tcp]
                      [--compare T] [--iters K] [--warmup W] [--rounds R]
                      [--dtype float32] [--algorithm A] [--concurrent K]
-                     [--baseline gloo] [--json F] [--plot F.png] [--store URL --rank R]
+                     [--baseline gloo] [--floor] [--json F] [--plot F.png]
+                     [--store URL --rank R]
 
 By default N rank processes are started on this machine for each round (see
 :mod:`aiocollect.bench.runner`). ``--compare T`` also measures aiocollect over transport T
 (other than ``--transport``) in every round, between the ``--transport`` ranks and the
 baseline, and adds T's p50 and busbw and the busbw ratio ``--transport``/T to the table; a
-failing round over T is recorded and the run goes on, as for the baseline. With ``--store
+failing round over T is recorded and the run goes on, as for the baseline. ``--floor``
+measures the framework-free floor of every allreduce size at the end of every round
+(:mod:`aiocollect.bench.floor`) and adds its median and aiocollect's p50 over it (``x
+floor``) to the table. With ``--store
 URL --rank R`` this process is rank R of a multi-node run instead: start one such command
 per rank (rank 0 hosts the store when nothing listens at URL yet) and rank 0 prints the
 report. The timing method is described in :mod:`aiocollect.bench.sweep`, the report in
@@ -115,6 +119,12 @@ def _parser() -> argparse.ArgumentParser:
         default="none",
         help="also measure torch.distributed with gloo (needs torch)",
     )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also measure the framework-free allreduce floor of every allreduce size in "
+        "every round (python -m aiocollect.bench.floor) and report aiocollect p50 / floor",
+    )
     p.add_argument("--json", type=Path, metavar="F", help="write every number to F")
     p.add_argument("--plot", type=Path, metavar="F.png", help="draw bandwidth and latency")
     p.add_argument(
@@ -174,6 +184,12 @@ def _validate(ns: argparse.Namespace) -> None:
             "--compare is only available when this command spawns the ranks "
             "(not with --store/--rank)"
         )
+    if ns.floor and ns.store is not None:
+        raise UsageFailure(
+            "--floor is only available when this command spawns the ranks (not with --store/--rank)"
+        )
+    if ns.floor and ns.nproc < 2:
+        raise UsageFailure("--floor needs at least 2 ranks (-n 2 or more)")
     if ns.plot is not None and not plotting.available():
         raise UsageFailure(plotting.MISSING)
 
@@ -215,7 +231,13 @@ def _plan(ns: argparse.Namespace) -> tuple[Plan, list[Case], str | None]:
         baseline=baseline,
         compare=ns.compare,
         round_timeout=ns.timeout,
+        floor=ns.floor,
     )
+    if plan.floor and not plan.floor_sizes():
+        raise UsageFailure(
+            "--floor measures allreduce run one at a time: add allreduce to the "
+            "collectives (and leave out --concurrent)"
+        )
     return plan, cases, note
 
 
@@ -290,6 +312,7 @@ def _publish(
                 "baseline_used": plan.baseline,
                 "baseline_note": note,
                 "multi_node": ns.store is not None,
+                "floor": plan.floor,
                 **({"compare": plan.compare} if plan.compare else {}),
             },
             "load": load,
@@ -345,7 +368,8 @@ def bench_main(argv: list[str]) -> int:
         f"{ns.dtype}, "
         f"{len(sizes)} sizes {format_size(sizes[0])}..{format_size(sizes[-1])}, "
         f"{', '.join(dict.fromkeys(c.name for c in cases))}, {plan.rounds} rounds"
-        + (f", baseline {plan.baseline}" if plan.baseline else ""),
+        + (f", baseline {plan.baseline}" if plan.baseline else "")
+        + (", floor" if plan.floor else ""),
         file=sys.stderr,
         flush=True,
     )
