@@ -105,7 +105,7 @@ class _Exchange:
         self.table = np.zeros((n, 3), np.uint64)
         # (in chunks like any payload: a group's frames may be smaller than the record)
         self._addrs = {q: op.recv_chunks(q, ADDR, self.table[q].view(np.uint8)) for q in sources}
-        self._fins = [op.recv(q, FIN, 0, _EMPTY) for q in readers if not self.push_to[q]]
+        self._fins = [(q, op.recv(q, FIN, 0, _EMPTY)) for q in readers if not self.push_to[q]]
         base = int(buf.ctypes.data)
         for q in readers:
             record = _record(base, buf.nbytes, self.push_to[q])
@@ -120,7 +120,7 @@ class _Exchange:
                 cannot read.
         """
         for fut in self._addrs[q]:
-            await fut
+            await _arrival(self.op, q, fut)
         addr, length, flags = (int(x) for x in self.table[q])
         if length != self.nbytes or flags & ~PUSHES:
             raise ProtocolError(
@@ -191,8 +191,17 @@ class _Exchange:
 
     async def handed_back(self) -> None:
         """Wait until every peer that reads this rank's buffer has said it finished."""
-        for fut in self._fins:
-            await fut
+        for q, fut in self._fins:
+            await _arrival(self.op, q, fut)
+
+
+async def _arrival(op: Op, q: int, fut: asyncio.Future[None]) -> None:
+    """Wait for the receive ``fut`` from rank ``q``, posted when the operation started:
+    the link polls for it again first (:meth:`Link.expect`), since its spin after the
+    posting has long ended where a read or a fold came in between."""
+    if not fut.done():
+        op.link(q).expect()
+    await fut
 
 
 async def _landed(futs: list[asyncio.Future[None]]) -> None:
@@ -254,7 +263,7 @@ async def allreduce(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> None:
         if q in pushed:
             await _landed(pushed[q])
             continue
-        await dones[q]
+        await _arrival(op, q, dones[q])
         lo, hi = offsets[q], offsets[q] + blocks[q].nbytes
         await ex.read(q, view[lo:hi], int(ex.table[q, 0]) + lo)
         ex.finished(q)

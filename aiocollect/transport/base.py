@@ -548,6 +548,15 @@ class Link(abc.ABC):
         """
         raise InternalError(f"the link to {self.describe()} cannot read its peer's memory")
 
+    def expect(self) -> None:
+        """A receive posted on this link some time ago is about to be awaited. A link that
+        polls for its own frames (``caps.polls``: shared memory) starts polling again, as it
+        does when a receive is posted, where its spin policy allows; others do nothing.
+        Algorithms that post their receives long before they wait for them (the pull
+        collectives post a peer's last frames when they start) call it, so the wait spins
+        instead of sleeping until a doorbell."""
+        return  # (nothing to do for a link whose frames the loop's I/O delivers)
+
     @abc.abstractmethod
     def write_buffer_size(self) -> int:
         """Bytes queued in user space and not yet handed to the kernel."""

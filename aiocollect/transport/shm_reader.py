@@ -209,6 +209,19 @@ class RingReader(StreamLink):
             self._rx_failed(err)
             raise err from None
 
+    def expect(self) -> None:
+        """Start spinning on the ring (as a receive that has to wait does when it is
+        posted) unless a spin is on already or the policy does not spin: a receive posted
+        earlier is about to be awaited (see :meth:`Link.expect`)."""
+        if (
+            self.policy.spin > 0
+            and self._spin_until is None
+            and self.rx is not None
+            and not self._rx_dead
+            and not self.lost
+        ):
+            self._start_spin(self.rx)
+
     def detach(self) -> None:
         """Let go of the incoming ring (its segment is being closed)."""
         self.rx = None

@@ -384,3 +384,45 @@ async def test_a_reference_read_as_the_spin_ends_is_pulled(
         await within("the pull after the spin's end", fut)
         assert bytes(buf) == data
         await within("the writer to see its payload pulled", a.drained())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("spin", [0.05, 0.0])
+async def test_expect_spins_again_for_a_receive_posted_long_ago(spin: float) -> None:
+    """The pull collectives post a peer's last frames when they start and wait for them a
+    fold later, when the spin that the posting started has ended and the reader sleeps:
+    every such frame then cost the writer a doorbell and the reader a wake-up.
+    ``Link.expect`` restarts the spin (where the policy spins): the frame that follows
+    comes without a doorbell and the spin finds it. With the spin off it does nothing and
+    the doorbell delivers the frame as before. A real link pair; the spin's length is
+    the only thing set."""
+    from aiocollect.testing.link_suite import Recorder, frame, payload, shm_pair, within
+    from aiocollect.transport.wire import DATA
+
+    async with shm_pair()(Recorder(), Recorder(), 1 << 20) as (a, b):
+        assert isinstance(a, ShmLink)
+        assert isinstance(b, ShmLink)
+        b.policy.spin = 1e-4  # the posting's spin: over long before the frame comes
+        bells = 0
+        ring = a.ring_bell
+
+        def counting() -> None:
+            nonlocal bells
+            bells += 1
+            ring()
+
+        a.ring_bell = counting  # type: ignore[method-assign]
+        data = payload(64, 9)
+        key, header = frame(DATA, 5, data)
+        buf = bytearray(len(data))
+        fut = b.post_recv(key, memoryview(buf))
+        assert b._spin_until is not None
+        await asyncio.sleep(0.02)  # (a local timer: the spin ends at its first look after it)
+        assert b._spin_until is None, "the posting's spin did not end: the reader is not asleep"
+        b.policy.spin = spin
+        b.expect()
+        assert (b._spin_until is not None) == (spin > 0)
+        a.send(header, memoryview(data))
+        await within("the expected frame", fut)
+        assert bytes(buf) == data
+        assert bells == (0 if spin > 0 else 1)
