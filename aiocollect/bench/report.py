@@ -9,7 +9,8 @@ backend (key ``"compare"``), and ``compare_bw_ratio`` / ``compare_lat_ratio`` ar
 aiocollect over ``--transport`` divided by aiocollect over T, from the same medians. With
 ``--floor``, an allreduce row also holds the framework-free floor's median over rounds
 (``floor_us``) and ``floor_ratio``: aiocollect's median p50 / ``floor_us`` (1 is the
-floor; a bandwidth target of "85 % of the floor" is a ratio of at most 1/0.85).
+floor; a bandwidth target of "85 % of the floor" is a ratio of at most 1/0.85), and each
+round's own ratio (``floor_ratio_rounds``).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def aggregate(
     backends = BACKENDS if compare is None else COMPARE_BACKENDS
     indexed = [{b: _records(entry.get(b)) for b in backends} for entry in rounds]
     floors = _floor_records(rounds)
+    floored = any(f is not None for f in floors)
     rows = []
     for case in cases:
         key = (case.name, case.size)
@@ -111,35 +113,47 @@ def aggregate(
             row["compare_transport"] = compare
             row["compare_bw_ratio"] = _ratio(ac, row["compare"], "busbw_gbps")
             row["compare_lat_ratio"] = _ratio(ac, row["compare"], "p50_us")
-        if floors and case.collective == "allreduce" and case.concurrency == 1:
-            row.update(_floor(floors, case.size, ac))
+        if floored and case.collective == "allreduce" and case.concurrency == 1:
+            own = [idx["aiocollect"].get(key) for idx in indexed]
+            p50s = [None if rec is None else summarize(rec, world_size)["p50_us"] for rec in own]
+            row.update(_floor(floors, case.size, ac, p50s))
         rows.append(row)
     return rows
 
 
-def _floor_records(rounds: list[dict[str, Any]]) -> list[dict[int, dict[str, Any]]]:
-    """Per round that ran the floor (``--floor``): its records by size."""
-    out = []
+def _floor_records(rounds: list[dict[str, Any]]) -> list[dict[int, dict[str, Any]] | None]:
+    """Per round: its floor records by size (``--floor``), None where it ran no floor."""
+    out: list[dict[int, dict[str, Any]] | None] = []
     for entry in rounds:
         floor = entry.get("floor")
-        if floor is not None:
-            out.append({int(r["size"]): r for r in floor.get("records", [])})
+        out.append(None if floor is None else {int(r["size"]): r for r in floor.get("records", [])})
     return out
 
 
 def _floor(
-    floors: list[dict[int, dict[str, Any]]], size: int, ac: dict[str, Any] | None
+    floors: list[dict[int, dict[str, Any]] | None],
+    size: int,
+    ac: dict[str, Any] | None,
+    p50s: list[float | None],
 ) -> dict[str, Any]:
-    """A row's floor entries: ``floor_us`` (median over the rounds that measured it, NaN
-    where none did), ``floor_method``, ``floor_bytes``, ``floor_rounds``, ``floor_ratio``
-    (aiocollect's median p50 / ``floor_us``) and, where no round measured it,
-    ``floor_error`` (why)."""
-    got = [f[size] for f in floors if size in f and "us" in f[size]]
+    """A row's floor entries, from the rounds' floor records (``floors``) and aiocollect's
+    p50 in each round (``p50s``, aligned with them): ``floor_us`` (median over the rounds
+    that measured it, NaN where none did), ``floor_method``, ``floor_bytes``,
+    ``floor_rounds``, ``floor_ratio`` (aiocollect's median p50 / ``floor_us``: the ratio of
+    the medians), ``floor_ratio_rounds`` (each round's own p50 / floor, for rounds with
+    both) and, where no round measured it, ``floor_error`` (why)."""
+    mine = [f[size] if f is not None and size in f else None for f in floors]
+    got = [r for r in mine if r is not None and "us" in r]
     out: dict[str, Any] = {
         "floor_us": median([float(r["us"]) for r in got]) if got else float("nan"),
         "floor_method": got[0]["method"] if got else None,
         "floor_bytes": got[0]["bytes"] if got else None,
         "floor_rounds": len(got),
+        "floor_ratio_rounds": [
+            p50 / float(r["us"])
+            for r, p50 in zip(mine, p50s, strict=True)
+            if r is not None and "us" in r and p50 is not None and r["us"] > 0
+        ],
     }
     out["floor_ratio"] = (
         ac["p50_us"] / out["floor_us"]
@@ -147,7 +161,7 @@ def _floor(
         else float("nan")
     )
     if not got:
-        errors = [f[size]["error"] for f in floors if size in f and "error" in f[size]]
+        errors = [r["error"] for r in mine if r is not None and "error" in r]
         out["floor_error"] = errors[0] if errors else "the floor did not run"
     return out
 

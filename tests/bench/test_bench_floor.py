@@ -140,6 +140,8 @@ def test_report_takes_the_median_floor_and_the_ratio_of_medians() -> None:
     assert row["floor_method"] == "latency"
     assert row["floor_rounds"] == 2
     assert row["floor_ratio"] == pytest.approx(row["aiocollect"]["p50_us"] / 20.0)
+    # and each round's own ratio (the synthetic rounds' p50s are 110 and 165 µs)
+    assert row["floor_ratio_rounds"] == pytest.approx([110.0 / 10.0, 165.0 / 30.0])
     # 64K was not in the floor's records: '-' with a reason; concurrent rows have none
     assert by[(65536, 1)]["floor_ratio"] != by[(65536, 1)]["floor_ratio"]  # NaN
     assert by[(65536, 1)]["floor_error"] == "the floor did not run"
@@ -153,8 +155,16 @@ def test_report_takes_the_median_floor_and_the_ratio_of_medians() -> None:
 def test_report_survives_a_failed_floor_round() -> None:
     rounds = _with_floor([None, [{"size": 4, "method": "latency", "bytes": 4, "us": 8.0}]])
     row = report.aggregate(rounds, [Case("allreduce", 4)], 2)[0]
+    assert row["floor_ratio_rounds"] == pytest.approx([165.0 / 8.0])
     assert row["floor_us"] == 8.0
     assert row["floor_rounds"] == 1
+
+
+def test_report_when_every_floor_round_failed() -> None:
+    rows = report.aggregate(_with_floor([None, None]), [Case("allreduce", 4)], 2)
+    assert rows[0]["floor_rounds"] == 0
+    assert rows[0]["floor_error"] == "the floor did not run"
+    assert "floor not measured ('-')" in report.format_tables(rows, META)
 
 
 def test_report_without_floor_is_unchanged() -> None:
