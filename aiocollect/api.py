@@ -253,8 +253,7 @@ async def _open(
                 await _linger(store_obj, world_size)
             await store_obj.close()
         raise
-    fabric.links.update(links)
-    fabric.pulls = endpoint.pulls
+    fabric.attach(links, endpoint.pulls)
     chunk = endpoint.chunk_bytes
     group = Group(
         fabric,

@@ -199,8 +199,7 @@ async def _form(
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-    fabric.links.update(links)
-    fabric.pulls = endpoint.pulls
+    fabric.attach(links, endpoint.pulls)
     group = Group(
         fabric,
         WORLD_GID,

@@ -13,13 +13,13 @@ import contextlib
 import logging
 import struct
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import msgpack
 
 from aiocollect import errors
-from aiocollect.engine.spin import Awaited, Spinner, budget_for
+from aiocollect.engine.spin import Awaited, Spinner, budget_for, core_each
 from aiocollect.errors import (
     GroupBrokenError,
     MismatchError,
@@ -99,6 +99,17 @@ class Fabric:
         self._probes = 0
         self._spinner: Spinner | None = None  # made on the first wait (engine/spin.py)
         self._spin_on: dict[Link, bool] = {}  # whether waits on a link spin
+
+    def attach(self, links: Mapping[int, Link], pulls: bool) -> None:
+        """Take the links the rendezvous made (by world rank) and what its records predict
+        (``pulls``: every rank reads every other's memory), and tell every link how to
+        pace its writes: in pieces where this host has a core per rank process, whole
+        where ranks share cores (:meth:`Link.pace_writes`)."""
+        self.links.update(links)
+        self.pulls = pulls
+        pieces = core_each(self.links.values())
+        for link in self.links.values():
+            link.pace_writes(pieces)
 
     # -- busy-waiting -----------------------------------------------------------------------
 

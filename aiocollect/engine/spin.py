@@ -107,6 +107,13 @@ def budget_for(
     return spin_budget(1 + sum(1 for h in hosts if h), cores, env)
 
 
+def core_each(links: Iterable[Link], cores: int | None = None) -> bool:
+    """Whether this host has a core (of those this process may run on, or ``cores``) for
+    each of its rank processes: this one and every peer whose link says it is local."""
+    local = 1 + sum(1 for link in links if link.caps.local)
+    return local <= (usable_cores() if cores is None else cores)
+
+
 class Awaited(Protocol):
     """What the spinner polls: a posted receive's future, or a one-frame operation
     (engine/small.py), done once its frame landed."""

@@ -548,6 +548,14 @@ class Link(abc.ABC):
         """
         raise InternalError(f"the link to {self.describe()} cannot read its peer's memory")
 
+    def pace_writes(self, pieces: bool) -> None:
+        """Whether this link should hand large payloads to the kernel a piece per event-loop
+        turn (``pieces``: the rank has a core of its own, so the loop's responsiveness is
+        worth a few more system calls) or whole (ranks share cores: the system calls are
+        what the other ranks wait for). The fabric says so once the group has formed
+        (engine/fabric.py); links whose writes cannot hold the loop ignore it."""
+        return  # (a link that writes no large payloads to a socket)
+
     def expect(self) -> None:
         """A receive posted on this link some time ago is about to be awaited. A link that
         polls for its own frames (``caps.polls``: shared memory) starts polling again, as it

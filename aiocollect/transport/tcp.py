@@ -18,9 +18,11 @@ unless a bulk frame of the same stream ``(kind, gid, seq, slot)`` is still queue
 frames of one stream keep their order. Receivers match frames by key, so reordering
 across streams changes nothing they rely on. ``write_buffer_size`` counts both queues.
 
-Over TLS the transport encrypts what it is given at once, so a payload over ``TLS_PIECE``
-goes to it in pieces, one per loop turn; frames sent meanwhile wait for the end of that
-frame (small ones right after it, bulk ones in the queue), and the pieces, not the
+A payload over ``PIECE`` goes to the transport in pieces, one per loop turn, so that no
+single write holds the event loop for long; frames sent meanwhile wait for the end of that
+frame (small ones right after it, bulk ones in the queue). Over plain TCP a piece also
+waits until the transport has handed the previous one to the kernel; over TLS (whose
+transport encrypts what it is given at once and passes it on) the pieces alone, not the
 transport's buffer size, pace the bulk queue.
 
 What lies in the kernel's socket buffers is ahead of a small frame too, and user space
@@ -97,12 +99,19 @@ BULK_MIN = 64 * 1024
 #: Bytes in the transport's write buffer above which bulk frames wait in the link's queue:
 #: what a small frame may find queued ahead of it in user space.
 BULK_CAP = 1024 * 1024
-#: Over TLS, a payload larger than this is handed to the transport in pieces of this size,
-#: one per loop turn: the transport encrypts what it is given at once, so a whole 1 MiB
-#: chunk would hold the loop (and every small frame behind it) for milliseconds. Frames
-#: sent meanwhile wait for the end of the frame being written (docs/benchmarks.md,
-#: "Tenth-session findings").
-TLS_PIECE = 256 * 1024
+#: A payload larger than this is handed to the transport in pieces of this size, one per
+#: loop turn; frames sent meanwhile wait for the end of the frame being written. Over TLS
+#: the transport encrypts what it is given at once, so a whole 1 MiB chunk would hold the
+#: loop (and every small frame behind it) for milliseconds (docs/benchmarks.md,
+#: "Tenth-session findings"). Over plain TCP a write is one system call that copies as
+#: much as the kernel takes, and on loopback, with the peer reading meanwhile, a 1-2 MiB
+#: write held the loop 2-9 ms: there the next piece also waits until the transport has
+#: handed the previous one to the kernel (docs/benchmarks.md, "Seventeenth session"). The
+#: extra system calls cost four ranks on two cores about 8 % of their CPU, so plain TCP
+#: links write whole payloads where ranks share cores (``pace_writes``).
+PIECE = 256 * 1024
+#: The piece size over TLS (the same; the name predates plain TCP's pieces).
+TLS_PIECE = PIECE
 
 _new_key = tuple.__new__
 _unpack_header = HEADER.unpack_from
@@ -171,7 +180,13 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         self._bulk_bytes = 0
         self._copied = False  # the last send's payload was copied (joined to its header)
         self._bulk_streams: Counter[bytes] = Counter()
-        self._piece = 0  # TLS_PIECE on TLS connections (pieces per loop turn), else 0
+        #: Payloads larger than this go out in pieces (see PIECE; 0: whole, see
+        #: pace_writes).
+        self._piece = PIECE
+        self._tls = False  # a TLS connection (pieces paced by loop turns only)
+        #: A piece is due but waits for the transport to hand the previous one to the
+        #: kernel (plain TCP); resume_writing writes it.
+        self._piece_waits = False
         #: The rest of the frame being written in pieces (TLS), and the frames sent since,
         #: which go right after it (before queued bulk frames, as they would have).
         self._partial: memoryview | None = None
@@ -189,7 +204,8 @@ class StreamLink(Link, asyncio.BufferedProtocol):
 
     def _setup(self, transport: asyncio.Transport) -> None:
         transport.set_write_buffer_limits(high=0, low=0)
-        if transport.get_extra_info("ssl_object") is not None:
+        self._tls = transport.get_extra_info("ssl_object") is not None
+        if self._tls:
             self._piece = TLS_PIECE
         sock = transport.get_extra_info("socket")
         peername = transport.get_extra_info("peername")
@@ -206,7 +222,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
                 return
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            size = socket_buffer(self._caps.local, tls=bool(self._piece))
+            size = socket_buffer(self._caps.local, tls=self._tls)
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF) if size else ():
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, opt, size)
@@ -246,6 +262,9 @@ class StreamLink(Link, asyncio.BufferedProtocol):
             self._drain = asyncio.get_running_loop().create_future()
 
     def resume_writing(self) -> None:
+        if self._piece_waits:
+            self._piece_waits = False
+            self._next_piece()
         if self._bulk:
             self._pump_bulk()
         if self._drain is not None and not self._drain.done():
@@ -483,11 +502,16 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         self._bulk_bytes += len(header) + len(payload)
         self._bulk_streams[stream] += 1
 
+    def pace_writes(self, pieces: bool) -> None:
+        """Plain TCP: payloads over ``PIECE`` in pieces (``pieces``) or whole; TLS links
+        always write in pieces (their transport encrypts a whole payload at once)."""
+        self._piece = PIECE if pieces or self._tls else 0
+
     def _must_wait(self, transport: asyncio.Transport, n: int) -> bool:
         """Whether a bulk frame of ``n`` bytes must wait: the transport holds bytes and
         would then hold more than BULK_CAP. Never over TLS: its transport's buffer size
         says little there (it encrypts and passes everything on), the pieces pace it."""
-        if self._piece:
+        if self._tls:
             return False
         queued = transport.get_write_buffer_size()
         return queued > 0 and queued + n > BULK_CAP
@@ -505,10 +529,14 @@ class StreamLink(Link, asyncio.BufferedProtocol):
 
     def _next_piece(self) -> None:
         """Write the next piece of the frame being written; at its end, the frames sent
-        meanwhile, then the bulk queue."""
+        meanwhile, then the bulk queue. Over plain TCP a piece waits while the transport
+        still holds bytes (``resume_writing`` writes it once it holds none)."""
         self._piece_handle = None
         rest, transport = self._partial, self.transport
         if rest is None or transport is None or self.lost or transport.is_closing():
+            return
+        if not self._tls and transport.get_write_buffer_size():
+            self._piece_waits = True
             return
         piece = rest[: self._piece]
         self._bulk_bytes -= len(piece)
@@ -572,6 +600,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         self._bulk_streams.clear()
         self._partial = None
         self._behind = []
+        self._piece_waits = False
         if self._piece_handle is not None:
             self._piece_handle.cancel()
             self._piece_handle = None

@@ -1,7 +1,8 @@
-"""TLS links write large payloads in pieces, one per loop turn (transport/tcp.py,
-``TLS_PIECE``): over a real TLS connection on loopback, a small frame sent while a large
-frame is being written goes right after that frame, ahead of the bulk frames queued
-behind it, and every frame lands whole."""
+"""TLS links (and plain TCP links, test_tcp_pieces.py) write large payloads in pieces, one
+per loop turn (transport/tcp.py, ``TLS_PIECE``, ``PIECE``): over a real connection on
+loopback, TLS or plain, a small frame sent while a large frame is being written goes right
+after that frame, ahead of the bulk frames queued behind it, and every frame lands
+whole."""
 
 from __future__ import annotations
 
@@ -17,13 +18,16 @@ from aiocollect.transport.wire import DATA
 pytestmark = pytest.mark.timeout(60)
 
 
-async def test_small_frame_follows_the_frame_being_written(tmp_path: Path) -> None:
-    certs = make_certs(tmp_path, 2)
-    server, client = certs.config(1).server, certs.config(0).client
+@pytest.mark.parametrize("tls", [True, False])
+async def test_small_frame_follows_the_frame_being_written(tmp_path: Path, tls: bool) -> None:
+    pair = tcp_pair()
+    if tls:
+        certs = make_certs(tmp_path, 2)
+        pair = tcp_pair(certs.config(1).server, certs.config(0).client)
     ra, rb = Recorder(), Recorder()
     big, bulk, small = payload(3 << 20, 1), payload(1 << 20, 2), payload(100, 3)
     sends = [(1, 0, big), (1, 1, bulk), (2, 0, small)]  # (slot, chunk, payload)
-    async with tcp_pair(server, client)(ra, rb, 8 << 20) as (a, b):
+    async with pair(ra, rb, 8 << 20) as (a, b):
         assert isinstance(a, tcp.StreamLink)
         bufs = {}
         for slot, chunk, data in sends:
@@ -34,9 +38,9 @@ async def test_small_frame_follows_the_frame_being_written(tmp_path: Path) -> No
             a.send(frame(DATA, slot, data, chunk)[1], data)
             if slot == 1 and chunk == 0:
                 assert a._partial is not None, "the 3 MiB frame was written at once"
-        assert a.write_buffer_size() >= len(big) - tcp.TLS_PIECE
+        assert a.write_buffer_size() >= len(big) - tcp.PIECE
         for fut in futs:
-            await within("a frame over TLS", fut)
+            await within("a frame", fut)
         for buf, data in bufs.values():
             assert bytes(buf) == data, "a payload landed corrupted"
         await within("the sender to drain", a.drained())
