@@ -231,7 +231,13 @@ def _line(
     ]
     if floor:
         nan = float("nan")
-        line += [format_time(row.get("floor_us", nan)), _x(row.get("floor_ratio", nan))]
+        rounds = row.get("floor_ratio_rounds") or []
+        spread = f"{min(rounds):.2f}-{max(rounds):.2f}" if len(rounds) > 1 else "-"
+        line += [
+            format_time(row.get("floor_us", nan)),
+            _x(row.get("floor_ratio", nan)),
+            spread,
+        ]
     if compare is not None:
         cmp = row["compare"]
         line += [
@@ -272,7 +278,7 @@ def _headers(
         head = ["size", "algorithm", "iters", "p50", "p99", "mean"]
     head += ["busbw GB/s", "lag p99 ms", "rss+ MiB"]
     if floor:
-        head += ["floor", "x floor"]
+        head += ["floor", "x floor", "rounds"]
     if compare is not None:
         head += [
             f"{compare} conc p50" if concurrency > 1 else f"{compare} p50",
@@ -344,7 +350,8 @@ def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "after the others in every round (python -m aiocollect.bench.floor: recursive "
             f"doubling over socket pairs below {format_size(BULK_MIN)}, pull-and-add from "
             "there); x floor: aiocollect p50 / floor, medians over rounds (1/0.85 = 1.18x "
-            "is 85 % of the floor's bandwidth)."
+            "is 85 % of the floor's bandwidth); rounds: the lowest and highest of each "
+            "round's own ratio."
         )
         missing = {r["floor_error"] for r in floored if "floor_error" in r}
         for why in sorted(missing):

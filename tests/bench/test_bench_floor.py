@@ -54,7 +54,7 @@ def test_floor_columns_json_and_ratio(tmp_path: Path) -> None:
     )
     assert "[floor r2/2] sizes 4,1048576" in done.stderr
     head, body = _table(done.stdout, "allreduce: 2 ranks")
-    assert head[-3:] == ["floor", "x floor", "check"]
+    assert head[-4:] == ["floor", "x floor", "rounds", "check"]
     assert len(body) == 2
     assert all(line[-1] == "ok" for line in body)
     assert "floor: the framework-free allreduce of the same bytes" in done.stdout
@@ -89,7 +89,7 @@ def test_floor_that_cannot_measure_says_why(tmp_path: Path) -> None:
     with the reason under the table, and the run still succeeds."""
     done, doc = _run_with_floor(tmp_path, "allreduce", "-n", "3", "--sizes", "4")
     _, body = _table(done.stdout, "allreduce: 3 ranks")
-    assert body[0][-3:-1] == ["-", "-"]
+    assert body[0][-4:-1] == ["-", "-", "-"]
     assert "floor not measured ('-'): recursive doubling needs a power-of-two" in done.stdout
     (row,) = doc["summary"]
     assert row["floor_us"] is None
@@ -148,6 +148,7 @@ def test_report_takes_the_median_floor_and_the_ratio_of_medians() -> None:
     assert "floor_us" not in by[(65536, 2)]
     table = report.format_tables(rows, META)
     assert "20.0us" in table
+    assert "5.50-11.00" in table  # the lowest and highest round: 165/30 and 110/10
     assert "x floor" in table
     assert "floor not measured ('-'): the floor did not run." in table
 
