@@ -5,6 +5,7 @@ Run it with the launcher::
     aiocollect run -n 4 scripts/bulk_cpu.py                       # 64 MiB, 12 operations
     aiocollect run -n 4 scripts/bulk_cpu.py --mib 16 --iters 40
     aiocollect run -n 4 scripts/bulk_cpu.py --chunk-bytes 1048576  # force a chunk size
+    aiocollect run -n 4 scripts/bulk_cpu.py --transport tcp --mib 16 --iters 20
 
 Each rank runs 5 warm-up allreduces of ``--mib`` MiB (float32) and a barrier, then
 ``--iters`` back-to-back ones on uvloop, and prints the group's chunk size, its wall time
@@ -27,8 +28,10 @@ import uvloop
 import aiocollect as ac
 
 
-async def main(mib: float, iters: int, chunk: int | None, algorithm: str | None) -> None:
-    async with ac.open_group(chunk_bytes=chunk) as group:
+async def main(
+    mib: float, iters: int, chunk: int | None, algorithm: str | None, transport: str
+) -> None:
+    async with ac.open_group(chunk_bytes=chunk, transport=transport) as group:
         n = group.world_size
         buf = np.ones(max(n, int(mib * (1 << 18)) // n * n), np.float32)
         for _ in range(5):
@@ -62,5 +65,6 @@ if __name__ == "__main__":
     parser.add_argument("--iters", type=int, default=12)
     parser.add_argument("--chunk-bytes", type=int, default=None)
     parser.add_argument("--algorithm", default=None)
+    parser.add_argument("--transport", default="auto")
     ns = parser.parse_args()
-    uvloop.run(main(ns.mib, ns.iters, ns.chunk_bytes, ns.algorithm))
+    uvloop.run(main(ns.mib, ns.iters, ns.chunk_bytes, ns.algorithm, ns.transport))
