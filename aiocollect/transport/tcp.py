@@ -187,7 +187,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         #: A piece is due but waits for the transport to hand the previous one to the
         #: kernel (plain TCP); resume_writing writes it.
         self._piece_waits = False
-        #: The rest of the frame being written in pieces (TLS), and the frames sent since,
+        #: The rest of the frame being written in pieces, and the frames sent since,
         #: which go right after it (before queued bulk frames, as they would have).
         self._partial: memoryview | None = None
         self._behind: list[bytes] = []
@@ -538,7 +538,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         if not self._tls and transport.get_write_buffer_size():
             self._piece_waits = True
             return
-        piece = rest[: self._piece]
+        piece = rest[: self._piece or len(rest)]  # (pieces turned off meanwhile: the rest)
         self._bulk_bytes -= len(piece)
         if len(rest) > len(piece):  # (state first, as in _write_in_pieces)
             self._partial = rest[len(piece) :]

@@ -74,6 +74,21 @@ async def test_pace_writes_off_writes_plain_tcp_payloads_whole(tls: bool, tmp_pa
         assert bytes(buf) == data
 
 
+async def test_pieces_turned_off_mid_frame_write_the_rest_whole() -> None:
+    data = payload(3 << 20, 6)
+    async with tcp_pair()(Recorder(), Recorder(), 8 << 20) as (a, b):
+        assert isinstance(a, tcp.StreamLink)
+        key, header = frame(DATA, 1, data)
+        buf = bytearray(len(data))
+        fut = b.post_recv(key, memoryview(buf))
+        a.send(header, data)
+        assert a._partial is not None
+        a.pace_writes(False)
+        await within("the frame", fut)
+        assert bytes(buf) == data
+        await within("the sender to drain", a.drained())
+
+
 async def test_core_each_counts_this_rank_and_its_local_peers() -> None:
     async with tcp_pair()(Recorder(), Recorder(), 1 << 20) as (a, _):
         assert a.caps.local  # loopback
