@@ -422,8 +422,9 @@ class LoadWatch:
     load average exceeded the cores at any sample, else None.
     """
 
-    def __init__(self, period: float = 1.0) -> None:
+    def __init__(self, period: float = 1.0, ranks: int = 0) -> None:
         self.period = period
+        self.ranks = ranks  # rank processes this run starts on this machine
         self.cores = cores()
         self.start_load = load_average()
         self.samples: list[float] = [self.start_load[0]] if self.start_load else []
@@ -462,19 +463,27 @@ class LoadWatch:
             "end": end,
             "max": peak,
             "samples": len(self.samples),
-            "warning": load_warning(peak, self.cores),
+            "warning": load_warning(peak, self.cores, self.ranks),
         }
 
 
-def load_warning(peak: float | None, ncores: int) -> str | None:
+def load_warning(peak: float | None, ncores: int, ranks: int = 0) -> str | None:
     """The warning for a run whose 1-minute load average reached ``peak`` on ``ncores``
-    CPUs, or None when it stayed at or below the cores."""
+    CPUs, or None when it stayed at or below the cores. ``ranks``: the rank processes the
+    run itself starts on this machine; when they outnumber the cores, the warning says
+    that part of the load is the run's own."""
     if peak is None or peak <= ncores:
         return None
+    own = (
+        f"; this run's own {ranks} ranks outnumber the cores, so up to {ranks} of that "
+        "load is the run itself"
+        if ranks > ncores
+        else ""
+    )
     return (
         f"the load average reached {peak:.2f} on {ncores} cores during this run: "
         "the machine was busy, so these figures are taken under load (compare "
-        "same-run ratios, not absolute times)"
+        f"same-run ratios, not absolute times){own}"
     )
 
 

@@ -376,7 +376,7 @@ def bench_main(argv: list[str]) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         load_start = report.load_average()
-        with report.LoadWatch() as watch:
+        with report.LoadWatch(ranks=plan.world_size if ns.store is None else 1) as watch:
             rounds = _measure(ns, plan)
         if rounds is None:
             return 0

@@ -127,6 +127,8 @@ def test_load_warning_in_table_and_summary(monkeypatch: pytest.MonkeyPatch) -> N
     assert report.load_warning(2.0, 2) is None
     assert report.load_warning(None, 2) is None
     assert "2.50 on 2 cores" in str(report.load_warning(2.5, 2))
+    assert "own" not in str(report.load_warning(2.5, 2, ranks=2))
+    assert "this run's own 4 ranks outnumber the cores" in str(report.load_warning(3.5, 2, 4))
     monkeypatch.setattr(report, "cores", lambda: 2)
     monkeypatch.setattr(report, "load_average", lambda: [3.5, 1.0, 1.0])
     with report.LoadWatch(period=0.01) as watch:
