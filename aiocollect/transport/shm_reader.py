@@ -210,9 +210,13 @@ class RingReader(StreamLink):
             raise err from None
 
     def expect(self) -> None:
-        """Start spinning on the ring (as a receive that has to wait does when it is
-        posted) unless a spin is on already or the policy does not spin: a receive posted
-        earlier is about to be awaited (see :meth:`Link.expect`)."""
+        """A receive posted earlier is about to be awaited (see :meth:`Link.expect`):
+        spin for it as for one just posted."""
+        self._spin_for_receive()
+
+    def _spin_for_receive(self) -> None:
+        """Start spinning on the ring for a receive that has to wait, unless a spin is on
+        already, the policy does not spin or the ring is gone."""
         if (
             self.policy.spin > 0
             and self._spin_until is None
@@ -615,14 +619,8 @@ class RingReader(StreamLink):
             self._unpark()
             # the caller is an algorithm posting receives: read on the loop's next turn
             self._loop.call_soon(self._service)
-        elif (
-            self.policy.spin > 0
-            and self._spin_until is None
-            and not landed
-            and self.rx is not None
-            and not self._rx_dead
-        ):
-            self._start_spin(self.rx)  # a receive that has to wait
+        elif not landed:
+            self._spin_for_receive()  # a receive that has to wait
 
     def _staging_full(self) -> None:
         if not self.shm:
