@@ -53,10 +53,11 @@ BARRIER_SECONDS = 60.0
 #: :func:`measure` uses the bandwidth floor from this many bytes, the latency floor below
 #: (the size from which shared-memory links send by reference: ``cma.PULL_MIN``).
 BULK_MIN = cma.PULL_MIN
-#: :func:`measure`'s iterations: latency floor, bandwidth floor (the command's defaults,
-#: the floor the issue 17 targets were set against). Far longer runs settle lower here: the
-#: blocking 4-byte ping-pong measured 7-11 µs over 20,000 iterations against 14-16 µs over
-#: 3,000 (docs/benchmarks.md, *Seventeenth session*).
+#: Iterations of the latency floor and the bandwidth floor (the defaults of the functions,
+#: the command and :func:`measure`: the floor the issue 17 targets were set against). Far
+#: longer runs settle lower here: the blocking 4-byte ping-pong measured 7-11 µs over
+#: 20,000 iterations against 14-16 µs over 3,000 (docs/benchmarks.md, *Seventeenth
+#: session*).
 LATENCY_ITERS = 3000
 BANDWIDTH_ITERS = 15
 
@@ -135,7 +136,7 @@ def _run(target: Any, n: int, args: tuple[Any, ...]) -> float:
     return float(max(t for _, t, _ in results))
 
 
-def bandwidth(n: int, nbytes: int, chunk: int = 1 << 20, iters: int = 15) -> float:
+def bandwidth(n: int, nbytes: int, chunk: int = 1 << 20, iters: int = BANDWIDTH_ITERS) -> float:
     """Seconds per allreduce of ``nbytes`` (float32) among ``n`` ranks (the slowest rank's
     median), by the pull-and-add data flow above.
 
@@ -182,7 +183,7 @@ def _doubling_worker(
     out.put((rank, float(np.median(times)), ok))
 
 
-def latency(n: int, iters: int = 3000, nbytes: int = 4) -> float:
+def latency(n: int, iters: int = LATENCY_ITERS, nbytes: int = 4) -> float:
     """Seconds per allreduce of ``nbytes`` (float32, 4 by default) among ``n`` ranks (a
     power of two; the slowest rank's median), by recursive doubling over blocking socket
     pairs.
@@ -210,10 +211,9 @@ def latency(n: int, iters: int = 3000, nbytes: int = 4) -> float:
             s.close()
 
 
-def method(n: int, nbytes: int) -> str:
-    """Which floor :func:`measure` runs for an allreduce of ``nbytes`` among ``n`` ranks:
-    ``"latency"`` below ``BULK_MIN`` bytes, else ``"bandwidth"``."""
-    del n  # (the same switch for every world size)
+def method(nbytes: int) -> str:
+    """Which floor :func:`measure` runs for an allreduce of ``nbytes`` (at any world
+    size): ``"latency"`` below ``BULK_MIN`` bytes, else ``"bandwidth"``."""
     return "latency" if nbytes < BULK_MIN else "bandwidth"
 
 
@@ -228,12 +228,12 @@ def measure(n: int, nbytes: int) -> tuple[str, int, float]:
             latency floor, a size too small for the bandwidth floor, fewer than 2 ranks).
         OSError: this host cannot use process_vm_readv (the bandwidth floor).
         RuntimeError: a rank failed or computed a wrong result."""
-    how = method(n, nbytes)
+    how = method(nbytes)
     if how == "latency":
         size = max(4, nbytes // 4 * 4)
-        return how, size, latency(n, LATENCY_ITERS, size)
+        return how, size, latency(n, nbytes=size)
     size = nbytes // (4 * n) * (4 * n)
-    return how, size, bandwidth(n, size, iters=BANDWIDTH_ITERS)
+    return how, size, bandwidth(n, size)
 
 
 def _measure_main(n: int, sizes: str, out: Path) -> int:
@@ -273,11 +273,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     bw.add_argument("-n", "--nproc", default="2", help="rank counts, e.g. 2,4 (default 2)")
     bw.add_argument("--sizes", default="16M,64M", help="default 16M,64M")
     bw.add_argument("--chunk", default="1M", help="pull-and-add piece (default 1M)")
-    bw.add_argument("--iters", type=int, default=15, help="timed iterations (default 15)")
+    bw.add_argument(
+        "--iters",
+        type=int,
+        default=BANDWIDTH_ITERS,
+        help=f"timed iterations (default {BANDWIDTH_ITERS})",
+    )
     lat = sub.add_parser("latency", help="small allreduce over blocking sockets")
     lat.add_argument("-n", "--nproc", default="2", help="rank counts, e.g. 2,4 (default 2)")
     lat.add_argument("--sizes", default="4", help="bytes per allreduce (default 4)")
-    lat.add_argument("--iters", type=int, default=3000, help="timed iterations")
+    lat.add_argument("--iters", type=int, default=LATENCY_ITERS, help="timed iterations")
     each = sub.add_parser(
         "measure", help="the floor of each size, as aiocollect bench --floor runs it (JSON)"
     )

@@ -71,6 +71,19 @@ def _series(rows: list[dict[str, Any]], transport: str | None) -> list[tuple[str
     return out
 
 
+def _latency(
+    ax_small: Any, ax_large: Any, pts: list[tuple[int, float]], style: str, kw: dict[str, Any]
+) -> None:
+    """One series of (size, p50 µs) points in the two latency panels: sizes below
+    ``SPLIT`` in µs, the others in ms."""
+    small = [p for p in pts if p[0] < SPLIT]
+    large = [p for p in pts if p[0] >= SPLIT]
+    if small:
+        ax_small.plot([p[0] for p in small], [p[1] for p in small], style, **kw)
+    if large:
+        ax_large.plot([p[0] for p in large], [p[1] / 1000 for p in large], style, **kw)
+
+
 def plot(
     rows: list[dict[str, Any]],
     path: Path,
@@ -107,21 +120,22 @@ def plot(
     has_gloo = any(r.get("gloo") is not None for r in rows)
     has_compare = any("compare_transport" in r for r in rows)
     ref_key, ref_tag = ("bw_ratio", "gloo") if has_gloo else ("compare_bw_ratio", series[-2][3])
-    if not has_gloo and not has_compare and any("floor_ratio" in r for r in rows):
-        # --floor alone: the bandwidth against the floor's (floor time / aiocollect's p50)
-        ref_key, ref_tag = "floor_bw", "floor"
-        rows = [
-            {**r, "floor_bw": 1 / r["floor_ratio"]} if r.get("floor_ratio") else r for r in rows
-        ]
+    floor_only = not has_gloo and not has_compare and any("floor_ratio" in r for r in rows)
+    if floor_only:
+        ref_tag = "floor"
+
+    def headline(r: dict[str, Any]) -> float | None:
+        """The row's headline ratio (--floor alone: floor time / aiocollect's p50)."""
+        if floor_only:
+            return 1 / r["floor_ratio"] if r.get("floor_ratio") else None
+        value: float | None = r.get(ref_key)
+        return value
+
     ticks: set[int] = set()
     n = 0
     for name in names:
         mine = [r for r in rows if r["name"] == name and r["concurrency"] == 1]
-        ratio = [
-            (r["size"], r[ref_key])
-            for r in mine
-            if r.get(ref_key) is not None and r[ref_key] == r[ref_key]
-        ]
+        ratio = [(r["size"], v) for r in mine if (v := headline(r)) is not None and v == v]
         for backend, style, marker, tag in series:
             # Requested sizes on the x axis: the bytes moved differ from them only by
             # rounding to whole elements per rank (see spec.shape).
@@ -134,14 +148,7 @@ def plot(
             label = f"{name} ({tag})"
             kw = {"marker": marker, "color": color, "label": label}
             ax_bw.plot([p[0] for p in pts], [p[1]["busbw_gbps"] for p in pts], style, **kw)
-            small = [p for p in pts if p[0] < SPLIT]
-            large = [p for p in pts if p[0] >= SPLIT]
-            if small:
-                ax_small.plot([p[0] for p in small], [p[1]["p50_us"] for p in small], style, **kw)
-            if large:
-                ax_large.plot(
-                    [p[0] for p in large], [p[1]["p50_us"] / 1000 for p in large], style, **kw
-                )
+            _latency(ax_small, ax_large, [(p[0], p[1]["p50_us"]) for p in pts], style, kw)
             if backend == "aiocollect" and ratio:
                 ax_ratio.plot(
                     [p[0] for p in ratio],
@@ -158,12 +165,7 @@ def plot(
     ]
     if floor:  # (--floor: allreduce only)
         kw = {"marker": "+", "color": "grey", "label": "allreduce (framework-free floor)"}
-        small_f = [p for p in floor if p[0] < SPLIT]
-        large_f = [p for p in floor if p[0] >= SPLIT]
-        if small_f:
-            ax_small.plot([p[0] for p in small_f], [p[1] for p in small_f], "-.", **kw)
-        if large_f:
-            ax_large.plot([p[0] for p in large_f], [p[1] / 1000 for p in large_f], "-.", **kw)
+        _latency(ax_small, ax_large, floor, "-.", kw)
         ticks.update(p[0] for p in floor)
     ax_ratio.axhline(1.0, color="black", linewidth=0.8)
     ax_ratio.set_ylim(bottom=0)

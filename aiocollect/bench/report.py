@@ -96,12 +96,18 @@ def aggregate(
             "concurrency": case.concurrency,
             "size": case.size,
         }
+        p50s: list[float | None] = []  # aiocollect's p50 per round (None: not measured)
         for backend in backends:
-            pairs = [
+            # per round, aligned with ``rounds``: (record, its summary) or None
+            per_round = [
                 (idx[backend][key], summarize(idx[backend][key], world_size))
-                for idx in indexed
                 if key in idx[backend]
+                else None
+                for idx in indexed
             ]
+            pairs = [p for p in per_round if p is not None]
+            if backend == "aiocollect":
+                p50s = [None if p is None else p[1]["p50_us"] for p in per_round]
             row[backend] = _combine(pairs) if pairs else None
             if pairs:
                 row.setdefault("bytes", pairs[0][0]["bytes"])
@@ -114,8 +120,6 @@ def aggregate(
             row["compare_bw_ratio"] = _ratio(ac, row["compare"], "busbw_gbps")
             row["compare_lat_ratio"] = _ratio(ac, row["compare"], "p50_us")
         if floored and case.collective == "allreduce" and case.concurrency == 1:
-            own = [idx["aiocollect"].get(key) for idx in indexed]
-            p50s = [None if rec is None else summarize(rec, world_size)["p50_us"] for rec in own]
             row.update(_floor(floors, case.size, ac, p50s))
         rows.append(row)
     return rows

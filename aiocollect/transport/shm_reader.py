@@ -210,12 +210,8 @@ class RingReader(StreamLink):
             raise err from None
 
     def expect(self) -> None:
-        """A receive posted earlier is about to be awaited (see :meth:`Link.expect`):
-        spin for it as for one just posted."""
-        self._spin_for_receive()
-
-    def _spin_for_receive(self) -> None:
-        """Start spinning on the ring for a receive that has to wait, unless a spin is on
+        """Start spinning on the ring for a receive that has to wait (one just posted, or
+        one posted earlier and now awaited: :meth:`Link.expect`), unless a spin is on
         already, the policy does not spin or the ring is gone."""
         if (
             self.policy.spin > 0
@@ -620,7 +616,7 @@ class RingReader(StreamLink):
             # the caller is an algorithm posting receives: read on the loop's next turn
             self._loop.call_soon(self._service)
         elif not landed:
-            self._spin_for_receive()  # a receive that has to wait
+            self.expect()  # a receive that has to wait
 
     def _staging_full(self) -> None:
         if not self.shm:

@@ -110,8 +110,6 @@ BULK_CAP = 1024 * 1024
 #: extra system calls cost four ranks on two cores about 8 % of their CPU, so plain TCP
 #: links write whole payloads where ranks share cores (``pace_writes``).
 PIECE = 256 * 1024
-#: The piece size over TLS (the same; the name predates plain TCP's pieces).
-TLS_PIECE = PIECE
 
 _new_key = tuple.__new__
 _unpack_header = HEADER.unpack_from
@@ -205,8 +203,6 @@ class StreamLink(Link, asyncio.BufferedProtocol):
     def _setup(self, transport: asyncio.Transport) -> None:
         transport.set_write_buffer_limits(high=0, low=0)
         self._tls = transport.get_extra_info("ssl_object") is not None
-        if self._tls:
-            self._piece = TLS_PIECE
         sock = transport.get_extra_info("socket")
         peername = transport.get_extra_info("peername")
         sockname = transport.get_extra_info("sockname")

@@ -197,9 +197,9 @@ def test_plot_draws_the_floor_and_its_ratio(
 
 
 def test_floor_method_by_size() -> None:
-    assert floor.method(2, 4) == "latency"
-    assert floor.method(4, floor.BULK_MIN - 1) == "latency"
-    assert floor.method(2, floor.BULK_MIN) == "bandwidth"
+    assert floor.method(4) == "latency"
+    assert floor.method(floor.BULK_MIN - 1) == "latency"
+    assert floor.method(floor.BULK_MIN) == "bandwidth"
 
 
 @pytest.mark.timeout(60)

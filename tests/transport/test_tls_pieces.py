@@ -1,5 +1,5 @@
 """TLS links (and plain TCP links, test_tcp_pieces.py) write large payloads in pieces, one
-per loop turn (transport/tcp.py, ``TLS_PIECE``, ``PIECE``): over a real connection on
+per loop turn (transport/tcp.py, ``PIECE``): over a real connection on
 loopback, TLS or plain, a small frame sent while a large frame is being written goes right
 after that frame, ahead of the bulk frames queued behind it, and every frame lands
 whole."""
