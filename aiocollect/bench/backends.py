@@ -73,7 +73,22 @@ class AiocollectBackend:
             return g.reduce_scatter(send, out, **kw)
         if collective == "alltoall":
             return g.alltoall(send, out, **kw)
+        if collective == "sendrecv":  # (point to point: no algorithm to pass)
+            return self._sendrecv(send, out)
+        if collective == "barrier":
+            return g.barrier(**kw)
         raise ValueError(f"unknown collective {collective!r}")
+
+    async def _sendrecv(self, send: Array, out: Array) -> None:
+        """Send ``send`` to rank r+1 while receiving ``out`` from rank r-1: the send
+        starts, the receive is awaited, then the send (as a program would write it;
+        ``asyncio.gather`` would add its own future and a loop turn, about 10 µs here)."""
+        n, r = self.world_size, self.rank
+        sent = self.group.send(send, (r + 1) % n)
+        try:
+            await self.group.recv(out, (r - 1) % n)
+        finally:
+            await sent
 
     async def run(self, collective: str, bufs: Buffers) -> None:
         await self._start(collective, bufs)
@@ -131,8 +146,19 @@ class GlooBackend:
         return Buffers(send_view, out_view, (send, out))
 
     def _issue(self, collective: str, bufs: Buffers, async_op: bool) -> Any:
+        """Start ``collective`` (``async_op``: return its work handles, a list of them
+        for sendrecv; else run it to the end)."""
         dist = self.dist
         send, out = bufs.native
+        if collective == "sendrecv":
+            n, r = self.world_size, self.rank
+            works = [dist.isend(send, (r + 1) % n), dist.irecv(out, (r - 1) % n)]
+            if not async_op:
+                for work in works:
+                    work.wait()
+            return works
+        if collective == "barrier":
+            return dist.barrier(async_op=async_op)
         if collective == "allreduce":
             return dist.all_reduce(send, async_op=async_op)
         if collective == "broadcast":
@@ -151,7 +177,10 @@ class GlooBackend:
         self._issue(collective, bufs, False)
 
     async def run_many(self, collective: str, sets: list[Buffers]) -> None:
-        works = [self._issue(collective, bufs, True) for bufs in sets]
+        works = []
+        for bufs in sets:
+            issued = self._issue(collective, bufs, True)
+            works += issued if isinstance(issued, list) else [issued]
         for work in works:
             work.wait()
 

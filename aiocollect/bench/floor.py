@@ -18,9 +18,20 @@ that data flow can reach the target on this machine (docs/shm.md, *Against the t
   recursive doubling over blocking Unix socket pairs (N a power of two), numpy adds.
   Prints the median time per allreduce (slowest rank).
 
-:func:`measure` picks the floor of one allreduce size as ``aiocollect bench --floor``
-does in every round: the latency floor below ``BULK_MIN`` bytes (where a frame's cost is
-the time), the bandwidth floor from there (where the copies are).
+The same for the two cases of ``aiocollect bench`` that are not collectives of data
+(:func:`measure` with ``collective``):
+
+- ``barrier``: a dissemination barrier over blocking socket pairs (one byte to rank
+  r + 2^k, one from rank r - 2^k, for each k with 2^k < N; any N).
+- ``sendrecv`` (every rank sends to r+1 and receives from r-1 at once): below
+  ``BULK_MIN`` over blocking socket pairs, the send and the receive overlapping where the
+  socket cannot take the whole payload at once; from ``BULK_MIN`` each rank reads rank
+  r-1's buffer with ``process_vm_readv`` (one copy, as aiocollect's shared-memory links
+  pull a large payload), between two barriers.
+
+:func:`measure` picks the floor of one size as ``aiocollect bench --floor`` does in
+every round: for allreduce and sendrecv the latency floor below ``BULK_MIN`` bytes (where
+a frame's cost is the time), the bandwidth floor from there (where the copies are).
 
 Every rank checks its result against the closed form; a wrong one fails the run (exit 1).
 Rank processes are forked; they exit with the run.
@@ -29,17 +40,19 @@ Rank processes are forked; they exit with the run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import queue
+import select
 import socket
 import sys
 import time
 from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -60,6 +73,18 @@ BULK_MIN = cma.PULL_MIN
 #: session*).
 LATENCY_ITERS = 3000
 BANDWIDTH_ITERS = 15
+
+
+class Floor(NamedTuple):
+    """One floor, two statistics of the same run (seconds per operation)."""
+
+    #: The slowest rank's median: the floor (the statistic issue 17's targets were set
+    #: against).
+    seconds: float
+    #: The median over iterations of each iteration's slowest rank: ``aiocollect
+    #: bench``'s p50 statistic. Never lower; higher where ranks wait for each other in
+    #: turn or outnumber the cores (docs/benchmarks.md, *Eighteenth session*).
+    each: float
 
 
 def _pull_worker(
@@ -99,11 +124,12 @@ def _pull_worker(
         bar.wait(BARRIER_SECONDS)
         times.append(time.perf_counter() - start)
     ok = bool((own[: blk * n] == n * (n + 1) / 2).all())
-    out.put((rank, float(np.median(times)), ok))
+    out.put((rank, times, ok))
 
 
-def _run(target: Any, n: int, args: tuple[Any, ...]) -> float:
-    """Start ``n`` forked ranks of ``target``; the slowest rank's median seconds.
+def _run(target: Any, n: int, args: tuple[Any, ...]) -> Floor:
+    """Start ``n`` forked ranks of ``target`` (each puts its per-iteration seconds);
+    both statistics of their times (:class:`Floor`).
 
     Raises:
         RuntimeError: a rank failed or computed a wrong result."""
@@ -111,7 +137,7 @@ def _run(target: Any, n: int, args: tuple[Any, ...]) -> float:
     procs = [_CTX.Process(target=target, args=(r, n, *args, out), daemon=True) for r in range(n)]
     for p in procs:
         p.start()
-    results: list[tuple[int, float, bool]] = []
+    results: list[tuple[int, list[float], bool]] = []
     try:
         while len(results) < n:
             try:
@@ -133,10 +159,13 @@ def _run(target: Any, n: int, args: tuple[Any, ...]) -> float:
     wrong = sorted(r for r, _, ok in results if not ok)
     if wrong:
         raise RuntimeError(f"wrong result on rank(s) {wrong}")
-    return float(max(t for _, t, _ in results))
+    return Floor(
+        float(max(np.median(t) for _, t, _ in results)),
+        float(np.median(np.max([t for _, t, _ in results], axis=0))),
+    )
 
 
-def bandwidth(n: int, nbytes: int, chunk: int = 1 << 20, iters: int = BANDWIDTH_ITERS) -> float:
+def bandwidth(n: int, nbytes: int, chunk: int = 1 << 20, iters: int = BANDWIDTH_ITERS) -> Floor:
     """Seconds per allreduce of ``nbytes`` (float32) among ``n`` ranks (the slowest rank's
     median), by the pull-and-add data flow above.
 
@@ -146,12 +175,33 @@ def bandwidth(n: int, nbytes: int, chunk: int = 1 << 20, iters: int = BANDWIDTH_
         RuntimeError: a rank failed or computed a wrong result."""
     if n < 2 or nbytes <= 0 or nbytes % (4 * n):
         raise ValueError(f"need 2+ ranks and a size that is a multiple of {4 * n} bytes")
+    return _run_pulls(_pull_worker, n, (nbytes, chunk, iters))
+
+
+def _run_pulls(target: Any, n: int, args: tuple[Any, ...]) -> Floor:
+    """:func:`_run` for ranks that read each other's memory: ``target`` gets ``args``,
+    then a shared table for each rank's pid and buffer address, then a barrier.
+
+    Raises:
+        OSError: this host cannot use process_vm_readv (no Linux, or forbidden).
+        RuntimeError: as :func:`_run`."""
     reason = cma.self_check()
     if reason is not None:
         raise OSError(reason)
     table = _CTX.Array("Q", 2 * n, lock=False)
-    bar = _CTX.Barrier(n)
-    return _run(_pull_worker, n, (nbytes, chunk, iters, table, bar))
+    return _run(target, n, (*args, table, _CTX.Barrier(n)))
+
+
+def _run_pairs(
+    target: Any, n: int, socks: dict[tuple[int, int], socket.socket], args: tuple[Any, ...]
+) -> Floor:
+    """:func:`_run` for ranks over the socket pairs ``socks`` (``target`` gets them, then
+    ``args``), closed here whatever happens."""
+    try:
+        return _run(target, n, (socks, *args))
+    finally:
+        for s in socks.values():
+            s.close()
 
 
 def _doubling_worker(
@@ -180,10 +230,10 @@ def _doubling_worker(
         val[...] = 1
         if i >= iters // 10:  # the first tenth warms up
             times.append(time.perf_counter() - start)
-    out.put((rank, float(np.median(times)), ok))
+    out.put((rank, times, ok))
 
 
-def latency(n: int, iters: int = LATENCY_ITERS, nbytes: int = 4) -> float:
+def latency(n: int, iters: int = LATENCY_ITERS, nbytes: int = 4) -> Floor:
     """Seconds per allreduce of ``nbytes`` (float32, 4 by default) among ``n`` ranks (a
     power of two; the slowest rank's median), by recursive doubling over blocking socket
     pairs.
@@ -204,31 +254,181 @@ def latency(n: int, iters: int = LATENCY_ITERS, nbytes: int = 4) -> float:
             if r < p:
                 socks[(r, p)], socks[(p, r)] = socket.socketpair()
             mask <<= 1
-    try:
-        return _run(_doubling_worker, n, (socks, iters, nbytes))
-    finally:
-        for s in socks.values():
-            s.close()
+    return _run_pairs(_doubling_worker, n, socks, (iters, nbytes))
 
 
-def method(nbytes: int) -> str:
-    """Which floor :func:`measure` runs for an allreduce of ``nbytes`` (at any world
-    size): ``"latency"`` below ``BULK_MIN`` bytes, else ``"bandwidth"``."""
-    return "latency" if nbytes < BULK_MIN else "bandwidth"
+def _ring_pairs(n: int, steps: Sequence[int]) -> dict[tuple[int, int], socket.socket]:
+    """Blocking socket pairs from every rank r to rank (r + d) % n for each distance d in
+    ``steps``: ``socks[(r, q)]`` is r's end towards q, ``socks[(q, -1 - r)]`` q's end
+    from r (the two keys differ even where d = n - d)."""
+    socks: dict[tuple[int, int], socket.socket] = {}
+    for d in steps:
+        for r in range(n):
+            q = (r + d) % n
+            socks[(r, q)], socks[(q, -1 - r)] = socket.socketpair()
+    return socks
 
 
-def measure(n: int, nbytes: int) -> tuple[str, int, float]:
-    """The floor of an allreduce of ``nbytes`` among ``n`` ranks: ``(method, bytes
-    measured, seconds)``. The latency floor (:func:`method`) measures ``nbytes`` rounded
-    down to a multiple of 4 (at least 4), the bandwidth floor ``nbytes`` rounded down to a
-    multiple of ``4 n``; a size that rounds to nothing is an error.
+def _distances(n: int) -> list[int]:
+    """A dissemination barrier's steps among ``n`` ranks: 1, 2, 4, ... below ``n``."""
+    return [1 << k for k in range(max(0, (n - 1).bit_length()))]
+
+
+def _barrier_worker(
+    rank: int, n: int, socks: dict[tuple[int, int], socket.socket], iters: int, out: Any
+) -> None:
+    steps = [
+        (socks[(rank, (rank + d) % n)], socks[(rank, -1 - (rank - d) % n)]) for d in _distances(n)
+    ]
+    got = bytearray(1)
+    times = []
+    for i in range(iters + iters // 10):
+        start = time.perf_counter()
+        for tx, rx in steps:
+            tx.sendall(b"b")
+            rx.recv_into(got, 1, socket.MSG_WAITALL)
+        if i >= iters // 10:  # the first tenth warms up
+            times.append(time.perf_counter() - start)
+    out.put((rank, times, True))
+
+
+def barrier(n: int, iters: int = LATENCY_ITERS) -> Floor:
+    """Seconds per barrier among ``n`` ranks (any n from 2; the slowest rank's median):
+    a dissemination barrier, one byte per step over blocking socket pairs.
 
     Raises:
-        ValueError: the floor cannot measure this (rank count not a power of two for the
-            latency floor, a size too small for the bandwidth floor, fewer than 2 ranks).
-        OSError: this host cannot use process_vm_readv (the bandwidth floor).
+        ValueError: fewer than 2 ranks.
+        RuntimeError: a rank failed."""
+    if n < 2:
+        raise ValueError("a barrier floor needs 2+ ranks")
+    return _run_pairs(_barrier_worker, n, _ring_pairs(n, _distances(n)), (iters,))
+
+
+def _exchange(tx: socket.socket, rx: socket.socket, data: memoryview, into: memoryview) -> None:
+    """Send ``data`` on ``tx`` while receiving ``len(into)`` bytes from ``rx``: one send
+    and one blocking receive where the socket takes the whole payload (small ones), else
+    both as the sockets allow (a rank that sent first and waited for its peer to read
+    would wait for ever if every rank did)."""
+    try:
+        sent = tx.send(data, socket.MSG_DONTWAIT)
+    except BlockingIOError:  # full of what the peer has not read yet
+        sent = 0
+    got = 0
+    while sent < len(data):
+        readable, writable, _ = select.select([rx] if got < len(into) else [], [tx], [])
+        if writable:
+            with contextlib.suppress(BlockingIOError):  # (taken by the peer meanwhile)
+                sent += tx.send(data[sent:], socket.MSG_DONTWAIT)
+        if readable:
+            got += rx.recv_into(into[got:], len(into) - got)
+    if got < len(into):
+        rx.recv_into(into[got:], len(into) - got, socket.MSG_WAITALL)
+
+
+def _shift_worker(
+    rank: int,
+    n: int,
+    socks: dict[tuple[int, int], socket.socket],
+    iters: int,
+    nbytes: int,
+    out: Any,
+) -> None:
+    tx, rx = socks[(rank, (rank + 1) % n)], socks[(rank, -1 - (rank - 1) % n)]
+    data = memoryview(bytes([rank % 251]) * nbytes)
+    into = memoryview(bytearray(nbytes))
+    times = []
+    ok = True
+    for i in range(iters + iters // 10):
+        start = time.perf_counter()
+        _exchange(tx, rx, data, into)
+        if i >= iters // 10:  # the first tenth warms up
+            times.append(time.perf_counter() - start)
+        ok = ok and into[nbytes - 1] == (rank - 1) % n % 251 and into[0] == into[nbytes - 1]
+    out.put((rank, times, ok))
+
+
+def sendrecv_latency(n: int, nbytes: int, iters: int = LATENCY_ITERS) -> Floor:
+    """Seconds per send to rank r+1 with a receive from rank r-1 (every rank at once,
+    ``nbytes`` each; the slowest rank's median) over blocking socket pairs.
+
+    Raises:
+        ValueError: fewer than 2 ranks, or ``nbytes`` not positive.
+        RuntimeError: a rank failed or received the wrong bytes."""
+    if n < 2 or nbytes <= 0:
+        raise ValueError("need 2+ ranks and a positive size")
+    return _run_pairs(_shift_worker, n, _ring_pairs(n, [1]), (iters, nbytes))
+
+
+def _shift_pull_worker(
+    rank: int, n: int, nbytes: int, iters: int, table: Any, bar: Barrier, out: Any
+) -> None:
+    send = np.full(nbytes, rank % 251, np.uint8)
+    into = np.zeros(nbytes, np.uint8)
+    table[2 * rank], table[2 * rank + 1] = os.getpid(), send.ctypes.data
+    bar.wait(BARRIER_SECONDS)
+    prev = (rank - 1) % n
+    pid, base = int(table[2 * prev]), int(table[2 * prev + 1])
+    view = byte_view(into)
+    times = []
+    for _ in range(iters):
+        into[0] = into[-1] = 255
+        bar.wait(BARRIER_SECONDS)
+        start = time.perf_counter()
+        cma.pull(pid, view, base)
+        bar.wait(BARRIER_SECONDS)
+        times.append(time.perf_counter() - start)
+    ok = bool(into[0] == into[-1] == prev % 251)
+    out.put((rank, times, ok))
+
+
+def sendrecv_bandwidth(n: int, nbytes: int, iters: int = BANDWIDTH_ITERS) -> Floor:
+    """Seconds per send to rank r+1 with a receive from rank r-1 (every rank at once,
+    ``nbytes`` each; the slowest rank's median): each rank reads rank r-1's buffer with
+    ``process_vm_readv``, between two barriers.
+
+    Raises:
+        ValueError: fewer than 2 ranks, or ``nbytes`` not positive.
+        OSError: this host cannot use process_vm_readv.
+        RuntimeError: a rank failed or read the wrong bytes."""
+    if n < 2 or nbytes <= 0:
+        raise ValueError("need 2+ ranks and a positive size")
+    return _run_pulls(_shift_pull_worker, n, (nbytes, iters))
+
+
+#: The cases :func:`measure` has a floor for.
+FLOORED = ("allreduce", "barrier", "sendrecv")
+
+
+def method(nbytes: int, collective: str = "allreduce") -> str:
+    """Which floor :func:`measure` runs for ``collective`` at ``nbytes`` (at any world
+    size): ``"latency"`` below ``BULK_MIN`` bytes and for a barrier, else
+    ``"bandwidth"``."""
+    return "latency" if nbytes < BULK_MIN or collective == "barrier" else "bandwidth"
+
+
+def measure(n: int, nbytes: int, collective: str = "allreduce") -> tuple[str, int, Floor]:
+    """The floor of ``collective`` (one of ``FLOORED``) with ``nbytes`` among ``n``
+    ranks: ``(method, bytes measured, its Floor)``. For an allreduce the latency floor
+    (:func:`method`) measures ``nbytes`` rounded down to a multiple of 4 (at least 4), the
+    bandwidth floor ``nbytes`` rounded down to a multiple of ``4 n``; a size that rounds
+    to nothing is an error. A sendrecv measures ``nbytes`` (at least 1), a barrier 0.
+
+    Raises:
+        ValueError: the floor cannot measure this (an unknown collective, a rank count
+            not a power of two for the allreduce's latency floor, a size too small for
+            its bandwidth floor, fewer than 2 ranks).
+        OSError: this host cannot use process_vm_readv (the bandwidth floors).
         RuntimeError: a rank failed or computed a wrong result."""
-    how = method(nbytes)
+    if collective not in FLOORED:
+        raise ValueError(f"no floor for {collective!r} (only {', '.join(FLOORED)})")
+    how = method(nbytes, collective)
+    if collective == "barrier":
+        return how, 0, barrier(n)
+    if collective == "sendrecv":
+        size = max(1, nbytes)
+        if how == "latency":
+            return how, size, sendrecv_latency(n, size)
+        return how, size, sendrecv_bandwidth(n, size)
     if how == "latency":
         size = max(4, nbytes // 4 * 4)
         return how, size, latency(n, nbytes=size)
@@ -236,26 +436,41 @@ def measure(n: int, nbytes: int) -> tuple[str, int, float]:
     return how, size, bandwidth(n, size)
 
 
-def _measure_main(n: int, sizes: str, out: Path) -> int:
-    """``measure``: the floor of every size (:func:`measure`), one JSON record per size,
-    ``{"size", "method", "bytes", "us"}`` or ``{"size", "error"}`` where the floor cannot
-    measure it; a progress line per size on stderr. Exit status 1 only for bad arguments."""
+def _measure_main(n: int, sizes: str, out: Path, collective: str = "allreduce") -> int:
+    """``measure``: the floor of ``collective`` at every size (:func:`measure`; a barrier
+    once, at size 0), one JSON record per size, ``{"collective", "size", "method",
+    "bytes", "us", "us_each"}`` (:class:`Floor`'s two statistics, in µs) or
+    ``{"collective", "size", "error"}`` where the floor cannot measure
+    it; a progress line per size on stderr. Exit status 1 only for bad arguments."""
     try:
-        wanted = parse_sizes(sizes)
+        wanted = [0] if collective == "barrier" else parse_sizes(sizes)
+        if collective not in FLOORED:
+            raise ValueError(f"no floor for {collective!r} (only {', '.join(FLOORED)})")
     except ValueError as exc:
         print(f"floor: {exc}", file=sys.stderr)
         return 1
     records: list[dict[str, Any]] = []
     for size in wanted:
+        what = f"floor {collective} N={n} {format_size(size)}"
         try:
-            how, nbytes, t = measure(n, size)
+            how, nbytes, got = measure(n, size, collective)
         except (ValueError, OSError, RuntimeError) as exc:
-            records.append({"size": size, "error": str(exc)})
-            print(f"floor N={n} {format_size(size)}: not measured: {exc}", file=sys.stderr)
+            records.append({"collective": collective, "size": size, "error": str(exc)})
+            print(f"{what}: not measured: {exc}", file=sys.stderr)
             continue
-        records.append({"size": size, "method": how, "bytes": nbytes, "us": t * 1e6})
+        records.append(
+            {
+                "collective": collective,
+                "size": size,
+                "method": how,
+                "bytes": nbytes,
+                "us": got.seconds * 1e6,
+                "us_each": got.each * 1e6,
+            }
+        )
         print(
-            f"floor N={n} {format_size(size)} ({how}): p50 {t * 1e6:.1f} us",
+            f"{what} ({how}): p50 {got.seconds * 1e6:.1f} us (slowest rank per iteration: "
+            f"{got.each * 1e6:.1f} us)",
             file=sys.stderr,
             flush=True,
         )
@@ -287,18 +502,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         "measure", help="the floor of each size, as aiocollect bench --floor runs it (JSON)"
     )
     each.add_argument("-n", "--nproc", type=int, default=2, help="ranks (default 2)")
-    each.add_argument("--sizes", required=True, help="allreduce sizes in bytes")
+    each.add_argument(
+        "--collective",
+        default="allreduce",
+        choices=FLOORED,
+        help="whose floor (default allreduce; a barrier has one size, 0)",
+    )
+    each.add_argument("--sizes", required=True, help="sizes in bytes (ignored for barrier)")
     each.add_argument("--json", type=Path, required=True, help="write the results here")
     ns = parser.parse_args(argv)
     if ns.what == "measure":
-        return _measure_main(ns.nproc, ns.sizes, ns.json)
+        return _measure_main(ns.nproc, ns.sizes, ns.json, ns.collective)
     try:
         ranks = [int(x) for x in str(ns.nproc).split(",")]
         if ns.what == "bandwidth":
             chunk = parse_size(ns.chunk)
             for n in ranks:
                 for size in parse_sizes(ns.sizes):
-                    t = bandwidth(n, size, chunk, ns.iters)
+                    t = bandwidth(n, size, chunk, ns.iters).seconds
                     busbw = size / t * 2 * (n - 1) / n / 1e9
                     print(
                         f"floor allreduce N={n} {size >> 20}MiB (chunk {chunk >> 10}KiB): "
@@ -308,7 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             for n in ranks:
                 for size in parse_sizes(ns.sizes):
-                    t = latency(n, ns.iters, size)
+                    t = latency(n, ns.iters, size).seconds
                     print(
                         f"floor allreduce N={n} {format_size(size)}B: p50 {t * 1e6:.0f} us",
                         flush=True,

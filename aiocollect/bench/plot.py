@@ -7,8 +7,10 @@
   let the 4-byte points squash them into a sliver);
 - bottom: p50 latency split at 256 KiB, each half on its own axis (small sizes linear in
   µs, large sizes in ms), so neither range flattens the other;
-- with ``--floor``, the framework-free floor's p50 as a grey dash-dotted series in both
-  latency panels;
+- with ``--floor``, the framework-free floor's p50 as a grey dash-dotted series per
+  collective in both latency panels;
+- a barrier (no data, size 0) has no place on a size axis: it is left out (the table has
+  it);
 - a footer with the date, the load average (start, peak, end, against the cores) and the
   load warning when the machine was busy.
 
@@ -22,7 +24,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from aiocollect.bench.spec import format_size
+from aiocollect.bench.spec import NO_DATA, format_size
 
 MISSING = (
     "--plot needs matplotlib, which is not installed "
@@ -109,6 +111,7 @@ def plot(
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullLocator
 
+    rows = [r for r in rows if r["collective"] not in NO_DATA]  # (module docstring)
     fig, axes = plt.subplots(2, 2, figsize=(14, 9))
     (ax_ratio, ax_bw), (ax_small, ax_large) = axes
     palette = (
@@ -159,14 +162,15 @@ def plot(
                     label=f"{name}: {tag} / {ref_tag}",
                 )
     floor = [
-        (r["size"], r["floor_us"])
+        (r["collective"], r["size"], r["floor_us"])
         for r in rows
         if r.get("floor_us") is not None and r["floor_us"] == r["floor_us"]
     ]
-    if floor:  # (--floor: allreduce only)
-        kw = {"marker": "+", "color": "grey", "label": "allreduce (framework-free floor)"}
-        _latency(ax_small, ax_large, floor, "-.", kw)
-        ticks.update(p[0] for p in floor)
+    for i, coll in enumerate(dict.fromkeys(f[0] for f in floor)):
+        pts = [(size, us) for c, size, us in floor if c == coll]
+        kw = {"marker": "+x*"[i % 3], "color": "grey", "label": f"{coll} (framework-free floor)"}
+        _latency(ax_small, ax_large, pts, "-.", kw)
+        ticks.update(p[0] for p in pts)
     ax_ratio.axhline(1.0, color="black", linewidth=0.8)
     ax_ratio.set_ylim(bottom=0)
     if not ax_ratio.get_lines()[:-1]:

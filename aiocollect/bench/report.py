@@ -7,7 +7,8 @@ aiocollect/gloo of those medians: bandwidth (above 1 favours aiocollect) and p50
 (below 1 favours aiocollect). With ``--compare T``, aiocollect over transport T is a third
 backend (key ``"compare"``), and ``compare_bw_ratio`` / ``compare_lat_ratio`` are
 aiocollect over ``--transport`` divided by aiocollect over T, from the same medians. With
-``--floor``, an allreduce row also holds the framework-free floor's median over rounds
+``--floor``, an allreduce, sendrecv or barrier row run one at a time also holds the
+framework-free floor's median over rounds
 (``floor_us``) and ``floor_ratio``: aiocollect's median p50 / ``floor_us`` (1 is the
 floor; a bandwidth target of "85 % of the floor" is a ratio of at most 1/0.85), and each
 round's own ratio (``floor_ratio_rounds``).
@@ -27,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from aiocollect import __version__
-from aiocollect.bench.floor import BULK_MIN
-from aiocollect.bench.spec import Case, format_size
+from aiocollect.bench.floor import BULK_MIN, FLOORED
+from aiocollect.bench.spec import Case, checked, format_size
 from aiocollect.bench.stats import format_number, format_time, median, summarize
 
 BACKENDS = ("aiocollect", "gloo")
@@ -119,30 +120,45 @@ def aggregate(
             row["compare_transport"] = compare
             row["compare_bw_ratio"] = _ratio(ac, row["compare"], "busbw_gbps")
             row["compare_lat_ratio"] = _ratio(ac, row["compare"], "p50_us")
-        if floored and case.collective == "allreduce" and case.concurrency == 1:
-            row.update(_floor(floors, case.size, ac, p50s))
+        if floored and case.collective in FLOORED and case.concurrency == 1:
+            row.update(_floor(floors, (case.collective, case.size), ac, p50s))
         rows.append(row)
     return rows
 
 
-def _floor_records(rounds: list[dict[str, Any]]) -> list[dict[int, dict[str, Any]] | None]:
-    """Per round: its floor records by size (``--floor``), None where it ran no floor."""
-    out: list[dict[int, dict[str, Any]] | None] = []
+FloorKey = tuple[str, int]
+
+
+def _floor_records(rounds: list[dict[str, Any]]) -> list[dict[FloorKey, dict[str, Any]] | None]:
+    """Per round: its floor records by (collective, size) (``--floor``; records without a
+    collective, from versions that had the allreduce's floor only, are allreduce's), None
+    where it ran no floor."""
+    out: list[dict[FloorKey, dict[str, Any]] | None] = []
     for entry in rounds:
         floor = entry.get("floor")
-        out.append(None if floor is None else {int(r["size"]): r for r in floor.get("records", [])})
+        out.append(
+            None
+            if floor is None
+            else {
+                (str(r.get("collective", "allreduce")), int(r["size"])): r
+                for r in floor.get("records", [])
+            }
+        )
     return out
 
 
 def _floor(
-    floors: list[dict[int, dict[str, Any]] | None],
-    size: int,
+    floors: list[dict[FloorKey, dict[str, Any]] | None],
+    size: FloorKey,
     ac: dict[str, Any] | None,
     p50s: list[float | None],
 ) -> dict[str, Any]:
-    """A row's floor entries, from the rounds' floor records (``floors``) and aiocollect's
+    """A row's floor entries (``size``: its collective and size), from the rounds' floor
+    records (``floors``) and aiocollect's
     p50 in each round (``p50s``, aligned with them): ``floor_us`` (median over the rounds
     that measured it, NaN where none did), ``floor_method``, ``floor_bytes``,
+    ``floor_each_us`` (the floor runs' median of each iteration's slowest rank, the
+    statistic of aiocollect's p50; the table's ratio stays against ``floor_us``),
     ``floor_rounds``, ``floor_ratio`` (aiocollect's median p50 / ``floor_us``: the ratio of
     the medians), ``floor_ratio_rounds`` (each round's own p50 / floor, for rounds with
     both) and, where no round measured it, ``floor_error`` (why)."""
@@ -150,6 +166,11 @@ def _floor(
     got = [r for r in mine if r is not None and "us" in r]
     out: dict[str, Any] = {
         "floor_us": median([float(r["us"]) for r in got]) if got else float("nan"),
+        # the same runs' median of each iteration's slowest rank (aiocollect's p50
+        # statistic; absent from records of versions that did not report it)
+        "floor_each_us": median([float(r["us_each"]) for r in got if "us_each" in r])
+        if any("us_each" in r for r in got)
+        else float("nan"),
         "floor_method": got[0]["method"] if got else None,
         "floor_bytes": got[0]["bytes"] if got else None,
         "floor_rounds": len(got),
@@ -203,6 +224,8 @@ def _check(row: dict[str, Any]) -> str:
         return "MISSING"
     if not ac["correct"]:
         return f"WRONG (ranks {ac['wrong_ranks']})"
+    if not checked(row["collective"]):
+        return "-"  # a barrier: no result to check
     wrong = ([row["compare_transport"]] if cmp is not None and not cmp["correct"] else []) + (
         ["gloo"] if gl is not None and not gl["correct"] else []
     )
@@ -350,12 +373,14 @@ def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     floored = [r for r in rows if "floor_us" in r]
     if floored:
         out.append(
-            "floor: the framework-free allreduce of the same bytes on this machine, run "
-            "after the others in every round (python -m aiocollect.bench.floor: recursive "
-            f"doubling over socket pairs below {format_size(BULK_MIN)}, pull-and-add from "
-            "there); x floor: aiocollect p50 / floor, medians over rounds (1/0.85 = 1.18x "
-            "is 85 % of the floor's bandwidth); rounds: the lowest and highest of each "
-            "round's own ratio."
+            "floor: the framework-free operation of the same bytes on this machine, run "
+            "after the others in every round (python -m aiocollect.bench.floor; allreduce: "
+            f"recursive doubling over socket pairs below {format_size(BULK_MIN)}, "
+            "pull-and-add from there; sendrecv: socket pairs below "
+            f"{format_size(BULK_MIN)}, one process_vm_readv from there; barrier: "
+            "dissemination over socket pairs); x floor: aiocollect p50 / floor, medians "
+            "over rounds (1/0.85 = 1.18x is 85 % of the floor's bandwidth); rounds: the "
+            "lowest and highest of each round's own ratio."
         )
         missing = {r["floor_error"] for r in floored if "floor_error" in r}
         for why in sorted(missing):

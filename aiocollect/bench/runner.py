@@ -2,7 +2,7 @@
 
 Round i runs aiocollect's ranks over ``--transport``, then (with ``--compare T``)
 aiocollect's ranks over transport T, then (with a baseline) gloo's ranks, then (with
-``--floor``) the framework-free floor of every allreduce size
+``--floor``) the framework-free floor of every allreduce, sendrecv and barrier case
 (``python -m aiocollect.bench.floor measure``), then round i+1, so that slow phases of a
 shared, noisy machine hit every backend alike. Every rank is a
 ``python -m aiocollect.bench.worker`` subprocess; whatever happens (a failing rank, a
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from aiocollect.bench.floor import FLOORED
 from aiocollect.bench.sweep import SweepConfig
 from aiocollect.bench.worker import RankOptions, encode
 from aiocollect.testing.spawn import free_port
@@ -49,15 +50,18 @@ class Plan:
     compare: str | None = None
     round_timeout: float = 900.0
     env: dict[str, str] = field(default_factory=dict)
-    #: Measure the framework-free floor of every allreduce size in every round.
+    #: Measure the framework-free floor of every case that has one in every round.
     floor: bool = False
 
-    def floor_sizes(self) -> list[int]:
-        """The sizes whose floor ``--floor`` measures: those of the allreduce cases run
-        one at a time (the floor is an allreduce, one at a time)."""
-        return sorted(
-            {c.size for c in self.sweep.cases if c.collective == "allreduce" and c.concurrency == 1}
-        )
+    def floor_sizes(self) -> dict[str, list[int]]:
+        """The sizes whose floor ``--floor`` measures, by collective: those of the cases
+        run one at a time whose collective has a floor (``floor.FLOORED``: allreduce,
+        sendrecv, barrier; a floor runs one at a time)."""
+        out: dict[str, list[int]] = {}
+        for c in self.sweep.cases:
+            if c.collective in FLOORED and c.concurrency == 1:
+                out.setdefault(c.collective, []).append(c.size)
+        return {coll: sorted(set(sizes)) for coll, sizes in out.items()}
 
 
 def rank_env(extra: dict[str, str]) -> dict[str, str]:
@@ -161,25 +165,29 @@ def run_rounds(plan: Plan) -> list[dict[str, Any]]:
 
 
 def run_floor(plan: Plan, label: str) -> list[dict[str, Any]]:
-    """The framework-free floor of every size in ``plan.floor_sizes()`` among
-    ``world_size`` ranks, measured in a subprocess (``python -m aiocollect.bench.floor
-    measure``): one record per size, ``{"size", "method", "bytes", "us"}``, or ``{"size",
-    "error"}`` where the floor cannot measure that size (say, the latency floor with a
-    rank count that is not a power of two).
+    """The framework-free floor of every case in ``plan.floor_sizes()`` among
+    ``world_size`` ranks, measured in a subprocess per collective, one after the other
+    (``python -m aiocollect.bench.floor measure --collective C``): one record per case,
+    ``{"collective", "size", "method", "bytes", "us"}``, or ``{"collective", "size",
+    "error"}`` where the floor cannot measure it (say, the allreduce's latency floor with
+    a rank count that is not a power of two).
 
     Raises:
-        RoundFailed: the floor's process failed or ran past the round's deadline.
+        RoundFailed: a floor process failed or ran past the round's deadline.
     """
-    sizes = ",".join(str(s) for s in plan.floor_sizes())
-    print(f"[floor {label}] sizes {sizes}", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory(prefix="aiocollect-floor-") as tmp:
-        result = Path(tmp) / "floor.json"
-        cmd = [sys.executable, "-m", "aiocollect.bench.floor", "measure"]
-        cmd += ["-n", str(plan.world_size), "--sizes", sizes, "--json", str(result)]
-        records: list[dict[str, Any]] = _collect(
-            [cmd], rank_env(plan.env), plan.round_timeout, f"floor round {label}", result
-        )
-        return records
+    records: list[dict[str, Any]] = []
+    for collective, wanted in plan.floor_sizes().items():
+        sizes = ",".join(str(s) for s in wanted)
+        print(f"[floor {label}] {collective} sizes {sizes}", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(prefix="aiocollect-floor-") as tmp:
+            result = Path(tmp) / "floor.json"
+            cmd = [sys.executable, "-m", "aiocollect.bench.floor", "measure"]
+            cmd += ["-n", str(plan.world_size), "--collective", collective]
+            cmd += ["--sizes", sizes, "--json", str(result)]
+            records += _collect(
+                [cmd], rank_env(plan.env), plan.round_timeout, f"floor round {label}", result
+            )
+    return records
 
 
 def _collect(

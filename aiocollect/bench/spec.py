@@ -9,6 +9,12 @@ buffer each rank passes; the size of allgather, reduce_scatter and alltoall is t
 ``size / world_size``. Bus bandwidth is ``size / time`` times a factor that makes it
 comparable with the link speed: ``2(n-1)/n`` for allreduce, ``(n-1)/n`` for allgather,
 reduce_scatter and alltoall, 1 for broadcast and reduce.
+
+Two more cases ride the same path without being collectives of data: ``sendrecv`` (as
+NCCL-tests' sendrecv: every rank sends ``size`` bytes to rank r+1 and receives ``size``
+bytes from rank r-1, both in flight at once; bus bandwidth ``size / time``) and
+``barrier`` (no data: one case of size 0 whatever sizes are asked for, no bandwidth, and
+no result that could show it worked, so its check says ``-``).
 """
 
 from __future__ import annotations
@@ -22,7 +28,18 @@ import numpy as np
 Array = np.ndarray[Any, np.dtype[Any]]
 
 #: Collectives the benchmark knows, in the order the table lists them.
-COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall")
+COLLECTIVES = (
+    "allreduce",
+    "broadcast",
+    "reduce",
+    "allgather",
+    "reduce_scatter",
+    "alltoall",
+    "sendrecv",
+    "barrier",
+)
+#: Cases without data: measured once, at size 0, whatever sizes are asked for.
+NO_DATA = frozenset({"barrier"})
 #: Collectives whose result replaces the input buffer (no separate output).
 IN_PLACE = frozenset({"allreduce", "broadcast", "reduce"})
 #: Dtypes the benchmark accepts (all exist in numpy and torch).
@@ -151,8 +168,14 @@ class Shape:
 
 
 def shape(collective: str, size: int, itemsize: int, world_size: int) -> Shape:
-    """The buffers for ``size`` bytes of ``collective`` (at least one element per rank)."""
+    """The buffers for ``size`` bytes of ``collective`` (at least one element per rank;
+    none for a barrier)."""
     n = world_size
+    if collective in NO_DATA:
+        return Shape(0, (0,), None, 0)
+    if collective == "sendrecv":
+        count = max(1, size // itemsize)
+        return Shape(count, (count,), (count,), count * itemsize)
     if collective in IN_PLACE:
         count = max(1, size // itemsize)
         return Shape(count, (count,), None, count * itemsize)
@@ -172,9 +195,17 @@ def busbw_factor(collective: str, world_size: int) -> float:
     n = world_size
     if collective == "allreduce":
         return 2 * (n - 1) / n
-    if collective in ("broadcast", "reduce"):
+    if collective in ("broadcast", "reduce", "sendrecv"):
         return 1.0
+    if collective in NO_DATA:
+        return 0.0
     return (n - 1) / n
+
+
+def checked(collective: str) -> bool:
+    """Whether a result can show that ``collective`` worked (not a barrier's: it moves
+    no data)."""
+    return collective not in NO_DATA
 
 
 # -- correctness: rank-dependent data and the closed form of every result -----------------
@@ -217,7 +248,9 @@ def fill(
         per = c // n
         for j, block in enumerate(send.reshape(n, per)):
             _put(block, rank * n + j + 1 + offset, _ramp(per, 3))
-    else:
+    elif collective == "sendrecv":
+        _put(send, rank + 1 + offset, _ramp(c, 11))
+    elif collective not in NO_DATA:
         raise ValueError(f"unknown collective {collective!r}")
 
 
@@ -233,7 +266,11 @@ def verify(
         return True  # non-root buffers are unspecified for gloo; aiocollect keeps them
     if collective == "broadcast":
         return _equal(send, 1 + offset, _ramp(send.size, 13))
+    if collective in NO_DATA:
+        return True  # nothing to check (checked() says so)
     assert out is not None
+    if collective == "sendrecv":
+        return _equal(out, (rank - 1) % n + 1 + offset, _ramp(out.size, 11))
     if collective == "allgather":
         return all(
             _equal(row, j + 1 + offset, _ramp(row.size, 5))

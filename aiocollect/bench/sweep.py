@@ -1,8 +1,9 @@
 """The timing method, shared by every backend so aiocollect and gloo are measured alike.
 
 For each case every rank: allocates and touches its buffers; runs ``warmup`` untimed
-iterations (their median time calibrates the iteration count so that a case takes about
-``seconds``; rank 0's choice is broadcast so all ranks agree); resets its peak-RSS mark;
+iterations, and more until ``warmup_seconds`` have passed (the median of the last
+``warmup`` of them calibrates the iteration count so that a case takes about ``seconds``;
+rank 0's choices are broadcast so all ranks agree); resets its peak-RSS mark;
 enters a barrier; times each of ``iters`` iterations with ``perf_counter`` (a concurrent
 case times K collectives in flight together, then K back to back, alternately); reads its
 peak-RSS growth; runs the collective once more on rank-dependent data and checks the result
@@ -11,7 +12,13 @@ rank 0 reports, per iteration, the maximum over ranks (for p50/p99), and the slo
 total time divided by the iterations (NCCL-tests' time, for bandwidth: with collectives
 whose ranks can run ahead of each other, like a broadcast root, per-iteration times alone
 would flatter). On rank 0 a probe task sleeps 1 ms
-in a loop during the timed iterations and records how late it wakes (event-loop lag).
+in a loop during the timed iterations and records how late it wakes (event-loop lag); its
+idle floor is taken after the round's cases, not before them.
+
+Why a warm-up by time: a round's first small case ran 2-3x slower for its first 0.1-0.2 s
+after the ranks had idled (the idle lag probe's 0.2 s sleep, which used to come first),
+and five iterations of a 20 µs operation end long before that (docs/benchmarks.md,
+*Eighteenth session*).
 
 Collectives whose root finishes before its receivers (broadcast: the root's sends leave
 and it returns) end every timed iteration with the backend's barrier, so the root waits
@@ -38,6 +45,8 @@ import numpy as np
 from aiocollect.bench.spec import Array, Case, Shape, fill, shape, verify
 from aiocollect.bench.stats import MIB, percentile
 
+#: ``aiocollect bench``'s default for ``SweepConfig.warmup_seconds``.
+WARMUP_SECONDS = 0.1
 #: Bounds of the adaptive iteration count.
 MIN_ITERS = 5
 MAX_ITERS = 20_000
@@ -89,6 +98,8 @@ class SweepConfig:
     iters: int | None
     seconds: float
     lag_probe: bool = True
+    #: Warm up for at least this long too (the command's default is ``WARMUP_SECONDS``).
+    warmup_seconds: float = 0.0
 
 
 # -- peak resident set size ---------------------------------------------------------------
@@ -204,8 +215,8 @@ async def measure(backend: Backend, case: Case, cfg: SweepConfig) -> dict[str, A
         return time.perf_counter() - t0
 
     steps: list[Callable[[], Any]] = [together] if k == 1 else [together, in_sequence]
-    warm = [sum([await step() for step in steps]) for _ in range(max(cfg.warmup, 1))]
-    iters = cfg.iters or calibrate(float(np.median(warm)), cfg.seconds)
+    warm = await _warm_up(backend, steps, cfg)
+    iters = cfg.iters or calibrate(float(np.median(warm[-max(cfg.warmup, 1) :])), cfg.seconds)
     iters = await backend.agree(iters)
     base = reset_peak_rss()
     probe = LagProbe(enabled=cfg.lag_probe and backend.has_loop_probe and backend.rank == 0)
@@ -239,6 +250,7 @@ async def measure(backend: Backend, case: Case, cfg: SweepConfig) -> dict[str, A
         "count": shp.count,
         "dtype": cfg.dtype,
         "iters": iters,
+        "warmup_iters": len(warm),
         "algorithm": backend.algorithm_for(coll, shp),
         "times_us": [round(float(t), 1) for t in worst[0]],
         "seq_times_us": [round(float(t), 1) for t in worst[1]] if k > 1 else None,
@@ -250,6 +262,29 @@ async def measure(backend: Backend, case: Case, cfg: SweepConfig) -> dict[str, A
         "wrong_ranks": [int(r) for r in np.flatnonzero(gathered[:, -1] != 1.0)],
         **extra,
     }
+
+
+async def _warm_up(
+    backend: Backend, steps: list[Callable[[], Any]], cfg: SweepConfig
+) -> list[float]:
+    """Run ``cfg.warmup`` untimed iterations (at least one), then more until
+    ``cfg.warmup_seconds`` have passed since the first: rank 0 says how many more fill
+    the time left (from its latest iterations) and every rank runs that many, so the
+    ranks' operations keep matching. Returns the iterations' times (seconds)."""
+    least = max(cfg.warmup, 1)
+    warm: list[float] = []
+    start = time.perf_counter()
+    batch = least
+    while batch > 0:
+        for _ in range(batch):
+            warm.append(sum([await step() for step in steps]))
+        if cfg.warmup_seconds <= 0:
+            break
+        left = cfg.warmup_seconds - (time.perf_counter() - start)
+        per = float(np.median(warm[-least:]))
+        batch = min(MAX_ITERS - len(warm), math.ceil(left / per)) if left > 0 and per > 0 else 0
+        batch = await backend.agree(max(0, batch))
+    return warm
 
 
 async def _time_barriers(backend: Backend) -> Array:

@@ -67,7 +67,6 @@ async def sweep(
 
     ``name`` tags the progress lines (default: the backend's name).
     """
-    idle = await idle_lag(backend) if cfg.lag_probe else None
     records = []
     for case in cfg.cases:
         record = await measure(backend, case, cfg)
@@ -78,6 +77,9 @@ async def sweep(
                 file=sys.stderr,
                 flush=True,
             )
+    # The idle floor of the loop lag comes last: idling first slowed the first case
+    # (bench/sweep.py, "Why a warm-up by time").
+    idle = await idle_lag(backend) if cfg.lag_probe else None
     return {
         "backend": backend.name,
         "label": label,

@@ -3,7 +3,8 @@
 Usage::
 
     aiocollect bench [COLLECTIVE ...] -n N [--sizes 4..64M] [--transport tcp]
-                     [--compare T] [--iters K] [--warmup W] [--rounds R]
+                     [--compare T] [--iters K] [--warmup W] [--warmup-seconds S]
+                     [--rounds R]
                      [--dtype float32] [--algorithm A] [--concurrent K]
                      [--baseline gloo] [--floor] [--json F] [--plot F.png]
                      [--store URL --rank R]
@@ -45,6 +46,7 @@ from aiocollect.bench.spec import (
     COLLECTIVES,
     DEFAULT_SIZES,
     DTYPES,
+    NO_DATA,
     Case,
     format_size,
     parse_collective,
@@ -52,7 +54,7 @@ from aiocollect.bench.spec import (
     parse_sizes,
 )
 from aiocollect.bench.stats import median
-from aiocollect.bench.sweep import SweepConfig
+from aiocollect.bench.sweep import WARMUP_SECONDS, SweepConfig
 from aiocollect.bench.worker import RankOptions, aiocollect_rounds, run_loop
 from aiocollect.transport import registry
 
@@ -106,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations (default 5)")
     p.add_argument(
+        "--warmup-seconds",
+        type=float,
+        default=WARMUP_SECONDS,
+        help=f"and more untimed iterations until this long has passed (default "
+        f"{WARMUP_SECONDS:g}; 0: just --warmup)",
+    )
+    p.add_argument(
         "--rounds", type=int, default=3, help="repeat the sweep, report medians (default 3)"
     )
     p.add_argument("--algorithm", default="auto", help="passed to the collectives unless auto")
@@ -149,7 +158,8 @@ def _cases(ns: argparse.Namespace) -> list[Case]:
         collective, k = parse_collective(name)
         if ns.concurrent is not None:
             k = ns.concurrent
-        cases += [Case(collective, size, k) for size in sizes]
+        # a barrier moves no data: one case, whatever the sizes
+        cases += [Case(collective, 0 if collective in NO_DATA else size, k) for size in sizes]
     return list(dict.fromkeys(cases))
 
 
@@ -166,6 +176,8 @@ def _validate(ns: argparse.Namespace) -> None:
             raise UsageFailure(f"{name} must be at least {low}, got {value}")
     if ns.seconds <= 0 or ns.timeout <= 0:
         raise UsageFailure("--seconds and --timeout must be positive")
+    if ns.warmup_seconds < 0:
+        raise UsageFailure(f"--warmup-seconds must be at least 0, got {ns.warmup_seconds}")
     if (ns.store is None) != (ns.rank is None):
         raise UsageFailure("--store and --rank go together (joining a multi-node run)")
     if ns.rank is not None and not 0 <= ns.rank < ns.nproc:
@@ -213,6 +225,7 @@ def _plan(ns: argparse.Namespace) -> tuple[Plan, list[Case], str | None]:
         cases=cases,
         dtype=ns.dtype,
         warmup=ns.warmup,
+        warmup_seconds=ns.warmup_seconds,
         iters=ns.iters,
         seconds=ns.seconds,
         lag_probe=not ns.no_lag_probe,
@@ -235,8 +248,8 @@ def _plan(ns: argparse.Namespace) -> tuple[Plan, list[Case], str | None]:
     )
     if plan.floor and not plan.floor_sizes():
         raise UsageFailure(
-            "--floor measures allreduce run one at a time: add allreduce to the "
-            "collectives (and leave out --concurrent)"
+            "--floor measures allreduce, sendrecv and barrier run one at a time: add one "
+            "of them to the collectives (and leave out --concurrent)"
         )
     return plan, cases, note
 
@@ -303,6 +316,7 @@ def _publish(
                 "rounds": plan.rounds,
                 "iters": ns.iters,
                 "warmup": ns.warmup,
+                "warmup_seconds": ns.warmup_seconds,
                 "seconds": ns.seconds,
                 "algorithm": ns.algorithm,
                 "chunk_bytes": plan.options.chunk_bytes,

@@ -63,7 +63,9 @@ def test_parse_collective() -> None:
     assert spec.parse_collective("reduce-scatter") == ("reduce_scatter", 1)
     assert spec.parse_collective("allreduce-concurrent4") == ("allreduce", 4)
     assert spec.Case("allreduce", 16, 4).name == "allreduce-concurrent4"
-    for bad in ("allreduce-concurrent1", "nosuch", "barrier"):
+    assert spec.parse_collective("sendrecv") == ("sendrecv", 1)
+    assert spec.parse_collective("barrier") == ("barrier", 1)
+    for bad in ("allreduce-concurrent1", "nosuch", "scatter"):
         with pytest.raises(ValueError, match=r"concurrency must be|unknown collective"):
             spec.parse_collective(bad)
 
@@ -77,6 +79,12 @@ def test_shapes_follow_nccl_tests() -> None:
     assert spec.busbw_factor("allreduce", 4) == 1.5
     assert spec.busbw_factor("allgather", 4) == 0.75
     assert spec.busbw_factor("broadcast", 4) == 1.0
+    # sendrecv: every rank sends size bytes on and receives size bytes (NCCL-tests)
+    assert spec.shape("sendrecv", 64, 4, 4) == spec.Shape(16, (16,), (16,), 64)
+    assert spec.busbw_factor("sendrecv", 4) == 1.0
+    # a barrier moves nothing, whatever the size asked
+    assert spec.shape("barrier", 64, 4, 4) == spec.Shape(0, (0,), None, 0)
+    assert spec.busbw_factor("barrier", 4) == 0.0
 
 
 def _simulate(collective: str, sends: list[np.ndarray[Any, Any]], outs: list[Any]) -> None:
@@ -100,9 +108,12 @@ def _simulate(collective: str, sends: list[np.ndarray[Any, Any]], outs: list[Any
     elif collective == "alltoall":
         for r in range(n):
             outs[r][...] = np.concatenate([s.reshape(n, -1)[r] for s in sends])
+    elif collective == "sendrecv":
+        for r in range(n):
+            outs[r][...] = sends[(r - 1) % n]
 
 
-@pytest.mark.parametrize("collective", spec.COLLECTIVES)
+@pytest.mark.parametrize("collective", [c for c in spec.COLLECTIVES if c not in spec.NO_DATA])
 @pytest.mark.parametrize("dtype", ["float32", "int8", "float16"])
 @pytest.mark.parametrize("n", [1, 3])
 def test_fill_and_verify_agree_with_numpy(collective: str, dtype: str, n: int) -> None:
@@ -175,3 +186,14 @@ def test_aggregate_medians_ratios_and_correctness() -> None:
     assert "WRONG" in table
     assert "gloo p50" in table
     assert report.clean({"a": [float("nan"), 1.0]}) == {"a": [None, 1.0]}
+
+
+def test_barrier_has_nothing_to_check() -> None:
+    """A barrier moves no data: fill and verify accept its empty buffers, and the report
+    is told not to call it checked (its check column says '-')."""
+    shp = spec.shape("barrier", 4096, 4, 2)
+    send = np.empty(shp.send, np.float32)
+    spec.fill("barrier", send, None, 0, 2)
+    assert spec.verify("barrier", send, None, 0, 2)
+    assert not spec.checked("barrier")
+    assert all(spec.checked(c) for c in spec.COLLECTIVES if c != "barrier")
