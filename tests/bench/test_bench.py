@@ -195,6 +195,7 @@ def test_join_mode_two_processes(tmp_path: Path) -> None:
         ["--dtype", "complex64"],
         ["--bogus"],
         ["--chunk-bytes", "0"],
+        ["--warmup-seconds", "-1"],
     ],
 )
 def test_bad_arguments_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -382,3 +383,34 @@ def test_a_rank_whose_parent_died_while_it_started_exits(tmp_path: Path) -> None
     finally:
         os.close(fd)
     assert ready, f"the orphaned rank (pid {pid}) still ran 30 s after its parent died"
+
+
+@pytest.mark.timeout(60)
+def test_warm_up_by_time(tmp_path: Path) -> None:
+    """--warmup-seconds: more untimed iterations than --warmup until that long has passed,
+    as many on every rank (rank 0 says how many: a mismatch would hang or fail the run);
+    0 leaves just --warmup."""
+    counts = {}
+    for seconds in ("0.2", "0"):
+        out = tmp_path / f"bench-{seconds}.json"
+        done = run_bench(
+            "allreduce",
+            "-n",
+            "2",
+            "--sizes",
+            "4",
+            *SMOKE,
+            "--warmup-seconds",
+            seconds,
+            "--json",
+            str(out),
+            cwd=tmp_path,
+        )
+        assert done.returncode == 0, done.stderr
+        doc = json.loads(out.read_text())
+        (record,) = doc["rounds"][0]["aiocollect"]["records"]
+        counts[seconds] = record["warmup_iters"]
+        assert doc["config"]["warmup_seconds"] == float(seconds)
+    assert counts["0"] == 1
+    # 0.2 s of a 4-byte allreduce: thousands here; at least far more than one
+    assert counts["0.2"] > 20
