@@ -21,9 +21,11 @@ Policy (:func:`spin_budget`), decided once per group from real numbers:
   one and every peer whose link reports it local, ``LinkCaps.local``) are no more than the
   cores this process may run on (``os.sched_getaffinity``): with more ranks than cores a
   spinning rank takes the very core its peer needs to produce the awaited frame, so
-  spinning is off (0) and ranks sleep as before. For the same reason it is off when the host is
-  already busier than its cores when the group forms (1-minute load average at least
-  the cores: other processes would be the ones waiting).
+  spinning is off (0) and ranks sleep as before. Other processes' load does not turn it
+  off: the back-off below stops spins that keep missing, and the load average that used
+  to (at least the cores when the group formed: off) counts the job's own ranks, so a
+  job busy on every core turned spinning off for every group it formed later, and each
+  benchmark round for the next (docs/benchmarks.md, *Eighteenth session*).
 - a group whose links are all in-process (the memory transport) never spins: its peers
   run on this thread and cannot make progress while it spins.
 
@@ -63,25 +65,13 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def load_average() -> float:
-    """The host's 1-minute load average (0 where the OS does not say)."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return 0.0
-
-
 def spin_budget(
-    local_ranks: int,
-    cores: int | None = None,
-    env: Mapping[str, str] | None = None,
-    load: float | None = None,
+    local_ranks: int, cores: int | None = None, env: Mapping[str, str] | None = None
 ) -> float:
     """Seconds a rank busy-waits for an awaited frame: ``AIOCOLLECT_SPIN_US`` (in ``env``,
     default ``os.environ``) if set, else ``SPIN_SECONDS`` while ``local_ranks`` (rank
     processes on this host, this one included) are at most ``cores`` (default: this
-    process's usable cores) and the host is not already busier than its cores (``load``,
-    default the 1-minute load average, below ``cores``), else 0."""
+    process's usable cores), else 0."""
     raw = (os.environ if env is None else env).get(SPIN_ENV, "").strip()
     if raw:
         try:
@@ -90,9 +80,7 @@ def spin_budget(
             log.warning("ignoring %s=%r: not a number", SPIN_ENV, raw)
     if cores is None:
         cores = usable_cores()
-    if local_ranks > cores:
-        return 0.0
-    return SPIN_SECONDS if (load_average() if load is None else load) < cores else 0.0
+    return SPIN_SECONDS if local_ranks <= cores else 0.0
 
 
 def budget_for(

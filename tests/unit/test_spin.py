@@ -29,22 +29,23 @@ def test_on_while_ranks_fit_the_cores_off_beyond(monkeypatch: pytest.MonkeyPatch
     monkeypatch.delenv(spin.SPIN_ENV, raising=False)
     cores = len(os.sched_getaffinity(0))
     assert spin.usable_cores() == cores
-    assert spin.spin_budget(1, load=0.0) == spin.SPIN_SECONDS
-    assert spin.spin_budget(cores, load=0.0) == spin.SPIN_SECONDS
-    assert spin.spin_budget(cores + 1, load=0.0) == 0.0
+    assert spin.spin_budget(1) == spin.SPIN_SECONDS
+    assert spin.spin_budget(cores) == spin.SPIN_SECONDS
+    assert spin.spin_budget(cores + 1) == 0.0
     assert spin.spin_budget(4 * cores) == 0.0
-    # the real load average decides when none is given
-    busy = os.getloadavg()[0] >= cores
-    assert spin.spin_budget(1) == (0.0 if busy else spin.SPIN_SECONDS)
 
 
-def test_off_on_a_host_already_busier_than_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_load_average_does_not_turn_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 1-minute load average counts the job's own ranks (and a job that just ended):
+    two ranks busy on two cores read 2.0-3.6 here, and a gate on it turned spinning off
+    for every group formed after them, small TCP operations 2-3x slower (docs/benchmarks.md,
+    *Eighteenth session*). The host's load, however high, leaves the rule to the ranks and
+    the cores; spins that keep missing back off by themselves (the spinner's test)."""
     monkeypatch.delenv(spin.SPIN_ENV, raising=False)
-    assert spin.spin_budget(2, cores=2, load=1.5) == spin.SPIN_SECONDS
-    assert spin.spin_budget(2, cores=2, load=2.0) == 0.0
-    assert spin.spin_budget(1, cores=2, load=9.0) == 0.0
-    monkeypatch.setenv(spin.SPIN_ENV, "50")
-    assert spin.spin_budget(1, cores=2, load=9.0) == pytest.approx(50e-6)  # forced on
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    assert spin.spin_budget(2, cores=2) == spin.SPIN_SECONDS
+    assert spin.spin_budget(1, cores=2) == spin.SPIN_SECONDS
+    assert spin.spin_budget(3, cores=2) == 0.0
 
 
 _CHILD = """
@@ -52,8 +53,8 @@ import json, os, sys
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 os.environ.pop("AIOCOLLECT_SPIN_US", None)
 from aiocollect.engine import spin
-print(json.dumps([spin.usable_cores(), spin.spin_budget(1, load=0.0),
-                  spin.spin_budget(2, load=0.0)]))
+print(json.dumps([spin.usable_cores(), spin.spin_budget(1),
+                  spin.spin_budget(2)]))
 """
 
 
@@ -86,11 +87,11 @@ def test_the_environment_overrides_the_rule(
     assert spin.spin_budget(1) == 0.0
     monkeypatch.setenv(spin.SPIN_ENV, "fast")
     with caplog.at_level("WARNING", logger="aiocollect"):
-        assert spin.spin_budget(1, load=0.0) == spin.SPIN_SECONDS  # ignored: the rule
-        assert spin.spin_budget(cores + 1, load=0.0) == 0.0
+        assert spin.spin_budget(1) == spin.SPIN_SECONDS  # ignored: the rule
+        assert spin.spin_budget(cores + 1) == 0.0
     assert "AIOCOLLECT_SPIN_US" in caplog.text
-    assert spin.spin_budget(5, cores=8, env={}, load=0.0) == spin.SPIN_SECONDS
-    assert spin.spin_budget(9, cores=8, env={}, load=0.0) == 0.0
+    assert spin.spin_budget(5, cores=8, env={}) == spin.SPIN_SECONDS
+    assert spin.spin_budget(9, cores=8, env={}) == 0.0
 
 
 @pytest.mark.parametrize(("transport", "n"), [("tcp", 2), ("tcp", 3), ("memory", 2), ("shm", 2)])
@@ -121,8 +122,8 @@ async def test_a_group_counts_its_same_host_peers(
             assert budget == 0.0
         else:
             assert hosts == [True] * (n - 1)
-            assert budget in (spin.spin_budget(n, load=0.0), 0.0)  # 0: a busy host
-            assert budget == 0.0 or n <= spin.usable_cores()
+            assert budget == spin.spin_budget(n)
+            assert (budget > 0) == (n <= spin.usable_cores())
 
 
 @pytest.mark.parametrize(
