@@ -212,6 +212,10 @@ def _plan(ns: argparse.Namespace) -> tuple[Plan, list[Case], str | None]:
         chunk = None if ns.chunk_bytes is None else parse_size(ns.chunk_bytes)
     except ValueError as exc:
         raise UsageFailure(str(exc)) from None
+    if ns.nproc < 2 and any(c.collective == "sendrecv" for c in cases):
+        raise UsageFailure(
+            "sendrecv needs at least 2 ranks (-n 2 or more): a rank would send to itself"
+        )
     note = None
     baseline = None if ns.baseline == "none" else ns.baseline
     if baseline == "gloo" and importlib.util.find_spec("torch") is None:

@@ -107,6 +107,7 @@ def test_floor_that_cannot_measure_says_why(tmp_path: Path) -> None:
         (["allreduce", "--floor", "--concurrent", "2"], "--floor measures allreduce"),
         (["barrier", "--floor", "--concurrent", "2"], "--floor measures allreduce"),
         (["allreduce", "--floor", "-n", "1"], "at least 2 ranks"),
+        (["sendrecv", "-n", "1"], "sendrecv needs at least 2 ranks"),
         (
             ["allreduce", "--floor", "--store", "tcp://127.0.0.1:1", "--rank", "0"],
             "only available when this command spawns",
