@@ -14,9 +14,9 @@ By default N rank processes are started on this machine for each round (see
 (other than ``--transport``) in every round, between the ``--transport`` ranks and the
 baseline, and adds T's p50 and busbw and the busbw ratio ``--transport``/T to the table; a
 failing round over T is recorded and the run goes on, as for the baseline. ``--floor``
-measures the framework-free floor of every allreduce size at the end of every round
-(:mod:`aiocollect.bench.floor`) and adds its median and aiocollect's p50 over it (``x
-floor``) to the table. With ``--store
+measures the framework-free floor of every allreduce, sendrecv and barrier case at the end
+of every round (:mod:`aiocollect.bench.floor`) and adds its median and aiocollect's p50
+over it (``x floor``) to the table. With ``--store
 URL --rank R`` this process is rank R of a multi-node run instead: start one such command
 per rank (rank 0 hosts the store when nothing listens at URL yet) and rank 0 prints the
 report. The timing method is described in :mod:`aiocollect.bench.sweep`, the report in
@@ -131,8 +131,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--floor",
         action="store_true",
-        help="also measure the framework-free allreduce floor of every allreduce size in "
-        "every round (python -m aiocollect.bench.floor) and report aiocollect p50 / floor",
+        help="also measure the framework-free floor of every allreduce, sendrecv and barrier "
+        "case in every round (python -m aiocollect.bench.floor) and report aiocollect p50 / "
+        "floor",
     )
     p.add_argument("--json", type=Path, metavar="F", help="write every number to F")
     p.add_argument("--plot", type=Path, metavar="F.png", help="draw bandwidth and latency")

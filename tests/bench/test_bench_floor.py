@@ -1,4 +1,5 @@
-"""``aiocollect bench --floor``: the framework-free floor of every allreduce size, measured
+"""``aiocollect bench --floor``: the framework-free floor of every allreduce size (sendrecv and
+barrier: test_bench_sendrecv.py), measured
 in every round after the other backends, and aiocollect's p50 over it.
 
 End to end through the real command (rank processes and the floor's own forked ranks) on
