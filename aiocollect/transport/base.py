@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiocollect.errors import InternalError, MismatchError, ProtocolError
+from aiocollect.transport.staging import POOL
 from aiocollect.transport.wire import CONTROL, Header, Key
 from aiocollect.types import dtype_label
 
@@ -319,6 +320,7 @@ class Link(abc.ABC):
                 if not self._check(h, len(view), expect):
                     raise self._failure or MismatchError(f"frame {key} rejected")
                 view[:] = data
+                POOL.give(data)  # copied out: nothing holds it now (staging.py)
                 return True
         if self._failure is not None:
             raise self._failure
@@ -388,8 +390,9 @@ class Link(abc.ABC):
         if refusal is not None:
             self._raise_error(refusal)
             return None
-        self._frame_staging = bytearray(h.length)
-        return memoryview(self._frame_staging)
+        # (a kept buffer: the payload overwrites all of it; transport/staging.py)
+        self._frame_staging = staging = POOL.take(h.length)
+        return memoryview(staging)
 
     def _refuse_staging(self, h: Header) -> ProtocolError | None:
         """Why a frame with no posted receive cannot be staged, if it cannot."""
@@ -425,6 +428,7 @@ class Link(abc.ABC):
             if self._check(h, len(late.view), late.expect):
                 del self._posted[h.key]
                 late.view[:] = staging
+                POOL.give(staging)  # the transport has finished writing it
                 _landed(late)
             return
         self._early[h.key] = (h, staging)
