@@ -145,18 +145,20 @@ class GlooBackend:
         out, out_view = self._tensor(shp.out, dtype)
         return Buffers(send_view, out_view, (send, out))
 
-    def _issue(self, collective: str, bufs: Buffers, async_op: bool) -> Any:
-        """Start ``collective`` (``async_op``: return its work handles, a list of them
-        for sendrecv; else run it to the end)."""
+    def _issue(self, collective: str, bufs: Buffers, async_op: bool) -> list[Any]:
+        """Start ``collective``: its work handles to wait for (none left to wait for
+        without ``async_op``, except sendrecv's, whose send and receive always run
+        asynchronously)."""
         dist = self.dist
         send, out = bufs.native
         if collective == "sendrecv":
             n, r = self.world_size, self.rank
-            works = [dist.isend(send, (r + 1) % n), dist.irecv(out, (r - 1) % n)]
-            if not async_op:
-                for work in works:
-                    work.wait()
-            return works
+            return [dist.isend(send, (r + 1) % n), dist.irecv(out, (r - 1) % n)]
+        return [self._collective(collective, send, out, async_op)]
+
+    def _collective(self, collective: str, send: Any, out: Any, async_op: bool) -> Any:
+        """One collective call: its work handle with ``async_op``, else None (done)."""
+        dist = self.dist
         if collective == "barrier":
             return dist.barrier(async_op=async_op)
         if collective == "allreduce":
@@ -174,13 +176,12 @@ class GlooBackend:
         raise ValueError(f"unknown collective {collective!r}")
 
     async def run(self, collective: str, bufs: Buffers) -> None:
-        self._issue(collective, bufs, False)
+        for work in self._issue(collective, bufs, False):
+            if work is not None:
+                work.wait()
 
     async def run_many(self, collective: str, sets: list[Buffers]) -> None:
-        works = []
-        for bufs in sets:
-            issued = self._issue(collective, bufs, True)
-            works += issued if isinstance(issued, list) else [issued]
+        works = [work for bufs in sets for work in self._issue(collective, bufs, True)]
         for work in works:
             work.wait()
 

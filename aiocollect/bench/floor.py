@@ -49,7 +49,7 @@ import select
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -215,22 +215,34 @@ def _doubling_worker(
     val = np.ones(nbytes // 4, np.float32)
     raw = bytearray(nbytes)
     got = np.frombuffer(raw, np.float32)
-    times = []
-    ok = True
-    for i in range(iters + iters // 10):
-        start = time.perf_counter()
+
+    def step() -> bool:
         mask = 1
         while mask < n:
             sock = socks[(rank, rank ^ mask)]
             sock.sendall(byte_view(val))
             sock.recv_into(raw, nbytes, socket.MSG_WAITALL)
-            val += got
+            np.add(val, got, out=val)  # (in place: val is the enclosing array)
             mask <<= 1
-        ok = ok and bool((val == n).all())
+        ok = bool((val == n).all())
         val[...] = 1
-        if i >= iters // 10:  # the first tenth warms up
+        return ok
+
+    out.put((rank, *_timed(iters, step)))
+
+
+def _timed(iters: int, step: Callable[[], bool]) -> tuple[list[float], bool]:
+    """Run ``step`` ``iters`` times and a tenth more first to warm up, timing each run
+    after those: the times (seconds) and whether every ``step`` said its result was
+    right."""
+    times = []
+    ok = True
+    for i in range(iters + iters // 10):
+        start = time.perf_counter()
+        ok = step() and ok
+        if i >= iters // 10:
             times.append(time.perf_counter() - start)
-    out.put((rank, times, ok))
+    return times, ok
 
 
 def latency(n: int, iters: int = LATENCY_ITERS, nbytes: int = 4) -> Floor:
@@ -281,15 +293,14 @@ def _barrier_worker(
         (socks[(rank, (rank + d) % n)], socks[(rank, -1 - (rank - d) % n)]) for d in _distances(n)
     ]
     got = bytearray(1)
-    times = []
-    for i in range(iters + iters // 10):
-        start = time.perf_counter()
+
+    def step() -> bool:
         for tx, rx in steps:
             tx.sendall(b"b")
             rx.recv_into(got, 1, socket.MSG_WAITALL)
-        if i >= iters // 10:  # the first tenth warms up
-            times.append(time.perf_counter() - start)
-    out.put((rank, times, True))
+        return True  # (nothing to check in a barrier)
+
+    out.put((rank, *_timed(iters, step)))
 
 
 def barrier(n: int, iters: int = LATENCY_ITERS) -> Floor:
@@ -336,16 +347,13 @@ def _shift_worker(
     tx, rx = socks[(rank, (rank + 1) % n)], socks[(rank, -1 - (rank - 1) % n)]
     data = memoryview(bytes([rank % 251]) * nbytes)
     into = memoryview(bytearray(nbytes))
-    times = []
-    ok = True
-    for i in range(iters + iters // 10):
+
+    def step() -> bool:
         into[0] = into[nbytes - 1] = 255  # (no rank sends 255: each iteration must land)
-        start = time.perf_counter()
         _exchange(tx, rx, data, into)
-        if i >= iters // 10:  # the first tenth warms up
-            times.append(time.perf_counter() - start)
-        ok = ok and into[nbytes - 1] == (rank - 1) % n % 251 and into[0] == into[nbytes - 1]
-    out.put((rank, times, ok))
+        return into[nbytes - 1] == (rank - 1) % n % 251 and into[0] == into[nbytes - 1]
+
+    out.put((rank, *_timed(iters, step)))
 
 
 def sendrecv_latency(n: int, nbytes: int, iters: int = LATENCY_ITERS) -> Floor:

@@ -164,13 +164,11 @@ def _floor(
     both) and, where no round measured it, ``floor_error`` (why)."""
     mine = [f[size] if f is not None and size in f else None for f in floors]
     got = [r for r in mine if r is not None and "us" in r]
+    each = [float(r["us_each"]) for r in got if "us_each" in r]  # (absent from old records)
     out: dict[str, Any] = {
         "floor_us": median([float(r["us"]) for r in got]) if got else float("nan"),
-        # the same runs' median of each iteration's slowest rank (aiocollect's p50
-        # statistic; absent from records of versions that did not report it)
-        "floor_each_us": median([float(r["us_each"]) for r in got if "us_each" in r])
-        if any("us_each" in r for r in got)
-        else float("nan"),
+        # the same runs' median of each iteration's slowest rank (aiocollect's p50 statistic)
+        "floor_each_us": median(each) if each else float("nan"),
         "floor_method": got[0]["method"] if got else None,
         "floor_bytes": got[0]["bytes"] if got else None,
         "floor_rounds": len(got),

@@ -92,14 +92,20 @@ def budget_for(
     hosts = [link.caps.local for link in links]
     if not any(h is not None for h in hosts):
         return 0.0
-    return spin_budget(1 + sum(1 for h in hosts if h), cores, env)
+    return spin_budget(_local_ranks(hosts), cores, env)
 
 
 def core_each(links: Iterable[Link], cores: int | None = None) -> bool:
     """Whether this host has a core (of those this process may run on, or ``cores``) for
     each of its rank processes: this one and every peer whose link says it is local."""
-    local = 1 + sum(1 for link in links if link.caps.local)
+    local = _local_ranks(link.caps.local for link in links)
     return local <= (usable_cores() if cores is None else cores)
+
+
+def _local_ranks(hosts: Iterable[bool | None]) -> int:
+    """Rank processes on this host: this one and every peer whose link says it is local
+    (``hosts``: the links' ``caps.local``)."""
+    return 1 + sum(1 for local in hosts if local)
 
 
 class Awaited(Protocol):
