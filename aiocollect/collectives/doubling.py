@@ -127,6 +127,8 @@ async def recursive_doubling(op: Op, buf: Array, ufunc: np.ufunc, average: bool)
     size) by recursive doubling."""
     if op.size > 1:
         await _recursive_doubling(op, buf, ufunc)
+        if average:
+            await op.finish()  # (settle rewrites buf: nothing sent from it may wait to leave)
     settle(buf, buf, op.size if average else 1)
 
 
@@ -135,6 +137,8 @@ async def halving_doubling(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -
     size) by recursive halving, then doubling."""
     if op.size > 1:
         await _halving_doubling(op, buf, ufunc)
+        if average:
+            await op.finish()  # (settle rewrites buf: nothing sent from it may wait to leave)
     settle(buf, buf, op.size if average else 1)
 
 
