@@ -218,8 +218,12 @@ class _Recv:
             self.fut.exception()  # an op may fail on another future first
 
 
-def _landed(recv: Receiver) -> None:
-    """``recv.landed()``, a bug in it logged rather than breaking the link's reading."""
+def land(recv: Receiver, src: memoryview | bytes | bytearray | None = None) -> None:
+    """Complete ``recv`` (a receive a transport took with ``Link._take_posted``), copying
+    ``src`` (its length) into it first when given: ``recv.landed()``, a bug in it logged
+    rather than breaking the link's reading."""
+    if src is not None and len(src):
+        recv.view[:] = src
     try:
         recv.landed()
     except Exception:
@@ -420,7 +424,7 @@ class Link(abc.ABC):
             self.events.on_control(self, h.kind, bytes(staging or b""))
             return
         if recv is not None:
-            _landed(recv)
+            land(recv)
             return
         assert staging is not None
         late = self._posted.get(h.key)  # posted while the payload was arriving
@@ -429,7 +433,7 @@ class Link(abc.ABC):
                 del self._posted[h.key]
                 late.view[:] = staging
                 POOL.give(staging)  # the transport has finished writing it
-                _landed(late)
+                land(late)
             return
         self._early[h.key] = (h, staging)
         self._early_bytes += len(staging)

@@ -7,7 +7,7 @@ shared memory in its hello; the accepting rank creates a segment (two rings, see
 :mod:`aiocollect.transport.shm_ring`) and offers its descriptor in its welcome; the
 connecting rank opens it through ``/proc``, checks and maps it and answers ``shm-ok`` (or
 ``shm-fail``, and both sides stay on TCP when the transport was ``auto``). From then on the
-socket carries only doorbell bytes:
+socket carries doorbell bytes and small frames:
 
 - Frames (the same headers as on TCP) are copied into the outgoing ring by ``send`` and out
   of the incoming ring straight into the posted receive's memory (or a staging buffer).
@@ -15,6 +15,15 @@ socket carries only doorbell bytes:
   that it is about to sleep; a reader rings it only when the writer announced that it waits
   for space. Any byte makes the receiving loop drain its incoming ring and continue its
   queued writes, so idle links cost nothing and a stream of frames costs one wake-up.
+- Small frames on the socket: a frame of at most ``INLINE_MAX`` payload bytes (below the
+  by-reference threshold) goes on the socket, behind one ``INLINE`` byte, when the reader
+  sleeps (its flag is armed, so a doorbell would be written anyway) and has read
+  everything this side put into the ring and pulled every reference: the one write then
+  carries the frame, and neither side touches the ring (where ranks outnumber cores and
+  readers do not spin, every small frame went ring, doorbell, wake-up, ring). While the
+  reader has not counted all of them taken (``inlined`` in the ring), the next small
+  frames follow on the socket (at most ``INLINE_AHEAD``) and nothing enters the ring,
+  so frames reach the peer in the order they were sent.
 - ``send`` never blocks: what does not fit is queued (the payload is referenced, not
   copied, until it is in the ring, as with TCP) and written as the reader frees space;
   ``write_buffer_size`` is the queued bytes and ``drained`` waits for the queue to empty.
@@ -65,6 +74,9 @@ from aiocollect.transport.base import DRAIN, Handshaker, LinkCaps, LinkEvents, S
 from aiocollect.transport.interface import LinkSetup, Listener, Record, Transport
 from aiocollect.transport.shm_reader import (
     ESCAPE,
+    INLINE,
+    INLINE_AHEAD,
+    INLINE_MAX,
     PUBLISH_EVERY,
     SPIN_ENV,
     SPIN_SECONDS,
@@ -126,6 +138,7 @@ class ShmLink(RingReader):
         self._mark_waits: list[SendMark] = []  # the marks wait_released waits for now
         self._wgen = 0
         self._rung_reader = 0  # the peer reader's generation we last rang for
+        self._inline_sent = 0  # frames ever sent on the socket (see _inline_now)
         self._close_pending = False
         self._refs: deque[tuple[memoryview, int]] = deque()  # sent by reference, not pulled
         self._ref_bytes = 0
@@ -196,7 +209,8 @@ class ShmLink(RingReader):
             self.frames_sent += 1
             self._mark = None
             return
-        if self.lost or self.closed or self._tx_dead or self._tx is None:
+        tx = self._tx
+        if self.lost or self.closed or self._tx_dead or tx is None:
             raise self.failure or PeerDisconnected(
                 f"link to {self.describe()} is closed", self.peer
             )
@@ -300,10 +314,29 @@ class ShmLink(RingReader):
         tx = self._tx
         pull_min = self.policy.pull_min
         if n <= JOIN_MAX and (n < pull_min or pull_min <= 0) and tx is not None and not self._queue:
-            # The common small frame (below the by-reference threshold): header and payload
-            # as one write into the ring.
+            # The common small frame (below the by-reference threshold). On the socket
+            # after frames there the reader has not taken yet (for their order), and when
+            # the reader sleeps (a doorbell would be written: that one write carries the
+            # frame, and neither side touches the ring) with everything this side wrote
+            # into the ring read and every reference pulled, so that nothing sent before
+            # can arrive after it. Else header and payload as one write into the ring.
             try:
-                if tx.free() >= len(header) + n:
+                ahead = self._inline_ahead(tx) if self._inline_sent else 0
+                if ahead:
+                    if ahead < INLINE_AHEAD and n <= INLINE_MAX and not self.ring_broken:
+                        self._send_inline(header, payload)
+                        return
+                elif (
+                    (gen := tx.reader_sleep())
+                    and gen != self._rung_reader
+                    and n <= INLINE_MAX
+                    and not self.ring_broken
+                    and tx.pulled() == self._refs_sent
+                    and tx.idle()
+                ):
+                    self._send_inline(header, payload)
+                    return
+                elif tx.free() >= len(header) + n:
                     tx.write(memoryview(header + payload if n else header))
                     self.bytes_sent += n
                     self.frames_sent += 1
@@ -333,7 +366,9 @@ class ShmLink(RingReader):
         idle = not self._queue  # else the queue waits for space: the doorbell resumes it
         if idle:
             try:
-                if tx.free() >= len(header) + n:  # the common case: straight in
+                if not (self._inline_sent and self._inline_ahead(tx)) and (
+                    tx.free() >= len(header) + n  # the common case: straight in
+                ):
                     tx.write(memoryview(header))
                     if n:
                         tx.write(view)
@@ -355,6 +390,35 @@ class ShmLink(RingReader):
         if idle:
             self._pump()
 
+    # -- small frames on the socket ---------------------------------------------------------
+
+    def _inline_ahead(self, tx: Ring) -> int:
+        """Frames sent on the socket that the reader has not taken yet: while there are
+        any, a frame may not enter the ring (the reader could read it first)."""
+        sent = self._inline_sent
+        if not sent:
+            return 0
+        ahead = sent - tx.inlined()
+        if not 0 <= ahead <= INLINE_AHEAD:
+            raise ProtocolError(
+                f"corrupt shared-memory ring: the reader took {sent - ahead} socket "
+                f"frames of {sent}"
+            )
+        return ahead
+
+    def _send_inline(self, header: bytes, payload: memoryview | bytes) -> None:
+        """One small frame on the socket, as on TCP behind an ``INLINE`` byte."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise self.failure or PeerDisconnected(
+                f"link to {self.describe()} is closed", self.peer
+            )
+        transport.write(INLINE + header + payload if payload else INLINE + header)
+        self._inline_sent += 1
+        self.bytes_sent += len(payload)
+        self.frames_sent += 1
+        self._mark = None
+
     def _send_escaped(self, header: bytes, payload: memoryview | bytes) -> None:
         """Send an ABORT on the socket, behind an escape byte (the rings are broken)."""
         transport = self.transport
@@ -363,6 +427,12 @@ class ShmLink(RingReader):
                 f"link to {self.describe()} is closed", self.peer
             )
         transport.write(ESCAPE + header + bytes(payload))
+
+    @property
+    def frames_on_socket(self) -> int:
+        """Small frames this link has sent on its socket instead of through the ring
+        (the reader slept with everything read)."""
+        return self._inline_sent
 
     @property
     def frames_by_reference(self) -> int:
@@ -406,6 +476,13 @@ class ShmLink(RingReader):
         if tx is None or self._tx_dead:
             return
         try:
+            if queue and self._inline_sent and self._inline_ahead(tx):
+                # After the socket's frames: the reader rings as it takes them.
+                self._arm_writer(tx)
+                if self._inline_ahead(tx):
+                    if self._mark_waits and self._marks_released():
+                        self._wake_drain()
+                    return
             free = tx.free()
             wrote = False
             while queue:
@@ -463,7 +540,7 @@ class ShmLink(RingReader):
             drain.set_result(None)
         if self._close_pending and self.transport is not None:
             self._close_pending = False
-            self.transport.close()
+            self._end_socket(self.transport)
 
     # -- payloads sent by reference ----------------------------------------------------------
 
@@ -711,9 +788,24 @@ class ShmLink(RingReader):
         self.stop_holding()  # skip whatever the peer still sends, so it is never stuck
         if self._held and not self._tx_dead and not self.ring_broken:
             self._flush_held()
+        self.reset_later()
         if self._queue and not self._tx_dead and not self.ring_broken:
             self._close_pending = True
-            self.reset_later()
+        else:
+            self._end_socket(transport)
+
+    def _end_socket(self, transport: asyncio.Transport) -> None:
+        """Half-close the socket once what is queued for it is written, and keep reading
+        until the peer closes too (or ``reset_later`` resets it): closing with unread
+        input (a doorbell, a frame) would send a reset, and a reset can destroy frames
+        this side sent on the socket that the peer has not read yet (an ABORT above all;
+        frames in the ring survive it)."""
+        self.stop_bells()  # nothing may be written after the end of the stream
+        if transport.can_write_eof():
+            try:
+                transport.write_eof()
+            except OSError:  # the peer reset the connection already: nothing to flush
+                transport.abort()
         else:
             transport.close()
 

@@ -1,11 +1,19 @@
 """The receiving half of a shared-memory link: doorbells, reading frames out of the
 incoming ring, parking, spinning and backpressure (see :mod:`aiocollect.transport.shm`).
 
-The socket carries doorbell bytes (``0x01``) and, once, possibly an *escape*: a rank that
-found the link's rings corrupt sends ``0x02`` followed by one ABORT frame (header and
-payload, as on TCP) on the socket, since the rings can no longer be trusted to carry it,
-and closes. The receiving side then stops reading its ring and takes the ABORT from the
-socket; any other frame after an escape is a ProtocolError.
+The socket carries doorbell bytes (``0x01``), small frames (``0x03`` followed by the frame
+as on TCP, header and payload of at most ``INLINE_MAX`` bytes: sent instead of a doorbell
+when the reader sleeps with its ring empty, see :mod:`aiocollect.transport.shm`) and, once,
+possibly an *escape*: a rank that found the link's rings corrupt sends ``0x02`` followed
+by one ABORT frame (header and payload, as on TCP) on the socket, since the rings can no
+longer be trusted to carry it, and closes. The receiving side then stops reading its ring
+and takes the ABORT from the socket; any other frame after an escape, any other byte
+between frames, a socket frame larger than ``INLINE_MAX`` or one that arrives while a
+frame from the ring is half read is a ProtocolError.
+
+The reader counts the socket's frames in its ring (``inlined``) as it takes them; the
+writer puts nothing into the ring while any it sent are not counted, so frames reach the
+mailbox in the order they were sent whichever way each went.
 
 :class:`RingReader` is the base of :class:`~aiocollect.transport.shm.ShmLink`, which adds
 the link's setup, its sending half (the :meth:`~RingReader.write_pending` hook) and its
@@ -23,7 +31,7 @@ from dataclasses import dataclass, field
 
 from aiocollect.errors import PeerDisconnected, ProtocolError
 from aiocollect.transport import cma
-from aiocollect.transport.base import Aside, Fingerprint, Handshaker, LinkEvents, Receiver
+from aiocollect.transport.base import Aside, Fingerprint, Handshaker, LinkEvents, Receiver, land
 from aiocollect.transport.shm_ring import (
     REF_DESC,
     REF_MAGIC_BYTES,
@@ -48,9 +56,20 @@ log = logging.getLogger("aiocollect.transport.shm")
 _unpack_header = HEADER.unpack_from
 _new_key = tuple.__new__
 
-_BELL_BYTES = bytearray(4096)
+_BELL_BYTES = bytearray(64 * 1024)
 _BELLS = memoryview(_BELL_BYTES)
 _BELL = b"\x01"
+#: On the socket of a link in shared-memory mode: what follows is one frame (module's
+#: docstring).
+INLINE = b"\x03"
+_INLINE_BYTE = INLINE[0]
+_BELL_BYTE = _BELL[0]
+#: The largest payload a frame on the socket may carry.
+INLINE_MAX = 16 * 1024
+#: Most frames a writer sends on the socket before the reader has counted them taken; a
+#: writer at the limit queues its frames for the ring until the reader catches up (a
+#: reader whose staging is full counts none, so this bounds what it stages beyond it).
+INLINE_AHEAD = 64
 #: On the socket of a link in shared-memory mode: what follows is one ABORT frame (the
 #: rings are corrupt, see the module's docstring).
 ESCAPE = b"\x02"
@@ -125,7 +144,8 @@ class RingReader(StreamLink):
     socket carries no frames, so the stream's frame parser stays idle. What a subclass
     (the sending half) may use: ``shm`` and ``rx`` (read-only), ``policy``,
     ``ring_broken`` (a ring failed: the ABORT goes on the socket, escaped; either half
-    sets it), :meth:`attach`/:meth:`detach`, :meth:`ring_bell`, :meth:`read_final`,
+    sets it), :meth:`attach`/:meth:`detach`, :meth:`ring_bell`/:meth:`stop_bells`,
+    :meth:`read_final`,
     :meth:`stop_holding`, and the hook :meth:`write_pending`, which every doorbell ends
     with.
     """
@@ -171,6 +191,13 @@ class RingReader(StreamLink):
         self._rhdr_view = memoryview(self._rhdr)
         self._rpayload: memoryview | None = None  # where its payload goes
         self._rgot = 0  # payload bytes of it read so far
+        #: The frame arriving on the socket (INLINE), as far as it has come, and its
+        #: payload length once the header is in (-1 before).
+        self._inline: bytearray | None = None
+        self._inline_len = -1
+        self._inlined = 0  # socket frames taken
+        self._inline_unacked = False  # taken, not yet counted in the ring (staging full)
+        self._bells_off = False  # the socket's stream is ending (stop_bells)
 
     def attach(self, rx: Ring, peer_pid: int) -> None:
         """Enter shared memory mode: frames come through ``rx``; reference records point
@@ -230,10 +257,19 @@ class RingReader(StreamLink):
         """Hook: continue queued writes (the sending half); every doorbell ends with it."""
 
     def ring_bell(self) -> None:
-        """Write one doorbell byte on the socket (while it is open)."""
+        """Write one doorbell byte on the socket (while it is open and not half-closed)."""
         transport = self.transport
-        if transport is not None and not self.lost and not transport.is_closing():
+        if (
+            transport is not None
+            and not self.lost
+            and not self._bells_off
+            and not transport.is_closing()
+        ):
             transport.write(_BELL)
+
+    def stop_bells(self) -> None:
+        """Ring no more doorbells (the sending half is about to end the socket's stream)."""
+        self._bells_off = True
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.shm:
@@ -245,14 +281,151 @@ class RingReader(StreamLink):
             super().buffer_updated(nbytes)
         elif self._escaped is not None:
             self._escaped_bytes(_BELLS[:nbytes])
-        elif (at := _BELL_BYTES.find(ESCAPE, 0, nbytes)) >= 0:
-            self._escaped = bytearray()
-            self._rx_dead = True  # the peer says the rings are broken: never read them again
-            self._spin_until = None
-            self._unpark()
-            self._escaped_bytes(_BELLS[at + 1 : nbytes])
+        elif self._inline is not None:
+            self._socket_bytes(nbytes)
+        elif _BELL_BYTES[0] == _INLINE_BYTE and self._inline_fast(nbytes):
+            pass
+        elif self.discarding or _BELL_BYTES.count(_BELL, 0, nbytes) == nbytes:
+            self._service()  # doorbells only, or nothing more is taken
         else:
+            self._socket_bytes(nbytes)
+
+    def _inline_fast(self, nbytes: int) -> bool:
+        """The common case of a frame on the socket, in one step: the read is exactly one
+        DATA or P2P frame whose receive is posted with its fingerprint and length (as
+        ``_consume``'s fast path). False, having done nothing, for anything else."""
+        if nbytes < 1 + HEADER_SIZE or self.discarding:
+            return False
+        magic, kind, coll, rop, dtype, gid, chunk, seq, slot, root, elems, n = _unpack_header(
+            _BELL_BYTES, 1
+        )
+        if (
+            nbytes != 1 + HEADER_SIZE + n
+            or magic != MAGIC
+            or kind not in (DATA, P2P)
+            or n > INLINE_MAX
+            or self._rpayload is not None
+            or self._pulling is not None
+            or self._pulls
+            or self._rx_dead
+        ):
+            return False
+        recv = self._take_posted(
+            _new_key(Key, (kind, gid, seq, slot, chunk)), n, (coll, dtype, elems, rop, root)
+        )
+        if recv is None:
+            return False
+        self._inlined += 1
+        self._count_inlined()
+        land(recv, _BELLS[1 + HEADER_SIZE : nbytes])
+        return True
+
+    def _socket_bytes(self, nbytes: int) -> None:
+        """Doorbells, frames and an escape on the socket, in order (module docstring)."""
+        data = _BELLS
+        pos = 0
+        bell = False
+        taken = self._inlined
+        while pos < nbytes:
+            buf = self._inline
+            if buf is not None:
+                size = self._inline_len
+                want = (HEADER_SIZE if size < 0 else HEADER_SIZE + size) - len(buf)
+                take = min(want, nbytes - pos)
+                buf += data[pos : pos + take]
+                pos += take
+                if take < want:
+                    break
+                if size < 0:
+                    try:
+                        h = parse_header(buf, self.max_frame)
+                        if h.length > INLINE_MAX:
+                            raise ProtocolError(
+                                f"{h.length} bytes in a frame on the socket (at most {INLINE_MAX})"
+                            )
+                    except ProtocolError as exc:
+                        self._inline = None
+                        self._raise_error(
+                            ProtocolError(
+                                f"{self.describe()} sent a malformed frame on its socket: {exc}"
+                            )
+                        )
+                        return
+                    self._inline_len = size = h.length
+                    if size:
+                        continue
+                self._inline = None
+                self._inline_len = -1
+                if not self._take_inline(buf):
+                    return
+                continue
+            byte = data[pos]
+            pos += 1
+            if byte == _BELL_BYTE:
+                bell = True
+            elif byte == _INLINE_BYTE:
+                self._inline = bytearray()
+            elif byte == ESCAPE[0]:
+                self._escaped = bytearray()
+                self._rx_dead = True  # the peer says the rings are broken: never read them
+                self._spin_until = None
+                self._unpark()
+                self._escaped_bytes(data[pos:nbytes])
+                return
+            else:
+                self._raise_error(
+                    ProtocolError(
+                        f"{self.describe()} sent byte {byte:#04x} on its socket in "
+                        "shared-memory mode (a doorbell, a frame or an escape expected)"
+                    )
+                )
+                return
+        if self._inlined != taken:
+            self._count_inlined()
+        if bell:
             self._service()
+
+    def _take_inline(self, buf: bytearray) -> bool:
+        """Hand the frame ``buf`` (header and payload) from the socket to the mailbox, as
+        if read from the ring; False when the link stops reading (an error reported)."""
+        self._inlined += 1
+        if self.discarding or self.lost or self._rx_dead:
+            return True
+        if self._rpayload is not None or self._pulling is not None or self._pulls:
+            self._raise_error(
+                ProtocolError(
+                    f"{self.describe()} sent a frame on its socket while one from its "
+                    "ring was half read"
+                )
+            )
+            return False
+        _magic, kind, coll, rop, dtype, gid, chunk, seq, slot, root, elems, n = _unpack_header(
+            buf, 0
+        )
+        if kind in (DATA, P2P):
+            recv = self._take_posted(
+                _new_key(Key, (kind, gid, seq, slot, chunk)), n, (coll, dtype, elems, rop, root)
+            )
+            if recv is not None:
+                land(recv, memoryview(buf)[HEADER_SIZE:])
+                return True
+        dest = self.open_frame(parse_header(buf, self.max_frame))
+        if dest is not None:
+            dest[:] = memoryview(buf)[HEADER_SIZE:]
+            self._end_frame()
+        return not self.discarding
+
+    def _count_inlined(self) -> None:
+        """Tell the writer how many socket frames this side has taken (so that it may
+        write into the ring again), unless staging is full: then the writer soon stops at
+        INLINE_AHEAD, as it would at a full ring."""
+        rx = self.rx
+        if self._rx_paused or rx is None or self._rx_dead:
+            self._inline_unacked = True
+            return
+        self._inline_unacked = False
+        rx.publish_inlined(self._inlined)
+        self._wake_writer(rx)
 
     def _escaped_bytes(self, data: memoryview) -> None:
         """Collect the ABORT frame that follows an escape; hand it up once complete."""
@@ -433,10 +606,7 @@ class RingReader(StreamLink):
                             if n:
                                 rx.read(recv.view)
                             avail = max(0, avail - HEADER_SIZE - n)
-                            try:
-                                recv.landed()
-                            except Exception:  # a bug above us must not stop the reading
-                                log.exception("receive completion failed")
+                            land(recv)
                             continue
                 rx.peek(self._rhdr_view)
                 ref = self._rhdr[:2] == REF_MAGIC_BYTES
@@ -489,6 +659,8 @@ class RingReader(StreamLink):
         if self._rx_paused or self._parked is not None:
             self._rx_paused = False
             self._unpark()
+            if self._inline_unacked:
+                self._count_inlined()
             self._loop.call_soon(self._service)
 
     # -- pulls: payloads copied straight out of the peer's memory ----------------------------
@@ -632,6 +804,8 @@ class RingReader(StreamLink):
             return
         if self._rx_paused:
             self._rx_paused = False
+            if self._inline_unacked:
+                self._count_inlined()
             # called from post_recv: read on the loop's next turn, not inside the caller
             asyncio.get_running_loop().call_soon(self._service)
 

@@ -26,7 +26,9 @@ Each ring's control block has the writer's line (``head``: bytes ever written; `
 the writer is waiting for space or pulls, in generation g) and, 256 bytes on, the reader's
 line (``tail``: bytes ever consumed; ``rsleep``: the reader is waiting for data, in
 generation g; ``pulled``: reference records completed; ``pulls``: 1 once the reader has
-checked that it can read the writer's memory, see :mod:`aiocollect.transport.cma`).
+checked that it can read the writer's memory, see :mod:`aiocollect.transport.cma`;
+``inlined``: frames the reader has taken from the socket instead of the ring, see
+:mod:`aiocollect.transport.shm`).
 Positions only grow; ``head - tail`` is the fill. Everything read from the other side is
 bounds-checked: a position out of range raises ProtocolError, never an IndexError or crash.
 
@@ -63,7 +65,7 @@ from aiocollect.transport import cma
 
 PREFIX = "aiocollect-"
 MAGIC = b"AIOCSHM1"
-VERSION = 2
+VERSION = 3
 DATA_OFFSET = 4096
 MIN_CAPACITY = 64 * 1024
 MAX_CAPACITY = 1 << 30
@@ -81,7 +83,7 @@ PROBE_BYTES = _SEG_HEADER.size
 _CTL_OFFSET = (1024, 1536)
 _CTL_BYTES = 512
 # u64 word indexes inside a control block
-_HEAD, _WSLEEP, _TAIL, _RSLEEP, _PULLED, _PULLS = 0, 1, 32, 33, 34, 35
+_HEAD, _WSLEEP, _TAIL, _RSLEEP, _PULLED, _PULLS, _INLINED = 0, 1, 32, 33, 34, 35, 36
 
 #: Magic of a reference record's header (a frame header otherwise; wire.MAGIC is 0xAC01).
 REF_MAGIC = 0xAC02
@@ -229,6 +231,18 @@ class Ring:
         """Reference records the reader has completed (copied out of our memory)."""
         return int(self.ctl[_PULLED])
 
+    def inlined(self) -> int:
+        """Frames sent on the socket (not through the ring) that the reader has taken."""
+        return int(self.ctl[_INLINED])
+
+    def idle(self) -> bool:
+        """Whether the reader has consumed everything written (its tail is our head).
+
+        Raises:
+            ProtocolError: the reader's position is implausible (as :meth:`free`).
+        """
+        return self.free() == self.cap
+
     # -- reader side -----------------------------------------------------------------------
 
     def available(self) -> int:
@@ -281,6 +295,9 @@ class Ring:
 
     def publish_pulled(self, count: int) -> None:
         self.ctl[_PULLED] = count
+
+    def publish_inlined(self, count: int) -> None:
+        self.ctl[_INLINED] = count
 
 
 class Segment:

@@ -54,6 +54,7 @@ from aiocollect.transport.base import (
     LinkCaps,
     LinkEvents,
     SendMark,
+    land,
 )
 from aiocollect.transport.handshake_stream import HandshakeStream
 from aiocollect.transport.interface import LinkSetup, Listener, Record, Screen, Transport
@@ -358,12 +359,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         )
         if recv is None:
             return None
-        if n:
-            recv.view[:] = self._rview[start : start + n]
-        try:
-            recv.landed()
-        except Exception:  # a bug above us must not break the link's reading
-            log.exception("receive completion failed")
+        land(recv, self._rview[start : start + n])
         after: int = start + n
         return after
 

@@ -121,3 +121,61 @@ async def corrupt_pull_count(g: ac.Group, count: int) -> dict[str, Any]:
             "abort": getattr(exc, "abort_info", None) or getattr(cause, "abort_info", None),
         }
     return {"error": None}
+
+
+async def socket_and_ring(g: ac.Group, rounds: int) -> tuple[bool, int, int]:
+    """Small and large allreduces, broadcasts and tagged send/recv in flight together for
+    ``rounds`` rounds, every result checked exactly; returns True and, over this rank's
+    links, the frames sent on the socket and the frames sent by reference or through the
+    ring."""
+    n, r = g.world_size, g.rank
+    total = n * (n + 1) // 2
+    for i in range(rounds):
+        small = [np.full(1 + k, r + 1 + i, np.float32) for k in range(3)]
+        large = np.arange(300_000, dtype=np.float64) * (r + 1)
+        root = i % n
+        bcast = np.full(50_000 if i % 2 else 3, r, np.int64)
+        size = 7 + i if i % 2 else 300_000  # (1.2 MB: by reference or through the ring)
+        out = np.full(size, r * 100 + i, np.int32)
+        got = np.empty(size, np.int32)
+        await asyncio.gather(
+            *(g.allreduce(a) for a in small),
+            g.allreduce(large),
+            g.broadcast(bcast, root=root),
+            g.send(out, (r + 1) % n, tag=i),
+            g.recv(got, (r - 1) % n, tag=i),
+        )
+        for a in small:
+            assert (a == total + n * i).all(), (i, a)
+        np.testing.assert_array_equal(large, np.arange(300_000, dtype=np.float64) * total)
+        assert (bcast == root).all()
+        assert (got == ((r - 1) % n) * 100 + i).all()
+    links = [link for link in g._fabric.links.values() if isinstance(link, ShmLink)]
+    on_socket = sum(link.frames_on_socket for link in links)
+    through_ring = sum(link.frames_sent - link.frames_on_socket for link in links)
+    await g.barrier()
+    return True, on_socket, through_ring
+
+
+async def bytes_on_the_socket(g: ac.Group, data: bytes, cuts: tuple[int, ...]) -> tuple[str, str]:
+    """Rank 0 writes ``data`` on its shared-memory link's socket to rank 1 by hand, in
+    pieces cut at ``cuts`` (one loop turn apart, so that they tend to arrive in separate
+    reads); both ranks then allreduce until the group fails. Returns the error class and
+    its cause (``"no error"`` if none came)."""
+    try:
+        await g.barrier()
+        if g.rank == 0:
+            link = g._fabric.links[1]
+            assert isinstance(link, ShmLink)
+            assert link.shm
+            assert link.transport is not None
+            for lo, hi in zip((0, *cuts), (*cuts, len(data)), strict=True):
+                if data[lo:hi]:
+                    link.transport.write(data[lo:hi])
+                    await asyncio.sleep(0)
+        for _ in range(100):
+            await g.allreduce(np.ones(4, np.float32))
+    except ac.AiocollectError as exc:
+        cause = exc.__cause__ or exc if isinstance(exc, ac.GroupBrokenError) else exc
+        return type(exc).__name__, f"{type(cause).__name__}: {cause}"
+    return "no error", ""

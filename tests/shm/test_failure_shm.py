@@ -25,6 +25,7 @@ from aiocollect.transport.wire import (
 )
 from tests.failure import targets as failure_targets
 from tests.helpers import check_killed, wait_ready
+from tests.shm import targets
 from tests.shm.conftest import leaked, segments
 
 
@@ -243,34 +244,16 @@ async def test_garbage_after_close_does_not_crash(caplog: pytest.LogCaptureFixtu
     assert not [r for r in caplog.records if r.name == "asyncio" and r.levelname == "ERROR"]
 
 
-async def _escape_by_hand(g: ac.Group, how: str) -> tuple[str, str]:
-    """Rank 0 writes an escape and a frame on its link's socket by hand, in three pieces
-    (one loop turn apart, so that they tend to arrive in separate reads); both ranks then
-    allreduce until the group fails."""
-    try:
-        await g.barrier()
-        if g.rank == 0:
-            link = g._fabric.links[1]
-            assert isinstance(link, ShmLink)
-            assert link.shm
-            assert link.transport is not None
-            payload = abort_payload(0, ac.ProtocolError("injected by hand"))
-            if how == "abort":
-                frame = control_header(ABORT, len(payload)) + payload
-            elif how == "ping":
-                frame = control_header(PING, 0)
-            else:  # an ABORT too long to be one
-                frame = control_header(ABORT, MAX_ESCAPED + 1) + bytes(MAX_ESCAPED + 1)
-            data = ESCAPE + frame
-            for piece in (data[:1], data[1:20], data[20:]):
-                link.transport.write(piece)
-                await asyncio.sleep(0)
-        for _ in range(100):
-            await g.allreduce(np.ones(4, np.float32))
-    except ac.AiocollectError as exc:
-        cause = exc.__cause__ or exc if isinstance(exc, ac.GroupBrokenError) else exc
-        return type(exc).__name__, f"{type(cause).__name__}: {cause}"
-    return "no error", ""
+def _escaped(how: str) -> bytes:
+    """An escape and the frame after it: an ABORT, a PING, or an ABORT too long to be one."""
+    payload = abort_payload(0, ac.ProtocolError("injected by hand"))
+    if how == "abort":
+        frame = control_header(ABORT, len(payload)) + payload
+    elif how == "ping":
+        frame = control_header(PING, 0)
+    else:
+        frame = control_header(ABORT, MAX_ESCAPED + 1) + bytes(MAX_ESCAPED + 1)
+    return ESCAPE + frame
 
 
 @pytest.mark.timeout(30)
@@ -280,7 +263,9 @@ async def test_escaped_frames_on_the_socket(how: str, caplog: pytest.LogCaptureF
     sender's failure; anything else after an escape (a PING, an ABORT longer than
     MAX_ESCAPED) is a ProtocolError naming the link, and never an exception escaping into
     the event loop."""
-    res = await run_ranks(2, _escape_by_hand, how, transport="shm", timeout=10)
+    res = await run_ranks(
+        2, targets.bytes_on_the_socket, _escaped(how), (1, 20), transport="shm", timeout=10
+    )
     kind, detail = res[1]
     if how == "abort":
         assert kind == "GroupBrokenError", res

@@ -1,0 +1,242 @@
+"""Small frames on a shared-memory link's socket (aiocollect.transport.shm, "Small frames
+on the socket"): a small frame to a reader that sleeps with everything read goes on the
+socket instead of ring + doorbell, and frames still reach the peer in the order they were
+sent, whichever way each went.
+
+Real link pairs (both ends in this process, so a burst of sends runs before the reader's
+loop takes anything) and real processes; the only fakes are malformed bytes written on a
+socket by hand and, for one check, a lower staging limit."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+
+from aiocollect.testing import run_ranks, spawn_ranks
+from aiocollect.testing.link_suite import Recorder, frame, payload, shm_pair, within
+from aiocollect.transport import base
+from aiocollect.transport.shm import ShmLink
+from aiocollect.transport.shm_reader import INLINE, INLINE_AHEAD, INLINE_MAX
+from aiocollect.transport.wire import DATA, HEADER_SIZE, Header, Key, pack_header
+from tests.shm import targets
+
+
+def _sleeping(link: ShmLink) -> None:
+    """The reader of ``link`` never spins: it sleeps as soon as its ring is empty (ranks
+    outnumbering cores)."""
+    link.policy.spin = 0.0
+
+
+def _chunks(sizes: list[int], salt: int = 0) -> list[tuple[Key, bytes, bytes]]:
+    """Frames of one stream (group 0, op 0, slot 5), chunk i carrying sizes[i] bytes:
+    key, header and payload of each."""
+    out = []
+    for i, n in enumerate(sizes):
+        data = payload(n, salt + i)
+        key, header = frame(DATA, 5, data, chunk=i)
+        out.append((key, header, data))
+    return out
+
+
+def _record(landed: list[int], index: int, _fut: asyncio.Future[None]) -> None:
+    landed.append(index)
+
+
+def _post_all(
+    link: ShmLink, chunks: list[tuple[Key, bytes, bytes]], landed: list[int]
+) -> list[tuple[asyncio.Future[None], bytearray]]:
+    """Post a receive for every chunk; each records its index in ``landed`` as it lands."""
+    posted = []
+    for i, (key, _, data) in enumerate(chunks):
+        buf = bytearray(len(data))
+        fut = link.post_recv(key, memoryview(buf))
+        fut.add_done_callback(functools.partial(_record, landed, i))
+        posted.append((fut, buf))
+    return posted
+
+
+@pytest.mark.timeout(60)
+async def test_a_small_frame_to_a_sleeping_reader_goes_on_the_socket() -> None:
+    """The reader sleeps with its ring empty: the frame goes on the socket and the ring
+    stays untouched (its head does not move); an empty frame and a frame of INLINE_MAX bytes go
+    the same way, one byte more goes through the ring."""
+    async with shm_pair()(Recorder(), Recorder(), 1 << 20) as (a, b):
+        assert isinstance(a, ShmLink)
+        assert isinstance(b, ShmLink)
+        _sleeping(b)
+        assert a._tx is not None
+        head = a._tx.pos
+        for slot, n in enumerate([4, 0, INLINE_MAX]):
+            data = payload(n, slot)
+            key, header = frame(DATA, slot, data)
+            buf = bytearray(n)
+            fut = b.post_recv(key, memoryview(buf))
+            a.send(header, memoryview(data))
+            await within(f"the {n}-byte frame", fut)
+            assert bytes(buf) == data
+        assert a.frames_on_socket == 3
+        assert a._tx.pos == head, "a frame on the socket went into the ring too"
+        if a.caps.reference_min and a.caps.reference_min <= INLINE_MAX + 1:
+            return  # (that size goes by reference: no ring frame to see)
+        data = payload(INLINE_MAX + 1, 7)
+        key, header = frame(DATA, 9, data)
+        buf = bytearray(len(data))
+        fut = b.post_recv(key, memoryview(buf))
+        a.send(header, memoryview(data))
+        await within("the larger frame", fut)
+        assert bytes(buf) == data
+        assert a.frames_on_socket == 3
+        assert a._tx.pos > head
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("posted", [True, False])
+async def test_frames_after_socket_frames_keep_their_order(posted: bool) -> None:
+    """A small frame goes on the socket; the large frame of the same stream sent right
+    after (by reference or through the ring) must wait until the reader has taken it, and
+    the small frames after that wait behind the large one. Every chunk lands whole and in
+    the order sent, with its receive posted before or after the frames came."""
+    async with shm_pair()(Recorder(), Recorder(), 4 << 20) as (a, b):
+        assert isinstance(a, ShmLink)
+        assert isinstance(b, ShmLink)
+        _sleeping(b)
+        chunks = _chunks([16, 1 << 20, 16, 200 << 10, 8, 0])
+        landed: list[int] = []
+        recvs = _post_all(b, chunks, landed) if posted else []
+        for _, header, data in chunks:  # one burst: the reader's loop takes nothing yet
+            a.send(header, memoryview(data))
+        assert a.frames_on_socket == 1, "only the first frame may go on the socket"
+        if not posted:
+            await asyncio.sleep(0.05)  # (the frames arrive and are staged meanwhile)
+            recvs = _post_all(b, chunks, landed)
+        await within("every chunk", asyncio.gather(*(fut for fut, _ in recvs)))
+        for (_, buf), (_, _, data) in zip(recvs, chunks, strict=True):
+            assert bytes(buf) == data
+        if posted:
+            assert landed == list(range(len(chunks)))
+        await within("the writer to drain", a.drained())
+        # with everything taken, the next small frame goes on the socket again
+        data = payload(32, 50)
+        key, header = frame(DATA, 6, data)
+        buf = bytearray(len(data))
+        fut = b.post_recv(key, memoryview(buf))
+        a.send(header, memoryview(data))
+        await within("the next frame", fut)
+        assert bytes(buf) == data
+        assert a.frames_on_socket == 2
+
+
+@pytest.mark.timeout(60)
+async def test_a_burst_goes_on_the_socket_up_to_the_limit_then_the_ring() -> None:
+    """A burst of small frames before the reader takes any: the first INLINE_AHEAD go on
+    the socket, the rest wait for the ring until the reader has counted those taken; all
+    land, in order, with the right bytes."""
+    async with shm_pair()(Recorder(), Recorder(), 1 << 20) as (a, b):
+        assert isinstance(a, ShmLink)
+        assert isinstance(b, ShmLink)
+        _sleeping(b)
+        count = INLINE_AHEAD + 36
+        chunks = _chunks([40 + i for i in range(count)])
+        landed: list[int] = []
+        recvs = _post_all(b, chunks, landed)
+        for _, header, data in chunks:
+            a.send(header, memoryview(data))
+        assert a.frames_on_socket == INLINE_AHEAD
+        assert a.write_buffer_size() > 0, "the frames after the limit wait for the ring"
+        await within("every frame", asyncio.gather(*(fut for fut, _ in recvs)))
+        for (_, buf), (_, _, data) in zip(recvs, chunks, strict=True):
+            assert bytes(buf) == data
+        assert landed == list(range(count))
+        await within("the writer to drain", a.drained())
+
+
+@pytest.mark.timeout(60)
+async def test_a_reader_with_full_staging_stops_the_socket_frames(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Frames nobody has posted receives for: once staging is full the reader counts no
+    more socket frames taken, so the writer stops at INLINE_AHEAD and queues the rest for
+    the ring (where the paused reader leaves them) instead of piling them into staging;
+    posting the receives lets everything through, whole and in order. (The staging limit
+    is lowered so that a few frames fill it.)"""
+    monkeypatch.setattr(base, "STAGING_LIMIT", 4096)
+    async with shm_pair()(Recorder(), Recorder(), 1 << 20) as (a, b):
+        assert isinstance(a, ShmLink)
+        assert isinstance(b, ShmLink)
+        _sleeping(b)
+        chunks = _chunks([1000] * (3 * INLINE_AHEAD))
+        for _, header, data in chunks[:8]:  # fills staging (4 KiB) on the socket
+            a.send(header, memoryview(data))
+        await _settle()
+        assert b.early_bytes == 8 * 1000
+        for _, header, data in chunks[8:]:
+            a.send(header, memoryview(data))
+        await _settle()
+        assert a.frames_on_socket == INLINE_AHEAD
+        assert b.early_bytes == INLINE_AHEAD * 1000, "frames went on after staging was full"
+        assert a.write_buffer_size() > 0
+        landed: list[int] = []
+        recvs = _post_all(b, chunks, landed)
+        await within("every frame", asyncio.gather(*(fut for fut, _ in recvs)))
+        for (_, buf), (_, _, data) in zip(recvs, chunks, strict=True):
+            assert bytes(buf) == data
+        await within("the writer to drain", a.drained())
+
+
+async def _settle() -> None:
+    """Let the reader's loop take what has arrived (local timers: the frames are in this
+    process's sockets, not waiting on a peer)."""
+    for _ in range(20):
+        await asyncio.sleep(0.005)
+
+
+def _malformed(how: str) -> bytes:
+    """A byte that is no doorbell, frame or escape; or a socket frame above INLINE_MAX."""
+    if how == "byte":
+        return b"\x07"
+    h = Header(DATA, 1, 0, 1, 99, 0, 0, 0, -1, INLINE_MAX + 1, INLINE_MAX + 1)
+    return INLINE + pack_header(h) + bytes(INLINE_MAX + 1)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("how", "says"),
+    [("byte", "sent byte 0x07 on its socket"), ("huge", f"(at most {INLINE_MAX})")],
+)
+async def test_malformed_socket_bytes_break_the_group(
+    how: str, says: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A byte that is neither a doorbell, a frame nor an escape, or a socket frame larger
+    than INLINE_MAX, is a ProtocolError naming the link: the group breaks on both ranks,
+    and no exception escapes into the event loop."""
+    cuts = (1, HEADER_SIZE // 2)  # (the frame arrives in pieces)
+    res = await run_ranks(
+        2, targets.bytes_on_the_socket, _malformed(how), cuts, transport="shm", timeout=10
+    )
+    kind, detail = res[1]
+    assert kind != "no error", res
+    assert detail.startswith("ProtocolError: "), res
+    assert "rank 0" in detail, res
+    assert says in detail, res
+    assert res[0][0] != "no error", res
+    assert not [r for r in caplog.records if r.name == "asyncio" and r.levelname == "ERROR"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("uvloop", [False, True])
+async def test_socket_and_ring_frames_mixed_in_processes(
+    uvloop: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four processes over auto with sleeping readers (as where ranks outnumber cores):
+    small and large allreduces, broadcasts and tagged send/recv in flight together, every
+    result checked exactly; both ways were used (frames on the socket and by reference
+    or through the ring)."""
+    monkeypatch.setenv("AIOCOLLECT_SHM_SPIN_US", "0")  # the children inherit it
+    res = await spawn_ranks(
+        4, targets.socket_and_ring, 12, timeout=200, uvloop=uvloop, transport="auto"
+    )
+    assert [ok for ok, _, _ in res] == [True] * 4, res
+    assert all(on_socket > 0 for _, on_socket, _ in res), res
+    assert all(through_ring > 0 for _, _, through_ring in res), res
