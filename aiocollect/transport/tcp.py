@@ -82,6 +82,10 @@ SOCKET_BUFFER = 4 * 1024 * 1024
 LOCAL_SOCKET_BUFFER = 1024 * 1024
 #: Overrides both (bytes; 0 leaves the buffers to the kernel's autotuning).
 SOCKET_BUFFER_ENV = "AIOCOLLECT_SOCKET_BUFFER"
+#: The smallest override taken as given: with 4 and 8 KiB, several operations in flight
+#: over loopback stopped for good (the receive window, against a 64 KiB MSS, never
+#: reopened; docs/benchmarks.md, "Nineteenth session"); 16 KiB and up did not.
+MIN_SOCKET_BUFFER = 64 * 1024
 #: Seconds a closing link waits for the peer's FIN before resetting the connection.
 LINGER = 5.0
 _SCRATCH = memoryview(bytearray(64 * 1024))
@@ -684,7 +688,19 @@ def socket_buffer(
     first time."""
     raw = (os.environ if env is None else env).get(SOCKET_BUFFER_ENV, "").strip()
     if raw.isdecimal():
-        return int(raw)
+        size = int(raw)
+        if 0 < size < MIN_SOCKET_BUFFER:
+            if raw not in _WARNED:
+                _WARNED.add(raw)
+                log.warning(
+                    "%s=%s raised to %d bytes: smaller socket buffers can stall TCP "
+                    "on this host for good (loopback's receive window does not reopen)",
+                    SOCKET_BUFFER_ENV,
+                    raw,
+                    MIN_SOCKET_BUFFER,
+                )
+            return MIN_SOCKET_BUFFER
+        return size
     if raw and raw not in _WARNED:  # once per value, not once per link
         _WARNED.add(raw)
         log.warning("ignoring %s=%r: not a number of bytes", SOCKET_BUFFER_ENV, raw)

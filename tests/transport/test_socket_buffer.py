@@ -60,6 +60,15 @@ def test_the_policy_by_locality_and_override(
                 tcp.LOCAL_SOCKET_BUFFER
             )
     assert caplog.text.count(tcp.SOCKET_BUFFER_ENV) == 3, caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="aiocollect.transport.tcp"):
+        for small in ("4096", "65535", "4096"):  # below the minimum: raised, one warning each
+            assert tcp.socket_buffer(True, env={tcp.SOCKET_BUFFER_ENV: small}) == (
+                tcp.MIN_SOCKET_BUFFER
+            )
+        env = {tcp.SOCKET_BUFFER_ENV: str(tcp.MIN_SOCKET_BUFFER)}
+        assert tcp.socket_buffer(False, env=env) == tcp.MIN_SOCKET_BUFFER
+    assert caplog.text.count("raised to") == 2, caplog.text
 
 
 #: A size below Linux's default cap on what a socket may ask for (``net.core.wmem_max`` and
