@@ -138,7 +138,7 @@ class ShmLink(RingReader):
         self._mark_waits: list[SendMark] = []  # the marks wait_released waits for now
         self._wgen = 0
         self._rung_reader = 0  # the peer reader's generation we last rang for
-        self._inline_sent = 0  # frames ever sent on the socket (see _inline_now)
+        self._inline_sent = 0  # frames ever sent on the socket (see _send_frame)
         self._close_pending = False
         self._refs: deque[tuple[memoryview, int]] = deque()  # sent by reference, not pulled
         self._ref_bytes = 0
