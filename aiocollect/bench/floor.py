@@ -408,6 +408,12 @@ def sendrecv_bandwidth(n: int, nbytes: int, iters: int = BANDWIDTH_ITERS) -> Flo
 FLOORED = ("allreduce", "barrier", "sendrecv")
 
 
+def _check_floored(collective: str) -> None:
+    """Raises ValueError unless ``collective`` has a floor (``FLOORED``)."""
+    if collective not in FLOORED:
+        raise ValueError(f"no floor for {collective!r} (only {', '.join(FLOORED)})")
+
+
 def method(nbytes: int, collective: str = "allreduce") -> str:
     """Which floor :func:`measure` runs for ``collective`` at ``nbytes`` (at any world
     size): ``"latency"`` below ``BULK_MIN`` bytes and for a barrier, else
@@ -428,8 +434,7 @@ def measure(n: int, nbytes: int, collective: str = "allreduce") -> tuple[str, in
             its bandwidth floor, fewer than 2 ranks).
         OSError: this host cannot use process_vm_readv (the bandwidth floors).
         RuntimeError: a rank failed or computed a wrong result."""
-    if collective not in FLOORED:
-        raise ValueError(f"no floor for {collective!r} (only {', '.join(FLOORED)})")
+    _check_floored(collective)
     how = method(nbytes, collective)
     if collective == "barrier":
         return how, 0, barrier(n)
@@ -453,8 +458,7 @@ def _measure_main(n: int, sizes: str, out: Path, collective: str = "allreduce") 
     it; a progress line per size on stderr. Exit status 1 only for bad arguments."""
     try:
         wanted = [0] if collective == "barrier" else parse_sizes(sizes)
-        if collective not in FLOORED:
-            raise ValueError(f"no floor for {collective!r} (only {', '.join(FLOORED)})")
+        _check_floored(collective)
     except ValueError as exc:
         print(f"floor: {exc}", file=sys.stderr)
         return 1

@@ -309,7 +309,8 @@ class ShmLink(RingReader):
         self._held_streams.clear()
 
     def _send_frame(self, header: bytes, payload: memoryview | bytes) -> None:
-        """Into the ring (or the queue for it) now, by reference where that applies."""
+        """Into the ring (or the queue for it) now, by reference where that applies, or, if
+        small, on the socket."""
         n = len(payload)
         tx = self._tx
         pull_min = self.policy.pull_min
@@ -321,22 +322,18 @@ class ShmLink(RingReader):
             # into the ring read and every reference pulled, so that nothing sent before
             # can arrive after it. Else header and payload as one write into the ring.
             try:
-                ahead = self._inline_ahead(tx) if self._inline_sent else 0
-                if ahead:
-                    if ahead < INLINE_AHEAD and n <= INLINE_MAX and not self.ring_broken:
-                        self._send_inline(header, payload)
-                        return
-                elif (
-                    (gen := tx.reader_sleep())
-                    and gen != self._rung_reader
-                    and n <= INLINE_MAX
+                ahead = self._inline_ahead(tx)
+                if (
+                    n <= INLINE_MAX
                     and not self.ring_broken
-                    and tx.pulled() == self._refs_sent
-                    and tx.idle()
+                    and ahead < INLINE_AHEAD
+                    and (transport := self.transport) is not None
+                    and not transport.is_closing()
+                    and (ahead or self._reader_sleeps_idle(tx))
                 ):
-                    self._send_inline(header, payload)
+                    self._send_inline(transport, header, payload)
                     return
-                elif tx.free() >= len(header) + n:
+                if not ahead and tx.free() >= len(header) + n:
                     tx.write(memoryview(header + payload if n else header))
                     self.bytes_sent += n
                     self.frames_sent += 1
@@ -366,7 +363,7 @@ class ShmLink(RingReader):
         idle = not self._queue  # else the queue waits for space: the doorbell resumes it
         if idle:
             try:
-                if not (self._inline_sent and self._inline_ahead(tx)) and (
+                if not self._inline_ahead(tx) and (
                     tx.free() >= len(header) + n  # the common case: straight in
                 ):
                     tx.write(memoryview(header))
@@ -406,13 +403,23 @@ class ShmLink(RingReader):
             )
         return ahead
 
-    def _send_inline(self, header: bytes, payload: memoryview | bytes) -> None:
-        """One small frame on the socket, as on TCP behind an ``INLINE`` byte."""
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            raise self.failure or PeerDisconnected(
-                f"link to {self.describe()} is closed", self.peer
-            )
+    def _reader_sleeps_idle(self, tx: Ring) -> bool:
+        """Whether the reader of ``tx`` sleeps (a doorbell would be written: a spinning
+        or already woken reader is cheaper to reach through the ring) with everything
+        this side wrote into it read and every reference pulled.
+
+        Raises:
+            ProtocolError: the reader's counters are implausible.
+        """
+        gen = tx.reader_sleep()
+        return (
+            gen != 0 and gen != self._rung_reader and tx.pulled() == self._refs_sent and tx.idle()
+        )
+
+    def _send_inline(
+        self, transport: asyncio.Transport, header: bytes, payload: memoryview | bytes
+    ) -> None:
+        """One small frame on the (open) socket, as on TCP behind an ``INLINE`` byte."""
         transport.write(INLINE + header + payload if payload else INLINE + header)
         self._inline_sent += 1
         self.bytes_sent += len(payload)
@@ -476,7 +483,7 @@ class ShmLink(RingReader):
         if tx is None or self._tx_dead:
             return
         try:
-            if queue and self._inline_sent and self._inline_ahead(tx):
+            if queue and self._inline_ahead(tx):
                 # After the socket's frames: the reader rings as it takes them.
                 self._arm_writer(tx)
                 if self._inline_ahead(tx):
@@ -540,7 +547,7 @@ class ShmLink(RingReader):
             drain.set_result(None)
         if self._close_pending and self.transport is not None:
             self._close_pending = False
-            self._end_socket(self.transport)
+            self._end_socket()
 
     # -- payloads sent by reference ----------------------------------------------------------
 
@@ -788,26 +795,18 @@ class ShmLink(RingReader):
         self.stop_holding()  # skip whatever the peer still sends, so it is never stuck
         if self._held and not self._tx_dead and not self.ring_broken:
             self._flush_held()
-        self.reset_later()
         if self._queue and not self._tx_dead and not self.ring_broken:
             self._close_pending = True
+            self.reset_later()  # (the queue may never drain)
         else:
-            self._end_socket(transport)
+            self._end_socket()
 
-    def _end_socket(self, transport: asyncio.Transport) -> None:
-        """Half-close the socket once what is queued for it is written, and keep reading
-        until the peer closes too (or ``reset_later`` resets it): closing with unread
-        input (a doorbell, a frame) would send a reset, and a reset can destroy frames
-        this side sent on the socket that the peer has not read yet (an ABORT above all;
-        frames in the ring survive it)."""
+    def _end_socket(self) -> None:
+        """Half-close the socket and read on until the peer closes too, as a TCP link
+        does: a reset could destroy frames this side sent on the socket that the peer has
+        not read yet (an ABORT above all; frames in the ring survive it)."""
         self.stop_bells()  # nothing may be written after the end of the stream
-        if transport.can_write_eof():
-            try:
-                transport.write_eof()
-            except OSError:  # the peer reset the connection already: nothing to flush
-                transport.abort()
-        else:
-            transport.close()
+        self.half_close()
 
     def abort(self) -> None:
         if self.shm:

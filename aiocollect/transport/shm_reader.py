@@ -192,9 +192,9 @@ class RingReader(StreamLink):
         self._rpayload: memoryview | None = None  # where its payload goes
         self._rgot = 0  # payload bytes of it read so far
         #: The frame arriving on the socket (INLINE), as far as it has come, and its
-        #: payload length once the header is in (-1 before).
+        #: header once that is in.
         self._inline: bytearray | None = None
-        self._inline_len = -1
+        self._inline_head: Header | None = None
         self._inlined = 0  # socket frames taken
         self._inline_unacked = False  # taken, not yet counted in the ring (staging full)
         self._bells_off = False  # the socket's stream is ending (stop_bells)
@@ -304,12 +304,10 @@ class RingReader(StreamLink):
             or magic != MAGIC
             or kind not in (DATA, P2P)
             or n > INLINE_MAX
-            or self._rpayload is not None
-            or self._pulling is not None
-            or self._pulls
+            or self._ring_frame_open()
             or self._rx_dead
         ):
-            return False
+            return False  # (_take_inline reports what is wrong)
         recv = self._take_posted(
             _new_key(Key, (kind, gid, seq, slot, chunk)), n, (coll, dtype, elems, rop, root)
         )
@@ -329,14 +327,14 @@ class RingReader(StreamLink):
         while pos < nbytes:
             buf = self._inline
             if buf is not None:
-                size = self._inline_len
-                want = (HEADER_SIZE if size < 0 else HEADER_SIZE + size) - len(buf)
+                h = self._inline_head
+                want = HEADER_SIZE + (h.length if h is not None else 0) - len(buf)
                 take = min(want, nbytes - pos)
                 buf += data[pos : pos + take]
                 pos += take
                 if take < want:
                     break
-                if size < 0:
+                if h is None:
                     try:
                         h = parse_header(buf, self.max_frame)
                         if h.length > INLINE_MAX:
@@ -351,12 +349,11 @@ class RingReader(StreamLink):
                             )
                         )
                         return
-                    self._inline_len = size = h.length
-                    if size:
+                    self._inline_head = h
+                    if h.length:
                         continue
-                self._inline = None
-                self._inline_len = -1
-                if not self._take_inline(buf):
+                self._inline = self._inline_head = None
+                if not self._take_inline(h, buf):
                     return
                 continue
             byte = data[pos]
@@ -385,13 +382,20 @@ class RingReader(StreamLink):
         if bell:
             self._service()
 
-    def _take_inline(self, buf: bytearray) -> bool:
-        """Hand the frame ``buf`` (header and payload) from the socket to the mailbox, as
-        if read from the ring; False when the link stops reading (an error reported)."""
+    def _ring_frame_open(self) -> bool:
+        """Whether a frame from the ring is half read or pulls are queued: then no frame
+        may come on the socket (the writer sends one only with everything before it read
+        and pulled)."""
+        return self._rpayload is not None or self._pulling is not None or bool(self._pulls)
+
+    def _take_inline(self, h: Header, buf: bytearray) -> bool:
+        """Hand the frame ``h`` (``buf``: its header and payload) from the socket to the
+        mailbox, as if read from the ring; False when the link stops reading (an error
+        reported)."""
         self._inlined += 1
         if self.discarding or self.lost or self._rx_dead:
             return True
-        if self._rpayload is not None or self._pulling is not None or self._pulls:
+        if self._ring_frame_open():
             self._raise_error(
                 ProtocolError(
                     f"{self.describe()} sent a frame on its socket while one from its "
@@ -399,19 +403,15 @@ class RingReader(StreamLink):
                 )
             )
             return False
-        _magic, kind, coll, rop, dtype, gid, chunk, seq, slot, root, elems, n = _unpack_header(
-            buf, 0
-        )
-        if kind in (DATA, P2P):
-            recv = self._take_posted(
-                _new_key(Key, (kind, gid, seq, slot, chunk)), n, (coll, dtype, elems, rop, root)
-            )
+        payload = memoryview(buf)[HEADER_SIZE:]
+        if h.kind in (DATA, P2P):
+            recv = self._take_posted(h.key, h.length, h.fingerprint)
             if recv is not None:
-                land(recv, memoryview(buf)[HEADER_SIZE:])
+                land(recv, payload)
                 return True
-        dest = self.open_frame(parse_header(buf, self.max_frame))
+        dest = self.open_frame(h)
         if dest is not None:
-            dest[:] = memoryview(buf)[HEADER_SIZE:]
+            dest[:] = payload
             self._end_frame()
         return not self.discarding
 

@@ -146,7 +146,8 @@ class StreamLink(Link, asyncio.BufferedProtocol):
       control), ``handshake_failed`` (release what the handshake set up), and the link's
       ``send``, ``write_buffer_size``, ``drained``, ``close``, ``abort``, ``describe``.
     - Helpers: :meth:`open_frame` (a parsed header into the mailbox: where its payload
-      goes), :meth:`reset_later` (a closing link whose peer never closes is reset).
+      goes), :meth:`half_close` (end this side's stream and read on until the peer
+      closes), :meth:`reset_later` (a closing link whose peer never closes is reset).
     """
 
     def __init__(self, events: LinkEvents, max_frame: int, handshaker: Handshaker) -> None:
@@ -635,6 +636,16 @@ class StreamLink(Link, asyncio.BufferedProtocol):
             return
         if self._bulk or self._partial is not None:
             self._flush_bulk()
+        self.half_close()
+
+    def half_close(self) -> None:
+        """End this side's stream once the transport has written what it holds, and read
+        on until the peer closes too (``reset_later``); a transport that cannot
+        half-close is closed. Closing with unread input would send a reset, which can
+        destroy what this side sent and the peer has not read yet."""
+        transport = self.transport
+        if transport is None:
+            return
         if transport.can_write_eof():
             try:
                 transport.write_eof()
@@ -646,10 +657,13 @@ class StreamLink(Link, asyncio.BufferedProtocol):
             transport.close()
 
     def reset_later(self) -> None:
-        """Reset the connection in LINGER seconds unless it has ended by then (a closing
-        link waits that long for the peer to read what it flushed and close too)."""
+        """Reset the connection in LINGER seconds (from now, replacing an earlier timer)
+        unless it has ended by then (a closing link waits that long for the peer to read
+        what it flushed and close too)."""
         transport = self.transport
         if transport is not None:
+            if self._linger is not None:
+                self._linger.cancel()
             self._linger = asyncio.get_running_loop().call_later(LINGER, transport.abort)
 
     def abort(self) -> None:
@@ -687,24 +701,28 @@ def socket_buffer(
     session"). A value that is not a non-negative integer is ignored, with a warning the
     first time."""
     raw = (os.environ if env is None else env).get(SOCKET_BUFFER_ENV, "").strip()
-    if raw.isdecimal():
-        size = int(raw)
-        if 0 < size < MIN_SOCKET_BUFFER:
-            if raw not in _WARNED:
-                _WARNED.add(raw)
-                log.warning(
-                    "%s=%s raised to %d bytes: smaller socket buffers can stall TCP "
-                    "on this host for good (loopback's receive window does not reopen)",
-                    SOCKET_BUFFER_ENV,
-                    raw,
-                    MIN_SOCKET_BUFFER,
-                )
-            return MIN_SOCKET_BUFFER
-        return size
-    if raw and raw not in _WARNED:  # once per value, not once per link
+    if not raw.isdecimal():
+        if raw:
+            _warn_once(raw, f"ignoring {SOCKET_BUFFER_ENV}={raw!r}: not a number of bytes")
+        return LOCAL_SOCKET_BUFFER if local and not tls else SOCKET_BUFFER
+    size = int(raw)
+    if 0 < size < MIN_SOCKET_BUFFER:
+        _warn_once(
+            raw,
+            f"{SOCKET_BUFFER_ENV}={raw} raised to {MIN_SOCKET_BUFFER} bytes: smaller socket "
+            "buffers can stall TCP on this host for good (loopback's receive window does "
+            "not reopen)",
+        )
+        return MIN_SOCKET_BUFFER
+    return size
+
+
+def _warn_once(raw: str, message: str) -> None:
+    """Log ``message`` the first time ``raw`` (an AIOCOLLECT_SOCKET_BUFFER value) comes:
+    every link asks, one warning per value is enough."""
+    if raw not in _WARNED:
         _WARNED.add(raw)
-        log.warning("ignoring %s=%r: not a number of bytes", SOCKET_BUFFER_ENV, raw)
-    return LOCAL_SOCKET_BUFFER if local and not tls else SOCKET_BUFFER
+        log.warning("%s", message)
 
 
 def is_local(peername: object, sockname: object) -> bool | None:

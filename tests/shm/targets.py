@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -157,25 +158,39 @@ async def socket_and_ring(g: ac.Group, rounds: int) -> tuple[bool, int, int]:
     return True, on_socket, through_ring
 
 
-async def bytes_on_the_socket(g: ac.Group, data: bytes, cuts: tuple[int, ...]) -> tuple[str, str]:
-    """Rank 0 writes ``data`` on its shared-memory link's socket to rank 1 by hand, in
-    pieces cut at ``cuts`` (one loop turn apart, so that they tend to arrive in separate
-    reads); both ranks then allreduce until the group fails. Returns the error class and
-    its cause (``"no error"`` if none came)."""
+async def on_link_then_allreduce(
+    g: ac.Group, act: Callable[[ShmLink], Awaitable[None]]
+) -> tuple[str, str]:
+    """Rank 0 does ``act`` to its shared-memory link to rank 1; both ranks then allreduce
+    until the group fails. Returns the error class and its cause (``"no error"`` if none
+    came)."""
     try:
+        # (every rank's group formed first: a link error before its fabric knows the link
+        # breaks that rank alone, and the peer then sees only the link closing)
         await g.barrier()
         if g.rank == 0:
             link = g._fabric.links[1]
             assert isinstance(link, ShmLink)
             assert link.shm
-            assert link.transport is not None
-            for lo, hi in zip((0, *cuts), (*cuts, len(data)), strict=True):
-                if data[lo:hi]:
-                    link.transport.write(data[lo:hi])
-                    await asyncio.sleep(0)
-        for _ in range(100):
+            await act(link)
+        for _ in range(100):  # rank 0's first allreduce may complete before rank 1 reports
             await g.allreduce(np.ones(4, np.float32))
     except ac.AiocollectError as exc:
         cause = exc.__cause__ or exc if isinstance(exc, ac.GroupBrokenError) else exc
         return type(exc).__name__, f"{type(cause).__name__}: {cause}"
     return "no error", ""
+
+
+async def bytes_on_the_socket(g: ac.Group, data: bytes, cuts: tuple[int, ...]) -> tuple[str, str]:
+    """:func:`on_link_then_allreduce`, rank 0 writing ``data`` on the link's socket by
+    hand, in pieces cut at ``cuts`` (one loop turn apart, so that they tend to arrive in
+    separate reads)."""
+
+    async def write(link: ShmLink) -> None:
+        assert link.transport is not None
+        for lo, hi in zip((0, *cuts), (*cuts, len(data)), strict=True):
+            if data[lo:hi]:
+                link.transport.write(data[lo:hi])
+                await asyncio.sleep(0)
+
+    return await on_link_then_allreduce(g, write)

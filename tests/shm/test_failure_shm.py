@@ -123,21 +123,11 @@ def _corrupt(link: ShmLink, how: str) -> None:
 
 async def _corrupt_then_allreduce(g: ac.Group, how: str) -> tuple[str, str]:
     """Rank 0 corrupts its ring to rank 1, then both allreduce until the group fails."""
-    try:
-        # (every rank's group formed first: a link error before its fabric knows the link
-        # breaks that rank alone, and the peer then sees only the link closing)
-        await g.barrier()
-        if g.rank == 0:
-            link = g._fabric.links[1]
-            assert isinstance(link, ShmLink)
-            assert link.shm
-            _corrupt(link, how)
-        for _ in range(100):  # rank 0's first allreduce may complete before rank 1 reports
-            await g.allreduce(np.ones(4, np.float32))
-    except ac.AiocollectError as exc:
-        cause = exc if not isinstance(exc, ac.GroupBrokenError) else exc.__cause__ or exc
-        return type(exc).__name__, f"{type(cause).__name__}: {cause}"
-    return "no error", ""
+
+    async def corrupt(link: ShmLink) -> None:
+        _corrupt(link, how)
+
+    return await targets.on_link_then_allreduce(g, corrupt)
 
 
 def _check_told(res: list[tuple[str, str]], detector: int | None) -> None:
@@ -168,7 +158,7 @@ async def test_corrupt_ring_is_a_protocol_error(how: str, caplog: pytest.LogCapt
 
 async def _corrupt_tail(g: ac.Group) -> str:
     try:
-        await g.barrier()  # every rank's group formed (see _corrupt_then_allreduce)
+        await g.barrier()  # every rank's group formed (see targets.on_link_then_allreduce)
         if g.rank == 1:  # rank 1 claims to have read more than rank 0 ever wrote
             link = g._fabric.links[0]
             assert isinstance(link, ShmLink)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Callable
 
 import pytest
 
@@ -57,6 +58,30 @@ def _post_all(
     return posted
 
 
+async def _one_frame(a: ShmLink, b: ShmLink, slot: int, data: bytes) -> None:
+    """Send ``data`` from ``a`` in a DATA frame of ``slot`` with its receive posted on
+    ``b`` first; check that it lands whole."""
+    key, header = frame(DATA, slot, data)
+    buf = bytearray(len(data))
+    fut = b.post_recv(key, memoryview(buf))
+    a.send(header, memoryview(data))
+    await within(f"the {len(data)}-byte frame of slot {slot}", fut)
+    assert bytes(buf) == data
+
+
+async def _until(what: str, condition: Callable[[], bool]) -> None:
+    """Poll this process's own state until ``condition()`` holds (bounded by ``within``):
+    both ends of a pair run on this loop, so nothing outside it is waited for."""
+
+    async def poll() -> None:
+        # no event says it: staging a parked frame and reading part of a socket frame
+        # report nothing to the Recorder
+        while not condition():  # noqa: ASYNC110
+            await asyncio.sleep(0.002)
+
+    await within(what, poll())
+
+
 @pytest.mark.timeout(60)
 async def test_a_small_frame_to_a_sleeping_reader_goes_on_the_socket() -> None:
     """The reader sleeps with its ring empty: the frame goes on the socket and the ring
@@ -69,26 +94,38 @@ async def test_a_small_frame_to_a_sleeping_reader_goes_on_the_socket() -> None:
         assert a._tx is not None
         head = a._tx.pos
         for slot, n in enumerate([4, 0, INLINE_MAX]):
-            data = payload(n, slot)
-            key, header = frame(DATA, slot, data)
-            buf = bytearray(n)
-            fut = b.post_recv(key, memoryview(buf))
-            a.send(header, memoryview(data))
-            await within(f"the {n}-byte frame", fut)
-            assert bytes(buf) == data
+            await _one_frame(a, b, slot, payload(n, slot))
         assert a.frames_on_socket == 3
         assert a._tx.pos == head, "a frame on the socket went into the ring too"
         if a.caps.reference_min and a.caps.reference_min <= INLINE_MAX + 1:
             return  # (that size goes by reference: no ring frame to see)
-        data = payload(INLINE_MAX + 1, 7)
-        key, header = frame(DATA, 9, data)
-        buf = bytearray(len(data))
-        fut = b.post_recv(key, memoryview(buf))
-        a.send(header, memoryview(data))
-        await within("the larger frame", fut)
-        assert bytes(buf) == data
+        await _one_frame(a, b, 9, payload(INLINE_MAX + 1, 7))
         assert a.frames_on_socket == 3
         assert a._tx.pos > head
+
+
+@pytest.mark.timeout(60)
+async def test_a_socket_frame_in_pieces() -> None:
+    """A frame on the socket that arrives over several reads (its header cut, then its
+    payload) is put together and lands whole. (The frame is written by hand, the
+    reader's progress checked between the pieces, so each is a read of its own.)"""
+    async with shm_pair()(Recorder(), Recorder(), 1 << 20) as (a, b):
+        assert isinstance(a, ShmLink)
+        assert isinstance(b, ShmLink)
+        assert a.transport is not None
+        data = payload(3000, 4)
+        key, header = frame(DATA, 3, data)
+        buf = bytearray(len(data))
+        fut = b.post_recv(key, memoryview(buf))
+        wire = INLINE + header + data
+        a.transport.write(wire[:10])
+        await _until("the frame begun", lambda: b._inline is not None)
+        a.transport.write(wire[10 : HEADER_SIZE + 1 + 100])
+        await _until("its header read", lambda: b._inline_head is not None)
+        assert not fut.done()
+        a.transport.write(wire[HEADER_SIZE + 1 + 100 :])
+        await within("the frame", fut)
+        assert bytes(buf) == data
 
 
 @pytest.mark.timeout(60)
@@ -108,8 +145,9 @@ async def test_frames_after_socket_frames_keep_their_order(posted: bool) -> None
         for _, header, data in chunks:  # one burst: the reader's loop takes nothing yet
             a.send(header, memoryview(data))
         assert a.frames_on_socket == 1, "only the first frame may go on the socket"
-        if not posted:
-            await asyncio.sleep(0.05)  # (the frames arrive and are staged meanwhile)
+        if not posted:  # every frame arrives and is staged first
+            total = sum(len(data) for _, _, data in chunks)
+            await _until("every chunk staged", lambda: b.early_bytes == total)
             recvs = _post_all(b, chunks, landed)
         await within("every chunk", asyncio.gather(*(fut for fut, _ in recvs)))
         for (_, buf), (_, _, data) in zip(recvs, chunks, strict=True):
@@ -118,13 +156,7 @@ async def test_frames_after_socket_frames_keep_their_order(posted: bool) -> None
             assert landed == list(range(len(chunks)))
         await within("the writer to drain", a.drained())
         # with everything taken, the next small frame goes on the socket again
-        data = payload(32, 50)
-        key, header = frame(DATA, 6, data)
-        buf = bytearray(len(data))
-        fut = b.post_recv(key, memoryview(buf))
-        a.send(header, memoryview(data))
-        await within("the next frame", fut)
-        assert bytes(buf) == data
+        await _one_frame(a, b, 6, payload(32, 50))
         assert a.frames_on_socket == 2
 
 
@@ -169,12 +201,11 @@ async def test_a_reader_with_full_staging_stops_the_socket_frames(
         chunks = _chunks([1000] * (3 * INLINE_AHEAD))
         for _, header, data in chunks[:8]:  # fills staging (4 KiB) on the socket
             a.send(header, memoryview(data))
-        await _settle()
-        assert b.early_bytes == 8 * 1000
+        await _until("the first frames staged", lambda: b.early_bytes == 8 * 1000)
         for _, header, data in chunks[8:]:
             a.send(header, memoryview(data))
-        await _settle()
-        assert a.frames_on_socket == INLINE_AHEAD
+        assert a.frames_on_socket == INLINE_AHEAD  # (the reader counted none of them)
+        await _until("the socket's frames staged", lambda: b.early_bytes >= INLINE_AHEAD * 1000)
         assert b.early_bytes == INLINE_AHEAD * 1000, "frames went on after staging was full"
         assert a.write_buffer_size() > 0
         landed: list[int] = []
@@ -183,13 +214,6 @@ async def test_a_reader_with_full_staging_stops_the_socket_frames(
         for (_, buf), (_, _, data) in zip(recvs, chunks, strict=True):
             assert bytes(buf) == data
         await within("the writer to drain", a.drained())
-
-
-async def _settle() -> None:
-    """Let the reader's loop take what has arrived (local timers: the frames are in this
-    process's sockets, not waiting on a peer)."""
-    for _ in range(20):
-        await asyncio.sleep(0.005)
 
 
 def _malformed(how: str) -> bytes:
