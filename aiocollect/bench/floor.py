@@ -87,6 +87,29 @@ class Floor(NamedTuple):
     each: float
 
 
+def fold(
+    pid: int,
+    base: int,
+    own: np.ndarray[Any, np.dtype[np.float32]],
+    scratch: np.ndarray[Any, np.dtype[np.float32]],
+    lo: int,
+    hi: int,
+    between: Callable[[], None] | None = None,
+) -> None:
+    """Add elements ``lo:hi`` of process ``pid``'s float32 array at address ``base`` into
+    ``own[lo:hi]``, read ``scratch.size`` elements at a time into ``scratch``
+    (``process_vm_readv``); ``between`` is called after every piece."""
+    sview = byte_view(scratch)
+    off = lo
+    while off < hi:
+        m = min(scratch.size, hi - off)
+        cma.pull(pid, sview[: m * 4], base + off * 4)
+        np.add(own[off : off + m], scratch[:m], out=own[off : off + m])
+        off += m
+        if between is not None:
+            between()
+
+
 def _pull_worker(
     rank: int, n: int, nbytes: int, chunk: int, iters: int, table: Any, bar: Barrier, out: Any
 ) -> None:
@@ -98,7 +121,6 @@ def _pull_worker(
     peers = [(int(table[2 * p]), int(table[2 * p + 1])) for p in range(n)]
     blk = count // n
     view = byte_view(own)
-    sview = byte_view(scratch)
     times = []
     # The sums are checked against the closed form afterwards; a pull that copied garbage
     # must give a wrong result, not a floating-point warning (an error where warnings are).
@@ -110,12 +132,7 @@ def _pull_worker(
         lo = rank * blk
         for step in range(1, n):
             pid, base = peers[(rank + step) % n]
-            off = lo
-            while off < lo + blk:
-                m = min(scratch.size, lo + blk - off)
-                cma.pull(pid, sview[: m * 4], base + off * 4)
-                np.add(own[off : off + m], scratch[:m], out=own[off : off + m])
-                off += m
+            fold(pid, base, own, scratch, lo, lo + blk)
         bar.wait(BARRIER_SECONDS)
         for step in range(1, n):
             q = (rank + step) % n

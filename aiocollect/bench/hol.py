@@ -140,6 +140,29 @@ async def tls_hol_rank(
         return await hol_rank(t, size, allreduces, ping, idle_pings)
 
 
+def _floor_report(n: int, size: int, allreduces: int, ping: int) -> dict[str, Any]:
+    """The head-of-line floor's entries for the report (:mod:`aiocollect.bench.hol_floor`):
+    its round trip's p50/p99/max, its lag p50/p99 and its bus bandwidth; ``floor_error``
+    instead where it cannot run here."""
+    from aiocollect.bench import hol_floor
+
+    try:
+        floor = hol_floor.measure(n, size - size % (4 * n), allreduces, ping)
+    except (ValueError, OSError, RuntimeError) as exc:
+        return {"floor_error": str(exc)}
+    rtt, lag = floor.rtt_us, floor.lag_us
+    return {
+        "floor_loaded_rtt_us": {
+            "n": len(rtt),
+            "p50": percentile(rtt, 50),
+            "p99": percentile(rtt, 99),
+            "max": max(rtt) if rtt else float("nan"),
+        },
+        "floor_lag_us": {"n": len(lag), "p50": percentile(lag, 50), "p99": percentile(lag, 99)},
+        "floor_busbw_gbps": 2 * (n - 1) / n * size * allreduces / floor.bulk_seconds / 1e9,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the measurement in spawned ranks and print its JSON line."""
     from aiocollect.testing.certs import make_certs
@@ -152,6 +175,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--allreduces", type=int, default=8)
     p.add_argument("--ping", default="1K")
     p.add_argument("--idle-pings", type=int, default=300)
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="then the same measurement with no framework (aiocollect.bench.hol_floor)",
+    )
     p.add_argument("--json", type=Path)
     ns = p.parse_args(argv)
     if ns.nproc < 2:
@@ -175,12 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="aiocollect-hol-") as tmp:
         results = asyncio.run(run(tmp))
-    report = {
-        **results[0],
-        "transport": ns.transport,
-        "loadavg_start": start,
-        "loadavg_end": load_average(),
-    }
+    report = {**results[0], "transport": ns.transport}
+    if ns.floor:
+        report.update(_floor_report(ns.nproc, *sizes[:3]))
+    report.update(loadavg_start=start, loadavg_end=load_average())
     text = json.dumps(report)
     print(text)
     if ns.json is not None:

@@ -8,31 +8,22 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from aiocollect.transport import cma
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("transport", ["auto", "tcp", "tls"])
-def test_hol_reports_round_trips_and_bandwidth(transport: str, tmp_path: Path) -> None:
+
+def run_hol(tmp_path: Path, transport: str, *extra: str) -> dict[str, Any]:
+    """Run the command for two ranks with small sizes; its JSON report (also checked
+    against what ``--json`` wrote)."""
     out = tmp_path / "hol.json"
     proc = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "aiocollect.bench.hol",
-            "-n",
-            "2",
-            "--transport",
-            transport,
-            "--size",
-            "2M",
-            "--allreduces",
-            "3",
-            "--idle-pings",
-            "20",
-            "--json",
-            str(out),
+            *(sys.executable, "-m", "aiocollect.bench.hol", "-n", "2", "--transport", transport),
+            *("--size", "2M", "--allreduces", "3", "--idle-pings", "20", "--json", str(out)),
+            *extra,
         ],
         cwd=tmp_path,
         capture_output=True,
@@ -42,8 +33,15 @@ def test_hol_reports_round_trips_and_bandwidth(transport: str, tmp_path: Path) -
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report: dict[str, Any] = json.loads(out.read_text())
     assert report == json.loads(proc.stdout.strip().splitlines()[-1])
+    return report
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", ["auto", "tcp", "tls"])
+def test_hol_reports_round_trips_and_bandwidth(transport: str, tmp_path: Path) -> None:
+    report = run_hol(tmp_path, transport)
     assert report["transport"] == transport
     assert report["world_size"] == 2
     assert report["idle_rtt_us"]["n"] == 20
@@ -52,3 +50,19 @@ def test_hol_reports_round_trips_and_bandwidth(transport: str, tmp_path: Path) -
     assert report["loaded_rtt_us"]["p99"] > 0
     assert report["busbw_gbps_alone"] > 0
     assert report["busbw_gbps_with_pings"] > 0
+    assert "floor_loaded_rtt_us" not in report
+
+
+@pytest.mark.timeout(180)
+def test_hol_with_the_floor(tmp_path: Path) -> None:
+    """``--floor`` adds the framework-free run's round trips, lag and bandwidth (or says
+    why it could not run)."""
+    report = run_hol(tmp_path, "auto", "--floor")
+    assert report["loaded_rtt_us"]["n"] >= 1
+    if cma.self_check() is not None:
+        assert "floor_error" in report
+        return
+    assert report["floor_loaded_rtt_us"]["n"] >= 1
+    assert report["floor_loaded_rtt_us"]["p99"] > 0
+    assert report["floor_lag_us"]["n"] >= 0
+    assert report["floor_busbw_gbps"] > 0
