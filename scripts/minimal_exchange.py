@@ -3,16 +3,19 @@
     python scripts/minimal_exchange.py              # 2 ranks, 5000 exchanges, no busy-wait
     SPIN_US=50 python scripts/minimal_exchange.py   # poll the loop up to 50 µs first
     python scripts/minimal_exchange.py 4            # 4 ranks (recursive doubling)
+    python scripts/minimal_exchange.py 4 --star     # 4 ranks, any count: the star
 
-N processes (forks; N a power of two), one TCP connection on loopback with TCP_NODELAY
-per pair of partners, one ``asyncio.BufferedProtocol`` per connection on uvloop. Per
-operation each rank runs recursive doubling: in step k it writes a 16-byte header and 4
-bytes to rank ``r ^ 2**k``, waits for that partner's 20 bytes, checks the sequence
-number and adds the partner's value with numpy: no library, no checks, no deadlines, no
-failure handling. Each rank prints the mean, p50 and p99 of its per-operation time and
+N processes (forks; N a power of two unless ``--star``), one TCP connection on loopback
+with TCP_NODELAY per pair of partners, one ``asyncio.BufferedProtocol`` per connection on
+uvloop. Per operation each rank runs recursive doubling: in step k it writes a 16-byte
+header and 4 bytes to rank ``r ^ 2**k``, waits for that partner's 20 bytes, checks the
+sequence number and adds the partner's value with numpy: no library, no checks, no
+deadlines, no failure handling. ``--star`` (aiocollect's small allreduce at three and
+four ranks): every rank sends its value to rank 0, which adds them in rank order and
+sends the sum back. Each rank prints the mean, p50 and p99 of its per-operation time and
 its user and system CPU per operation. docs/benchmarks.md (*Twelfth session*, *Thirteenth
-session*) compares it with ``scripts/op_latency.py`` in the same hour; it is a
-yardstick, not part of aiocollect.
+session*, *Twentieth session*) compares it with ``scripts/op_latency.py`` in the same
+hour; it is a yardstick, not part of aiocollect.
 """
 
 from __future__ import annotations
@@ -62,11 +65,19 @@ class Peer(asyncio.BufferedProtocol):
         pass
 
 
-async def connect(rank: int, n: int, ports: list[int]) -> dict[int, Peer]:
+def partners_of(rank: int, n: int, star: bool) -> list[int]:
+    """Whom ``rank`` exchanges with: its recursive-doubling partners in step order, or in
+    the star rank 0 with everyone and everyone with rank 0."""
+    if star:
+        return list(range(1, n)) if rank == 0 else [0]
+    return [rank ^ (1 << k) for k in range(n.bit_length() - 1)]
+
+
+async def connect(rank: int, n: int, ports: list[int], star: bool) -> dict[int, Peer]:
     """This rank's connections, by partner: it accepts from lower partners on its own
     port and connects to the higher ones' ports."""
     loop = asyncio.get_running_loop()
-    partners = [rank ^ (1 << k) for k in range(n.bit_length() - 1)]
+    partners = partners_of(rank, n, star)
     lower = [p for p in partners if p < rank]
     accepted: asyncio.Queue[Peer] = asyncio.Queue()
     server = await loop.create_server(lambda: _accepted(accepted), "127.0.0.1", ports[rank])
@@ -105,31 +116,51 @@ def _accepted(queue: asyncio.Queue[Peer]) -> Peer:
     return made
 
 
-async def run(rank: int, n: int, ports: list[int]) -> None:
+async def run(rank: int, n: int, ports: list[int], star: bool) -> None:
     loop = asyncio.get_running_loop()
-    peers = await connect(rank, n, ports)
-    steps = [peers[rank ^ (1 << k)] for k in range(n.bit_length() - 1)]
+    peers = await connect(rank, n, ports, star)
+    steps = [peers[p] for p in partners_of(rank, n, star)]
     value = np.zeros(1, np.float32)
     spin = float(os.environ.get("SPIN_US", "0")) * 1e-6
 
+    def send(peer: Peer, seq: int) -> None:
+        assert peer.transport is not None
+        peer.transport.write(HEADER.pack(seq, 1, 4) + value.tobytes())
+
+    async def take(peer: Peer, seq: int, add: bool) -> None:
+        """Wait for ``peer``'s frame of ``seq``; add its value (else copy it)."""
+        if peer.filled < FRAME:
+            peer.waiter = loop.create_future()
+            if spin:
+                end = time.perf_counter() + spin
+                # the busy-wait being measured: poll the loop, then sleep on the future
+                while not peer.waiter.done() and time.perf_counter() < end:  # noqa: ASYNC110
+                    await asyncio.sleep(0)
+            await peer.waiter
+        got, _, _ = HEADER.unpack_from(peer.buf, 0)
+        assert got == seq, (got, seq)
+        theirs = np.frombuffer(peer.buf, np.float32, 1, HEADER.size)
+        if add:
+            np.add(value, theirs, out=value)
+        else:
+            value[:] = theirs
+        rest = peer.filled - FRAME
+        peer.buf[:rest] = peer.buf[FRAME : peer.filled]
+        peer.filled = rest
+
     async def exchange(seq: int) -> None:
-        for peer in steps:
-            assert peer.transport is not None
-            peer.transport.write(HEADER.pack(seq, 1, 4) + value.tobytes())
-            if peer.filled < FRAME:
-                peer.waiter = loop.create_future()
-                if spin:
-                    end = time.perf_counter() + spin
-                    # the busy-wait being measured: poll the loop, then sleep on the future
-                    while not peer.waiter.done() and time.perf_counter() < end:  # noqa: ASYNC110
-                        await asyncio.sleep(0)
-                await peer.waiter
-            got, _, _ = HEADER.unpack_from(peer.buf, 0)
-            assert got == seq, (got, seq)
-            np.add(value, np.frombuffer(peer.buf, np.float32, 1, HEADER.size), out=value)
-            rest = peer.filled - FRAME
-            peer.buf[:rest] = peer.buf[FRAME : peer.filled]
-            peer.filled = rest
+        if not star:
+            for peer in steps:
+                send(peer, seq)
+                await take(peer, seq, True)
+        elif rank == 0:
+            for peer in steps:  # (in rank order, as aiocollect's star folds)
+                await take(peer, seq, True)
+            for peer in steps:
+                send(peer, seq)
+        else:
+            send(steps[0], seq)
+            await take(steps[0], seq, False)
 
     for i in range(WARMUP):
         await exchange(i)
@@ -144,7 +175,8 @@ async def run(rank: int, n: int, ports: list[int]) -> None:
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     us = 1e6 / ITERS
     print(
-        f"minimal exchange, N={n} rank {rank}: mean {wall * us:.1f} us, p50 "
+        f"minimal exchange{' (star)' if star else ''}, N={n} rank {rank}: "
+        f"mean {wall * us:.1f} us, p50 "
         f"{np.median(lat) * 1e6:.1f}, p99 {np.percentile(lat, 99) * 1e6:.1f}; CPU per op: "
         f"user {(r1.ru_utime - r0.ru_utime) * us:.1f} us, sys "
         f"{(r1.ru_stime - r0.ru_stime) * us:.1f} us; context switches per op: "
@@ -158,9 +190,12 @@ async def run(rank: int, n: int, ports: list[int]) -> None:
 
 
 def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    if n < 2 or n & (n - 1):
-        raise SystemExit("the number of ranks must be a power of two, at least 2")
+    args = sys.argv[1:]
+    star = "--star" in args
+    numbers = [a for a in args if a != "--star"]
+    n = int(numbers[0]) if numbers else 2
+    if n < 2 or (not star and n & (n - 1)):
+        raise SystemExit("the number of ranks must be at least 2 (a power of two without --star)")
     probes = [socket.socket() for _ in range(n)]
     for probe in probes:  # free ports, picked by the kernel (closed just before use)
         probe.bind(("127.0.0.1", 0))
@@ -172,11 +207,11 @@ def main() -> None:
         child = os.fork()
         if child == 0:
             try:
-                uvloop.run(run(rank, n, ports))
+                uvloop.run(run(rank, n, ports, star))
             finally:
                 os._exit(0)
         children.append(child)
-    uvloop.run(run(0, n, ports))
+    uvloop.run(run(0, n, ports, star))
     for child in children:
         os.waitpid(child, 0)
 

@@ -160,7 +160,8 @@ def _floor(
     ``floor_each_us`` (the floor runs' median of each iteration's slowest rank, the
     statistic of aiocollect's p50; the table's ratio stays against ``floor_us``),
     ``floor_rounds``, ``floor_ratio`` (aiocollect's median p50 / ``floor_us``: the ratio of
-    the medians), ``floor_ratio_rounds`` (each round's own p50 / floor, for rounds with
+    the medians), ``floor_each_ratio`` (the same over ``floor_each_us``: one statistic on
+    both sides), ``floor_ratio_rounds`` (each round's own p50 / floor, for rounds with
     both) and, where no round measured it, ``floor_error`` (why)."""
     mine = [f[size] if f is not None and size in f else None for f in floors]
     got = [r for r in mine if r is not None and "us" in r]
@@ -181,6 +182,12 @@ def _floor(
     out["floor_ratio"] = (
         ac["p50_us"] / out["floor_us"]
         if ac is not None and got and out["floor_us"] > 0
+        else float("nan")
+    )
+    # the same statistic on both sides (each iteration's slowest rank), for the reader
+    out["floor_each_ratio"] = (
+        ac["p50_us"] / out["floor_each_us"]
+        if ac is not None and out["floor_each_us"] > 0
         else float("nan")
     )
     if not got:

@@ -83,6 +83,9 @@ def test_floor_columns_json_and_ratio(tmp_path: Path) -> None:
         assert row["floor_ratio"] == pytest.approx(row["aiocollect"]["p50_us"] / row["floor_us"])
         # the same runs' other statistic (each iteration's slowest rank) is never lower
         assert row["floor_each_us"] >= row["floor_us"]
+        assert row["floor_each_ratio"] == pytest.approx(
+            row["aiocollect"]["p50_us"] / row["floor_each_us"]
+        )
     assert "floor_us" not in rows[("broadcast", 4)]
 
 
