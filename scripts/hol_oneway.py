@@ -58,7 +58,13 @@ async def main(mib: float, allreduces: int, slow_ms: float) -> None:
                     f"0->1 {(t1 - t0) * 1e3:.2f}, in 1 {(t2 - t1) * 1e3:.2f}, "
                     f"1->0 {(t3 - t2) * 1e3:.2f} ms"
                 )
-            print(f"{len(trips)} round trips, {len(slow)} over {slow_ms:g} ms", flush=True)
+            hops = np.array([(t1 - t0, t2 - t1, t3 - t2) for t0, t1, t2, t3 in trips]) * 1e3
+            p50 = np.median(hops, axis=0) if len(trips) else np.full(3, np.nan)
+            print(
+                f"{len(trips)} round trips, {len(slow)} over {slow_ms:g} ms; median hops: "
+                f"0->1 {p50[0]:.3f}, in 1 {p50[1]:.3f}, 1->0 {p50[2]:.3f} ms",
+                flush=True,
+            )
         elif group.rank == 1:
             msg = np.empty(128, np.float64)
             while True:

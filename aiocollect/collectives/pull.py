@@ -7,8 +7,9 @@ Schedule (n ranks, the flat buffer in n blocks, rank r owns block r):
 1. *Addresses.* Every rank sends every peer one frame: where its buffer lies in its
    memory, its length, and whether it pushes to that peer instead (below).
 2. *Reduce-scatter.* For k = 1 .. n-1, rank r reads block r of rank (r+k)'s buffer in
-   ``RS_STEP`` pieces into scratch and folds each piece into its own block r, with a turn
-   of the event loop after each: block r becomes ((x_r + x_{r+1}) + x_{r+2}) + ...
+   ``RS_STEP`` pieces into scratch and folds each piece into its own block r, giving the
+   event loop way after each (:func:`~aiocollect.engine.turns.give_way`: what arrived
+   meanwhile runs before the next piece): block r becomes ((x_r + x_{r+1}) + x_{r+2}) + ...
    (AVG then divides it). Meanwhile the peers read the other blocks of r's buffer, which
    r leaves as they are: only block r changes, and no peer reads it before step 3.
 3. *Done.* Rank r tells every peer that block r is final (an empty frame).
@@ -58,6 +59,7 @@ from aiocollect._buffers import Array, byte_view
 from aiocollect.engine.op import Op, flat_blocks, split_even
 from aiocollect.engine.reduce import copy_into, reduce_into
 from aiocollect.engine.scratch import SCRATCH
+from aiocollect.engine.turns import give_way
 from aiocollect.errors import ProtocolError
 
 ADDR, DONE, FIN, PUSH_RS, PUSH_AG = range(5)
@@ -137,14 +139,14 @@ class _Exchange:
 
     async def read(self, q: int, dest: memoryview, src: int) -> None:
         """Copy ``len(dest)`` bytes from ``src`` in rank ``q``'s memory, ``AG_STEP``
-        per turn of the event loop."""
+        at a time, giving the event loop way after each."""
         link = self.op.link(q)
         lo, hi = 0, len(dest)
         while lo < hi:
             e = min(hi, lo + AG_STEP)
             link.read_peer(dest[lo:e], src + lo)
             lo = e
-            await asyncio.sleep(0)
+            await give_way()
 
     async def fold(
         self,
@@ -157,7 +159,7 @@ class _Exchange:
     ) -> None:
         """``dest = ufunc(dest, x)`` (with ``base``: ``ufunc(base, x)``), where ``x`` is
         ``dest.nbytes`` bytes from ``src`` in rank ``q``'s memory, read ``scratch.size``
-        elements at a time into ``scratch``, a turn of the event loop after each."""
+        elements at a time into ``scratch``, giving the event loop way after each."""
         link = self.op.link(q)
         sview = byte_view(scratch)
         itemsize, step = dest.itemsize, scratch.size
@@ -167,7 +169,7 @@ class _Exchange:
             link.read_peer(sview[: m * itemsize], src + s * itemsize)
             piece = dest[s : s + m]
             ufunc(first[s : s + m], scratch[:m], out=piece)
-            await asyncio.sleep(0)
+            await give_way()
 
     async def push(self, slot: int, parts: Sequence[Array]) -> None:
         """Send every peer this rank pushes to its part ``parts[q]`` as frames of

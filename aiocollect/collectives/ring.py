@@ -31,6 +31,7 @@ from aiocollect._buffers import Array
 from aiocollect.engine.op import Op, flat_blocks, split_even
 from aiocollect.engine.reduce import copy_into, reduce_into, settle
 from aiocollect.engine.scratch import SCRATCH
+from aiocollect.engine.turns import give_way
 
 RS_SLOT = 0
 AG_SLOT = 1 << 20
@@ -212,7 +213,7 @@ async def reduce_scatter_blocks(
                 post(i + k)
             nxt_fut = futs[(i + 1) % k]
             if nxt_fut is not None and nxt_fut.done():
-                await asyncio.sleep(0)  # a done future does not yield: keep the loop responsive
+                await give_way()  # a done future does not yield: let what arrived run first
             await pump(i + 1, i + 1 + lead)
             if s == n - 2 and finished is not None:
                 await finished(c, dst)

@@ -10,6 +10,7 @@ import asyncio
 import numpy as np
 
 from aiocollect._buffers import Array
+from aiocollect.engine.turns import give_way
 
 #: Reductions larger than this many bytes are offloaded to a thread.
 THREAD_THRESHOLD = 4 * 1024 * 1024
@@ -32,8 +33,9 @@ async def reduce_into(ufunc: np.ufunc, dst: Array, src: Array, base: Array | Non
 
 
 async def copy_into(dst: Array, src: Array) -> None:
-    """``dst[...] = src`` for flat arrays of one size, ``COPY_STEP`` bytes per turn of the
-    event loop (a 64 MiB block copied at once held the loop for 5-10 ms)."""
+    """``dst[...] = src`` for flat arrays of one size, ``COPY_STEP`` bytes at a time, giving
+    the event loop way between pieces (:func:`~aiocollect.engine.turns.give_way`; a 64 MiB
+    block copied at once held the loop for 5-10 ms)."""
     step = max(1, COPY_STEP // max(1, dst.itemsize))
     n = dst.size
     if n <= step:
@@ -41,7 +43,7 @@ async def copy_into(dst: Array, src: Array) -> None:
         return
     for i in range(0, n, step):
         dst[i : i + step] = src[i : i + step]
-        await asyncio.sleep(0)
+        await give_way()
 
 
 def settle(result: Array, dest: Array, divisor: int) -> None:
