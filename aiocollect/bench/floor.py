@@ -144,17 +144,19 @@ def _pull_worker(
     out.put((rank, times, ok))
 
 
-def _run(target: Any, n: int, args: tuple[Any, ...]) -> Floor:
-    """Start ``n`` forked ranks of ``target`` (each puts its per-iteration seconds);
-    both statistics of their times (:class:`Floor`).
+def collect(target: Any, n: int, args: tuple[Any, ...]) -> list[tuple[int, Any, bool]]:
+    """Start ``n`` forked ranks of ``target`` (called with the rank, ``n``, ``args`` and a
+    queue, on which each puts ``(rank, result, ok)``) and return what they put, once all
+    have; kill them all if one fails.
 
     Raises:
-        RuntimeError: a rank failed or computed a wrong result."""
+        RuntimeError: a rank failed (exited non-zero without a result) or said its result
+            was wrong (``ok`` false)."""
     out = _CTX.Queue()
     procs = [_CTX.Process(target=target, args=(r, n, *args, out), daemon=True) for r in range(n)]
     for p in procs:
         p.start()
-    results: list[tuple[int, list[float], bool]] = []
+    results: list[tuple[int, Any, bool]] = []
     try:
         while len(results) < n:
             try:
@@ -176,6 +178,20 @@ def _run(target: Any, n: int, args: tuple[Any, ...]) -> Floor:
     wrong = sorted(r for r, _, ok in results if not ok)
     if wrong:
         raise RuntimeError(f"wrong result on rank(s) {wrong}")
+    return results
+
+
+def _run(target: Any, n: int, args: tuple[Any, ...]) -> Floor:
+    """:func:`collect` for ranks that put their per-iteration seconds; both statistics of
+    their times (:class:`Floor`).
+
+    Raises:
+        RuntimeError: a rank failed or computed a wrong result."""
+    return _statistics(collect(target, n, args))
+
+
+def _statistics(results: list[tuple[int, Any, bool]]) -> Floor:
+    """Both statistics (:class:`Floor`) of the ranks' per-iteration seconds."""
     return Floor(
         float(max(np.median(t) for _, t, _ in results)),
         float(np.median(np.max([t for _, t, _ in results], axis=0))),
@@ -196,17 +212,26 @@ def bandwidth(n: int, nbytes: int, chunk: int = 1 << 20, iters: int = BANDWIDTH_
 
 
 def _run_pulls(target: Any, n: int, args: tuple[Any, ...]) -> Floor:
-    """:func:`_run` for ranks that read each other's memory: ``target`` gets ``args``,
-    then a shared table for each rank's pid and buffer address, then a barrier.
+    """:func:`_run` for ranks that read each other's memory (:func:`collect_pulls`).
 
     Raises:
         OSError: this host cannot use process_vm_readv (no Linux, or forbidden).
         RuntimeError: as :func:`_run`."""
+    return _statistics(collect_pulls(target, n, args))
+
+
+def collect_pulls(target: Any, n: int, args: tuple[Any, ...]) -> list[tuple[int, Any, bool]]:
+    """:func:`collect` for ranks that read each other's memory: ``target`` gets ``args``,
+    then a shared table for each rank's pid and buffer address, then a barrier.
+
+    Raises:
+        OSError: this host cannot use process_vm_readv (no Linux, or forbidden).
+        RuntimeError: as :func:`collect`."""
     reason = cma.self_check()
     if reason is not None:
         raise OSError(reason)
     table = _CTX.Array("Q", 2 * n, lock=False)
-    return _run(target, n, (*args, table, _CTX.Barrier(n)))
+    return collect(target, n, (*args, table, _CTX.Barrier(n)))
 
 
 def _run_pairs(

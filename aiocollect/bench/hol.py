@@ -100,26 +100,30 @@ async def hol_rank(
     if group.rank != 0:
         return None
     n = group.world_size
-    factor = 2 * (n - 1) / n
-
-    def busbw(seconds: float) -> float:
-        return factor * data.nbytes * allreduces / seconds / 1e9
-
     return {
         "world_size": n,
         "size": data.nbytes,
         "allreduces": allreduces,
         "ping": ping,
-        "idle_rtt_us": {"n": len(idle), "p50": percentile(idle, 50), "p99": percentile(idle, 99)},
-        "loaded_rtt_us": {
-            "n": len(loaded),
-            "p50": percentile(loaded, 50),
-            "p99": percentile(loaded, 99),
-            "max": max(loaded) if loaded else float("nan"),
-        },
-        "busbw_gbps_alone": busbw(alone),
-        "busbw_gbps_with_pings": busbw(with_pings),
+        "idle_rtt_us": _summary(idle),
+        "loaded_rtt_us": _summary(loaded, top=True),
+        "busbw_gbps_alone": _busbw(n, data.nbytes * allreduces, alone),
+        "busbw_gbps_with_pings": _busbw(n, data.nbytes * allreduces, with_pings),
     }
+
+
+def _summary(samples: list[float], top: bool = False) -> dict[str, float]:
+    """``n``, ``p50``, ``p99`` (and with ``top`` the ``max``) of ``samples``."""
+    out = {"n": len(samples), "p50": percentile(samples, 50), "p99": percentile(samples, 99)}
+    if top:
+        out["max"] = max(samples) if samples else float("nan")
+    return out
+
+
+def _busbw(n: int, nbytes: float, seconds: float) -> float:
+    """NCCL-tests bus bandwidth (1e9 B/s) of allreduces moving ``nbytes`` in all among
+    ``n`` ranks in ``seconds``."""
+    return 2 * (n - 1) / n * nbytes / seconds / 1e9
 
 
 async def tls_hol_rank(
@@ -146,20 +150,15 @@ def _floor_report(n: int, size: int, allreduces: int, ping: int) -> dict[str, An
     instead where it cannot run here."""
     from aiocollect.bench import hol_floor
 
+    nbytes = size - size % (4 * n)
     try:
-        floor = hol_floor.measure(n, size - size % (4 * n), allreduces, ping)
+        floor = hol_floor.measure(n, nbytes, allreduces, ping)
     except (ValueError, OSError, RuntimeError) as exc:
         return {"floor_error": str(exc)}
-    rtt, lag = floor.rtt_us, floor.lag_us
     return {
-        "floor_loaded_rtt_us": {
-            "n": len(rtt),
-            "p50": percentile(rtt, 50),
-            "p99": percentile(rtt, 99),
-            "max": max(rtt) if rtt else float("nan"),
-        },
-        "floor_lag_us": {"n": len(lag), "p50": percentile(lag, 50), "p99": percentile(lag, 99)},
-        "floor_busbw_gbps": 2 * (n - 1) / n * size * allreduces / floor.bulk_seconds / 1e9,
+        "floor_loaded_rtt_us": _summary(floor.rtt_us, top=True),
+        "floor_lag_us": _summary(floor.lag_us),
+        "floor_busbw_gbps": _busbw(n, nbytes * allreduces, floor.bulk_seconds),
     }
 
 

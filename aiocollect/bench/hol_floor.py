@@ -29,9 +29,7 @@ session*).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
 import select
 import socket
 import time
@@ -41,13 +39,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from aiocollect._buffers import byte_view
-from aiocollect.bench.floor import BARRIER_SECONDS, _distances, _ring_pairs, fold
+from aiocollect.bench.floor import BARRIER_SECONDS, _distances, _ring_pairs, collect_pulls, fold
 from aiocollect.collectives.pull import AG_STEP, RS_STEP
 from aiocollect.transport import cma
-
-_CTX = mp.get_context("fork")
-#: Seconds a rank waits for its peers at a barrier before it gives up (exits non-zero).
-WAIT_SECONDS = BARRIER_SECONDS
 
 
 class HolFloor(NamedTuple):
@@ -76,12 +70,11 @@ class _Pinger:
         self.rtts: list[float] = []
         self.lags: list[float] = []
         self.due = time.perf_counter() + 1e-3
-        self.active = True  # rank 0: start new round trips
 
     def service(self) -> None:
         """One look at the socket: send, echo or take what is due. Never blocks."""
         now = time.perf_counter()
-        if self.rank == 0 and self.active and now >= self.due:
+        if self.rank == 0 and now >= self.due:
             self.lags.append((now - self.due) * 1e6)
             self.due = now + 1e-3
         if self.outbox:
@@ -100,7 +93,7 @@ class _Pinger:
             elif self.sent_at is not None:
                 self.rtts.append((time.perf_counter() - self.sent_at) * 1e6)
                 self.sent_at = None
-        if self.rank == 0 and self.active and self.sent_at is None and not self.outbox:
+        if self.rank == 0 and self.sent_at is None and not self.outbox:
             self.sent_at = time.perf_counter()
             self.outbox = self.msg
             self._flush()
@@ -115,7 +108,7 @@ class _Pinger:
 
 def _wait(sock: socket.socket, pinger: _Pinger | None) -> None:
     """Take one byte from ``sock``, servicing the round trip while it has not come."""
-    deadline = time.monotonic() + WAIT_SECONDS
+    deadline = time.monotonic() + BARRIER_SECONDS
     watch = [sock] if pinger is None else [sock, pinger.sock]
     while True:
         if pinger is not None:
@@ -188,11 +181,8 @@ def _worker(
         barrier()
     seconds = time.perf_counter() - t0
     ok = bool((own == _expected(n, allreduces)).all())
-    if rank == 0 and pinger is not None:
-        pinger.active = False
-        out.put((rank, ok, HolFloor(pinger.rtts, pinger.lags, seconds)))
-    else:
-        out.put((rank, ok, None))
+    floor = None if rank or pinger is None else HolFloor(pinger.rtts, pinger.lags, seconds)
+    out.put((rank, floor, ok))
 
 
 def _expected(n: int, allreduces: int) -> np.float32:
@@ -215,56 +205,16 @@ def measure(n: int, nbytes: int, allreduces: int, ping: int = 1024) -> HolFloor:
     Raises:
         ValueError: ``n < 2``, or ``nbytes`` is not a positive multiple of ``4 * n``.
         OSError: this host cannot use ``process_vm_readv``.
-        RuntimeError: a rank failed or did not finish.
+        RuntimeError: a rank failed, or computed a wrong result.
     """
     if n < 2 or nbytes <= 0 or nbytes % (4 * n) or ping <= 0:
         raise ValueError(f"need 2+ ranks, a size that is a multiple of {4 * n} bytes, a ping")
-    reason = cma.self_check()
-    if reason is not None:
-        raise OSError(reason)
     socks = _ring_pairs(n, _distances(n))
     ping_socks = socket.socketpair()
-    table = _CTX.Array("Q", 2 * n, lock=False)
-    start = _CTX.Barrier(n)
-    out = _CTX.Queue()
-    procs = [
-        _CTX.Process(
-            target=_worker,
-            args=(r, n, socks, ping_socks, nbytes, allreduces, ping, table, start, out),
-            daemon=True,
-        )
-        for r in range(n)
-    ]
-    results: dict[int, tuple[bool, HolFloor | None]] = {}
     try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + WAIT_SECONDS + 60 * allreduces
-        while len(results) < n:
-            try:
-                rank, ok, got = out.get(timeout=0.5)
-                results[rank] = (ok, got)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError(
-                        f"a rank failed: exit codes {[p.exitcode for p in procs]}"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the head-of-line floor did not finish") from None
+        results = collect_pulls(_worker, n, (socks, ping_socks, nbytes, allreduces, ping))
     finally:
-        for p in procs:
-            if len(results) < n:
-                p.kill()
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join()
         for s in (*socks.values(), *ping_socks):
             s.close()
-    wrong = sorted(r for r, (ok, _) in results.items() if not ok)
-    if wrong:
-        raise RuntimeError(f"wrong result on rank(s) {wrong}")
-    floor = results[0][1]
-    if floor is None:
-        raise RuntimeError("rank 0 reported no samples")
+    floor: HolFloor = next(got for rank, got, _ in results if rank == 0)
     return floor
