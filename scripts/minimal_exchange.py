@@ -58,7 +58,7 @@ class Peer(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self.filled += nbytes
         waiter = self.waiter
-        if self.filled >= FRAME and waiter is not None and not waiter.done():
+        if waiter is not None and not waiter.done():  # the waiter checks what it needs
             waiter.set_result(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -129,7 +129,7 @@ async def run(rank: int, n: int, ports: list[int], star: bool) -> None:
 
     async def take(peer: Peer, seq: int, add: bool) -> None:
         """Wait for ``peer``'s frame of ``seq``; add its value (else copy it)."""
-        if peer.filled < FRAME:
+        while peer.filled < FRAME:
             peer.waiter = loop.create_future()
             if spin:
                 end = time.perf_counter() + spin

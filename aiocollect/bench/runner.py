@@ -25,6 +25,7 @@ from typing import Any
 from aiocollect.bench.floor import FLOORED
 from aiocollect.bench.sweep import SweepConfig
 from aiocollect.bench.worker import RankOptions, encode
+from aiocollect.cli.forked import default_start_method
 from aiocollect.testing.spawn import free_port
 
 #: Seconds between SIGTERM and SIGKILL when stopping ranks.
@@ -238,6 +239,8 @@ def run_round(
             worker_command(backend, rank, plan.world_size, rendezvous, config, label, result, name)
             for rank in range(plan.world_size)
         ]
+        if backend == "aiocollect" and default_start_method(env) == "fork":
+            cmds = [forked_command(cmds)]
         rounds: list[dict[str, Any]] = _collect(
             cmds, env, plan.round_timeout, f"{what} round {label}", result
         )
@@ -263,6 +266,19 @@ def worker_command(
     if name is not None and name != backend:
         cmd += ["--name", name]
     return cmd
+
+
+def forked_command(cmds: list[list[str]]) -> list[str]:
+    """One command that forks the ranks of ``cmds`` (worker commands) from a process that
+    imported aiocollect (``aiocollect.bench.forked``), as ``aiocollect run`` starts them by
+    default."""
+    ranks = []
+    for cmd in cmds:
+        args = cmd[cmd.index("aiocollect.bench.worker") + 1 :]
+        at = args.index("--parent")  # (the forking process is theirs)
+        ranks.append(args[:at] + args[at + 2 :])
+    parent = ["--parent", str(os.getpid())]
+    return [sys.executable, "-m", "aiocollect.bench.forked", *parent, json.dumps(ranks)]
 
 
 def wait_all(procs: list[subprocess.Popen[bytes]], timeout: float, what: str) -> None:

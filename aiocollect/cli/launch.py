@@ -50,6 +50,15 @@ from dataclasses import dataclass, field
 
 from aiocollect._net import free_port
 from aiocollect._protect import INSECURE_ENV, insecure_from_env
+from aiocollect.cli.forked import (
+    BLAS_THREADS,
+    START_METHOD_ENV,
+    START_METHODS,
+    ForkedRank,
+    default_start_method,
+    fork_rank,
+    preload,
+)
 from aiocollect.cli.supervise import FORWARDED_SIGNALS, Job, supervise
 from aiocollect.transport import registry
 
@@ -59,6 +68,9 @@ DEFAULT_GRACE = 5.0
 #: What ``--transport`` offers: the registered transports that link processes.
 TRANSPORT_CHOICES = tuple(t.name for t in registry.transports() if not t.in_process)
 PROG = "aiocollect run"
+#: Set in the launcher's environment when it re-executed itself to import numpy with the
+#: ranks' BLAS thread settings (run_main), so that it does so at most once.
+_REEXEC_ENV = "_AIOCOLLECT_RUN_REEXEC"
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,7 @@ class LaunchConfig:
     grace: float = DEFAULT_GRACE
     secret: str | None = None
     insecure: bool = False
+    start_method: str = "exec"
     #: Given to the ranks as AIOCOLLECT_JOB_ID when this launcher is the whole job, so
     #: they never join another job's ranks on the same store (aiocollect.rendezvous.claims).
     job_id: str = field(default_factory=lambda: os.urandom(8).hex())
@@ -193,6 +206,14 @@ def _parser() -> argparse.ArgumentParser:
         "host (sets AIOCOLLECT_INSECURE=1); only on a trusted network",
     )
     add(
+        "--start-method",
+        choices=START_METHODS,
+        default=None,
+        help="how ranks start: 'fork' them from the launcher with aiocollect, numpy and "
+        "uvloop imported (faster where ranks share cores), or 'exec' a fresh python each "
+        f"(default: ${START_METHOD_ENV}, else {default_start_method()})",
+    )
+    add(
         "-m",
         "--module",
         action="store_true",
@@ -278,6 +299,7 @@ def parse_run_args(argv: Sequence[str]) -> LaunchConfig:
         grace=ns.grace,
         secret=ns.secret or None,
         insecure=ns.insecure,
+        start_method=ns.start_method or default_start_method(),
     )
 
 
@@ -359,9 +381,11 @@ def _report(message: str) -> None:
         print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
 
-async def launch(cfg: LaunchConfig) -> int:
+async def launch(cfg: LaunchConfig, forked: Sequence[ForkedRank] = ()) -> int:
     """Start the ranks of this node and supervise them until all have exited.
 
+    ``forked``: the ranks already forked by :func:`fork_ranks` (``--start-method fork``),
+    in local rank order; without them the ranks are started here by ``exec``.
     Returns the launcher's exit status (see :meth:`aiocollect.cli.supervise.Job.run`);
     1 if a rank could not be started. SIGINT, SIGTERM and SIGHUP received meanwhile are
     forwarded to the ranks (those the launcher ignores stay ignored, by the ranks too).
@@ -380,8 +404,11 @@ async def launch(cfg: LaunchConfig) -> int:
         except (ValueError, RuntimeError, NotImplementedError):
             pass  # not the main thread: the caller keeps its own handling
     try:
+        for local_rank, rank in enumerate(forked):
+            await rank.attach()
+            job.add(cfg.global_rank(local_rank), rank)
         command = rank_command(cfg)
-        for local_rank in range(cfg.nproc):
+        for local_rank in range(cfg.nproc) if not forked else ():
             if job.stopping:
                 break
             try:
@@ -406,6 +433,59 @@ async def launch(cfg: LaunchConfig) -> int:
             loop.remove_signal_handler(signum)
 
 
+def fork_ranks(cfg: LaunchConfig) -> list[ForkedRank]:
+    """Fork this node's ranks (``--start-method fork``, see aiocollect.cli.forked), each
+    running the target with :func:`rank_env`; call before the event loop starts.
+
+    Raises:
+        OSError: a fork failed (the ranks forked so far have been killed).
+    """
+    ranks: list[ForkedRank] = []
+    try:
+        for local_rank in range(cfg.nproc):
+            ranks.append(
+                fork_rank(
+                    cfg.script,
+                    cfg.module,
+                    cfg.args,
+                    rank_env(cfg, local_rank),
+                    stdin_null=local_rank != 0,
+                )
+            )
+    except OSError:
+        kill_forked(ranks)
+        raise
+    return ranks
+
+
+def kill_forked(ranks: Sequence[ForkedRank]) -> None:
+    """SIGKILL (and reap) every forked rank not reaped yet: the launcher is failing."""
+    for rank in ranks:
+        if rank.returncode is None:
+            with contextlib.suppress(OSError):
+                os.killpg(rank.pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                os.waitpid(rank.pid, 0)
+
+
+def _blas_reexec(argv: Sequence[str]) -> None:
+    """Re-execute the launcher with the ranks' BLAS thread settings in its environment if
+    they are missing and numpy is already imported (by aiocollect, with the machine's
+    default thread count), so that the forked ranks' numpy is set up as an exec'd rank's
+    would be. Returns only when nothing needed doing."""
+    missing = [var for var in BLAS_THREADS if var not in os.environ]
+    if not missing or "numpy" not in sys.modules or os.environ.get(_REEXEC_ENV):
+        return
+    env = dict(os.environ)
+    for var in missing:
+        env[var] = "1"
+    env[_REEXEC_ENV] = "1"
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "aiocollect", "run", *argv], env)
+
+
 def run_main(argv: Sequence[str]) -> int:
     """``aiocollect run ARGS``: parse, launch, return the exit status (2, with the reason,
     for a job across nodes that has no secret and is not ``--insecure``).
@@ -413,9 +493,30 @@ def run_main(argv: Sequence[str]) -> int:
     Raises:
         SystemExit: status 2 on bad arguments.
     """
+    raw_method = os.environ.get(START_METHOD_ENV, "").strip()
     cfg = parse_run_args(argv)
     reason = unprotected(cfg)
     if reason is not None:
         print(f"{PROG}: error: {reason}", file=sys.stderr)
         return 2
-    return asyncio.run(launch(cfg))
+    if raw_method and raw_method not in START_METHODS:
+        _report(
+            f"ignoring {START_METHOD_ENV}={raw_method!r}: not one of {', '.join(START_METHODS)}"
+        )
+    if cfg.start_method != "fork":
+        return asyncio.run(launch(cfg))
+    _blas_reexec(argv)
+    os.environ.pop(_REEXEC_ENV, None)
+    why = preload()
+    if why is not None:
+        _report(f"starting the ranks by exec instead of fork: {why}")
+        return asyncio.run(launch(cfg))
+    try:
+        forked = fork_ranks(cfg)
+    except OSError as exc:
+        _report(f"could not fork the ranks: {exc}")
+        return 1
+    try:
+        return asyncio.run(launch(cfg, forked))
+    finally:
+        kill_forked(forked)

@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Protocol, TextIO
 
 LINE_LIMIT = 64 * 1024
 """Bytes of a line kept waiting for its newline; beyond that the line is written in pieces,
@@ -104,12 +104,28 @@ async def pump_lines(stream: asyncio.StreamReader, prefix: bytes, sink: OutputSi
             sink.write(prefix + pending + b"\n")
 
 
+class RankProc(Protocol):
+    """What supervision needs of a rank's process: an ``asyncio.subprocess.Process``
+    (started by exec) or a forked rank (aiocollect.cli.forked.ForkedRank)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    stdout: asyncio.StreamReader | None
+    stderr: asyncio.StreamReader | None
+
+    async def wait(self) -> int: ...
+
+
 @dataclass
 class RankProcess:
     """One started rank: its global rank and its process (leader of its own session)."""
 
     rank: int
-    proc: asyncio.subprocess.Process
+    proc: RankProc
     stopped: bool = False
     """True once the launcher signalled it (its exit is then not a failure of its own)."""
     exited_at: float | None = None
@@ -159,7 +175,7 @@ class Job:
         """True once a failure, a forwarded signal or the timeout asked every rank to stop."""
         return self._stop_requested.is_set()
 
-    def add(self, rank: int, proc: asyncio.subprocess.Process) -> None:
+    def add(self, rank: int, proc: RankProc) -> None:
         """Supervise a just-started rank; it is signalled at once if the job is stopping."""
         entry = RankProcess(rank, proc)
         self.ranks.append(entry)

@@ -251,6 +251,20 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``: the ranks, and where they are forked the process
+    that forked them (aiocollect.bench.forked)."""
+    out = []
+    for child in _children(pid):
+        out += [child, *_descendants(child)]
+    return out
+
+
+def _leaves(pid: int) -> list[int]:
+    """The processes below ``pid`` with no children of their own: the ranks."""
+    return [p for p in _descendants(pid) if not _children(p)]
+
+
 #: 4 B (done in a moment), then 32 MiB (far longer than the test), 1000 iterations each.
 _TWO_CASES = ("--sizes", "4,32M", "--iters", "1000", "--warmup", "1", "--rounds", "1")
 
@@ -301,17 +315,20 @@ def _stalled(proc: subprocess.Popen[str], ranks: list[int]) -> str:
 
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
-def test_interrupt_stops_every_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("start_method", ["fork", "exec"])
+def test_interrupt_stops_every_rank(tmp_path: Path, start_method: str) -> None:
     """SIGINT to ``aiocollect bench`` while its ranks measure stops every rank. The signal
     goes once rank 0 printed the first case's line (4 B, 1000 iterations): both ranks are
     then running and in their group, measuring the second (32 MiB, 1000 iterations, far
     longer than the test). (It was sent after polling for two children and a 1 s sleep,
     which on a loaded machine could be before the ranks had started.) A run that has not
     stopped 20 s after the signal fails with its processes' states and the parent's
-    stacks, and the pipe is closed whatever happens."""
+    stacks, and the pipe is closed whatever happens. Under both start methods (the
+    forked ranks' parent process too)."""
     cmd = [sys.executable, "-c", _CLI_WITH_DUMP, "bench", "allreduce", "-n", "2", *_TWO_CASES]
+    env = {**os.environ, "AIOCOLLECT_START_METHOD": start_method}
     with subprocess.Popen(
-        cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
     ) as proc:
         try:
             assert proc.stderr is not None
@@ -322,8 +339,8 @@ def test_interrupt_stops_every_rank(tmp_path: Path) -> None:
                     break
             else:
                 pytest.fail("the benchmark ended before its first case:\n" + "".join(seen))
-            ranks = _children(proc.pid)
-            assert len(ranks) == 2, (ranks, seen)
+            assert len(_leaves(proc.pid)) == 2, (_descendants(proc.pid), seen)
+            ranks = _descendants(proc.pid)
             proc.send_signal(signal.SIGINT)
             try:
                 _, err = proc.communicate(timeout=20)

@@ -10,6 +10,16 @@ import pytest
 from cli_helpers import RunCli, WriteScript, cli_command
 
 
+@pytest.fixture(autouse=True, params=["fork", "exec"])
+def start_method(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every command-line test runs with both ways ``aiocollect run`` starts ranks
+    (``AIOCOLLECT_START_METHOD``, inherited by the launchers the tests start): forked
+    from the launcher (the default) and exec'd."""
+    method: str = request.param
+    monkeypatch.setenv("AIOCOLLECT_START_METHOD", method)
+    return method
+
+
 @pytest.fixture
 def run_cli(tmp_path: Path) -> RunCli:
     """Run ``aiocollect ARGS`` in ``tmp_path`` to completion (bounded by ``timeout``)."""

@@ -1,0 +1,108 @@
+"""``aiocollect run --start-method``: a forked rank sees what an exec'd one does.
+
+Real launcher, real rank processes: the same probe runs under both start methods (the
+autouse ``start_method`` fixture of conftest.py) and must report the same ``__main__``,
+command line, ``sys.path[0]``, environment, exit steps and exit statuses.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from cli_helpers import RunCli, WriteScript
+
+from aiocollect.cli.forked import exit_code, fork_safe
+
+PROBE = """\
+    import atexit, os, sys
+    import numpy
+    print("name", __name__, "file", os.path.basename(__file__))
+    print("argv", sys.argv[1:], "argv0", os.path.basename(sys.argv[0]))
+    print("path0", sys.path[0] == os.path.dirname(os.path.abspath(__file__)))
+    print("blas", os.environ.get("OPENBLAS_NUM_THREADS"), os.environ.get("OMP_NUM_THREADS"))
+    print("stdin", repr(sys.stdin.read()) if os.environ["AIOCOLLECT_RANK"] != "0" else "-")
+    print("main is me", sys.modules["__main__"].__dict__ is globals())
+    atexit.register(lambda: print("atexit ran", flush=True))
+    print("buffered", end="")  # flushed at exit
+"""
+
+
+def test_a_rank_sees_a_fresh_interpreter(
+    run_cli: RunCli, write_script: WriteScript, start_method: str
+) -> None:
+    script = write_script("probe.py", PROBE)
+    proc = run_cli("run", "-n", "2", str(script), "x", "--flag")
+    assert proc.returncode == 0, proc.stderr
+    for rank in (0, 1):
+        lines = [
+            line.removeprefix(f"[rank {rank}] ")
+            for line in proc.stdout.splitlines()
+            if line.startswith(f"[rank {rank}] ")
+        ]
+        assert lines[:4] == [
+            "name __main__ file probe.py",
+            "argv ['x', '--flag'] argv0 probe.py",
+            "path0 True",
+            "blas 1 1",
+        ], (start_method, lines)
+        assert lines[4] == ("stdin -" if rank == 0 else "stdin ''")
+        assert lines[5:] == ["main is me True", "bufferedatexit ran"], lines
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "stderr_has"),
+    [
+        ("import sys; sys.exit(3)", "exit code 3", None),
+        ("import sys; sys.exit('bad input file')", "exit code 1", "bad input file"),
+        ("raise ValueError('boom')", "exit code 1", "ValueError: boom"),
+        ("raise KeyboardInterrupt", "killed by SIGINT", "KeyboardInterrupt"),
+    ],
+)
+def test_exit_statuses_match_python(
+    run_cli: RunCli, write_script: WriteScript, body: str, status: str, stderr_has: str | None
+) -> None:
+    script = write_script(
+        "fail.py", f"import os\nif os.environ['AIOCOLLECT_RANK'] == '1':\n    {body}\n"
+    )
+    proc = run_cli("run", "-n", "2", str(script))
+    assert proc.returncode != 0
+    assert f"rank 1 failed first, {status}" in proc.stderr, proc.stderr
+    if stderr_has is not None:
+        said = [line for line in proc.stderr.splitlines() if line.startswith("[rank 1] ")]
+        assert any(stderr_has in line for line in said), proc.stderr
+
+
+def test_module_target_sees_its_package(
+    run_cli: RunCli, write_script: WriteScript, tmp_path: Path
+) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "tool.py").write_text(
+        "import sys\nprint('tool', __name__, __spec__.name, sys.argv[1:])\n"
+    )
+    proc = run_cli("run", "-n", "2", "-m", "pkg.tool", "--opt")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("tool __main__ pkg.tool ['--opt']") == 2, proc.stdout
+
+
+def test_fork_safe_refuses_with_another_thread() -> None:
+    assert fork_safe() is None
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait)
+    worker.start()
+    try:
+        assert "2 Python threads" in (fork_safe() or "")
+    finally:
+        stop.set()
+        worker.join()
+
+
+def test_exit_code_follows_python() -> None:
+    assert exit_code(None) == 0
+    assert exit_code(3) == 3
+    assert exit_code(256 + 4) == 4
+    assert exit_code("message") == 1
+    assert exit_code(sys) == 1
