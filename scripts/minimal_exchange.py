@@ -4,8 +4,11 @@
     SPIN_US=50 python scripts/minimal_exchange.py   # poll the loop up to 50 µs first
     python scripts/minimal_exchange.py 4            # 4 ranks (recursive doubling)
     python scripts/minimal_exchange.py 4 --star     # 4 ranks, any count: the star
+    python scripts/minimal_exchange.py 4 --star --exec  # each rank a fresh interpreter
 
-N processes (forks; N a power of two unless ``--star``), one TCP connection on loopback
+N processes (forks of one parent, or with ``--exec`` each rank started as its own
+interpreter, as ``aiocollect run --start-method exec`` does; N a power of two unless
+``--star``), one TCP connection on loopback
 with TCP_NODELAY per pair of partners, one ``asyncio.BufferedProtocol`` per connection on
 uvloop. Per operation each rank runs recursive doubling: in step k it writes a 16-byte
 header and 4 bytes to rank ``r ^ 2**k``, waits for that partner's 20 bytes, checks the
@@ -25,6 +28,7 @@ import os
 import resource
 import socket
 import struct
+import subprocess
 import sys
 import time
 from typing import cast
@@ -191,8 +195,13 @@ async def run(rank: int, n: int, ports: list[int], star: bool) -> None:
 
 def main() -> None:
     args = sys.argv[1:]
+    if args[:1] == ["--rank"]:  # a rank started by --exec: --rank R N PORTS
+        rank, n, ports = int(args[1]), int(args[2]), [int(p) for p in args[3].split(",")]
+        uvloop.run(run(rank, n, ports, "--star" in args))
+        return
     star = "--star" in args
-    numbers = [a for a in args if a != "--star"]
+    fresh = "--exec" in args
+    numbers = [a for a in args if a not in ("--star", "--exec")]
     n = int(numbers[0]) if numbers else 2
     if n < 2 or (not star and n & (n - 1)):
         raise SystemExit("the number of ranks must be at least 2 (a power of two without --star)")
@@ -202,6 +211,19 @@ def main() -> None:
     ports = [probe.getsockname()[1] for probe in probes]
     for probe in probes:
         probe.close()
+    if fresh:
+        spec = ",".join(map(str, ports))
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--rank", str(rank), str(n), spec]
+                + (["--star"] if star else [])
+            )
+            for rank in range(1, n)
+        ]
+        uvloop.run(run(0, n, ports, star))
+        for proc in procs:
+            proc.wait()
+        return
     children = []
     for rank in range(1, n):
         child = os.fork()

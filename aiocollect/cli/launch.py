@@ -468,14 +468,20 @@ def kill_forked(ranks: Sequence[ForkedRank]) -> None:
                 os.waitpid(rank.pid, 0)
 
 
-def _blas_reexec(argv: Sequence[str]) -> None:
-    """Re-execute the launcher with the ranks' BLAS thread settings in its environment if
-    they are missing and numpy is already imported (by aiocollect, with the machine's
-    default thread count), so that the forked ranks' numpy is set up as an exec'd rank's
-    would be. Returns only when nothing needed doing."""
+def _blas_ready(argv: Sequence[str]) -> str | None:
+    """Make sure numpy in this process runs under the ranks' BLAS thread settings, so
+    that the forked ranks' numpy is set up as an exec'd rank's would be: nothing to do
+    when the variables are set (or numpy is not imported yet); else re-execute the
+    launcher with them added (does not return) when this process is the ``aiocollect
+    run`` command itself. Returns why the ranks cannot be forked otherwise (the launcher
+    was called from another program, which it must not replace)."""
     missing = [var for var in BLAS_THREADS if var not in os.environ]
-    if not missing or "numpy" not in sys.modules or os.environ.get(_REEXEC_ENV):
-        return
+    if not missing or "numpy" not in sys.modules:
+        return None
+    if os.environ.get(_REEXEC_ENV) or list(sys.argv[1:]) != ["run", *argv]:
+        return "numpy was imported without the ranks' BLAS thread settings " + (
+            f"({', '.join(missing)} unset)"
+        )
     env = dict(os.environ)
     for var in missing:
         env[var] = "1"
@@ -505,9 +511,9 @@ def run_main(argv: Sequence[str]) -> int:
         )
     if cfg.start_method != "fork":
         return asyncio.run(launch(cfg))
-    _blas_reexec(argv)
+    why = _blas_ready(argv)
     os.environ.pop(_REEXEC_ENV, None)
-    why = preload()
+    why = why or preload()
     if why is not None:
         _report(f"starting the ranks by exec instead of fork: {why}")
         return asyncio.run(launch(cfg))

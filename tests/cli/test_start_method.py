@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from cli_helpers import RunCli, WriteScript
 
-from aiocollect.cli.forked import exit_code, fork_safe
+from aiocollect.cli.forked import BLAS_THREADS, exit_code, fork_safe
+from aiocollect.cli.launch import _blas_ready
 
 PROBE = """\
     import atexit, os, sys
@@ -31,8 +32,12 @@ PROBE = """\
 
 
 def test_a_rank_sees_a_fresh_interpreter(
-    run_cli: RunCli, write_script: WriteScript, start_method: str
+    run_cli: RunCli, write_script: WriteScript, start_method: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """(The launcher's environment has no BLAS thread settings: a forking launcher then
+    re-executes itself with them, so that numpy's threads are the ranks'.)"""
+    for var in BLAS_THREADS:
+        monkeypatch.delenv(var, raising=False)
     script = write_script("probe.py", PROBE)
     proc = run_cli("run", "-n", "2", str(script), "x", "--flag")
     assert proc.returncode == 0, proc.stderr
@@ -86,6 +91,18 @@ def test_module_target_sees_its_package(
     proc = run_cli("run", "-n", "2", "-m", "pkg.tool", "--opt")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("tool __main__ pkg.tool ['--opt']") == 2, proc.stdout
+
+
+def test_an_embedded_launcher_does_not_replace_its_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Called from another program (here pytest, numpy imported, no BLAS settings) the
+    launcher would have to re-execute that program: it says it cannot fork instead."""
+    for var in BLAS_THREADS:
+        monkeypatch.delenv(var, raising=False)
+    why = _blas_ready(["-n", "2", "x.py"])
+    assert why is not None
+    assert "OPENBLAS_NUM_THREADS" in why
 
 
 def test_fork_safe_refuses_with_another_thread() -> None:
