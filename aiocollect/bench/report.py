@@ -331,6 +331,11 @@ def over(transport: str, compare: str | None) -> str:
     return transport if compare is None else f"{transport} vs {compare}"
 
 
+def _started(method: object) -> str:
+    """The header's note of how the aiocollect ranks were started (nothing if unknown)."""
+    return {"fork": ", ranks forked", "exec": ", ranks exec'd"}.get(str(method), "")
+
+
 def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     """The human-readable report: one table per collective (and concurrency).
 
@@ -350,7 +355,8 @@ def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             continue
         out.append(
             f"{name}: {meta['world_size']} ranks, {over(transport, compare)}, "
-            f"{meta['dtype']}, median of {meta['rounds']} rounds"
+            f"{meta['dtype']}{_started(meta.get('start_method'))}, "
+            f"median of {meta['rounds']} rounds"
         )
         with_floor = any("floor_us" in r for r in group)
         out += _render(

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shlex
 import signal
 import sys
@@ -56,6 +57,7 @@ from aiocollect.bench.spec import (
 from aiocollect.bench.stats import median
 from aiocollect.bench.sweep import WARMUP_SECONDS, SweepConfig
 from aiocollect.bench.worker import RankOptions, aiocollect_rounds, run_loop
+from aiocollect.cli.forked import default_start_method
 from aiocollect.transport import registry
 
 PROG = "aiocollect bench"
@@ -301,6 +303,10 @@ def _publish(
         # the group's chunk size (chosen at rendezvous unless --chunk-bytes gave it)
         "chunk_bytes": rounds[0].get("aiocollect", {}).get("chunk_bytes") if rounds else None,
         "chunk_given": plan.options.chunk_bytes is not None,
+        # how this run started its aiocollect ranks (None: the user did, across nodes)
+        "start_method": None
+        if ns.store is not None
+        else default_start_method({**os.environ, **plan.env}),
     }
     print(report.format_tables(rows, meta), flush=True)
     if meta["load_warning"]:
@@ -332,6 +338,7 @@ def _publish(
                 "baseline_note": note,
                 "multi_node": ns.store is not None,
                 "floor": plan.floor,
+                "start_method": meta["start_method"],
                 **({"compare": plan.compare} if plan.compare else {}),
             },
             "load": load,

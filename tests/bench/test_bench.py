@@ -78,6 +78,7 @@ def test_smoke_table_and_json(tmp_path: Path) -> None:
     assert {"uvloop", "torch", "event_loop", "cpu"} <= set(machine)
     assert doc["config"]["world_size"] == 2
     assert doc["config"]["rounds"] == 1
+    assert doc["config"]["start_method"] == "fork"  # as aiocollect run starts ranks
     assert doc["config"]["chunk_bytes_used"] == 1 << 20  # what a TCP group chose
     rows = doc["summary"]
     assert [(r["name"], r["size"]) for r in rows] == [

@@ -96,7 +96,7 @@ def test_compare_columns_json_and_ratio(tmp_path: Path) -> None:
         timeout=80,
     )
     assert done.returncode == 0, done.stderr
-    assert "allreduce: 2 ranks, shm vs tcp, float32, median of 1 rounds" in done.stdout
+    assert "allreduce: 2 ranks, shm vs tcp, float32, ranks forked, median of 1 rounds" in done.stdout
     header, body = _table(done.stdout, "allreduce: ")
     assert header == [*PLAIN_HEADER[:-1], "tcp p50", "tcp GB/s", "shm/tcp bw", "check"]
     assert "shm/tcp bw: busbw over shm / busbw over tcp" in done.stdout
@@ -188,7 +188,7 @@ def test_without_compare_the_output_is_unchanged(tmp_path: Path) -> None:
         "allreduce", "-n", "2", "--sizes", "64", *SMOKE, "--json", str(out), cwd=tmp_path
     )
     assert done.returncode == 0, done.stderr
-    assert "allreduce: 2 ranks, tcp, float32, median of 1 rounds\n" in done.stdout
+    assert "allreduce: 2 ranks, tcp, float32, ranks forked, median of 1 rounds\n" in done.stdout
     header, _ = _table(done.stdout, "allreduce: ")
     assert header == PLAIN_HEADER
     assert "--compare" not in done.stdout
