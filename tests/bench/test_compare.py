@@ -96,7 +96,8 @@ def test_compare_columns_json_and_ratio(tmp_path: Path) -> None:
         timeout=80,
     )
     assert done.returncode == 0, done.stderr
-    assert "allreduce: 2 ranks, shm vs tcp, float32, ranks forked, median of 1 rounds" in done.stdout
+    title = "allreduce: 2 ranks, shm vs tcp, float32, ranks forked, median of 1 rounds"
+    assert title in done.stdout
     header, body = _table(done.stdout, "allreduce: ")
     assert header == [*PLAIN_HEADER[:-1], "tcp p50", "tcp GB/s", "shm/tcp bw", "check"]
     assert "shm/tcp bw: busbw over shm / busbw over tcp" in done.stdout
