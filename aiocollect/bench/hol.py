@@ -164,6 +164,7 @@ def _floor_report(n: int, size: int, allreduces: int, ping: int) -> dict[str, An
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the measurement in spawned ranks and print its JSON line."""
+    from aiocollect.cli.forked import default_start_method
     from aiocollect.testing.certs import make_certs
     from aiocollect.testing.spawn import spawn_ranks
 
@@ -179,8 +180,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="then the same measurement with no framework (aiocollect.bench.hol_floor)",
     )
+    p.add_argument(
+        "--start-method",
+        choices=("fork", "exec"),
+        default=None,
+        help="fork the ranks from a process that imported aiocollect (as aiocollect run "
+        "does by default) or start fresh interpreters (default: $AIOCOLLECT_START_METHOD, "
+        "else fork)",
+    )
     p.add_argument("--json", type=Path)
     ns = p.parse_args(argv)
+    method = ns.start_method or default_start_method()
     if ns.nproc < 2:
         p.error("-n must be at least 2")
     start = load_average()
@@ -196,13 +206,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             target, args, options = hol_rank, sizes, {"transport": ns.transport}
         results: list[Any] = await spawn_ranks(
-            ns.nproc, target, *args, timeout=600.0, uvloop=True, **options
+            ns.nproc,
+            target,
+            *args,
+            timeout=600.0,
+            uvloop=True,
+            start_method="forkserver" if method == "fork" else "spawn",
+            **options,
         )
         return results
 
     with tempfile.TemporaryDirectory(prefix="aiocollect-hol-") as tmp:
         results = asyncio.run(run(tmp))
-    report = {**results[0], "transport": ns.transport}
+    report = {**results[0], "transport": ns.transport, "start_method": method}
     if ns.floor:
         report.update(_floor_report(ns.nproc, *sizes[:3]))
     report.update(loadavg_start=start, loadavg_end=load_average())

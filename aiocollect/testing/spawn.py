@@ -1,9 +1,11 @@
 """``spawn_ranks``: one real process per rank, joined over TCP through a TCP store.
 
-Children are started with the ``spawn`` method (no fork of a running event loop), so the
-target must be importable (a module-level function). Each child opens the group, runs
-``target(group, *args)``, closes the group and sends back its result or its formatted
-traceback through a pipe.
+Children are started with the ``spawn`` method (no fork of a running event loop), or with
+``start_method="forkserver"`` forked from a server process that imported aiocollect, numpy
+and uvloop first (as ``aiocollect run`` forks its ranks, docs/design.md, *Ranks forked
+from the launcher*); either way the target must be importable (a module-level function).
+Each child opens the group, runs ``target(group, *args)``, closes the group and sends back
+its result or its formatted traceback through a pipe.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from aiocollect._net import free_port as free_port  # re-exported: callers import it here
+from aiocollect.cli.forked import PRELOAD
 from aiocollect.errors import AiocollectError
 
 
@@ -90,8 +93,16 @@ class SpawnedRanks:
         args: tuple[Any, ...],
         timeout: float,
         options: dict[str, Any],
+        start_method: str = "spawn",
     ) -> None:
-        ctx = mp.get_context("spawn")
+        if start_method not in ("spawn", "forkserver"):
+            raise ValueError(f"start_method must be 'spawn' or 'forkserver', not {start_method!r}")
+        ctx: Any
+        if start_method == "forkserver":
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(list(PRELOAD))
+        else:
+            ctx = mp.get_context("spawn")
         self.world_size = world_size
         self.timeout = timeout
         self.store = f"tcp://127.0.0.1:{free_port()}"
@@ -257,10 +268,17 @@ def spawn_ranks(
     target: Callable[..., Awaitable[Any]],
     *args: Any,
     timeout: float = 60.0,
+    start_method: str = "spawn",
     **options: Any,
 ) -> SpawnedRanks:
     """Start one process per rank running ``target(group, *args)``; ``await`` the result
     for their return values in rank order. ``options`` go to ``open_group`` (plus
     ``uvloop=True`` to run the children on uvloop, and ``group_timeout=`` for
-    open_group's ``timeout``, since ``timeout`` here bounds the whole run)."""
-    return SpawnedRanks(world_size, target, args, timeout, options)
+    open_group's ``timeout``, since ``timeout`` here bounds the whole run).
+    ``start_method``: ``"spawn"`` (fresh interpreters) or ``"forkserver"`` (see the module
+    docstring).
+
+    Raises:
+        ValueError: another ``start_method``.
+    """
+    return SpawnedRanks(world_size, target, args, timeout, options, start_method)

@@ -43,6 +43,7 @@ def run_hol(tmp_path: Path, transport: str, *extra: str) -> dict[str, Any]:
 def test_hol_reports_round_trips_and_bandwidth(transport: str, tmp_path: Path) -> None:
     report = run_hol(tmp_path, transport)
     assert report["transport"] == transport
+    assert report["start_method"] == "fork"  # the default: as aiocollect run starts ranks
     assert report["world_size"] == 2
     assert report["idle_rtt_us"]["n"] == 20
     assert report["idle_rtt_us"]["p50"] > 0
@@ -51,6 +52,13 @@ def test_hol_reports_round_trips_and_bandwidth(transport: str, tmp_path: Path) -
     assert report["busbw_gbps_alone"] > 0
     assert report["busbw_gbps_with_pings"] > 0
     assert "floor_loaded_rtt_us" not in report
+
+
+@pytest.mark.timeout(180)
+def test_hol_with_exec_started_ranks(tmp_path: Path) -> None:
+    report = run_hol(tmp_path, "auto", "--start-method", "exec")
+    assert report["start_method"] == "exec"
+    assert report["loaded_rtt_us"]["n"] >= 1
 
 
 @pytest.mark.timeout(180)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import numpy as np
@@ -55,3 +56,10 @@ async def concurrent(g: ac.Group, count: int) -> list[float]:
 
 async def echo_rank(g: ac.Group) -> Any:
     return (g.rank, g.world_size)
+
+
+async def parent_and_sum(g: ac.Group) -> Any:
+    """The rank's parent pid (who started it) and an allreduce of the ranks' numbers."""
+    data = np.full(3, g.rank + 1, dtype=np.int64)
+    await g.allreduce(data)
+    return (os.getppid(), data.tolist())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from aiocollect.testing import spawn_ranks
@@ -24,6 +26,24 @@ async def test_concurrent_allreduces_uvloop() -> None:
     res = await spawn_ranks(n, targets.concurrent, 50_000, timeout=100, uvloop=True)
     want = [float(sum(r + i for r in range(n))) for i in range(6)]
     assert res == [want] * n
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+async def test_start_methods(start_method: str) -> None:
+    """Spawned ranks are this process's children; forkserver ranks are forked by the
+    server that imported aiocollect first (as aiocollect run forks its ranks); both run
+    a real group."""
+    res = await spawn_ranks(3, targets.parent_and_sum, timeout=100, start_method=start_method)
+    parents = {parent for parent, _ in res}
+    assert [total for _, total in res] == [[6, 6, 6]] * 3
+    assert len(parents) == 1
+    assert (parents == {os.getpid()}) == (start_method == "spawn")
+
+
+def test_unknown_start_method_is_refused() -> None:
+    with pytest.raises(ValueError, match="start_method"):
+        spawn_ranks(2, targets.echo_rank, start_method="fork")
 
 
 @pytest.mark.timeout(60)
