@@ -4,11 +4,14 @@ Usage::
 
     aiocollect run -n N [--nnodes K --node-rank I --master-addr A --master-port P]
                    [--transport T] [--group-timeout S] [--timeout S] [--grace S]
-                   [--secret S | --insecure]
+                   [--secret S | --insecure] [--start-method fork|exec]
                    script.py ARGS...
     aiocollect run -n N ... -m package.module ARGS...
 
-Each rank runs ``sys.executable script.py ARGS`` with, in its environment:
+Each rank runs ``script.py ARGS`` (or the module) as ``python`` would: forked from the
+launcher after it imported aiocollect, numpy and uvloop (``--start-method fork``, the
+default on Linux; aiocollect.cli.forked), or as ``sys.executable script.py ARGS``
+(``exec``), with, in its environment:
 
 - ``AIOCOLLECT_RANK``, ``AIOCOLLECT_WORLD_SIZE``, ``AIOCOLLECT_LOCAL_RANK``,
   ``AIOCOLLECT_LOCAL_WORLD_SIZE``, ``AIOCOLLECT_STORE=tcp://A:P`` (and
