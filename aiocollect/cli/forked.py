@@ -10,9 +10,12 @@ as ``python script.py`` would have them.
 Why: where ranks outnumber the cores they time-share them, and every switch between two
 ranks refills the caches with the other's memory. Forked ranks share the pages of the
 interpreter state they inherited (the imported modules), so a switch refills less: at
-four ranks on two cores a 4-byte allreduce took 0.7-0.8x the time of ranks started by
-``exec`` (docs/benchmarks.md, *Twenty-first session*); with a core per rank there was no
-difference. The ranks also start faster and hold less memory together.
+four ranks on two cores a 4-byte allreduce's p50 per rank was 0.66x that of ranks started
+by ``exec`` over twelve paired rounds (0.8-0.9x of each iteration's slowest rank in the
+bench; docs/benchmarks.md, *Twenty-first session*); with a core per rank there was no
+difference. The ranks also start sooner (a four-rank job that only imports: 0.49-0.55
+against 0.75-0.81 s) and hold less memory together (35 against 105 MB of proportional
+set size for four ranks).
 
 What differs from a separate interpreter: the modules in :data:`PRELOAD` (and what they
 import) are already imported, with the launcher's environment, so numpy's BLAS threads
