@@ -508,8 +508,8 @@ def run_main(argv: Sequence[str]) -> int:
     if reason is not None:
         print(f"{PROG}: error: {reason}", file=sys.stderr)
         return 2
-    if raw_method and raw_method not in START_METHODS:
-        _report(
+    if raw_method and raw_method not in START_METHODS and not os.environ.get(_REEXEC_ENV):
+        _report(  # (once: not again after re-executing itself)
             f"ignoring {START_METHOD_ENV}={raw_method!r}: not one of {', '.join(START_METHODS)}"
         )
     if cfg.start_method != "fork":

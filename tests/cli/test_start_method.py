@@ -123,3 +123,18 @@ def test_exit_code_follows_python() -> None:
     assert exit_code(256 + 4) == 4
     assert exit_code("message") == 1
     assert exit_code(sys) == 1
+
+
+def test_an_unknown_start_method_variable_is_ignored_once(
+    run_cli: RunCli, write_script: WriteScript, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bad ``AIOCOLLECT_START_METHOD`` is reported once (not again by the launcher it
+    re-executes for the BLAS settings) and the job runs with the default."""
+    for var in BLAS_THREADS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AIOCOLLECT_START_METHOD", "bogus")
+    script = write_script("ok.py", "print('ran')\n")
+    proc = run_cli("run", "-n", "2", str(script))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("ignoring AIOCOLLECT_START_METHOD='bogus'") == 1, proc.stderr
+    assert proc.stdout.count("] ran\n") == 2
