@@ -235,19 +235,27 @@ def run_round(
         result = Path(tmp) / "rank0.json"
         # The aiocollect store URL, or torch.distributed's init_method: the same form.
         rendezvous = f"tcp://127.0.0.1:{free_port()}"
-        cmds = [
-            worker_command(backend, rank, plan.world_size, rendezvous, config, label, result, name)
+        ranks = [
+            worker_args(backend, rank, plan.world_size, rendezvous, config, label, result, name)
             for rank in range(plan.world_size)
         ]
-        if backend == "aiocollect" and default_start_method(env) == "fork":
-            cmds = [forked_command(cmds)]
+        if backend == "aiocollect" and start_method(plan) == "fork":
+            cmds = [forked_command(ranks)]
+        else:
+            cmds = [worker_command(args) for args in ranks]
         rounds: list[dict[str, Any]] = _collect(
             cmds, env, plan.round_timeout, f"{what} round {label}", result
         )
         return rounds[0]
 
 
-def worker_command(
+def start_method(plan: Plan) -> str:
+    """How this run starts its aiocollect ranks: ``fork`` or ``exec``, as ``aiocollect
+    run`` would with the ranks' environment (``AIOCOLLECT_START_METHOD``)."""
+    return default_start_method(rank_env(plan.env))
+
+
+def worker_args(
     backend: str,
     rank: int,
     world_size: int,
@@ -257,26 +265,26 @@ def worker_command(
     result: Path,
     name: str | None = None,
 ) -> list[str]:
-    """The command line of one rank (``aiocollect.bench.worker``), started by this process:
-    the rank exits on its own once this process is gone (``--parent``)."""
-    cmd = [sys.executable, "-m", "aiocollect.bench.worker", "--backend", backend]
-    cmd += ["--rank", str(rank), "--world-size", str(world_size), "--rendezvous", rendezvous]
-    cmd += ["--config", config, "--label", label, "--result", str(result)]
-    cmd += ["--parent", str(os.getpid())]
+    """The arguments of one rank's ``aiocollect.bench.worker`` (without ``--parent``:
+    whoever starts it adds its own pid)."""
+    args = ["--backend", backend, "--rank", str(rank), "--world-size", str(world_size)]
+    args += ["--rendezvous", rendezvous, "--config", config, "--label", label]
+    args += ["--result", str(result)]
     if name is not None and name != backend:
-        cmd += ["--name", name]
-    return cmd
+        args += ["--name", name]
+    return args
 
 
-def forked_command(cmds: list[list[str]]) -> list[str]:
-    """One command that forks the ranks of ``cmds`` (worker commands) from a process that
-    imported aiocollect (``aiocollect.bench.forked``), as ``aiocollect run`` starts them by
-    default."""
-    ranks = []
-    for cmd in cmds:
-        args = cmd[cmd.index("aiocollect.bench.worker") + 1 :]
-        at = args.index("--parent")  # (the forking process is theirs)
-        ranks.append(args[:at] + args[at + 2 :])
+def worker_command(args: list[str]) -> list[str]:
+    """The command line of a rank with ``args`` (:func:`worker_args`), started by this
+    process: the rank exits on its own once this process is gone (``--parent``)."""
+    return [sys.executable, "-m", "aiocollect.bench.worker", *args, "--parent", str(os.getpid())]
+
+
+def forked_command(ranks: list[list[str]]) -> list[str]:
+    """One command that forks ranks with these worker arguments (:func:`worker_args`) from
+    a process that imported aiocollect (``aiocollect.bench.forked``), as ``aiocollect run``
+    starts them by default."""
     parent = ["--parent", str(os.getpid())]
     return [sys.executable, "-m", "aiocollect.bench.forked", *parent, json.dumps(ranks)]
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import shlex
 import signal
 import sys
@@ -42,7 +41,7 @@ from typing import Any
 
 from aiocollect.bench import plot as plotting
 from aiocollect.bench import report
-from aiocollect.bench.runner import Plan, RoundFailed, run_rounds
+from aiocollect.bench.runner import Plan, RoundFailed, run_rounds, start_method
 from aiocollect.bench.spec import (
     COLLECTIVES,
     DEFAULT_SIZES,
@@ -57,7 +56,6 @@ from aiocollect.bench.spec import (
 from aiocollect.bench.stats import median
 from aiocollect.bench.sweep import WARMUP_SECONDS, SweepConfig
 from aiocollect.bench.worker import RankOptions, aiocollect_rounds, run_loop
-from aiocollect.cli.forked import default_start_method
 from aiocollect.transport import registry
 
 PROG = "aiocollect bench"
@@ -304,9 +302,7 @@ def _publish(
         "chunk_bytes": rounds[0].get("aiocollect", {}).get("chunk_bytes") if rounds else None,
         "chunk_given": plan.options.chunk_bytes is not None,
         # how this run started its aiocollect ranks (None: the user did, across nodes)
-        "start_method": None
-        if ns.store is not None
-        else default_start_method({**os.environ, **plan.env}),
+        "start_method": None if ns.store is not None else start_method(plan),
     }
     print(report.format_tables(rows, meta), flush=True)
     if meta["load_warning"]:

@@ -216,15 +216,13 @@ def _default_signals() -> None:
     """The signal handling ``python`` starts with, except what the launcher ignores (a
     SIGHUP ignored under nohup stays ignored by the ranks, as with exec)."""
     signal.set_wakeup_fd(-1)
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
-        if signal.getsignal(signum) == signal.SIG_IGN and signum != signal.SIGPIPE:
-            continue
-        if signum == signal.SIGINT:
-            signal.signal(signum, signal.default_int_handler)
-        elif signum == signal.SIGPIPE:
-            signal.signal(signum, signal.SIG_IGN)  # python ignores SIGPIPE (BrokenPipeError)
-        else:
-            signal.signal(signum, signal.SIG_DFL)
+    for signum, handler in (
+        (signal.SIGINT, signal.default_int_handler),
+        (signal.SIGTERM, signal.SIG_DFL),
+        (signal.SIGHUP, signal.SIG_DFL),
+    ):  # (SIGPIPE: ignored by python in the launcher already, as in a fresh one)
+        if signal.getsignal(signum) != signal.SIG_IGN:
+            signal.signal(signum, handler)
 
 
 _REPLACED: list[object] = []
@@ -255,12 +253,8 @@ def run_target(target: str, module: bool, args: Sequence[str]) -> int:
     """Run ``target`` as ``__main__`` the way ``python [-m] target args`` would, then the
     interpreter's exit steps; returns the exit status (or re-raises SIGINT on itself
     for an uncaught KeyboardInterrupt, as python does)."""
-    if module:
-        sys.argv = [target, *args]  # (runpy puts the module's path in argv[0])
-        sys.path[0] = os.getcwd()
-    else:
-        sys.argv = [target, *args]
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
+    sys.argv = [target, *args]  # (for a module runpy puts its path in argv[0])
+    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(target))
     interrupted = False
     try:
         if module:

@@ -410,30 +410,38 @@ async def launch(cfg: LaunchConfig, forked: Sequence[ForkedRank] = ()) -> int:
         for local_rank, rank in enumerate(forked):
             await rank.attach()
             job.add(cfg.global_rank(local_rank), rank)
-        command = rank_command(cfg)
-        for local_rank in range(cfg.nproc) if not forked else ():
-            if job.stopping:
-                break
-            try:
-                proc = await asyncio.create_subprocess_exec(
-                    *command,
-                    env=rank_env(cfg, local_rank),
-                    stdin=None if local_rank == 0 else asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE,
-                    start_new_session=True,
-                )
-            except OSError as exc:
-                _report(f"could not start rank {cfg.global_rank(local_rank)}: {exc}")
-                job.stop(signal.SIGKILL)
-                await job.run()
-                return 1
-            job.add(cfg.global_rank(local_rank), proc)
+        if not forked and not await _exec_ranks(cfg, job):
+            return 1
         return await supervise(job, report=_report)
     finally:
         job.kill_remaining()
         for signum in handled:
             loop.remove_signal_handler(signum)
+
+
+async def _exec_ranks(cfg: LaunchConfig, job: Job) -> bool:
+    """Start this node's ranks by exec (``--start-method exec``) into ``job``; False (the
+    job stopped, every rank started reaped) if one could not be started."""
+    command = rank_command(cfg)
+    for local_rank in range(cfg.nproc):
+        if job.stopping:
+            break
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *command,
+                env=rank_env(cfg, local_rank),
+                stdin=None if local_rank == 0 else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            _report(f"could not start rank {cfg.global_rank(local_rank)}: {exc}")
+            job.stop(signal.SIGKILL)
+            await job.run()
+            return False
+        job.add(cfg.global_rank(local_rank), proc)
+    return True
 
 
 def fork_ranks(cfg: LaunchConfig) -> list[ForkedRank]:

@@ -360,13 +360,13 @@ def test_interrupt_stops_every_rank(tmp_path: Path, start_method: str) -> None:
 _ORPHAN_PARENT = """\
 import os, subprocess, sys
 from pathlib import Path
-from aiocollect.bench.runner import worker_command
+from aiocollect.bench.runner import worker_args, worker_command
 from aiocollect.bench.spec import Case
 from aiocollect.bench.sweep import SweepConfig
 from aiocollect.bench.worker import RankOptions, encode
 
 config = encode(SweepConfig([Case("allreduce", 4)], "float32", 1, 5, 0.1), RankOptions())
-cmd = worker_command("aiocollect", 1, 2, sys.argv[1], config, "x", Path("r.json"))
+cmd = worker_command(worker_args("aiocollect", 1, 2, sys.argv[1], config, "x", Path("r.json")))
 quiet = subprocess.DEVNULL
 rank = subprocess.Popen(cmd, stdin=quiet, stdout=quiet, stderr=quiet)
 print(rank.pid, flush=True)
