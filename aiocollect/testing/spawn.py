@@ -22,7 +22,7 @@ from typing import Any
 
 from aiocollect._net import free_port as free_port  # re-exported: callers import it here
 from aiocollect.cli.forked import PRELOAD
-from aiocollect.errors import AiocollectError
+from aiocollect.errors import AiocollectError, UsageError
 
 
 class RankFailed(AiocollectError):
@@ -96,7 +96,7 @@ class SpawnedRanks:
         start_method: str = "spawn",
     ) -> None:
         if start_method not in ("spawn", "forkserver"):
-            raise ValueError(f"start_method must be 'spawn' or 'forkserver', not {start_method!r}")
+            raise UsageError(f"start_method must be 'spawn' or 'forkserver', not {start_method!r}")
         ctx: Any
         if start_method == "forkserver":
             ctx = mp.get_context("forkserver")
@@ -279,6 +279,6 @@ def spawn_ranks(
     docstring).
 
     Raises:
-        ValueError: another ``start_method``.
+        UsageError: another ``start_method`` (before any process starts).
     """
     return SpawnedRanks(world_size, target, args, timeout, options, start_method)
