@@ -16,14 +16,16 @@ target, byte for byte and in order, while injecting faults per direction:
 
 :class:`ProxyNetwork` puts a proxy on every rank-to-rank link of a group without touching
 the library: each rank gets a :class:`ProxiedStore`, a Store wrapper that rewrites the rank
-records read during rendezvous (``aiocollect/<name>/rank/<r>``: ``address``/``port``) so
-that the reader connects to a proxy for that (reader, target) pair instead of the target.
+records read during rendezvous (``aiocollect/<name>/rank/<r>``: ``address``/``port``, and
+without the name of the rank's Unix socket) so that the reader connects to a proxy for
+that (reader, target) pair instead of the target.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
 import re
 import socket
@@ -431,26 +433,28 @@ class FaultProxy:
 _RECORD_KEY = re.compile(r"^aiocollect/(?P<name>.+)/rank/(?P<rank>\d+)$")
 
 
-class ProxiedStore(Store):
-    """A view of ``inner`` for rank ``rank`` whose ``get`` of a rendezvous record points the
-    reader at ``network``'s proxy for the (reader, target) pair. Everything else passes
-    through. Closing the view does not close ``inner``."""
+class RecordView(Store):
+    """A view of ``inner`` whose ``get`` of a rendezvous record (``aiocollect/<name>/rank/
+    <r>``) returns ``await rewrite(key, value)`` instead of ``value``: what the reading rank
+    learns of its peers, changed for a test. Everything else passes through. Closing the
+    view does not close ``inner``."""
 
-    def __init__(self, inner: Store, rank: int, network: ProxyNetwork) -> None:
+    def __init__(self, inner: Store, rewrite: Callable[[str, bytes], Awaitable[bytes]]) -> None:
         self.inner = inner
-        self.rank = rank
-        self.network = network
+        self.rewrite = rewrite
         self.timeout = inner.timeout
 
     def __repr__(self) -> str:
-        return f"ProxiedStore({self.inner!r}, rank={self.rank})"
+        return f"{type(self).__name__}({self.inner!r})"
 
     async def set(self, key: str, value: bytes) -> None:
         await self.inner.set(key, value)
 
     async def get(self, key: str, *, timeout: float | None = None) -> bytes:
         value = await self.inner.get(key, timeout=timeout)
-        return await self.network.rewrite(self.rank, key, value)
+        if _RECORD_KEY.match(key) is None:
+            return value
+        return await self.rewrite(key, value)
 
     async def add(self, key: str, amount: int) -> int:
         return await self.inner.add(key, amount)
@@ -463,6 +467,20 @@ class ProxiedStore(Store):
 
     async def delete(self, key: str) -> bool:
         return await self.inner.delete(key)
+
+
+class ProxiedStore(RecordView):
+    """A view of ``inner`` for rank ``rank`` whose ``get`` of a rendezvous record points the
+    reader at ``network``'s proxy for the (reader, target) pair. Everything else passes
+    through. Closing the view does not close ``inner``."""
+
+    def __init__(self, inner: Store, rank: int, network: ProxyNetwork) -> None:
+        super().__init__(inner, functools.partial(network.rewrite, rank))
+        self.rank = rank
+        self.network = network
+
+    def __repr__(self) -> str:
+        return f"ProxiedStore({self.inner!r}, rank={self.rank})"
 
 
 class ProxyNetwork:
@@ -522,6 +540,9 @@ class ProxyNetwork:
                     address, port, listen_host=self.host, faults=self.faults, seed=seed
                 )
                 self.proxies[proxy_key] = await proxy.start()
+        # Without its Unix socket's name (``unix``, auto and shm on one host), so that a
+        # rank on this host connects through the proxy too.
+        rec.pop("unix", None)
         return bytes(
             msgpack.packb({**rec, "address": proxy.host, "port": proxy.port}, use_bin_type=True)
         )
@@ -590,4 +611,12 @@ class ProxyNetwork:
         )
 
 
-__all__ = ["FORWARD", "REVERSE", "FaultProxy", "LinkFaults", "ProxiedStore", "ProxyNetwork"]
+__all__ = [
+    "FORWARD",
+    "REVERSE",
+    "FaultProxy",
+    "LinkFaults",
+    "ProxiedStore",
+    "ProxyNetwork",
+    "RecordView",
+]

@@ -304,8 +304,10 @@ class RingReader(StreamLink):
             or magic != MAGIC
             or kind not in (DATA, P2P)
             or n > INLINE_MAX
-            or self._ring_frame_open()
             or self._rx_dead
+            or self._rpayload is not None  # (_ring_frame_open, inline)
+            or self._pulling is not None
+            or self._pulls
         ):
             return False  # (_take_inline reports what is wrong)
         recv = self._take_posted(
@@ -313,8 +315,14 @@ class RingReader(StreamLink):
         )
         if recv is None:
             return False
-        self._inlined += 1
-        self._count_inlined()
+        self._inlined = inlined = self._inlined + 1
+        rx = self.rx
+        if self._rx_paused or rx is None:  # (_count_inlined, inline)
+            self._inline_unacked = True
+        else:
+            self._inline_unacked = False
+            rx.publish_inlined(inlined)
+            self._wake_writer(rx)
         land(recv, _BELLS[1 + HEADER_SIZE : nbytes])
         return True
 
@@ -778,7 +786,8 @@ class RingReader(StreamLink):
 
     def post(self, key: Key, recv: Receiver) -> bool:
         landed = super().post(key, recv)
-        self._posted_one(key, landed)
+        if key == self._parked or (not landed and self.policy.spin > 0):
+            self._posted_one(key, landed)  # (else it would do nothing)
         return landed
 
     def _posted_one(self, key: Key, landed: bool) -> None:

@@ -235,6 +235,24 @@ class Ring:
         """Frames sent on the socket (not through the ring) that the reader has taken."""
         return int(self.ctl[_INLINED])
 
+    def socket_turn(self, inline_sent: int, refs_sent: int, rung: int, limit: int) -> bool:
+        """The small-frame check of the sending half in one step (the common case only):
+        True when a small frame may go on the socket now, because ``inline_sent`` socket
+        frames are more than the reader has taken but fewer than ``limit`` ahead, or none
+        is ahead and the reader sleeps (a generation other than 0 and ``rung``, the one we
+        last rang for) with everything written read and all ``refs_sent`` references
+        pulled. False means: ask the single checks (``inlined``, ``reader_sleep``,
+        ``pulled``, ``idle``), which also report implausible counters; this one never
+        raises and never says True on one.
+        """
+        ctl = self.ctl
+        if inline_sent:
+            ahead = inline_sent - ctl[_INLINED]
+            if ahead:
+                return 0 < ahead < limit
+        gen = ctl[_RSLEEP]
+        return gen != 0 and gen != rung and ctl[_PULLED] == refs_sent and ctl[_TAIL] == self.pos
+
     def idle(self) -> bool:
         """Whether the reader has consumed everything written (its tail is our head).
 

@@ -40,6 +40,7 @@ import logging
 import os
 import socket
 import ssl as ssl_module
+import struct
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from typing import Any, cast
@@ -212,9 +213,13 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         peername = transport.get_extra_info("peername")
         sockname = transport.get_extra_info("sockname")
-        if peername:
-            self.address = f"{peername[0]}:{peername[1]}"
-        self._caps = LinkCaps(local=is_local(peername, sockname))
+        if sock is not None and sock.family == socket.AF_UNIX:
+            self.address = _unix_peer(sock)
+            self._caps = LinkCaps(local=True)  # (a Unix socket's peer is on this host)
+        else:
+            if peername:
+                self.address = f"{peername[0]}:{peername[1]}"
+            self._caps = LinkCaps(local=is_local(peername, sockname))
         if self.screen is not None:
             reply = self.screen(peername, sockname)
             if reply is not None:  # refused before a byte is read from it
@@ -723,6 +728,17 @@ def _warn_once(raw: str, message: str) -> None:
     if raw not in _WARNED:
         _WARNED.add(raw)
         log.warning("%s", message)
+
+
+def _unix_peer(sock: socket.socket) -> str:
+    """How messages name the peer of a Unix socket: its process id, where the kernel
+    says (``SO_PEERCRED``)."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid = struct.unpack("3i", creds)[0]
+    except (OSError, struct.error, AttributeError):
+        return "unix socket"
+    return f"unix socket, pid {pid}"
 
 
 def is_local(peername: object, sockname: object) -> bool | None:

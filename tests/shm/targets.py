@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -194,3 +195,26 @@ async def bytes_on_the_socket(g: ac.Group, data: bytes, cuts: tuple[int, ...]) -
                 await asyncio.sleep(0)
 
     return await on_link_then_allreduce(g, write)
+
+
+def link_sockets_of(g: ac.Group) -> dict[int, tuple[str, str, bool]]:
+    """Per peer: the family of its link's socket (``AF_UNIX``, ``AF_INET``...), how the link
+    names its peer, and whether it is in shared memory mode."""
+    out = {}
+    for peer, link in sorted(g._fabric.links.items()):
+        transport = getattr(link, "transport", None)
+        sock = None if transport is None else transport.get_extra_info("socket")
+        family = "none" if sock is None else socket.AddressFamily(sock.family).name
+        out[peer] = (family, link.describe(), isinstance(link, ShmLink) and link.shm)
+    return out
+
+
+async def link_sockets(g: ac.Group) -> dict[str, Any]:
+    """This rank's pid, its links' sockets (:func:`link_sockets_of`) and an allreduce's
+    result (ranks r contribute r + 1, small and 1 MiB)."""
+    found = link_sockets_of(g)
+    small = np.full(3, g.rank + 1.0)
+    large = np.full(1 << 18, g.rank + 1.0, np.float32)
+    await asyncio.gather(g.allreduce(small), g.allreduce(large))
+    sums = {float(small[0]), float(large.min()), float(large.max())}
+    return {"pid": os.getpid(), "links": found, "sums": sorted(sums)}

@@ -14,6 +14,7 @@ from aiocollect.errors import ProtocolError
 from aiocollect.transport.shm_ring import (
     MIN_CAPACITY,
     SEALS,
+    Ring,
     Segment,
 )
 
@@ -153,3 +154,50 @@ def test_spin_only_when_every_local_rank_has_a_core(monkeypatch: pytest.MonkeyPa
     assert spin_budget(1) == 0.0
     monkeypatch.setenv("AIOCOLLECT_SHM_SPIN_US", "lots")
     assert spin_budget(1) == SPIN_SECONDS
+
+
+def _single_checks(ring: Ring, inline_sent: int, refs_sent: int, rung: int, limit: int) -> bool:
+    """The sending half's socket decision from the ring's single checks (shm.ShmLink's
+    general path): raises ProtocolError on implausible counters."""
+    ahead = inline_sent - ring.inlined() if inline_sent else 0
+    if not 0 <= ahead <= limit:
+        raise ProtocolError("implausible")
+    if ahead:
+        return ahead < limit
+    gen = ring.reader_sleep()
+    return gen != 0 and gen != rung and ring.pulled() == refs_sent and ring.idle()
+
+
+def test_socket_turn_agrees_with_the_single_checks(segment: Segment) -> None:
+    """The one-call small-frame check says what the single checks say, and never True
+    where they find a counter implausible (a corrupt or hostile peer)."""
+    other = _attach(segment)
+    try:
+        writer, reader = segment.rings[0], other.rings[0]
+        rng = random.Random(7)
+        limit = 8
+        seen = {True: 0, False: 0, "error": 0}
+        for _ in range(3000):
+            writer.pos = rng.choice([0, 100, MIN_CAPACITY, 5 * MIN_CAPACITY])
+            tail = writer.pos - rng.choice([0, 0, 0, 1, 40, -3, MIN_CAPACITY + 1])
+            reader.pos = max(0, tail)
+            reader.publish_tail()
+            reader.arm_reader(rng.choice([0, 1, 2, 3]))
+            refs = rng.choice([0, 2, 5])
+            reader.publish_pulled(max(0, refs + rng.choice([0, 0, -1, 1])))
+            inline_sent = rng.choice([0, 0, 3, 10, 20])
+            taken = inline_sent - rng.choice([0, 0, 1, limit - 1, limit, 30])
+            reader.publish_inlined(max(0, taken))
+            rung = rng.choice([0, 1, 2])
+            fast = writer.socket_turn(inline_sent, refs, rung, limit)
+            try:
+                expected = _single_checks(writer, inline_sent, refs, rung, limit)
+            except ProtocolError:
+                assert not fast
+                seen["error"] += 1
+                continue
+            assert fast == expected
+            seen[expected] += 1
+        assert all(seen.values()), seen  # every outcome was reached
+    finally:
+        other.close()

@@ -4,8 +4,9 @@ every result compared exactly with numpy (tests/stress/plan.py).
 
 Modes: ``memory`` (ranks in one process, on both loops), and in real processes ``tcp``,
 ``tls``, ``shm`` with single-copy pulls, ``shm`` without them (``AIOCOLLECT_SHM_PULL=0``)
-and ``auto`` (the default a same-host user gets: shared memory with pulls where the kernel
-allows it).
+``auto`` (the default a same-host user gets: shared memory with pulls where the kernel
+allows it, the link's socket a Unix socket) and ``shm-tcpsocket`` (shared memory with the
+link's socket on TCP loopback, ``AIOCOLLECT_UNIX_SOCKET=0``: where Unix sockets fail).
 
 A stall shows as a PeerTimeout after ``op_timeout()`` seconds (30 s on a machine with a
 core per runnable process, up to 4 times that when it is oversubscribed), inside the
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 
 from aiocollect.testing import run_ranks, spawn_ranks
-from aiocollect.transport import cma
+from aiocollect.transport import cma, unix
 from tests.stress import targets
 
 ROUNDS = 2
@@ -33,7 +34,8 @@ OPS = 32
 OP_TIMEOUT = 30.0
 #: The most ``op_timeout`` stretches OP_TIMEOUT on a loaded machine.
 MAX_STRETCH = 4.0
-PROCESS_MODES = ["tcp", "tls", "shm", "shm-nopull", "auto"]
+#: shm-tcpsocket: shared memory with the link's socket on TCP loopback, not a Unix socket.
+PROCESS_MODES = ["tcp", "tls", "shm", "shm-nopull", "auto", "shm-tcpsocket"]
 WORLDS = [2, 3, 4]
 
 
@@ -79,7 +81,14 @@ if FULL:
     ROUNDS = 8
 #: Beyond a whole run's operation deadlines (spawn_ranks' bound) at the largest stretch.
 pytestmark = pytest.mark.timeout(ROUNDS * OP_TIMEOUT * MAX_STRETCH + 180)
-QUICK_WORLDS = {"auto": WORLDS, "shm": [2, 4], "shm-nopull": [3], "tcp": [3], "tls": [4]}
+QUICK_WORLDS = {
+    "auto": WORLDS,
+    "shm": [2, 4],
+    "shm-nopull": [3],
+    "tcp": [3],
+    "tls": [4],
+    "shm-tcpsocket": [4],
+}
 CASES = [
     (mode, uv, world)
     for mode in PROCESS_MODES
@@ -102,7 +111,9 @@ async def test_stress_in_processes(
     options: dict[str, Any] = {"uvloop": uvloop, "group_timeout": timeout}
     if mode == "shm-nopull":
         monkeypatch.setenv(cma.ENV, "0")
-    if mode in ("shm", "shm-nopull", "auto"):
+    if mode == "shm-tcpsocket":
+        monkeypatch.setenv(unix.UNIX_ENV, "0")
+    if mode in ("shm", "shm-nopull", "auto", "shm-tcpsocket"):
         options["transport"] = "shm" if mode.startswith("shm") else "auto"
     if mode == "tls":
         from tests.failure.conftest import make_certs

@@ -1,20 +1,26 @@
 """Every registered transport's links pass the Link conformance suite
 (aiocollect.testing.link_suite), made through the transport's own listeners as rendezvous
 makes them, over real connections and real segments: each name of the registry (shared
-memory without single-copy pulls, and once more with them as ``shm-pull``), and the
-example transport of tests/transport/example_transport.py, registered here only. A
-transport added to the registry is checked without a line here."""
+memory without single-copy pulls, and once more with them as ``shm-pull``; ``shm`` and
+``auto`` over their default Unix socket and once more over TCP loopback as
+``shm-tcpsocket`` and ``auto-tcpsocket``), and the example transport of
+tests/transport/example_transport.py, registered here only. A transport added to the
+registry is checked without a line here."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
 
 import pytest
 
 from aiocollect.testing.link_suite import LINK_CHECKS, PairFactory, transport_pair
 from aiocollect.tls import TLSConfig
-from aiocollect.transport import cma, registry
+from aiocollect.transport import cma, registry, unix
+from aiocollect.transport.base import Link, LinkEvents
 from aiocollect.transport.interface import Transport
+from aiocollect.transport.tcp import StreamLink
 from tests.failure.conftest import Certs, make_certs
 from tests.transport.example_transport import UNIX
 
@@ -22,7 +28,37 @@ pytestmark = pytest.mark.both_loops  # asyncio and uvloop transports differ (tes
 
 #: Variants beyond the registry's names (with single-copy pulls on): the transport each is.
 PULL_VARIANTS = {"shm-pull": "shm"}
-TRANSPORTS = [*registry.names(), *PULL_VARIANTS, UNIX.name]
+#: ... and with Unix sockets off (AIOCOLLECT_UNIX_SOCKET=0): the socket is TCP loopback.
+SOCKET_VARIANTS = {"shm-tcpsocket": "shm", "auto-tcpsocket": "auto"}
+TRANSPORTS = [*registry.names(), *PULL_VARIANTS, *SOCKET_VARIANTS, UNIX.name]
+#: The socket family each shared-memory name's pair must connect over.
+FAMILIES = {
+    "shm": socket.AF_UNIX,
+    "auto": socket.AF_UNIX,
+    "shm-pull": socket.AF_UNIX,
+    "shm-tcpsocket": socket.AF_INET,
+    "auto-tcpsocket": socket.AF_INET,
+}
+
+
+def _family(link: Link) -> socket.AddressFamily | None:
+    transport = link.transport if isinstance(link, StreamLink) else None
+    sock = None if transport is None else transport.get_extra_info("socket")
+    return None if sock is None else socket.AddressFamily(sock.family)
+
+
+def _over(family: socket.AddressFamily, make_pair: PairFactory) -> PairFactory:
+    """``make_pair``, checking that both links of every pair use a ``family`` socket."""
+
+    @asynccontextmanager
+    async def pair(
+        ea: LinkEvents, eb: LinkEvents, max_frame: int
+    ) -> AsyncIterator[tuple[Link, Link]]:
+        async with make_pair(ea, eb, max_frame) as (a, b):
+            assert (_family(a), _family(b)) == (family, family)
+            yield a, b
+
+    return pair
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +73,21 @@ def example_registered() -> Iterator[None]:
 
 
 def _factory(
+    name: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> PairFactory:
+    family = FAMILIES.get(name)
+    if name in SOCKET_VARIANTS:
+        monkeypatch.setenv(unix.UNIX_ENV, "0")
+        name = SOCKET_VARIANTS[name]
+    else:
+        monkeypatch.delenv(unix.UNIX_ENV, raising=False)
+        if family is not None and not unix.enabled():  # (not Linux)
+            family = socket.AF_INET
+    make_pair = _pair(name, request, monkeypatch)
+    return make_pair if family is None else _over(family, make_pair)
+
+
+def _pair(
     name: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> PairFactory:
     pulls = name in PULL_VARIANTS
