@@ -5,20 +5,22 @@
     python scripts/minimal_exchange.py 4            # 4 ranks (recursive doubling)
     python scripts/minimal_exchange.py 4 --star     # 4 ranks, any count: the star
     python scripts/minimal_exchange.py 4 --star --exec  # each rank a fresh interpreter
+    python scripts/minimal_exchange.py 4 --star --unix  # Unix socket pairs, not TCP
 
 N processes (forks of one parent, or with ``--exec`` each rank started as its own
 interpreter, as ``aiocollect run --start-method exec`` does; N a power of two unless
-``--star``), one TCP connection on loopback
-with TCP_NODELAY per pair of partners, one ``asyncio.BufferedProtocol`` per connection on
-uvloop. Per operation each rank runs recursive doubling: in step k it writes a 16-byte
-header and 4 bytes to rank ``r ^ 2**k``, waits for that partner's 20 bytes, checks the
-sequence number and adds the partner's value with numpy: no library, no checks, no
-deadlines, no failure handling. ``--star`` (aiocollect's small allreduce at three and
-four ranks): every rank sends its value to rank 0, which adds them in rank order and
-sends the sum back. Each rank prints the mean, p50 and p99 of its per-operation time and
-its user and system CPU per operation. docs/benchmarks.md (*Twelfth session*, *Thirteenth
-session*, *Twentieth session*) compares it with ``scripts/op_latency.py`` in the same
-hour; it is a yardstick, not part of aiocollect.
+``--star``), one TCP connection on loopback with TCP_NODELAY per pair of partners (with
+``--unix``: a Unix socket pair, made before the fork, as aiocollect's same-host links use
+Unix sockets), one ``asyncio.BufferedProtocol`` per connection on uvloop. Per operation
+each rank runs recursive doubling: in step k it writes a 16-byte header and 4 bytes to rank
+``r ^ 2**k``, waits for that partner's 20 bytes, checks the sequence number and adds the
+partner's value with numpy: no library, no checks, no deadlines, no failure handling.
+``--star`` (aiocollect's small allreduce at three and four ranks): every rank sends its
+value to rank 0, which adds them in rank order and sends the sum back. Each rank prints the
+mean, p50 and p99 of its per-operation time and its user and system CPU per operation.
+docs/benchmarks.md (*Twelfth session*, *Thirteenth session*, *Twentieth session*,
+*Twenty-second session*) compares it with ``scripts/op_latency.py`` in the same hour; it
+is a yardstick, not part of aiocollect.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ HEADER = struct.Struct("<QII")  # sequence number, kind, length
 FRAME = HEADER.size + 4
 
 
+#: Unix socket pairs by (lower rank, higher rank), made before the ranks fork (--unix).
+PAIRS: dict[tuple[int, int], tuple[socket.socket, socket.socket]] = {}
+
+
 class Peer(asyncio.BufferedProtocol):
     def __init__(self) -> None:
         self.buf = bytearray(1 << 16)
@@ -53,7 +59,9 @@ class Peer(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # (uvloop's is not a subclass)
-        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = transport.get_extra_info("socket")
+        if sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.connected.set_result(None)
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -82,6 +90,14 @@ async def connect(rank: int, n: int, ports: list[int], star: bool) -> dict[int, 
     port and connects to the higher ones' ports."""
     loop = asyncio.get_running_loop()
     partners = partners_of(rank, n, star)
+    if PAIRS:  # --unix: the pairs exist already
+        unix_peers = {}
+        for p in partners:
+            ends = PAIRS[(min(rank, p), max(rank, p))]
+            _, made = await loop.connect_accepted_socket(Peer, ends[0 if rank < p else 1])
+            await made.connected
+            unix_peers[p] = made
+        return unix_peers
     lower = [p for p in partners if p < rank]
     accepted: asyncio.Queue[Peer] = asyncio.Queue()
     server = await loop.create_server(lambda: _accepted(accepted), "127.0.0.1", ports[rank])
@@ -201,7 +217,7 @@ def main() -> None:
         return
     star = "--star" in args
     fresh = "--exec" in args
-    numbers = [a for a in args if a not in ("--star", "--exec")]
+    numbers = [a for a in args if a not in ("--star", "--exec", "--unix")]
     n = int(numbers[0]) if numbers else 2
     if n < 2 or (not star and n & (n - 1)):
         raise SystemExit("the number of ranks must be at least 2 (a power of two without --star)")
@@ -224,6 +240,13 @@ def main() -> None:
         for proc in procs:
             proc.wait()
         return
+    if "--unix" in args:
+        if fresh:
+            raise SystemExit("--unix needs forked ranks (not --exec)")
+        for a in range(n):
+            for b in partners_of(a, n, star):
+                if a < b:
+                    PAIRS[(a, b)] = socket.socketpair()
     children = []
     for rank in range(1, n):
         child = os.fork()

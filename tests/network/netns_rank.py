@@ -4,7 +4,8 @@ AIOCOLLECT_WORLD_SIZE, AIOCOLLECT_STORE, AIOCOLLECT_IFNAME as usual, plus NETNS_
 NETNS_HOST, NETNS_TIMEOUT, NETNS_COUNT). Every event is one JSON line on stdout:
 
 - ``{"event": "open", "address": ...}`` once the group formed (the address this rank
-  published in the store, and every rank's);
+  published in the store, and every rank's; ``links``: per peer, its link's socket
+  family and whether the link is in shared memory);
 - mode ``check``: ``{"event": "checked", ...}`` after allreduce and broadcast from every
   root were verified (an assertion error fails the process);
 - mode ``loop``: allreduce forever; ``{"event": "ready"}`` after 3 of them, then
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import sys
 import time
 from typing import Any
@@ -37,6 +39,16 @@ async def addresses(g: ac.Group) -> list[str]:
     for r in range(g.world_size):
         rec = msgpack.unpackb(await g.store.get(f"aiocollect/{NAME}/rank/{r}"), raw=False)
         out.append(str(rec["address"]))
+    return out
+
+
+def links(g: ac.Group) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {}
+    for peer, link in sorted(g._fabric.links.items()):
+        transport = getattr(link, "transport", None)
+        sock = None if transport is None else transport.get_extra_info("socket")
+        family = "none" if sock is None else socket.AddressFamily(sock.family).name
+        out[str(peer)] = [family, bool(getattr(link, "shm", False))]
     return out
 
 
@@ -82,7 +94,7 @@ async def main() -> None:
     count = int(os.environ.get("NETNS_COUNT", str(1 << 18)))
     g = await ac.open_group(host=os.environ.get("NETNS_HOST") or None, timeout=timeout, name=NAME)
     everyone = await addresses(g)
-    emit("open", rank=g.rank, address=everyone[g.rank], addresses=everyone)
+    emit("open", rank=g.rank, address=everyone[g.rank], addresses=everyone, links=links(g))
     if mode == "check":
         emit("checked", rank=g.rank, **await check(g, count))
         await g.aclose()

@@ -171,6 +171,36 @@ async def test_allreduce_broadcast_across_namespaces_ipv6(
     await _check_run(topology, launch, env, topology.v6)
 
 
+async def test_auto_across_namespaces_links_over_tcp_and_shared_memory(
+    topology: netns.Topology, launch: Any
+) -> None:
+    """``auto`` between namespaces of one kernel: the records say one host (same hostname
+    and boot id), but each namespace has its own abstract Unix socket names, so dialling
+    a peer's Unix socket fails and the link connects over TCP (its veth address), then
+    moves to shared memory as on one host (one pid namespace)."""
+    store = f"tcp://{topology.v4(0)}:{STORE_PORT}"
+
+    def env(rank: int) -> dict[str, str]:
+        return {
+            "AIOCOLLECT_STORE": store,
+            "AIOCOLLECT_IFNAME": netns.IFNAME,
+            "AIOCOLLECT_TRANSPORT": "auto",
+            "NETNS_MODE": "check",
+        }
+
+    ranks = [await launch(r, env(r)) for r in range(len(topology.ns))]
+    opened = await _all(ranks, "open", 30)
+    for rank, ev in enumerate(opened):
+        assert ev["address"] == topology.v4(rank), ev
+        assert ev["links"] == {str(p): ["AF_INET", True] for p in range(len(ranks)) if p != rank}, (
+            ev
+        )
+    await _all(ranks, "checked", 30)
+    await _all(ranks, "closed", 30)
+    for r in ranks:
+        assert await r.proc.wait() == 0, r.stderr.decode(errors="replace")
+
+
 async def test_ipv6_store_without_host_publishes_a_routable_address(
     topology: netns.Topology, launch: Any
 ) -> None:
