@@ -283,8 +283,9 @@ class RingReader(StreamLink):
             self._escaped_bytes(_BELLS[:nbytes])
         elif self._inline is not None:
             self._socket_bytes(nbytes)
-        elif _BELL_BYTES[0] == _INLINE_BYTE and self._inline_fast(nbytes):
-            pass
+        elif _BELL_BYTES[0] == _INLINE_BYTE and not self.discarding:
+            if not self._inline_fast(nbytes):
+                self._socket_bytes(nbytes)
         elif self.discarding or _BELL_BYTES.count(_BELL, 0, nbytes) == nbytes:
             self._service()  # doorbells only, or nothing more is taken
         else:
@@ -314,7 +315,7 @@ class RingReader(StreamLink):
             _new_key(Key, (kind, gid, seq, slot, chunk)), n, (coll, dtype, elems, rop, root)
         )
         if recv is None:
-            return False
+            return self._inline_early(nbytes)
         self._inlined = inlined = self._inlined + 1
         rx = self.rx
         if self._rx_paused or rx is None:  # (_count_inlined, inline)
@@ -324,6 +325,24 @@ class RingReader(StreamLink):
             rx.publish_inlined(inlined)
             self._wake_writer(rx)
         land(recv, _BELLS[1 + HEADER_SIZE : nbytes])
+        return True
+
+    def _inline_early(self, nbytes: int) -> bool:
+        """The read is exactly one DATA or P2P frame (``_inline_fast`` checked it) whose
+        receive is not posted as it says: into the mailbox as ``_take_inline`` would put it
+        (staged early, or a mismatch reported), without collecting it byte by byte first.
+        The star's root takes most of its leaves' frames this way. False, having done
+        nothing, when the header is malformed (``_socket_bytes`` reports it)."""
+        try:
+            h = parse_header(_BELL_BYTES, self.max_frame, 1)
+        except ProtocolError:
+            return False
+        self._inlined += 1
+        dest = self.open_frame(h)
+        if dest is not None:
+            dest[:] = _BELLS[1 + HEADER_SIZE : nbytes]
+            self._end_frame()
+        self._count_inlined()
         return True
 
     def _socket_bytes(self, nbytes: int) -> None:
