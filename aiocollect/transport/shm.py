@@ -968,10 +968,11 @@ class ShmTransport(Transport):
         return shm_ring.unavailable() if self.required else None
 
     def details(self) -> str | None:
+        socket = unix.describe()
         if not self.required:
             why = shm_ring.unavailable()
-            return "tcp only: " + why if why else "shm on one host (over unix sockets), else tcp"
-        return f"single-copy pulls {cma.status()}"
+            return "tcp only: " + why if why else f"shm on one host (over {socket}), else tcp"
+        return f"single-copy pulls {cma.status()}; over {socket}"
 
     def accepts(self, record: Record) -> bool:
         return host.same_host(record) and record.get("shm", "off") != "off"

@@ -47,6 +47,16 @@ def enabled(env: Mapping[str, str] | None = None) -> bool:
     return sys.platform.startswith("linux") and raw not in ("0", "false", "no", "off")
 
 
+def describe(env: Mapping[str, str] | None = None) -> str:
+    """What same-host links connect over here, for ``aiocollect info``."""
+    if enabled(env):
+        return "unix sockets"
+    if not sys.platform.startswith("linux"):
+        return f"tcp sockets: no abstract Unix sockets on {sys.platform}"
+    raw = (os.environ if env is None else env).get(UNIX_ENV, "")
+    return f"tcp sockets: {UNIX_ENV}={raw.strip()}"
+
+
 def _address(name: str) -> str:
     return "\0" + name
 

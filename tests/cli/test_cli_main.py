@@ -13,7 +13,7 @@ from cli_helpers import RunCli, WriteScript, cli_command
 
 import aiocollect
 from aiocollect.cli.main import main
-from aiocollect.transport import registry
+from aiocollect.transport import registry, unix
 
 
 @pytest.mark.timeout(60)
@@ -36,6 +36,24 @@ def test_info_text(run_cli: RunCli) -> None:
         "rdma devices",
     ):
         assert word in done.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_info_says_which_socket_same_host_links_use(
+    run_cli: RunCli, monkeypatch: pytest.MonkeyPatch, setting: str | None
+) -> None:
+    """``auto`` and ``shm`` links on one host connect over Unix sockets unless
+    AIOCOLLECT_UNIX_SOCKET=0 (inherited by the command): info says which."""
+    if setting is None:
+        monkeypatch.delenv(unix.UNIX_ENV, raising=False)
+    else:
+        monkeypatch.setenv(unix.UNIX_ENV, setting)
+    info = json.loads(run_cli("info", "--json").stdout)["transports"]
+    want = "unix sockets" if setting is None else f"tcp sockets: {unix.UNIX_ENV}=0"
+    assert f"(over {want})" in info["auto"], info
+    if "unavailable" not in info["shm"]:
+        assert f"over {want}" in info["shm"], info
 
 
 @pytest.mark.timeout(60)

@@ -205,8 +205,10 @@ async def test_the_unix_socket_ends_with_the_group() -> None:
 
 def test_unix_sockets_setting() -> None:
     assert unix.enabled({}) == unix.enabled({unix.UNIX_ENV: "1"})
+    assert unix.describe({}) == "unix sockets"
     for off in ("0", "false", "No", " off "):
         assert not unix.enabled({unix.UNIX_ENV: off})
+        assert unix.describe({unix.UNIX_ENV: off}) == f"tcp sockets: {unix.UNIX_ENV}={off.strip()}"
     assert unix.valid_name(f"{unix.PREFIX}12-ab")
     for bad in (None, 3, "", "x", f"{unix.PREFIX}\0", unix.PREFIX + "y" * 100):
         assert not unix.valid_name(bad)
