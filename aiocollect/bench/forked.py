@@ -20,7 +20,6 @@ SIGINT (a Ctrl-C reaches the ranks, and the runner, which then stops it).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -30,7 +29,7 @@ import traceback
 from collections.abc import Sequence
 from types import FrameType
 
-from aiocollect.cli.forked import PRELOAD, exit_code, preload
+from aiocollect.cli.forked import PRELOAD, exit_code, flush_stdio, kill_and_reap, preload
 
 #: Seconds the other ranks get to finish after one failed (as the runner's wait_all).
 FAIL_GRACE = 5.0
@@ -48,20 +47,8 @@ def _rank(args: list[str]) -> None:
     except BaseException:
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        flush_stdio()
         os._exit(code)
-
-
-def _kill(pids: Sequence[int]) -> None:
-    """SIGKILL ``pids`` and reap them (so that none is left a zombie for init)."""
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.waitpid(pid, 0)
 
 
 def run(parent: int, ranks: list[list[str]]) -> int:
@@ -80,7 +67,7 @@ def run(parent: int, ranks: list[list[str]]) -> int:
         pids.append(pid)
 
     def stop(signum: int, frame: FrameType | None) -> None:
-        _kill(list(running))
+        kill_and_reap(running)
         os._exit(128 + signum)
 
     running = set(pids)
@@ -91,12 +78,12 @@ def run(parent: int, ranks: list[list[str]]) -> int:
     status = 0
     while running:
         if os.getppid() != parent:  # the runner is gone
-            _kill(list(running))
+            kill_and_reap(running)
             return 1
         pid, wstatus = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             if failed_at is not None and time.monotonic() - failed_at > FAIL_GRACE:
-                _kill(list(running))
+                kill_and_reap(running)
                 return 1
             time.sleep(0.05)
             continue

@@ -81,6 +81,27 @@ def preload(modules: Iterable[str] = PRELOAD) -> str | None:
     return fork_safe()
 
 
+def flush_stdio() -> None:
+    """Flush ``sys.stdout`` and ``sys.stderr`` as far as they let themselves be (before a
+    fork or an exec, so that nothing buffered is written twice or lost)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+def kill_and_reap(pids: Iterable[int], group: bool = False) -> None:
+    """SIGKILL each of ``pids`` (its whole process group with ``group``: a rank leads its
+    own session) and reap it, so that none is left a zombie; processes already gone are
+    skipped."""
+    pids = list(pids)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            (os.killpg if group else os.kill)(pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.waitpid(pid, 0)
+
+
 def fork_safe() -> str | None:
     """None if no Python thread but this one runs (a fork copies only the calling
     thread, so another thread's locks would stay held in the child), else why not."""
@@ -162,9 +183,7 @@ def fork_rank(
     """
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    flush_stdio()
     try:
         pid = os.fork()
     except OSError:

@@ -59,7 +59,9 @@ from aiocollect.cli.forked import (
     START_METHODS,
     ForkedRank,
     default_start_method,
+    flush_stdio,
     fork_rank,
+    kill_and_reap,
     preload,
 )
 from aiocollect.cli.supervise import FORWARDED_SIGNALS, Job, supervise
@@ -471,12 +473,7 @@ def fork_ranks(cfg: LaunchConfig) -> list[ForkedRank]:
 
 def kill_forked(ranks: Sequence[ForkedRank]) -> None:
     """SIGKILL (and reap) every forked rank not reaped yet: the launcher is failing."""
-    for rank in ranks:
-        if rank.returncode is None:
-            with contextlib.suppress(OSError):
-                os.killpg(rank.pid, signal.SIGKILL)
-            with contextlib.suppress(OSError):
-                os.waitpid(rank.pid, 0)
+    kill_and_reap((rank.pid for rank in ranks if rank.returncode is None), group=True)
 
 
 def _blas_ready(argv: Sequence[str]) -> str | None:
@@ -497,9 +494,7 @@ def _blas_ready(argv: Sequence[str]) -> str | None:
     for var in missing:
         env[var] = "1"
     env[_REEXEC_ENV] = "1"
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    flush_stdio()
     os.execve(sys.executable, [sys.executable, "-m", "aiocollect", "run", *argv], env)
 
 

@@ -207,39 +207,18 @@ class ShmLink(RingReader):
         if not self.shm:
             super().send(header, payload)
             return
-        n = len(payload)
-        tx = self._tx
-        if (
-            n <= INLINE_MAX
-            and tx is not None
-            and not self._queue
-            and not self._held
-            and not (self.ring_broken or self._tx_dead or self.lost or self.closed)
-            and (n < self.policy.pull_min or self.policy.pull_min <= 0)
-            and (transport := self.transport) is not None
-            and not transport.is_closing()
-            and tx.socket_turn(self._inline_sent, self._refs_sent, self._rung_reader, INLINE_AHEAD)
-        ):
-            # The common small frame to a sleeping reader (or behind socket frames it has
-            # not taken yet), with every check of _send_frame's socket branch in one ring
-            # call instead of five method calls (where ranks outnumber cores, almost every
-            # small frame goes this way).
-            transport.write(INLINE + header + payload if n else INLINE + header)
-            self._inline_sent += 1
-            self.bytes_sent += n
-            self.frames_sent += 1
-            self._mark = None
-            return
         if self.ring_broken and header[2] == ABORT and not (self.lost or self.closed):
             self._send_escaped(header, payload)
             self.bytes_sent += len(payload)
             self.frames_sent += 1
             self._mark = None
             return
+        tx = self._tx
         if self.lost or self.closed or self._tx_dead or tx is None:
             raise self.failure or PeerDisconnected(
                 f"link to {self.describe()} is closed", self.peer
             )
+        n = len(payload)
         if n >= BULK_MIN and self._bulk_cap:
             if self._held or self._must_hold(n):
                 self._hold(header, payload, stream_of(header))
@@ -345,20 +324,22 @@ class ShmLink(RingReader):
             # the reader sleeps (a doorbell would be written: that one write carries the
             # frame, and neither side touches the ring) with everything this side wrote
             # into the ring read and every reference pulled, so that nothing sent before
-            # can arrive after it. Else header and payload as one write into the ring.
+            # can arrive after it (the ring's counters in one call, Ring.socket_turn: where
+            # ranks outnumber cores almost every small frame goes this way). Else header
+            # and payload as one write into the ring.
+            if (
+                n <= INLINE_MAX
+                and not self.ring_broken
+                and (transport := self.transport) is not None
+                and not transport.is_closing()
+                and tx.socket_turn(
+                    self._inline_sent, self._refs_sent, self._rung_reader, INLINE_AHEAD
+                )
+            ):
+                self._send_inline(transport, header, payload)
+                return
             try:
-                ahead = self._inline_ahead(tx)
-                if (
-                    n <= INLINE_MAX
-                    and not self.ring_broken
-                    and ahead < INLINE_AHEAD
-                    and (transport := self.transport) is not None
-                    and not transport.is_closing()
-                    and (ahead or self._reader_sleeps_idle(tx))
-                ):
-                    self._send_inline(transport, header, payload)
-                    return
-                if not ahead and tx.free() >= len(header) + n:
+                if not self._inline_ahead(tx) and tx.free() >= len(header) + n:
                     tx.write(memoryview(header + payload if n else header))
                     self.bytes_sent += n
                     self.frames_sent += 1
@@ -427,19 +408,6 @@ class ShmLink(RingReader):
                 f"frames of {sent}"
             )
         return ahead
-
-    def _reader_sleeps_idle(self, tx: Ring) -> bool:
-        """Whether the reader of ``tx`` sleeps (a doorbell would be written: a spinning
-        or already woken reader is cheaper to reach through the ring) with everything
-        this side wrote into it read and every reference pulled.
-
-        Raises:
-            ProtocolError: the reader's counters are implausible.
-        """
-        gen = tx.reader_sleep()
-        return (
-            gen != 0 and gen != self._rung_reader and tx.pulled() == self._refs_sent and tx.idle()
-        )
 
     def _send_inline(
         self, transport: asyncio.Transport, header: bytes, payload: memoryview | bytes

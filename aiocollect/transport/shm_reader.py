@@ -305,10 +305,8 @@ class RingReader(StreamLink):
             or magic != MAGIC
             or kind not in (DATA, P2P)
             or n > INLINE_MAX
+            or self._ring_frame_open()
             or self._rx_dead
-            or self._rpayload is not None  # (_ring_frame_open, inline)
-            or self._pulling is not None
-            or self._pulls
         ):
             return False  # (_take_inline reports what is wrong)
         recv = self._take_posted(
@@ -316,14 +314,8 @@ class RingReader(StreamLink):
         )
         if recv is None:
             return self._inline_early(nbytes)
-        self._inlined = inlined = self._inlined + 1
-        rx = self.rx
-        if self._rx_paused or rx is None:  # (_count_inlined, inline)
-            self._inline_unacked = True
-        else:
-            self._inline_unacked = False
-            rx.publish_inlined(inlined)
-            self._wake_writer(rx)
+        self._inlined += 1
+        self._count_inlined()
         land(recv, _BELLS[1 + HEADER_SIZE : nbytes])
         return True
 
@@ -805,8 +797,7 @@ class RingReader(StreamLink):
 
     def post(self, key: Key, recv: Receiver) -> bool:
         landed = super().post(key, recv)
-        if key == self._parked or (not landed and self.policy.spin > 0):
-            self._posted_one(key, landed)  # (else it would do nothing)
+        self._posted_one(key, landed)
         return landed
 
     def _posted_one(self, key: Key, landed: bool) -> None:

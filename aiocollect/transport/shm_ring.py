@@ -241,9 +241,8 @@ class Ring:
         frames are more than the reader has taken but fewer than ``limit`` ahead, or none
         is ahead and the reader sleeps (a generation other than 0 and ``rung``, the one we
         last rang for) with everything written read and all ``refs_sent`` references
-        pulled. False means: ask the single checks (``inlined``, ``reader_sleep``,
-        ``pulled``, ``idle``), which also report implausible counters; this one never
-        raises and never says True on one.
+        pulled. False also where a counter is implausible: this never raises (``inlined``
+        and :meth:`free`, asked next, report it).
         """
         ctl = self.ctl
         if inline_sent:
@@ -252,14 +251,6 @@ class Ring:
                 return 0 < ahead < limit
         gen = ctl[_RSLEEP]
         return gen != 0 and gen != rung and ctl[_PULLED] == refs_sent and ctl[_TAIL] == self.pos
-
-    def idle(self) -> bool:
-        """Whether the reader has consumed everything written (its tail is our head).
-
-        Raises:
-            ProtocolError: the reader's position is implausible (as :meth:`free`).
-        """
-        return self.free() == self.cap
 
     # -- reader side -----------------------------------------------------------------------
 

@@ -39,12 +39,16 @@ UNIX_ENV = "AIOCOLLECT_UNIX_SOCKET"
 PREFIX = "aiocollect-"
 
 
+def _setting(env: Mapping[str, str] | None) -> str:
+    return (os.environ if env is None else env).get(UNIX_ENV, "").strip()
+
+
 def enabled(env: Mapping[str, str] | None = None) -> bool:
     """Whether links to ranks on this host may use Unix sockets: on Linux (abstract
     names), unless ``AIOCOLLECT_UNIX_SOCKET`` (in ``env``, default ``os.environ``) is
     ``0``, ``false``, ``no`` or ``off``."""
-    raw = (os.environ if env is None else env).get(UNIX_ENV, "").strip().lower()
-    return sys.platform.startswith("linux") and raw not in ("0", "false", "no", "off")
+    off = _setting(env).lower() in ("0", "false", "no", "off")
+    return sys.platform.startswith("linux") and not off
 
 
 def describe(env: Mapping[str, str] | None = None) -> str:
@@ -53,8 +57,7 @@ def describe(env: Mapping[str, str] | None = None) -> str:
         return "unix sockets"
     if not sys.platform.startswith("linux"):
         return f"tcp sockets: no abstract Unix sockets on {sys.platform}"
-    raw = (os.environ if env is None else env).get(UNIX_ENV, "")
-    return f"tcp sockets: {UNIX_ENV}={raw.strip()}"
+    return f"tcp sockets: {UNIX_ENV}={_setting(env)}"
 
 
 def _address(name: str) -> str:

@@ -131,13 +131,21 @@ async def launch(topology: netns.Topology) -> AsyncIterator[Any]:
 
 
 async def _check_run(
-    topology: netns.Topology, launch: Any, env_for: Any, want_address: Any
+    topology: netns.Topology,
+    launch: Any,
+    env_for: Any,
+    want_address: Any,
+    want_links: Any = None,
 ) -> None:
+    """Every rank opens the group at its address (``want_links(rank)``: and with these
+    links, see netns_rank), checks its collectives, closes and exits 0."""
     ranks = [await launch(r, env_for(r)) for r in range(len(topology.ns))]
     opened = await _all(ranks, "open", 30)  # the first rank to fail fails the test
     for rank, ev in enumerate(opened):
         assert ev["address"] == want_address(rank), ev
         assert ev["addresses"] == [want_address(r) for r in range(len(ranks))], ev
+        if want_links is not None:
+            assert ev["links"] == want_links(rank), ev
     await _all(ranks, "checked", 30)
     await _all(ranks, "closed", 30)
     for r in ranks:
@@ -188,17 +196,10 @@ async def test_auto_across_namespaces_links_over_tcp_and_shared_memory(
             "NETNS_MODE": "check",
         }
 
-    ranks = [await launch(r, env(r)) for r in range(len(topology.ns))]
-    opened = await _all(ranks, "open", 30)
-    for rank, ev in enumerate(opened):
-        assert ev["address"] == topology.v4(rank), ev
-        assert ev["links"] == {str(p): ["AF_INET", True] for p in range(len(ranks)) if p != rank}, (
-            ev
-        )
-    await _all(ranks, "checked", 30)
-    await _all(ranks, "closed", 30)
-    for r in ranks:
-        assert await r.proc.wait() == 0, r.stderr.decode(errors="replace")
+    def links(rank: int) -> dict[str, list[Any]]:
+        return {str(p): ["AF_INET", True] for p in range(len(topology.ns)) if p != rank}
+
+    await _check_run(topology, launch, env, topology.v4, links)
 
 
 async def test_ipv6_store_without_host_publishes_a_routable_address(

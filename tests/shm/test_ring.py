@@ -157,15 +157,15 @@ def test_spin_only_when_every_local_rank_has_a_core(monkeypatch: pytest.MonkeyPa
 
 
 def _single_checks(ring: Ring, inline_sent: int, refs_sent: int, rung: int, limit: int) -> bool:
-    """The sending half's socket decision from the ring's single checks (shm.ShmLink's
-    general path): raises ProtocolError on implausible counters."""
+    """The sending half's socket decision from the ring's single counters, checked one
+    by one as they used to be: raises ProtocolError on implausible ones."""
     ahead = inline_sent - ring.inlined() if inline_sent else 0
     if not 0 <= ahead <= limit:
         raise ProtocolError("implausible")
     if ahead:
         return ahead < limit
     gen = ring.reader_sleep()
-    return gen != 0 and gen != rung and ring.pulled() == refs_sent and ring.idle()
+    return gen != 0 and gen != rung and ring.pulled() == refs_sent and ring.free() == ring.cap
 
 
 def test_socket_turn_agrees_with_the_single_checks(segment: Segment) -> None:
