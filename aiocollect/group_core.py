@@ -42,6 +42,11 @@ PROBE_SECONDS = 0.5
 #: disagree then raise MismatchError instead of waiting for the deadline. Asked again at
 #: 2, 4, 8 ... seconds (at most every ``CHECK_MAX`` s) while peers have not called it yet.
 CHECK_SECONDS = 1.0
+#: A deadline at least this far off is put on the deadline heap by the progress ticker,
+#: which sees every operation still in flight within ``CHECK_SECONDS`` of its start, not
+#: by the call: most operations end long before and never touch the heap
+#: (docs/design.md, *Deadlines*). Nearer ones are put there at once.
+WATCH_AT_TICK = 2 * CHECK_SECONDS
 CHECK_MAX = 30.0
 #: An operation with no byte received or sent on its links for this long logs a WARNING
 #: naming it and the ranks not heard from, again after 2x, 4x ... that interval (at most
@@ -97,6 +102,8 @@ class GroupCore:
         self._watch_count = 0
         self._watch_at: float | None = None
         self._watch_handle: asyncio.TimerHandle | None = None
+        #: operations in flight whose far deadline the ticker has put on the heap
+        self._watched: set[asyncio.Future[Any]] = set()
         self._closers: list[Callable[[], Coroutine[Any, Any, None]]] = list(closers)
         #: The loop the group runs on, from its first one-frame operation (links are bound
         #: to one loop: a group is used on one).
@@ -196,9 +203,9 @@ class GroupCore:
     ) -> asyncio.Task[T]:
         """Take a sequence number and start ``body`` as a task (the handle).
 
-        This is the per-operation hot path: one Task and a heap entry for the deadline (no
-        ``asyncio.timeout`` context, no timer per operation), no other allocation beyond
-        the Op.
+        This is the per-operation hot path: one Task (no ``asyncio.timeout`` context, no
+        timer per operation: the deadline goes on the group's heap, by the ticker where it
+        is ``WATCH_AT_TICK`` or more away), no other allocation beyond the Op.
         """
         op, timeout = self._new_op(kind, fp, timeout, p2p)
         loop = asyncio.get_running_loop()
@@ -207,7 +214,7 @@ class GroupCore:
         task.add_done_callback(self._untrack)
         if self._tick_handle is None:
             self._tick_handle = loop.call_later(CHECK_SECONDS, _tick, weakref.ref(self), loop)
-        if timeout is not None:
+        if timeout is not None and timeout < WATCH_AT_TICK:
             self._watch(loop, loop.time() + timeout, task, op)
         return task
 
@@ -261,7 +268,7 @@ class GroupCore:
         self._tasks[handle] = (quick, kind, now, timeout)
         if self._tick_handle is None:
             self._tick_handle = loop.call_later(CHECK_SECONDS, _tick, weakref.ref(self), loop)
-        if timeout is not None:
+        if timeout is not None and timeout < WATCH_AT_TICK:
             self._watch(loop, now + timeout, handle, quick)
         return handle
 
@@ -317,6 +324,7 @@ class GroupCore:
             self._watch_handle = None
         self._watch_at = None
         self._deadlines.clear()
+        self._watched.clear()
 
     def _on_deadline(self, loop: asyncio.AbstractEventLoop) -> None:
         self._watch_handle = None
@@ -412,9 +420,10 @@ class GroupCore:
     # -- seeing progress (and mismatches) while an operation waits ------------------------
 
     def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Every ``TICK`` s while operations are in flight: operations older than
-        ``CHECK_SECONDS`` ask their peers what they called (:meth:`_check`); operations
-        without progress for their interval log a WARNING."""
+        """Every ``TICK`` s while operations are in flight: far deadlines
+        (``WATCH_AT_TICK``) of operations seen for the first time go on the deadline
+        heap; operations older than ``CHECK_SECONDS`` ask their peers what they called
+        (:meth:`_check`); operations without progress for their interval log a WARNING."""
         self._tick_handle = None
         if self.closed or self._fabric.failure is not None:
             self._progress.clear()
@@ -426,6 +435,9 @@ class GroupCore:
                 continue
             live = True
             op, kind, started, timeout = info
+            if timeout is not None and timeout >= WATCH_AT_TICK and fut not in self._watched:
+                self._watched.add(fut)  # (a deadline already passed fires at once)
+                self._watch(loop, started + timeout, fut, op)
             age = now - started
             if age < CHECK_SECONDS:
                 continue
@@ -445,6 +457,7 @@ class GroupCore:
                 st.next_warn = age + st.warn_every
         for fut in [f for f in self._progress if f.done()]:
             del self._progress[fut]
+        self._watched = {fut for fut in self._watched if not fut.done()}
         if live:
             self._tick_handle = loop.call_later(TICK, _tick, weakref.ref(self), loop)
 

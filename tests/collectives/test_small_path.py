@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import aiocollect as ac
+from aiocollect import group_core
 from aiocollect.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -101,6 +102,39 @@ async def test_deadline_names_the_rank_that_never_called() -> None:
     err, _ = await run_ranks(2, body, transport="tcp", timeout=30.0)
     assert err.ranks == [1], err
     assert "have not called it" in str(err), err
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+@pytest.mark.parametrize("size", [4, 1 << 20])  # the one-frame path, the Task path
+async def test_a_far_deadline_expires_on_time(transport: str, size: int) -> None:
+    """A deadline ``WATCH_AT_TICK`` or more away goes on the deadline heap by the group's
+    progress ticker, not by the call (design.md, *Deadlines*): operations that finish
+    never touch the heap, and one that does not still fails at its deadline, not before,
+    and promptly after."""
+    timeout = 2.5
+    assert timeout >= group_core.WATCH_AT_TICK
+
+    async def body(g: ac.Group) -> Any:
+        for _ in range(50):  # the group's default timeout: 300 s away
+            await g.allreduce(np.ones(size // 4, np.float32))
+        heap_after_done = len(g._deadlines)
+        await g.barrier()
+        if g.rank == 1:  # never calls it; hears rank 0's relayed timeout
+            with pytest.raises(ac.PeerTimeout):
+                await g.recv(np.zeros(1), 0, tag=1)
+            return heap_after_done, None
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(ac.PeerTimeout) as info:
+            await g.allreduce(np.ones(size // 4, np.float32), timeout=timeout)
+        return heap_after_done, (loop.time() - start, info.value)
+
+    (heap0, (elapsed, err)), (heap1, _) = await run_ranks(
+        2, body, transport=transport, timeout=30.0
+    )
+    assert heap0 == heap1 == 0
+    assert timeout <= elapsed < timeout + 5.0, elapsed
+    assert err.ranks == [1], err
 
 
 @pytest.mark.parametrize("transport", ["tcp", "auto"])
