@@ -337,9 +337,8 @@ class Quick:
                         else:
                             self._key = key
                     if slink is not None:
-                        slink.send(pre + self._seqb + post, self.bview)
+                        mark = slink.send(pre + self._seqb + post, self.bview)
                         self._moved = True
-                        mark = slink.sent_mark(None)
                         if mark is not None:
                             if self._marks is None:
                                 self._marks = []

@@ -390,7 +390,7 @@ class Link(abc.ABC):
             del self._posted[key]
             self._frame_recv = recv
             return recv.view
-        refusal = self._refuse_staging(h)
+        refusal = self._refuse_staging(h, key)
         if refusal is not None:
             self._raise_error(refusal)
             return None
@@ -398,10 +398,11 @@ class Link(abc.ABC):
         self._frame_staging = staging = POOL.take(h.length)
         return memoryview(staging)
 
-    def _refuse_staging(self, h: Header) -> ProtocolError | None:
-        """Why a frame with no posted receive cannot be staged, if it cannot."""
-        if h.key in self._early:  # a second copy would silently replace the first
-            return ProtocolError(f"{self.describe()} sent frame {h.key} twice")
+    def _refuse_staging(self, h: Header, key: Key) -> ProtocolError | None:
+        """Why a frame (``h``, its ``key``) with no posted receive cannot be staged, if it
+        cannot."""
+        if key in self._early:  # a second copy would silently replace the first
+            return ProtocolError(f"{self.describe()} sent frame {key} twice")
         frames = self._early_frames + 1
         cost = self._early_bytes + h.length + frames * STAGED_FRAME_COST
         if cost > self.early_limit:
@@ -427,15 +428,16 @@ class Link(abc.ABC):
             land(recv)
             return
         assert staging is not None
-        late = self._posted.get(h.key)  # posted while the payload was arriving
+        key = h.key
+        late = self._posted.get(key)  # posted while the payload was arriving
         if late is not None:
             if self._check(h, len(late.view), late.expect):
-                del self._posted[h.key]
+                del self._posted[key]
                 late.view[:] = staging
                 POOL.give(staging)  # the transport has finished writing it
                 land(late)
             return
-        self._early[h.key] = (h, staging)
+        self._early[key] = (h, staging)
         self._early_bytes += len(staging)
         self._early_frames += 1
         if self._early_bytes > STAGING_LIMIT:
@@ -535,8 +537,11 @@ class Link(abc.ABC):
     # -- sending ---------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def send(self, header: bytes, payload: memoryview | bytes) -> None:
-        """Queue one frame. The payload memory must stay unchanged until ``drained()``."""
+    def send(self, header: bytes, payload: memoryview | bytes) -> SendMark:
+        """Queue one frame. The payload memory must stay unchanged until ``drained()``, or
+        until :meth:`released` holds for the mark returned: the frame's, as
+        :meth:`sent_mark` ``(None)`` would give right after (None: the payload has left
+        the caller's memory already)."""
 
     @property
     def caps(self) -> LinkCaps:

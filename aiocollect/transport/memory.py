@@ -20,6 +20,7 @@ from aiocollect.transport.base import (
     LinkCaps,
     LinkEvents,
     Rejection,
+    SendMark,
 )
 from aiocollect.transport.interface import LinkSetup, Listener, Record, Transport
 from aiocollect.transport.wire import parse_header
@@ -43,7 +44,7 @@ class MemoryLink(Link):
     def caps(self) -> LinkCaps:
         return SAME_THREAD
 
-    def send(self, header: bytes, payload: memoryview | bytes) -> None:
+    def send(self, header: bytes, payload: memoryview | bytes) -> SendMark:
         other = self.other
         if self.closed or other is None:
             raise self._failure or PeerDisconnected(
@@ -52,6 +53,7 @@ class MemoryLink(Link):
         self._loop.call_soon(other._deliver, header, bytes(payload))
         self.bytes_sent += len(payload)
         self.frames_sent += 1
+        return None  # (copied)
 
     def _deliver(self, header: bytes, data: bytes) -> None:
         if self.closed:

@@ -203,16 +203,15 @@ class ShmLink(RingReader):
 
     # -- sending ---------------------------------------------------------------------------
 
-    def send(self, header: bytes, payload: memoryview | bytes) -> None:
+    def send(self, header: bytes, payload: memoryview | bytes) -> SendMark:
         if not self.shm:
-            super().send(header, payload)
-            return
+            return super().send(header, payload)
         if self.ring_broken and header[2] == ABORT and not (self.lost or self.closed):
             self._send_escaped(header, payload)
             self.bytes_sent += len(payload)
             self.frames_sent += 1
             self._mark = None
-            return
+            return None
         tx = self._tx
         if self.lost or self.closed or self._tx_dead or tx is None:
             raise self.failure or PeerDisconnected(
@@ -223,14 +222,15 @@ class ShmLink(RingReader):
             if self._held or self._must_hold(n):
                 self._hold(header, payload, stream_of(header))
                 self._mark = DRAIN
-                return
+                return DRAIN
         elif self._held:
             stream = stream_of(header)
             if stream in self._held_streams:  # behind its stream's waiting frames
                 self._hold(header, payload, stream)
                 self._mark = DRAIN
-                return
+                return DRAIN
         self._send_frame(header, payload)
+        return self._mark
 
     # -- bulk frames held back (head-of-line blocking) --------------------------------------
 
@@ -335,8 +335,12 @@ class ShmLink(RingReader):
                 and tx.socket_turn(
                     self._inline_sent, self._refs_sent, self._rung_reader, INLINE_AHEAD
                 )
-            ):
-                self._send_inline(transport, header, payload)
+            ):  # behind an INLINE byte, as on TCP
+                transport.write(INLINE + header + payload if n else INLINE + header)
+                self._inline_sent += 1
+                self.bytes_sent += n
+                self.frames_sent += 1
+                self._mark = None
                 return
             try:
                 if not self._inline_ahead(tx) and tx.free() >= len(header) + n:
@@ -408,16 +412,6 @@ class ShmLink(RingReader):
                 f"frames of {sent}"
             )
         return ahead
-
-    def _send_inline(
-        self, transport: asyncio.Transport, header: bytes, payload: memoryview | bytes
-    ) -> None:
-        """One small frame on the (open) socket, as on TCP behind an ``INLINE`` byte."""
-        transport.write(INLINE + header + payload if payload else INLINE + header)
-        self._inline_sent += 1
-        self.bytes_sent += len(payload)
-        self.frames_sent += 1
-        self._mark = None
 
     def _send_escaped(self, header: bytes, payload: memoryview | bytes) -> None:
         """Send an ABORT on the socket, behind an escape byte (the rings are broken)."""

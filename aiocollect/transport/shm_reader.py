@@ -55,6 +55,7 @@ from aiocollect.transport.wire import (
 log = logging.getLogger("aiocollect.transport.shm")
 _unpack_header = HEADER.unpack_from
 _new_key = tuple.__new__
+_new_header = tuple.__new__  # (a Header from fields already checked, without _make)
 
 _BELL_BYTES = bytearray(64 * 1024)
 _BELLS = memoryview(_BELL_BYTES)
@@ -324,10 +325,11 @@ class RingReader(StreamLink):
         receive is not posted as it says: into the mailbox as ``_take_inline`` would put it
         (staged early, or a mismatch reported), without collecting it byte by byte first.
         The star's root takes most of its leaves' frames this way. False, having done
-        nothing, when the header is malformed (``_socket_bytes`` reports it)."""
-        try:
-            h = parse_header(_BELL_BYTES, self.max_frame, 1)
-        except ProtocolError:
+        nothing, when the frame is longer than this link takes (``_socket_bytes`` reports
+        it)."""
+        # (magic, kind and length checked there: the fields as parse_header gives them)
+        h: Header = _new_header(Header, _unpack_header(_BELL_BYTES, 1)[1:])
+        if h.length > self.max_frame:
             return False
         self._inlined += 1
         dest = self.open_frame(h)

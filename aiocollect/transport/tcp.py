@@ -50,6 +50,7 @@ import msgpack
 from aiocollect.errors import PeerDisconnected, ProtocolError, RendezvousError
 from aiocollect.transport.base import (
     COPIES,
+    DRAIN,
     Handshaker,
     Link,
     LinkCaps,
@@ -462,7 +463,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
 
     # -- sending ---------------------------------------------------------------------------
 
-    def send(self, header: bytes, payload: memoryview | bytes) -> None:
+    def send(self, header: bytes, payload: memoryview | bytes) -> SendMark:
         transport = self.transport
         if transport is None or self.lost or self.closed:
             raise self._failure or PeerDisconnected(
@@ -476,28 +477,30 @@ class StreamLink(Link, asyncio.BufferedProtocol):
             stream = stream_of(header)
             if n >= BULK_MIN or stream in self._bulk_streams:  # (order within a stream)
                 self._queue_bulk(header, payload, stream)
-            else:
-                self._behind.append(header + bytes(payload))
-                self._bulk_bytes += len(header) + n
-                self._copied = True
-            return
+                return DRAIN
+            self._behind.append(header + bytes(payload))
+            self._bulk_bytes += len(header) + n
+            self._copied = True
+            return None
         if n >= BULK_MIN:
             if self._bulk or self._must_wait(transport, n):
                 self._queue_bulk(header, payload, stream_of(header))
-                return
+                return DRAIN
             if self._piece and n > self._piece:
                 self._write_in_pieces(transport, header, payload)
-                return
+                return DRAIN
         elif self._bulk:
             stream = stream_of(header)
             if stream in self._bulk_streams:  # behind its stream's queued frames
                 self._queue_bulk(header, payload, stream)
-                return
+                return DRAIN
         if n > JOIN_MAX:
             transport.writelines((header, payload))
-        else:  # one buffer: the event loop writes it with one plain write()
-            transport.write(header + payload if n else header)
-            self._copied = True
+            return DRAIN if self.write_buffer_size() else None
+        # one buffer: the event loop writes it with one plain write()
+        transport.write(header + payload if n else header)
+        self._copied = True
+        return None
 
     def _queue_bulk(self, header: bytes, payload: memoryview | bytes, stream: bytes) -> None:
         self._bulk.append((header, payload, stream))

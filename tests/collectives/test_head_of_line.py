@@ -14,6 +14,7 @@ import pytest
 import aiocollect as ac
 from aiocollect.testing import run_ranks
 from aiocollect.transport import tcp
+from aiocollect.transport.base import SendMark
 from aiocollect.transport.wire import HEADER, MAGIC, P2P
 
 pytestmark = pytest.mark.timeout(120)
@@ -27,13 +28,14 @@ def _watch(link: Any) -> dict[str, Any]:
     seen: dict[str, Any] = {"max_transport": 0, "overtook": 0}
     real = link.send
 
-    def send(header: bytes, payload: Any) -> None:
+    def send(header: bytes, payload: Any) -> SendMark:
         queued = bool(link._bulk)
         before = len(link._bulk)
-        real(header, payload)
+        mark = real(header, payload)
         if len(payload) < tcp.BULK_MIN and queued and len(link._bulk) == before:
             seen["overtook"] += 1
         seen["max_transport"] = max(seen["max_transport"], link.transport.get_write_buffer_size())
+        return mark
 
     link.send = send
     return seen
@@ -175,15 +177,16 @@ def _watch_shm(link: Any, holds: asyncio.Event) -> dict[str, Any]:
     seen: dict[str, Any] = {"max_ahead": 0, "overtook": 0, "held": 0}
     real = link.send
 
-    def send(header: bytes, payload: Any) -> None:
+    def send(header: bytes, payload: Any) -> SendMark:
         held = len(link._held)
-        real(header, payload)
+        mark = real(header, payload)
         seen["held"] = max(seen["held"], len(link._held))
         if link._held:
             holds.set()
         if len(payload) < tcp.BULK_MIN and held and len(link._held) == held:
             seen["overtook"] += 1
         seen["max_ahead"] = max(seen["max_ahead"], link._bulk_ahead())
+        return mark
 
     link.send = send
     return seen

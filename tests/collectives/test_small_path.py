@@ -12,6 +12,7 @@ import pytest
 import aiocollect as ac
 from aiocollect import group_core
 from aiocollect.testing import run_ranks
+from aiocollect.transport.base import SendMark
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -191,7 +192,7 @@ async def test_the_reduction_waits_for_its_own_frame_to_leave(
     partly reduced buffer."""
     from aiocollect.transport.memory import MemoryLink
 
-    def send(self: MemoryLink, header: bytes, payload: Any) -> None:
+    def send(self: MemoryLink, header: bytes, payload: Any) -> SendMark:
         other, loop = self.other, asyncio.get_running_loop()
         assert other is not None
         pending = getattr(self, "_held", 0) + len(payload)
@@ -207,6 +208,7 @@ async def test_the_reduction_waits_for_its_own_frame_to_leave(
                         fut.set_result(None)
 
         loop.call_later(0.2 if self.peer == 0 else 0.0, deliver)
+        return self.sent_mark(None)  # (held: until it is delivered)
 
     async def drained(self: MemoryLink) -> None:
         while getattr(self, "_held", 0):
