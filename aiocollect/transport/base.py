@@ -23,8 +23,12 @@ The receive-side contract, what a transport must keep to:
   while it reads on) begins such a frame with ``_begin_aside`` and ends it with
   ``_end_aside(token)``; the frame read meanwhile stays current. Receivers match frames by
   key, so frames of different keys may land in any order.
-- When ``_begin_frame`` returns None, the error has gone to ``events.on_error`` (the fabric
-  fails and closes the link): read nothing more into the mailbox, and no ``_end_frame``.
+- A whole data frame at once: a DATA or P2P frame whose payload is already at hand may go
+  through ``_whole_frame(header, payload)`` instead, which does what ``_begin_frame``, the
+  copy and ``_end_frame`` would, in one step (no frame is current meanwhile).
+- When ``_begin_frame`` returns None (``_whole_frame`` False), the error has gone to
+  ``events.on_error`` (the fabric fails and closes the link): read nothing more into the
+  mailbox, and no ``_end_frame``.
 - Nothing after ``fail``: whoever fails a link closes it, and a closed link delivers no
   more frames (it may go on reading and discarding bytes so that the peer's flush
   completes).
@@ -192,6 +196,7 @@ TRANSPORT_HOOKS = frozenset(
         "_staging_full",
         "_staging_relieved",
         "_take_posted",
+        "_whole_frame",
     }
 )
 
@@ -377,26 +382,52 @@ class Link(abc.ABC):
         if h.kind in CONTROL:
             self._frame_staging = bytearray(h.length)
             return memoryview(self._frame_staging)
+        dest = self._route(h, h.key)
+        if dest is None:
+            return None
+        if isinstance(dest, bytearray):  # (a kept buffer: the payload overwrites all of it)
+            self._frame_staging = dest
+            return memoryview(dest)
+        self._frame_recv = dest
+        return dest.view
+
+    def _whole_frame(self, h: Header, payload: memoryview | bytes | bytearray) -> bool:
+        """The DATA or P2P frame ``h`` with its whole ``payload`` (``h.length`` bytes) at
+        hand: what :meth:`_begin_frame`, the copy and :meth:`_end_frame` would do, in one
+        step. False if the link must stop reading (the error has been reported)."""
+        self.frames_received += 1
+        key = h.key
+        dest = self._route(h, key)
+        if dest is None:
+            return False
+        self.bytes_received += h.length
+        if isinstance(dest, bytearray):
+            dest[:] = payload
+            self._stage(key, h, dest)
+        else:
+            land(dest, payload)
+        return True
+
+    def _route(self, h: Header, key: Key) -> Receiver | bytearray | None:
+        """Where the payload of data frame ``h`` (``key``) goes: its posted receive (checked
+        and taken out of the mailbox), a staging buffer of its length (staging.py), or
+        None: refused, the error reported."""
         try:
             self.events.on_header(self, h)
         except Exception as exc:  # MismatchError, ProtocolError
             self._raise_error(exc)
             return None
-        key = h.key
         recv = self._posted.get(key)
         if recv is not None:
             if not self._check(h, len(recv.view), recv.expect):
                 return None  # the receive stays posted and fails with the link
             del self._posted[key]
-            self._frame_recv = recv
-            return recv.view
+            return recv
         refusal = self._refuse_staging(h, key)
         if refusal is not None:
             self._raise_error(refusal)
             return None
-        # (a kept buffer: the payload overwrites all of it; transport/staging.py)
-        self._frame_staging = staging = POOL.take(h.length)
-        return memoryview(staging)
+        return POOL.take(h.length)
 
     def _refuse_staging(self, h: Header, key: Key) -> ProtocolError | None:
         """Why a frame (``h``, its ``key``) with no posted receive cannot be staged, if it
@@ -437,6 +468,11 @@ class Link(abc.ABC):
                 POOL.give(staging)  # the transport has finished writing it
                 land(late)
             return
+        self._stage(key, h, staging)
+
+    def _stage(self, key: Key, h: Header, staging: bytearray) -> None:
+        """Keep frame ``h`` (``key``, its payload in ``staging``) until its receive is
+        posted."""
         self._early[key] = (h, staging)
         self._early_bytes += len(staging)
         self._early_frames += 1

@@ -332,10 +332,7 @@ class RingReader(StreamLink):
         if h.length > self.max_frame:
             return False
         self._inlined += 1
-        dest = self.open_frame(h)
-        if dest is not None:
-            dest[:] = _BELLS[1 + HEADER_SIZE : nbytes]
-            self._end_frame()
+        self.take_whole(h, _BELLS[1 + HEADER_SIZE : nbytes])
         self._count_inlined()
         return True
 
@@ -429,7 +426,9 @@ class RingReader(StreamLink):
             recv = self._take_posted(h.key, h.length, h.fingerprint)
             if recv is not None:
                 land(recv, payload)
-                return True
+            else:
+                self.take_whole(h, payload)
+            return not self.discarding
         dest = self.open_frame(h)
         if dest is not None:
             dest[:] = payload

@@ -65,12 +65,16 @@ from aiocollect.transport.wire import (
     HEADER,
     HEADER_SIZE,
     MAGIC,
+    P2P,
     Header,
     Key,
     parse_header,
 )
 
 log = logging.getLogger("aiocollect.transport.tcp")
+
+#: Frame kinds whose payload, when wholly read, enters the mailbox in one step.
+WHOLE = (DATA, P2P)
 
 #: Kernel socket buffer (SO_SNDBUF and SO_RCVBUF, which Linux doubles) of a link to another
 #: host: enough bytes in flight for a LAN's round trip.
@@ -148,7 +152,8 @@ class StreamLink(Link, asyncio.BufferedProtocol):
       control), ``handshake_failed`` (release what the handshake set up), and the link's
       ``send``, ``write_buffer_size``, ``drained``, ``close``, ``abort``, ``describe``.
     - Helpers: :meth:`open_frame` (a parsed header into the mailbox: where its payload
-      goes), :meth:`half_close` (end this side's stream and read on until the peer
+      goes), :meth:`take_whole` (a data frame whose payload is at hand, in one step),
+      :meth:`half_close` (end this side's stream and read on until the peer
       closes), :meth:`reset_later` (a closing link whose peer never closes is reset).
     """
 
@@ -344,7 +349,10 @@ class StreamLink(Link, asyncio.BufferedProtocol):
                     )
                     return
                 pos += HEADER_SIZE
-                if (dest := self.open_frame(h)) is not None:
+                if h.kind in WHOLE and end - pos >= h.length:  # all of it read: one step
+                    self.take_whole(h, view[pos : pos + h.length])
+                    pos += h.length
+                elif (dest := self.open_frame(h)) is not None:
                     self._payload = dest
                     self._got = 0
             if self.discarding:
@@ -387,6 +395,13 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         else:
             self._end_frame()
         return None
+
+    def take_whole(self, h: Header, payload: memoryview | bytes | bytearray) -> None:
+        """The DATA or P2P frame ``h`` with its whole payload at hand into the mailbox, as
+        :meth:`open_frame`, the copy and ``_end_frame`` would put it (a refused one: the
+        link discards what follows)."""
+        if not self._whole_frame(h, payload):
+            self.discarding = True
 
     def _staging_full(self) -> None:
         self._reading_paused = True
