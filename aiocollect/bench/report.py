@@ -63,6 +63,8 @@ def _combine(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, An
         "correct": all(s["correct"] for s in sums),
         "wrong_ranks": sorted({r for rec, _ in pairs for r in rec.get("wrong_ranks", [])}),
     }
+    if any("rank_p50_us" in s for s in sums):
+        out["rank_p50_us"] = med("rank_p50_us")
     if any("sync_p50_us" in s for s in sums):
         out["sync_p50_us"] = med("sync_p50_us")
     if any("concurrent_ratio" in s for s in sums):
@@ -161,8 +163,10 @@ def _floor(
     statistic of aiocollect's p50; the table's ratio stays against ``floor_us``),
     ``floor_rounds``, ``floor_ratio`` (aiocollect's median p50 / ``floor_us``: the ratio of
     the medians), ``floor_each_ratio`` (the same over ``floor_each_us``: one statistic on
-    both sides), ``floor_ratio_rounds`` (each round's own p50 / floor, for rounds with
-    both) and, where no round measured it, ``floor_error`` (why)."""
+    both sides), ``floor_rank_ratio`` (aiocollect's slowest rank's median, ``rank_p50_us``,
+    over ``floor_us``: the floor's own statistic on both sides), ``floor_ratio_rounds``
+    (each round's own p50 / floor, for rounds with both) and, where no round measured it,
+    ``floor_error`` (why)."""
     mine = [f[size] if f is not None and size in f else None for f in floors]
     got = [r for r in mine if r is not None and "us" in r]
     each = [float(r["us_each"]) for r in got if "us_each" in r]  # (absent from old records)
@@ -188,6 +192,12 @@ def _floor(
     out["floor_each_ratio"] = (
         ac["p50_us"] / out["floor_each_us"]
         if ac is not None and out["floor_each_us"] > 0
+        else float("nan")
+    )
+    # the floor's statistic on both sides (each side's slowest rank's median)
+    out["floor_rank_ratio"] = (
+        ac["rank_p50_us"] / out["floor_us"]
+        if ac is not None and "rank_p50_us" in ac and got and out["floor_us"] > 0
         else float("nan")
     )
     if not got:
@@ -393,6 +403,19 @@ def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "over rounds (1/0.85 = 1.18x is 85 % of the floor's bandwidth); rounds: the "
             "lowest and highest of each round's own ratio."
         )
+        nan = float("nan")
+        same = [
+            f"{r['name']} {format_size(r['size'])} {_x(r.get('floor_each_ratio', nan))} / "
+            f"{_x(r.get('floor_rank_ratio', nan))}"
+            for r in floored
+            if r["aiocollect"] is not None
+        ]
+        if same:
+            out.append(
+                "x floor with one statistic on both sides (each iteration's slowest rank / "
+                "the slowest rank's median; the floor column is the latter, p50 the "
+                "former): " + ", ".join(same) + "."
+            )
         missing = {r["floor_error"] for r in floored if "floor_error" in r}
         for why in sorted(missing):
             out.append(f"floor not measured ('-'): {why}.")

@@ -56,6 +56,8 @@ def summarize(record: dict[str, Any], world_size: int) -> dict[str, Any]:
     lag = record.get("lag_us")
     if lag and lag.get("samples"):
         out["lag_p99_ms"] = lag["p99"] / 1000.0
+    if record.get("rank_p50_us") is not None:  # (absent from old records)
+        out["rank_p50_us"] = float(record["rank_p50_us"])
     if record.get("sync_p50_us") is not None:
         out["sync_p50_us"] = float(record["sync_p50_us"])
     seq = record.get("seq_times_us")

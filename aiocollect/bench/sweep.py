@@ -253,6 +253,8 @@ async def measure(backend: Backend, case: Case, cfg: SweepConfig) -> dict[str, A
         "warmup_iters": len(warm),
         "algorithm": backend.algorithm_for(coll, shp),
         "times_us": [round(float(t), 1) for t in worst[0]],
+        # the floor's own statistic: the slowest rank's median (at most the p50 of times_us)
+        "rank_p50_us": round(float(np.median(per_rank[:, 0], axis=1).max()), 1),
         "seq_times_us": [round(float(t), 1) for t in worst[1]] if k > 1 else None,
         # NCCL-tests' time: the slowest rank's whole batch divided by the iterations.
         "mean_us": round(float(per_rank[:, 0].sum(axis=1).max()) / iters, 3),

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from aiocollect.bench import floor, report
@@ -86,6 +87,18 @@ def test_floor_columns_json_and_ratio(tmp_path: Path) -> None:
         assert row["floor_each_ratio"] == pytest.approx(
             row["aiocollect"]["p50_us"] / row["floor_each_us"]
         )
+        # aiocollect's own slowest-rank median: never above its p50 in any round (the
+        # median of per-iteration maxima bounds every rank's median), and its ratio
+        for rec in (
+            r for e in doc["rounds"] for r in e["aiocollect"]["records"] if r["name"] == "allreduce"
+        ):
+            assert 0 < rec["rank_p50_us"] <= float(np.median(rec["times_us"])) + 0.1
+        assert row["floor_rank_ratio"] == pytest.approx(
+            row["aiocollect"]["rank_p50_us"] / row["floor_us"]
+        )
+        assert row["floor_rank_ratio"] <= row["floor_ratio"] + 1e-6
+    assert "x floor with one statistic on both sides" in done.stdout
+    assert "allreduce 4 " in done.stdout.split("x floor with one statistic")[1]
     assert "floor_us" not in rows[("broadcast", 4)]
 
 
