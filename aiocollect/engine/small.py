@@ -141,6 +141,7 @@ class Small:
         "frame_kind",
         "gid",
         "kind",
+        "last",
         "ops",
         "program",
         "ranks",
@@ -188,6 +189,12 @@ class Small:
                 )
             )
         self.ops: tuple[_Op, ...] = tuple(ops)
+        #: the last step's index where it receives and runs nothing after its frame (its
+        #: landing ends the operation when nothing sent waits: Quick.landed), else -1
+        steps = program.steps
+        tail = steps[-1] if steps else None
+        plain = tail is not None and tail.recv_from >= 0 and tail.then is None
+        self.last = len(steps) - 1 if plain and program.finish is None else -1
 
 
 #: A bound step (Small.ops).
@@ -363,19 +370,23 @@ class Quick:
             finish = small.program.finish
             if finish is not None:
                 finish(self)
-            # success: every frame is in and out (nothing posted to withdraw)
-            core = self.core
-            core._done[small.kind] += 1
-            self._released = True
-            if small.frame_kind == DATA:
-                core._fabric.unregister(small.gid, self.seq)
-            handle = self.handle
-            core._tasks.pop(handle, None)
-            if not handle.done():
-                handle._quick = None
-                handle.set_result(self.result)
+            self._complete()
         except Exception as exc:
             self._fail(exc)
+
+    def _complete(self) -> None:
+        """Success: every frame is in and out (nothing posted to withdraw)."""
+        small = self.small
+        core = self.core
+        core._done[small.kind] += 1
+        self._released = True
+        if small.frame_kind == DATA:
+            core._fabric.unregister(small.gid, self.seq)
+        handle = self.handle
+        core._tasks.pop(handle, None)
+        if not handle.done():
+            handle._quick = None
+            handle.set_result(self.result)
 
     def _unsent(self) -> bool:
         """Whether a frame this operation sent still lies in user memory (else forgets
@@ -417,6 +428,15 @@ class Quick:
         self._key = None
         self._moved = True
         if self.handle.done() or self._timing_out:
+            return
+        if self._i == self.small.last and self._marks is None:
+            # the last step's frame, with nothing to run after it and nothing sent still
+            # in user memory: done (what _go would conclude, without its loop)
+            self._i += 1
+            try:
+                self._complete()
+            except Exception as exc:
+                self._fail(exc)
             return
         self._go(True)
 

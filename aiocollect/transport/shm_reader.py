@@ -444,8 +444,7 @@ class RingReader(StreamLink):
             self._inline_unacked = True
             return
         self._inline_unacked = False
-        rx.publish_inlined(self._inlined)
-        self._wake_writer(rx)
+        self._ring_writer(rx.publish_inlined(self._inlined))
 
     def _escaped_bytes(self, data: memoryview) -> None:
         """Collect the ABORT frame that follows an escape; hand it up once complete."""
@@ -831,7 +830,11 @@ class RingReader(StreamLink):
 
     def _wake_writer(self, rx: Ring) -> None:
         fence()
-        gen = rx.writer_sleep()
+        self._ring_writer(rx.writer_sleep())
+
+    def _ring_writer(self, gen: int) -> None:
+        """Ring the writer that sleeps with generation ``gen`` (read after a fence), once
+        per generation (0: it is awake)."""
         if gen and gen != self._rung_writer:
             self._rung_writer = gen
             self.ring_bell()

@@ -305,8 +305,14 @@ class Ring:
     def publish_pulled(self, count: int) -> None:
         self.ctl[_PULLED] = count
 
-    def publish_inlined(self, count: int) -> None:
-        self.ctl[_INLINED] = count
+    def publish_inlined(self, count: int) -> int:
+        """Publish ``count`` socket frames taken, then, after a full fence, the writer's
+        sleep generation (:meth:`writer_sleep`: 0 while it is awake), in one call."""
+        ctl = self.ctl
+        ctl[_INLINED] = count
+        _fence_lock.acquire()  # (fence(), inline: once per frame on the socket)
+        _fence_lock.release()
+        return int(ctl[_WSLEEP])
 
 
 class Segment:
