@@ -285,6 +285,20 @@ class Fabric:
             # the group through the usual path.
             link.fail(GroupBrokenError(f"rank {link.peer} closed the group"), drop_early=False)
             return
+        # An unexplained loss. The peer may have gone right after an ABORT (its own, or
+        # one it relayed) that this loop has not read yet: a write to it that fails ends
+        # the connection before the bytes it sent are read, and another peer's ABORT can
+        # wait on another link. Blame the loss two loop turns later, after the next
+        # poll for input, unless an ABORT broke the group first (docs/design.md, *Failure
+        # detection*).
+        loop = asyncio.get_running_loop()
+        loop.call_soon(loop.call_soon, self._lost, link, exc)
+
+    def _lost(self, link: Link, exc: BaseException | None) -> None:
+        """Break the group with the loss of ``link`` (``exc``: what ended it), unless it
+        broke meanwhile."""
+        if self.failure is not None or self.closing:
+            return
         detail = f": {exc}" if exc else ""
         self.fail(
             PeerDisconnected(

@@ -4,11 +4,15 @@ without await says so."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import numpy as np
 import pytest
 
 import aiocollect as ac
 from aiocollect.testing import run_ranks, spawn_ranks
+from aiocollect.transport.wire import ABORT
 from tests.failure import mismatch_targets
 
 pytestmark = pytest.mark.timeout(60)
@@ -42,6 +46,43 @@ async def test_spawned_ranks_name_the_first_failure(transport: str) -> None:
     assert others, str(group)
     for failed in others:
         assert "rank 1 raised KeyError: 'missing'" in str(failed), str(failed)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+@pytest.mark.parametrize("abort_follows", [True, False])
+async def test_a_loss_waits_for_the_abort_read_next(transport: str, abort_follows: bool) -> None:
+    """Fault injection of the order in which rank 0 learns two things (the race behind
+    test_spawned_ranks_name_the_first_failure): rank 2's link is lost (a write to it
+    failed after it went) before rank 1's ABORT, already sent, is read on the loop's next
+    turn. The loss is blamed only after that turn, so the ABORT's cause breaks the group;
+    with no ABORT the loss does, as PeerDisconnected, within two loop turns."""
+    from aiocollect.engine.fabric import _encode_abort
+
+    async def body(g: ac.Group) -> Any:
+        if g.rank != 0:  # hears rank 0's ABORT (relaying the cause, or the loss)
+            with pytest.raises((ac.GroupBrokenError, ac.PeerDisconnected)):
+                await g.recv(np.zeros(1), 0, tag=1)
+            return None
+        fabric, loop = g._fabric, asyncio.get_running_loop()
+        links = fabric.links
+        fabric.on_lost(links[2], BrokenPipeError(32, "Broken pipe"))
+        assert fabric.failure is None  # not yet: the next poll may explain it
+        if abort_follows:
+            cause = ac.GroupBrokenError("rank 1 raised KeyError: 'missing'")
+            cause.raised = True  # type: ignore[attr-defined]
+            payload = _encode_abort(1, cause)
+            loop.call_soon(fabric.on_control, links[1], ABORT, payload)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return fabric.failure
+
+    failure, _, _ = await run_ranks(3, body, transport=transport, timeout=20.0)
+    if abort_follows:
+        assert "rank 1 raised KeyError: 'missing'" in str(failure), repr(failure)
+    else:
+        assert isinstance(failure, ac.PeerDisconnected), repr(failure)
+        assert "rank 2 disconnected" in str(failure)
+        assert "Broken pipe" in str(failure)
 
 
 async def test_open_group_without_await_says_so() -> None:

@@ -1,0 +1,90 @@
+"""Python opcodes per small operation on each rank, one process per rank.
+
+Run it with the launcher::
+
+    aiocollect run -n 4 scripts/rank_opcodes.py                 # 4-byte allreduce
+    AIOCOLLECT_TRANSPORT=tcp aiocollect run -n 4 scripts/rank_opcodes.py --top 40
+    aiocollect run -n 4 scripts/rank_opcodes.py --case barrier --iters 1000
+
+Each rank runs 500 warm-up operations and a barrier, then counts, with ``sys.settrace``
+and ``f_trace_opcodes``, every Python opcode its process executes during ``--iters``
+operations, and prints the count per operation and its ``--top`` functions. Unlike
+``scripts/op_opcodes.py`` (every rank on one event loop, so a frame is sent before its
+peer has posted the receive far more often than between processes) the ranks are real
+processes and each one is counted on its own: the star's root and its leaves apart
+(docs/benchmarks.md, *Twenty-third session*). Tracing slows every rank alike, so the
+share of frames that arrive before their receive, and with it the root's count, still
+moves by a few percent from run to run; the leaves' counts are steady.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from types import FrameType
+from typing import Any
+
+import numpy as np
+import uvloop
+
+import aiocollect as ac
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.opcodes = 0
+        self.by_code: Counter[str] = Counter()
+
+    def trace(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "call":
+            frame.f_trace_opcodes = True
+            return self._local
+        return None
+
+    def _local(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            self.opcodes += 1
+            code = frame.f_code
+            self.by_code[f"{code.co_filename.rsplit('/', 2)[-1]}:{code.co_qualname}"] += 1
+        return self._local
+
+
+async def main(iters: int, case: str, count: int, top: int) -> None:
+    async with ac.open_group() as group:
+        buf = np.zeros(count, np.float32)
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
+            "allreduce": lambda: group.allreduce(buf),
+            "broadcast": lambda: group.broadcast(buf),
+            "barrier": lambda: group.barrier(),
+        }
+        call = calls[case]
+        for _ in range(500):
+            await call()
+        await group.barrier()
+        counter = _Counter()
+        sys.settrace(counter.trace)
+        for _ in range(iters):
+            await call()
+        sys.settrace(None)
+        await group.barrier()
+        lines = [f"rank {group.rank} {case}: {counter.opcodes / iters:.0f} opcodes per operation"]
+        lines += [
+            f"    {k / iters:7.1f}  {where}" for where, k in counter.by_code.most_common(top)
+        ]
+        await asyncio.sleep(0.05 * group.rank)  # (one rank's lines after another's)
+        print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument(
+        "--case", choices=("allreduce", "broadcast", "barrier"), default="allreduce"
+    )
+    parser.add_argument("--count", type=int, default=1, help="float32 elements (default 1)")
+    parser.add_argument("--top", type=int, default=0, help="also list the top functions")
+    ns = parser.parse_args()
+    uvloop.run(main(ns.iters, ns.case, ns.count, ns.top))
