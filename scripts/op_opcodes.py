@@ -43,7 +43,10 @@ SIZES = {"allreduce4K": 1024, "allreduce16M": 4 << 20}
 _names = itertools.count()
 
 
-class _Counter:
+class OpcodeCounter:
+    """A ``sys.settrace`` function counting opcodes and calls, per function too
+    (``scripts/rank_opcodes.py`` uses it as well)."""
+
     def __init__(self) -> None:
         self.opcodes = 0
         self.calls = 0
@@ -84,7 +87,7 @@ def _op(g: ac.Group, case: str) -> Callable[[], Awaitable[Any]]:
     return lambda: g.allreduce(buf)
 
 
-async def _count(n: int, transport: str, case: str, iters: int, counter: _Counter) -> None:
+async def _count(n: int, transport: str, case: str, iters: int, counter: OpcodeCounter) -> None:
     name = f"opc-{next(_names)}"
     ready = asyncio.Barrier(n)
     done = asyncio.Barrier(n)
@@ -123,7 +126,7 @@ def main() -> None:
 
         uvloop.install()
     for case in ns.cases:
-        counter = _Counter()
+        counter = OpcodeCounter()
         asyncio.run(_count(ns.n, ns.transport, case, ns.iters, counter))
         per = ns.iters * (2 if case == "sendrecv4" else ns.n)
         ops, calls = counter.opcodes / per, counter.calls / per

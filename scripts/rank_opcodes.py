@@ -14,7 +14,9 @@ peer has posted the receive far more often than between processes) the ranks are
 processes and each one is counted on its own: the star's root and its leaves apart
 (docs/benchmarks.md, *Twenty-third session*). Tracing slows every rank alike, so the
 share of frames that arrive before their receive, and with it the root's count, still
-moves by a few percent from run to run; the leaves' counts are steady.
+moves by a few percent from run to run; the leaves' counts are steady. The busy-wait
+is off (``AIOCOLLECT_SPIN_US=0`` unless set, as in op_opcodes), as it is anyway where
+ranks outnumber cores.
 """
 
 from __future__ import annotations
@@ -22,34 +24,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections import Counter
 from collections.abc import Awaitable, Callable
-from types import FrameType
 from typing import Any
 
 import numpy as np
 import uvloop
+from op_opcodes import OpcodeCounter  # (scripts/, the script's directory, is on sys.path)
 
 import aiocollect as ac
-
-
-class _Counter:
-    def __init__(self) -> None:
-        self.opcodes = 0
-        self.by_code: Counter[str] = Counter()
-
-    def trace(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "call":
-            frame.f_trace_opcodes = True
-            return self._local
-        return None
-
-    def _local(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "opcode":
-            self.opcodes += 1
-            code = frame.f_code
-            self.by_code[f"{code.co_filename.rsplit('/', 2)[-1]}:{code.co_qualname}"] += 1
-        return self._local
 
 
 async def main(iters: int, case: str, count: int, top: int) -> None:
@@ -64,16 +46,14 @@ async def main(iters: int, case: str, count: int, top: int) -> None:
         for _ in range(500):
             await call()
         await group.barrier()
-        counter = _Counter()
+        counter = OpcodeCounter()
         sys.settrace(counter.trace)
         for _ in range(iters):
             await call()
         sys.settrace(None)
         await group.barrier()
         lines = [f"rank {group.rank} {case}: {counter.opcodes / iters:.0f} opcodes per operation"]
-        lines += [
-            f"    {k / iters:7.1f}  {where}" for where, k in counter.by_code.most_common(top)
-        ]
+        lines += [f"    {k / iters:7.1f}  {where}" for where, k in counter.by_code.most_common(top)]
         await asyncio.sleep(0.05 * group.rank)  # (one rank's lines after another's)
         print("\n".join(lines), flush=True)
 
