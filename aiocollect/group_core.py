@@ -112,6 +112,19 @@ class GroupCore:
         #: What a collective's argument checks concluded, per (collective, dtype, size,
         #: op or root, algorithm) (group.py: a repeated call is one dict lookup).
         self._plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        fabric.deadlines.append(self._nearest_deadline)  # (until _unwatch)
+
+    def _nearest_deadline(self) -> float | None:
+        """The loop time of the nearest deadline among this group's operations in flight,
+        or None (the fabric asks when a peer's relayed timeout blames this rank)."""
+        soonest: float | None = None
+        for fut, info in self._tasks.items():
+            if info is None or fut.done() or info[3] is None:
+                continue
+            deadline = info[2] + info[3]
+            if soonest is None or deadline < soonest:
+                soonest = deadline
+        return soonest
 
     def add_closer(self, closer: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Await ``closer`` when the group closes or aborts, after those already given
@@ -325,6 +338,8 @@ class GroupCore:
         self._watch_at = None
         self._deadlines.clear()
         self._watched.clear()
+        if self._nearest_deadline in self._fabric.deadlines:
+            self._fabric.deadlines.remove(self._nearest_deadline)
 
     def _on_deadline(self, loop: asyncio.AbstractEventLoop) -> None:
         self._watch_handle = None

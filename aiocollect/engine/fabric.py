@@ -13,7 +13,7 @@ import contextlib
 import logging
 import struct
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import msgpack
@@ -59,6 +59,15 @@ _TOKEN = 8
 #: Fingerprints of the last operations per group a GOODBYE carries (to name the operation
 #: when the close handshake finds that ranks disagreed).
 GOODBYE_RECENT = 16
+#: A relayed PeerTimeout that blames this rank is held (as while it diagnoses) when one of
+#: this rank's own operations reaches its deadline within this many seconds: the ranks
+#: of one collective time out together, give or take when each called it, and the
+#: bystander whose probe ends first must not pin the blame on an end of a stalled link
+#: (docs/network-faults.md, finding 2). Held, it breaks the group ``HOLD_SLACK`` after
+#: that deadline unless this rank's own diagnosis holds it on (and then breaks the
+#: group with its own verdict first).
+NEAR_DEADLINE = 1.0
+HOLD_SLACK = 0.05
 
 
 class Fabric:
@@ -80,6 +89,10 @@ class Fabric:
         #: peers it came from (origin and relayer): their links' loss is that abort too.
         self._held_abort: BaseException | None = None
         self._held_from: set[int] = set()
+        #: Per group on this fabric (registered by the group), the loop time of its
+        #: nearest deadline among its operations in flight, or None: a relayed blame of
+        #: this rank waits for this rank's own diagnosis when that deadline is near.
+        self.deadlines: list[Callable[[], float | None]] = []
         self._active: dict[tuple[int, int], Fingerprint] = {}
         self._started: dict[int, int] = {}
         # (gid, seq) -> {peer: fingerprint} of frames that came before this rank's call: one
@@ -234,14 +247,19 @@ class Fabric:
             return
         assert kind == ABORT
         exc = _decode_abort(link.peer, payload)
-        if self._diagnosing and isinstance(exc, errors.PeerTimeout) and self.rank in exc.ranks:
-            # A bystander timed out waiting for this rank, which is timing out itself and
-            # probing for whom it waits on: its own diagnosis is the precise one.
-            if self._held_abort is None:
-                self._held_abort = exc
-            info = getattr(exc, "abort_info", {})
-            self._held_from.update({link.peer, int(info.get("rank", link.peer))})
-            return
+        if isinstance(exc, errors.PeerTimeout) and self.rank in exc.ranks:
+            # A bystander timed out waiting for this rank, which is timing out itself
+            # (probing for whom it waits on, or about to: its own deadline is near): its
+            # own diagnosis is the precise one.
+            near = None if self._diagnosing else self._deadline_near()
+            if self._diagnosing or near is not None:
+                if self._held_abort is None:
+                    self._held_abort = exc
+                info = getattr(exc, "abort_info", {})
+                self._held_from.update({link.peer, int(info.get("rank", link.peer))})
+                if near is not None:  # released then unless a diagnosis holds it on
+                    asyncio.get_running_loop().call_at(near + HOLD_SLACK, self._release_held)
+                return
         # Relay it: a peer that hears our close before the origin's ABORT must not blame us.
         self.fail(exc, notify=True)
 
@@ -260,6 +278,17 @@ class Fabric:
             self._diagnosing -= 1
             if not self._diagnosing and self._held_abort is not None:
                 asyncio.get_running_loop().call_soon(self._release_held)
+
+    def _deadline_near(self) -> float | None:
+        """The nearest deadline (loop time) of this rank's operations in flight if it is
+        at most ``NEAR_DEADLINE`` seconds away, else None."""
+        deadlines = [d for nearest in self.deadlines if (d := nearest()) is not None]
+        if not deadlines:
+            return None
+        soonest = min(deadlines)
+        if soonest > asyncio.get_running_loop().time() + NEAR_DEADLINE:
+            return None
+        return soonest
 
     def _release_held(self) -> None:
         if self._diagnosing:

@@ -85,6 +85,43 @@ async def test_a_loss_waits_for_the_abort_read_next(transport: str, abort_follow
         assert "Broken pipe" in str(failure)
 
 
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+@pytest.mark.parametrize("timeout", [0.4, 30.0])
+async def test_a_relayed_blame_waits_for_a_near_deadline(transport: str, timeout: float) -> None:
+    """Fault injection of the order behind test_stalled_link_blame_is_precise: a peer's
+    PeerTimeout that blames this rank arrives while this rank's own operation is still
+    short of its deadline. Near it (0.4 s), the blame is held and this rank's own
+    diagnosis wins: it names the peer it waits for. Far from it (30 s), the relayed blame
+    breaks the group at once."""
+    from aiocollect.engine.fabric import _encode_abort
+
+    async def body(g: ac.Group) -> Any:
+        if g.rank == 0:  # stays alive (it answers the probe), hears rank 1's ABORT
+            with pytest.raises(ac.AiocollectError):
+                await g.recv(np.zeros(1), 1, tag=2, timeout=60.0)
+            return None
+        fabric, loop = g._fabric, asyncio.get_running_loop()
+        waiting = g.recv(np.zeros(1), 0, tag=1, timeout=timeout)
+        blame = ac.PeerTimeout("recv on rank 0 timed out after 0.4 s: ranks [1] sent nothing", [1])
+        start = loop.time()
+        fabric.on_control(fabric.links[0], ABORT, _encode_abort(0, blame))
+        held = fabric.failure is None
+        with pytest.raises(ac.PeerTimeout) as info:
+            await waiting
+        return held, info.value, loop.time() - start
+
+    _, (held, err, took) = await run_ranks(2, body, transport=transport, timeout=30.0)
+    if timeout < 1.0:
+        assert held
+        assert err.ranks == [0], err  # its own verdict: it waits for rank 0
+        assert "on rank 1 timed out" in str(err), err
+        assert took >= 0.3, took
+    else:
+        assert not held
+        assert err.ranks == [1], err  # the relayed one, at once
+        assert took < 5.0, took
+
+
 async def test_open_group_without_await_says_so() -> None:
     opener = ac.open_group(0, 1, store="memory://no-await", name="no-await")
     with pytest.raises(AttributeError, match="await open_group"):
