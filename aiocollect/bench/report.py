@@ -183,27 +183,23 @@ def _floor(
             if r is not None and "us" in r and p50 is not None and r["us"] > 0
         ],
     }
-    out["floor_ratio"] = (
-        ac["p50_us"] / out["floor_us"]
-        if ac is not None and got and out["floor_us"] > 0
-        else float("nan")
-    )
+    mine_p50 = ac.get("p50_us") if ac is not None else None
+    out["floor_ratio"] = _over(mine_p50, out["floor_us"])
     # the same statistic on both sides (each iteration's slowest rank), for the reader
-    out["floor_each_ratio"] = (
-        ac["p50_us"] / out["floor_each_us"]
-        if ac is not None and out["floor_each_us"] > 0
-        else float("nan")
-    )
+    out["floor_each_ratio"] = _over(mine_p50, out["floor_each_us"])
     # the floor's statistic on both sides (each side's slowest rank's median)
-    out["floor_rank_ratio"] = (
-        ac["rank_p50_us"] / out["floor_us"]
-        if ac is not None and "rank_p50_us" in ac and got and out["floor_us"] > 0
-        else float("nan")
+    out["floor_rank_ratio"] = _over(
+        ac.get("rank_p50_us") if ac is not None else None, out["floor_us"]
     )
     if not got:
         errors = [r["error"] for r in mine if r is not None and "error" in r]
         out["floor_error"] = errors[0] if errors else "the floor did not run"
     return out
+
+
+def _over(num: float | None, den: float) -> float:
+    """``num / den``, NaN where either is missing (None, NaN) or ``den`` is not positive."""
+    return num / den if num is not None and den > 0 else float("nan")
 
 
 def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str) -> float:

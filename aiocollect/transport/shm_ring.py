@@ -310,8 +310,7 @@ class Ring:
         sleep generation (:meth:`writer_sleep`: 0 while it is awake), in one call."""
         ctl = self.ctl
         ctl[_INLINED] = count
-        _fence_lock.acquire()  # (fence(), inline: once per frame on the socket)
-        _fence_lock.release()
+        fence()
         return int(ctl[_WSLEEP])
 
 

@@ -511,7 +511,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
                 return DRAIN
         if n > JOIN_MAX:
             transport.writelines((header, payload))
-            return DRAIN if self.write_buffer_size() else None
+            return self.sent_mark(None)
         # one buffer: the event loop writes it with one plain write()
         transport.write(header + payload if n else header)
         self._copied = True

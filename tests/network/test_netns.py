@@ -152,6 +152,16 @@ async def _check_run(
         assert await r.proc.wait() == 0, r.stderr.decode(errors="replace")
 
 
+def _v4_env(topology: netns.Topology, **extra: str) -> dict[str, str]:
+    """A rank's environment over the namespaces' IPv4 network (the store on namespace 0,
+    addresses from ``netns.IFNAME``), plus ``extra``."""
+    return {
+        "AIOCOLLECT_STORE": f"tcp://{topology.v4(0)}:{STORE_PORT}",
+        "AIOCOLLECT_IFNAME": netns.IFNAME,
+        **extra,
+    }
+
+
 async def _all(ranks: list[Rank], event: str, timeout: float) -> list[dict[str, Any]]:
     """The next event of every rank, awaited together: the first failure is raised at once."""
     return list(await asyncio.gather(*(r.expect(event, timeout) for r in ranks)))
@@ -160,10 +170,8 @@ async def _all(ranks: list[Rank], event: str, timeout: float) -> list[dict[str, 
 async def test_allreduce_broadcast_across_namespaces_ipv4_ifname(
     topology: netns.Topology, launch: Any
 ) -> None:
-    store = f"tcp://{topology.v4(0)}:{STORE_PORT}"
-
     def env(rank: int) -> dict[str, str]:
-        return {"AIOCOLLECT_STORE": store, "AIOCOLLECT_IFNAME": netns.IFNAME, "NETNS_MODE": "check"}
+        return _v4_env(topology, NETNS_MODE="check")
 
     await _check_run(topology, launch, env, topology.v4)
 
@@ -186,15 +194,9 @@ async def test_auto_across_namespaces_links_over_tcp_and_shared_memory(
     and boot id), but each namespace has its own abstract Unix socket names, so dialling
     a peer's Unix socket fails and the link connects over TCP (its veth address), then
     moves to shared memory as on one host (one pid namespace)."""
-    store = f"tcp://{topology.v4(0)}:{STORE_PORT}"
 
     def env(rank: int) -> dict[str, str]:
-        return {
-            "AIOCOLLECT_STORE": store,
-            "AIOCOLLECT_IFNAME": netns.IFNAME,
-            "AIOCOLLECT_TRANSPORT": "auto",
-            "NETNS_MODE": "check",
-        }
+        return _v4_env(topology, AIOCOLLECT_TRANSPORT="auto", NETNS_MODE="check")
 
     def links(rank: int) -> dict[str, list[Any]]:
         return {str(p): ["AF_INET", True] for p in range(len(topology.ns)) if p != rank}
@@ -221,16 +223,11 @@ async def test_interface_down_mid_collective_fails_every_rank(
     topology: netns.Topology, launch: Any
 ) -> None:
     victim = 2
-    store = f"tcp://{topology.v4(0)}:{STORE_PORT}"
 
     def env(rank: int) -> dict[str, str]:
-        return {
-            "AIOCOLLECT_STORE": store,
-            "AIOCOLLECT_IFNAME": netns.IFNAME,
-            "NETNS_MODE": "loop",
-            "NETNS_TIMEOUT": str(DEADLINE),
-            "NETNS_COUNT": str(1 << 18),
-        }
+        return _v4_env(
+            topology, NETNS_MODE="loop", NETNS_TIMEOUT=str(DEADLINE), NETNS_COUNT=str(1 << 18)
+        )
 
     ranks = [await launch(r, env(r)) for r in range(len(topology.ns))]
     await _all(ranks, "open", 30)
