@@ -6,6 +6,8 @@
     python scripts/minimal_exchange.py 4 --star     # 4 ranks, any count: the star
     python scripts/minimal_exchange.py 4 --star --exec  # each rank a fresh interpreter
     python scripts/minimal_exchange.py 4 --star --unix  # Unix socket pairs, not TCP
+    python scripts/minimal_exchange.py 4 --unix --json F  # and both statistics into F
+    python scripts/minimal_exchange.py 4 --count 1024 # 4 KiB (float32 elements)
 
 N processes (forks of one parent, or with ``--exec`` each rank started as its own
 interpreter, as ``aiocollect run --start-method exec`` does; N a power of two unless
@@ -21,17 +23,25 @@ mean, p50 and p99 of its per-operation time and its user and system CPU per oper
 docs/benchmarks.md (*Twelfth session*, *Thirteenth session*, *Twentieth session*,
 *Twenty-second session*) compares it with ``scripts/op_latency.py`` in the same hour; it
 is a yardstick, not part of aiocollect.
+
+With ``--json F`` (forked ranks) the parent also writes the two statistics of the whole run
+that ``aiocollect bench --floor`` compares (docs/benchmarks.md, *Eighteenth session*): the
+median over iterations of each iteration's slowest rank (``each_us``: the bench's p50) and
+the slowest rank's median (``rank_us``: the floor's), as ``scripts/yardsticks.py`` reads
+them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import resource
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from typing import cast
 
@@ -41,7 +51,8 @@ import uvloop
 ITERS = 5000
 WARMUP = 300
 HEADER = struct.Struct("<QII")  # sequence number, kind, length
-FRAME = HEADER.size + 4
+#: float32 elements per allreduce (--count C; 1: 4 bytes)
+COUNT = 1
 
 
 #: Unix socket pairs by (lower rank, higher rank), made before the ranks fork (--unix).
@@ -136,20 +147,25 @@ def _accepted(queue: asyncio.Queue[Peer]) -> Peer:
     return made
 
 
+#: Where forked ranks leave their per-iteration seconds for the parent (--json).
+TIMES_DIR: str | None = None
+
+
 async def run(rank: int, n: int, ports: list[int], star: bool) -> None:
     loop = asyncio.get_running_loop()
     peers = await connect(rank, n, ports, star)
     steps = [peers[p] for p in partners_of(rank, n, star)]
-    value = np.zeros(1, np.float32)
+    value = np.zeros(COUNT, np.float32)
+    frame = HEADER.size + value.nbytes
     spin = float(os.environ.get("SPIN_US", "0")) * 1e-6
 
     def send(peer: Peer, seq: int) -> None:
         assert peer.transport is not None
-        peer.transport.write(HEADER.pack(seq, 1, 4) + value.tobytes())
+        peer.transport.write(HEADER.pack(seq, 1, value.nbytes) + value.tobytes())
 
     async def take(peer: Peer, seq: int, add: bool) -> None:
         """Wait for ``peer``'s frame of ``seq``; add its value (else copy it)."""
-        while peer.filled < FRAME:
+        while peer.filled < frame:
             peer.waiter = loop.create_future()
             if spin:
                 end = time.perf_counter() + spin
@@ -159,13 +175,13 @@ async def run(rank: int, n: int, ports: list[int], star: bool) -> None:
             await peer.waiter
         got, _, _ = HEADER.unpack_from(peer.buf, 0)
         assert got == seq, (got, seq)
-        theirs = np.frombuffer(peer.buf, np.float32, 1, HEADER.size)
+        theirs = np.frombuffer(peer.buf, np.float32, COUNT, HEADER.size)
         if add:
             np.add(value, theirs, out=value)
         else:
             value[:] = theirs
-        rest = peer.filled - FRAME
-        peer.buf[:rest] = peer.buf[FRAME : peer.filled]
+        rest = peer.filled - frame
+        peer.buf[:rest] = peer.buf[frame : peer.filled]
         peer.filled = rest
 
     async def exchange(seq: int) -> None:
@@ -204,6 +220,8 @@ async def run(rank: int, n: int, ports: list[int], star: bool) -> None:
         f"{(r1.ru_nivcsw - r0.ru_nivcsw) / ITERS:.2f} involuntary",
         flush=True,
     )
+    if TIMES_DIR is not None:
+        np.save(os.path.join(TIMES_DIR, f"{rank}.npy"), lat)
     for peer in steps:
         assert peer.transport is not None
         peer.transport.close()
@@ -215,8 +233,20 @@ def main() -> None:
         rank, n, ports = int(args[1]), int(args[2]), [int(p) for p in args[3].split(",")]
         uvloop.run(run(rank, n, ports, "--star" in args))
         return
+    global TIMES_DIR, COUNT
+    if "--count" in args:
+        at = args.index("--count")
+        COUNT = int(args[at + 1])
+        del args[at : at + 2]
+    json_out = None
+    if "--json" in args:
+        at = args.index("--json")
+        json_out = args[at + 1]
+        del args[at : at + 2]
     star = "--star" in args
     fresh = "--exec" in args
+    if fresh and (json_out is not None or COUNT != 1):
+        raise SystemExit("--json and --count need forked ranks (not --exec)")
     numbers = [a for a in args if a not in ("--star", "--exec", "--unix")]
     n = int(numbers[0]) if numbers else 2
     if n < 2 or (not star and n & (n - 1)):
@@ -247,6 +277,8 @@ def main() -> None:
             for b in partners_of(a, n, star):
                 if a < b:
                     PAIRS[(a, b)] = socket.socketpair()
+    tmp = tempfile.TemporaryDirectory() if json_out is not None else None
+    TIMES_DIR = tmp.name if tmp is not None else None
     children = []
     for rank in range(1, n):
         child = os.fork()
@@ -259,6 +291,17 @@ def main() -> None:
     uvloop.run(run(0, n, ports, star))
     for child in children:
         os.waitpid(child, 0)
+    if tmp is not None and json_out is not None:
+        with tmp:
+            times = np.array([np.load(os.path.join(tmp.name, f"{r}.npy")) for r in range(n)])
+        stats = {
+            "n": n,
+            "shape": "star" if star else "doubling",
+            "each_us": float(np.median(times.max(axis=0))) * 1e6,
+            "rank_us": float(max(np.median(t) for t in times)) * 1e6,
+        }
+        with open(json_out, "w") as f:
+            json.dump(stats, f)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ InternalError that breaks the group on every rank.
 from __future__ import annotations
 
 import asyncio
-import logging
 import struct
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
@@ -43,8 +42,6 @@ from aiocollect.engine.op import wrap_error
 from aiocollect.errors import GroupBrokenError
 from aiocollect.transport.base import Fingerprint, Link, SendMark
 from aiocollect.transport.wire import DATA, HEADER, MAGIC, Key
-
-log = logging.getLogger("aiocollect")
 
 #: Where a frame header carries the operation's sequence number (``wire.HEADER``).
 _SEQ_AT = 14
@@ -300,17 +297,6 @@ class Quick:
         self._moved = False
         self._timing_out = False
         self._released = False
-
-    def __del__(self) -> None:
-        # As asyncio does for a pending Task (the Task path gets asyncio's own warning).
-        handle = getattr(self, "handle", None)
-        if handle is not None and not handle.done():
-            log.warning(
-                "%s (op #%d) was garbage-collected while pending: its handle was "
-                "never awaited and its group was dropped",
-                self.small.kind,
-                self.seq,
-            )
 
     @property
     def ranks(self) -> list[int]:

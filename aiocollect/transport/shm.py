@@ -204,6 +204,12 @@ class ShmLink(RingReader):
     # -- sending ---------------------------------------------------------------------------
 
     def send(self, header: bytes, payload: memoryview | bytes) -> SendMark:
+        tx = self._tx
+        tried = False  # (whether _socket_frame said no)
+        if tx is not None and not self._held:
+            if self._socket_frame(header, payload, tx):
+                return None  # (the common small frame, in one call)
+            tried = True
         if not self.shm:
             return super().send(header, payload)
         if self.ring_broken and header[2] == ABORT and not (self.lost or self.closed):
@@ -212,7 +218,6 @@ class ShmLink(RingReader):
             self.frames_sent += 1
             self._mark = None
             return None
-        tx = self._tx
         if self.lost or self.closed or self._tx_dead or tx is None:
             raise self.failure or PeerDisconnected(
                 f"link to {self.describe()} is closed", self.peer
@@ -229,7 +234,7 @@ class ShmLink(RingReader):
                 self._hold(header, payload, stream)
                 self._mark = DRAIN
                 return DRAIN
-        self._send_frame(header, payload)
+        self._send_frame(header, payload, tried)
         return self._mark
 
     # -- bulk frames held back (head-of-line blocking) --------------------------------------
@@ -312,35 +317,47 @@ class ShmLink(RingReader):
         self._held_bytes = 0
         self._held_streams.clear()
 
-    def _send_frame(self, header: bytes, payload: memoryview | bytes) -> None:
+    def _socket_frame(self, header: bytes, payload: memoryview | bytes, tx: Ring) -> bool:
+        """Write a small frame (below the by-reference threshold) on the socket if it may go
+        there now: True if written. It may after frames there the reader has not taken yet
+        (for their order), and when the reader sleeps (a doorbell would be written: that
+        one write carries the frame, and neither side touches the ring) with everything
+        this side wrote into the ring read and every reference pulled, so that nothing sent
+        before can arrive after it (the ring's counters in one call, Ring.socket_turn:
+        where ranks outnumber cores almost every small frame goes this way); never while
+        frames wait in the queue or the link is failing."""
+        n = len(payload)
+        pull_min = self.policy.pull_min
+        if (
+            n <= INLINE_MAX
+            and (n < pull_min or pull_min <= 0)
+            and self.shm
+            and not self._queue
+            and not (self.ring_broken or self.lost or self.closed or self._tx_dead)
+            and (transport := self.transport) is not None
+            and not transport.is_closing()
+            and tx.socket_turn(self._inline_sent, self._refs_sent, self._rung_reader, INLINE_AHEAD)
+        ):  # behind an INLINE byte, as on TCP
+            transport.write(INLINE + header + payload if n else INLINE + header)
+            self._inline_sent += 1
+            self.bytes_sent += n
+            self.frames_sent += 1
+            self._mark = None
+            return True
+        return False
+
+    def _send_frame(
+        self, header: bytes, payload: memoryview | bytes, socket_tried: bool = False
+    ) -> None:
         """Into the ring (or the queue for it) now, by reference where that applies, or, if
-        small, on the socket."""
+        small, on the socket (``socket_tried``: :meth:`_socket_frame` said no already)."""
         n = len(payload)
         tx = self._tx
         pull_min = self.policy.pull_min
         if n <= JOIN_MAX and (n < pull_min or pull_min <= 0) and tx is not None and not self._queue:
-            # The common small frame (below the by-reference threshold). On the socket
-            # after frames there the reader has not taken yet (for their order), and when
-            # the reader sleeps (a doorbell would be written: that one write carries the
-            # frame, and neither side touches the ring) with everything this side wrote
-            # into the ring read and every reference pulled, so that nothing sent before
-            # can arrive after it (the ring's counters in one call, Ring.socket_turn: where
-            # ranks outnumber cores almost every small frame goes this way). Else header
-            # and payload as one write into the ring.
-            if (
-                n <= INLINE_MAX
-                and not self.ring_broken
-                and (transport := self.transport) is not None
-                and not transport.is_closing()
-                and tx.socket_turn(
-                    self._inline_sent, self._refs_sent, self._rung_reader, INLINE_AHEAD
-                )
-            ):  # behind an INLINE byte, as on TCP
-                transport.write(INLINE + header + payload if n else INLINE + header)
-                self._inline_sent += 1
-                self.bytes_sent += n
-                self.frames_sent += 1
-                self._mark = None
+            # The common small frame: on the socket (_socket_frame), else header and
+            # payload as one write into the ring.
+            if not socket_tried and self._socket_frame(header, payload, tx):
                 return
             try:
                 if not self._inline_ahead(tx) and tx.free() >= len(header) + n:

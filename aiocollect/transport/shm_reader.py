@@ -306,7 +306,9 @@ class RingReader(StreamLink):
             or magic != MAGIC
             or kind not in (DATA, P2P)
             or n > INLINE_MAX
-            or self._ring_frame_open()
+            or self._rpayload is not None  # (_ring_frame_open, inlined)
+            or self._pulling is not None
+            or self._pulls
             or self._rx_dead
         ):
             return False  # (_take_inline reports what is wrong)
@@ -444,7 +446,9 @@ class RingReader(StreamLink):
             self._inline_unacked = True
             return
         self._inline_unacked = False
-        self._ring_writer(rx.publish_inlined(self._inlined))
+        gen = rx.publish_inlined(self._inlined)
+        if gen and gen != self._rung_writer:  # (_ring_writer's test, inlined)
+            self._ring_writer(gen)
 
     def _escaped_bytes(self, data: memoryview) -> None:
         """Collect the ABORT frame that follows an escape; hand it up once complete."""
@@ -797,7 +801,9 @@ class RingReader(StreamLink):
 
     def post(self, key: Key, recv: Receiver) -> bool:
         landed = super().post(key, recv)
-        self._posted_one(key, landed)
+        # (_posted_one's cases, the common one first: nothing parked, no spin to start)
+        if key == self._parked or (not landed and self.policy.spin > 0):
+            self._posted_one(key, landed)
         return landed
 
     def _posted_one(self, key: Key, landed: bool) -> None:
