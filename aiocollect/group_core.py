@@ -311,8 +311,19 @@ class GroupCore:
         """``program`` bound to this group's links and frame headers, for buffers of
         ``dtype`` and frames of ``frame_kind`` (DATA, or P2P for send/recv): a plan's
         part."""
-        links = self._fabric.links
-        return Small(kind, program, self._gid, fp, self._ranks, links, nbytes, dtype, frame_kind)
+        fabric = self._fabric
+        return Small(
+            kind,
+            program,
+            self._gid,
+            fp,
+            self._ranks,
+            fabric.links,
+            nbytes,
+            dtype,
+            frame_kind,
+            fabric.spins,
+        )
 
     def _watch(
         self,

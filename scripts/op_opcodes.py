@@ -47,10 +47,13 @@ class OpcodeCounter:
     """A ``sys.settrace`` function counting opcodes and calls, per function too
     (``scripts/rank_opcodes.py`` uses it as well)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lines_of: str | None = None) -> None:
         self.opcodes = 0
         self.calls = 0
         self.by_code: Counter[str] = Counter()
+        #: with ``lines_of`` (a function's qualified name), its opcodes per line as well
+        self.lines_of = lines_of
+        self.by_line: Counter[int] = Counter()
 
     def trace(self, frame: FrameType, event: str, arg: Any) -> Any:
         if event == "call":
@@ -64,6 +67,8 @@ class OpcodeCounter:
             self.opcodes += 1
             code = frame.f_code
             self.by_code[f"{code.co_filename.rsplit('/', 2)[-1]}:{code.co_qualname}"] += 1
+            if code.co_qualname == self.lines_of:
+                self.by_line[frame.f_lineno] += 1
         return self._local
 
 

@@ -34,7 +34,7 @@ from op_opcodes import OpcodeCounter  # (scripts/, the script's directory, is on
 import aiocollect as ac
 
 
-async def main(iters: int, case: str, count: int, top: int) -> None:
+async def main(iters: int, case: str, count: int, top: int, lines_of: str | None) -> None:
     async with ac.open_group() as group:
         buf = np.zeros(count, np.float32)
         calls: dict[str, Callable[[], Awaitable[Any]]] = {
@@ -46,7 +46,7 @@ async def main(iters: int, case: str, count: int, top: int) -> None:
         for _ in range(500):
             await call()
         await group.barrier()
-        counter = OpcodeCounter()
+        counter = OpcodeCounter(lines_of)
         sys.settrace(counter.trace)
         for _ in range(iters):
             await call()
@@ -54,6 +54,9 @@ async def main(iters: int, case: str, count: int, top: int) -> None:
         await group.barrier()
         lines = [f"rank {group.rank} {case}: {counter.opcodes / iters:.0f} opcodes per operation"]
         lines += [f"    {k / iters:7.1f}  {where}" for where, k in counter.by_code.most_common(top)]
+        if lines_of:
+            lines.append(f"  {lines_of}, per line:")
+            lines += [f"    {k / iters:7.1f}  line {n}" for n, k in sorted(counter.by_line.items())]
         await asyncio.sleep(0.05 * group.rank)  # (one rank's lines after another's)
         print("\n".join(lines), flush=True)
 
@@ -66,5 +69,8 @@ if __name__ == "__main__":
     )
     parser.add_argument("--count", type=int, default=1, help="float32 elements (default 1)")
     parser.add_argument("--top", type=int, default=0, help="also list the top functions")
+    parser.add_argument(
+        "--lines", metavar="QUALNAME", help="and this function's opcodes per line (Quick._go)"
+    )
     ns = parser.parse_args()
-    uvloop.run(main(ns.iters, ns.case, ns.count, ns.top))
+    uvloop.run(main(ns.iters, ns.case, ns.count, ns.top, ns.lines))

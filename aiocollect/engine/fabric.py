@@ -142,10 +142,21 @@ class Fabric:
         unless the policy says not to or the link polls itself (``caps.polls``: shared
         memory)."""
         on = self._spin_on.get(link)
-        if on is None:  # decided once per link
-            on = self._spin_on[link] = self.spinner.budget > 0 and not link.caps.polls
+        if on is None:
+            on = self.spins(link)
         if on:
             self.spinner.wait(fut)
+
+    def spins(self, link: Link) -> bool:
+        """Whether a receive awaited on ``link`` spins (:meth:`spin`), decided once per
+        link: the policy's budget for this rank's links is not 0 and the link does not
+        poll itself."""
+        on = self._spin_on.get(link)
+        if on is None:
+            spinner = self._spinner
+            budget = spinner.budget if spinner is not None else budget_for(self.links.values())
+            on = self._spin_on[link] = budget > 0 and not link.caps.polls
+        return on
 
     # -- operation registry ----------------------------------------------------------------
 

@@ -128,7 +128,8 @@ def divide(q: Quick) -> None:
 class Small:
     """A program bound to one group and shape: per step its links and its frame header
     without the sequence number (``ops[i]``: receive link or None, send link or None,
-    slot, into_tmp, then, and the header's bytes before and after the sequence number).
+    slot, into_tmp, then, the header's bytes before and after the sequence number, and
+    whether a wait for the receive busy-waits).
     Made once per group and (collective, dtype, count, options): a group's links never
     change."""
 
@@ -156,7 +157,10 @@ class Small:
         nbytes: int,
         buf_dtype: np.dtype[Any] | None = None,
         frame_kind: int = DATA,
+        spins: Callable[[Link], bool] | None = None,
     ) -> None:
+        """``spins(link)``: whether a receive awaited on ``link`` busy-waits
+        (``Fabric.spins``; None: never)."""
         self.kind = kind
         #: DATA (a collective: sequence numbers, fingerprints registered) or P2P (send and
         #: recv: the sequence number is the (peer, tag) message counter, the slot the tag)
@@ -174,15 +178,17 @@ class Small:
             h = HEADER.pack(
                 MAGIC, frame_kind, coll, rop, dtype, gid, 0, 0, st.slot, root, count, nbytes
             )
+            rlink = links[ranks[st.recv_from]] if st.recv_from >= 0 else None
             ops.append(
                 (
-                    links[ranks[st.recv_from]] if st.recv_from >= 0 else None,
+                    rlink,
                     links[ranks[st.send_to]] if st.send_to >= 0 else None,
                     st.slot,
                     st.into_tmp,
                     st.then,
                     h[:_SEQ_AT],
                     h[_SEQ_AT + _SEQ.size :],
+                    rlink is not None and spins is not None and spins(rlink),
                 )
             )
         self.ops: tuple[_Op, ...] = tuple(ops)
@@ -194,7 +200,8 @@ class Small:
         self.last = len(steps) - 1 if plain and program.finish is None else -1
 
 
-#: A bound step (Small.ops).
+#: A bound step (Small.ops): receive link, send link, slot, into_tmp, then, the header's
+#: bytes before and after the sequence number, and whether a wait on the receive spins.
 _Op = tuple[
     "Link | None",
     "Link | None",
@@ -203,6 +210,7 @@ _Op = tuple[
     "Callable[[Quick], None] | None",
     bytes,
     bytes,
+    bool,
 ]
 
 
@@ -318,7 +326,7 @@ class Quick:
         i = self._i
         try:
             while i < len(ops):
-                rlink, slink, slot, into_tmp, then, pre, post = ops[i]
+                rlink, slink, slot, into_tmp, then, pre, post, spins = ops[i]
                 if landed:
                     landed = False
                 else:
@@ -340,7 +348,8 @@ class Quick:
                             return
                     if self._key is not None:
                         self._i = i
-                        self.core._fabric.spin(self, rlink)  # type: ignore[arg-type]
+                        if spins:  # (Fabric.spin's decision, made for the step)
+                            self.core._fabric.spinner.wait(self)
                         return  # landed() goes on
                 if then is not None:
                     if self._marks is not None and self._unsent():

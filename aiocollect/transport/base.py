@@ -267,6 +267,7 @@ class Link(abc.ABC):
         self._early: dict[Key, tuple[Header, bytearray]] = {}
         self._early_bytes = 0
         self._early_frames = 0
+        self._staging_over = False  # _staging_full called, _staging_relieved not since
         self.early_limit = MAX_EARLY_BYTES
         self._frame: Header | None = None
         self._frame_recv: Receiver | None = None
@@ -324,7 +325,8 @@ class Link(abc.ABC):
                 h, data = early
                 self._early_bytes -= len(data)
                 self._early_frames -= 1
-                if self._early_bytes <= STAGING_LIMIT // 2:
+                if self._staging_over and self._early_bytes <= STAGING_LIMIT // 2:
+                    self._staging_over = False
                     self._staging_relieved()
                 if not self._check(h, len(view), expect):
                     raise self._failure or MismatchError(f"frame {key} rejected")
@@ -391,12 +393,16 @@ class Link(abc.ABC):
         self._frame_recv = dest
         return dest.view
 
-    def _whole_frame(self, h: Header, payload: memoryview | bytes | bytearray) -> bool:
-        """The DATA or P2P frame ``h`` with its whole ``payload`` (``h.length`` bytes) at
-        hand: what :meth:`_begin_frame`, the copy and :meth:`_end_frame` would do, in one
-        step. False if the link must stop reading (the error has been reported)."""
+    def _whole_frame(
+        self, h: Header, payload: memoryview | bytes | bytearray, key: Key | None = None
+    ) -> bool:
+        """The DATA or P2P frame ``h`` (``key``: its key, if at hand) with its whole
+        ``payload`` (``h.length`` bytes) at hand: what :meth:`_begin_frame`, the copy and
+        :meth:`_end_frame` would do, in one step. False if the link must stop reading (the
+        error has been reported)."""
         self.frames_received += 1
-        key = h.key
+        if key is None:
+            key = h.key
         dest = self._route(h, key)
         if dest is None:
             return False
@@ -477,6 +483,7 @@ class Link(abc.ABC):
         self._early_bytes += len(staging)
         self._early_frames += 1
         if self._early_bytes > STAGING_LIMIT:
+            self._staging_over = True
             self._staging_full()
 
     def _take_posted(self, key: Key, length: int, fp: Fingerprint) -> Receiver | None:

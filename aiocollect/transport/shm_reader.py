@@ -312,29 +312,28 @@ class RingReader(StreamLink):
             or self._rx_dead
         ):
             return False  # (_take_inline reports what is wrong)
-        recv = self._take_posted(
-            _new_key(Key, (kind, gid, seq, slot, chunk)), n, (coll, dtype, elems, rop, root)
-        )
+        key = _new_key(Key, (kind, gid, seq, slot, chunk))
+        recv = self._take_posted(key, n, (coll, dtype, elems, rop, root))
         if recv is None:
-            return self._inline_early(nbytes)
+            h = _new_header(Header, (kind, coll, rop, dtype, gid, chunk, seq, slot, root, elems, n))
+            return self._inline_early(nbytes, h, key)
         self._inlined += 1
         self._count_inlined()
         land(recv, _BELLS[1 + HEADER_SIZE : nbytes])
         return True
 
-    def _inline_early(self, nbytes: int) -> bool:
-        """The read is exactly one DATA or P2P frame (``_inline_fast`` checked it) whose
-        receive is not posted as it says: into the mailbox as ``_take_inline`` would put it
-        (staged early, or a mismatch reported), without collecting it byte by byte first.
-        The star's root takes most of its leaves' frames this way. False, having done
-        nothing, when the frame is longer than this link takes (``_socket_bytes`` reports
-        it)."""
-        # (magic, kind and length checked there: the fields as parse_header gives them)
-        h: Header = _new_header(Header, _unpack_header(_BELL_BYTES, 1)[1:])
+    def _inline_early(self, nbytes: int, h: Header, key: Key) -> bool:
+        """The read is exactly one DATA or P2P frame ``h`` (``key``; ``_inline_fast``
+        checked its magic, kind and length, and made ``h`` from its fields as
+        ``parse_header`` would) whose receive is not posted as it says: into the mailbox as
+        ``_take_inline`` would put it (staged early, or a mismatch reported), without
+        collecting it byte by byte first. The star's root takes most of its leaves' frames
+        this way. False, having done nothing, when the frame is longer than this link
+        takes (``_socket_bytes`` reports it)."""
         if h.length > self.max_frame:
             return False
         self._inlined += 1
-        self.take_whole(h, _BELLS[1 + HEADER_SIZE : nbytes])
+        self.take_whole(h, _BELLS[1 + HEADER_SIZE : nbytes], key)
         self._count_inlined()
         return True
 

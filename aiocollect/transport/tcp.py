@@ -396,11 +396,13 @@ class StreamLink(Link, asyncio.BufferedProtocol):
             self._end_frame()
         return None
 
-    def take_whole(self, h: Header, payload: memoryview | bytes | bytearray) -> None:
-        """The DATA or P2P frame ``h`` with its whole payload at hand into the mailbox, as
-        :meth:`open_frame`, the copy and ``_end_frame`` would put it (a refused one: the
-        link discards what follows)."""
-        if not self._whole_frame(h, payload):
+    def take_whole(
+        self, h: Header, payload: memoryview | bytes | bytearray, key: Key | None = None
+    ) -> None:
+        """The DATA or P2P frame ``h`` (``key``: its key, if at hand) with its whole
+        payload at hand into the mailbox, as :meth:`open_frame`, the copy and
+        ``_end_frame`` would put it (a refused one: the link discards what follows)."""
+        if not self._whole_frame(h, payload, key):
             self.discarding = True
 
     def _staging_full(self) -> None:
