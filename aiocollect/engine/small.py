@@ -135,6 +135,8 @@ class Small:
 
     __slots__ = (
         "cast",
+        "fan",
+        "fan_at",
         "fp",
         "frame_kind",
         "gid",
@@ -192,6 +194,22 @@ class Small:
                 )
             )
         self.ops: tuple[_Op, ...] = tuple(ops)
+        #: The program's last steps from ``fan_at`` on, when there are two or more, only
+        #: send the buffer, each with the same header (the star's root answering its
+        #: leaves): Quick._go sends them in one loop, to the links in ``fan``.
+        fan_at = len(ops)
+        while (
+            fan_at > 0
+            and ops[fan_at - 1][0] is None
+            and ops[fan_at - 1][1] is not None
+            and ops[fan_at - 1][4] is None
+            and ops[fan_at - 1][5:7] == ops[-1][5:7]
+        ):
+            fan_at -= 1
+        if len(ops) - fan_at < 2:
+            fan_at = len(ops)
+        self.fan_at = fan_at
+        self.fan: tuple[Link, ...] = tuple(op[1] for op in ops[fan_at:] if op[1] is not None)
         #: the last step's index where it receives and runs nothing after its frame (its
         #: landing ends the operation when nothing sent waits: Quick.landed), else -1
         steps = program.steps
@@ -325,7 +343,8 @@ class Quick:
         ops = small.ops
         i = self._i
         try:
-            while i < len(ops):
+            fan_at = small.fan_at
+            while i < fan_at:
                 rlink, slink, slot, into_tmp, then, pre, post, spins = ops[i]
                 if landed:
                     landed = False
@@ -358,6 +377,20 @@ class Quick:
                         return
                     then(self)
                 i += 1
+            if i < len(ops):  # the fan-out (Small.fan): the same frame to each link
+                _, _, _, _, _, pre, post, _ = ops[i]
+                header = pre + self._seqb + post
+                bview = self.bview
+                self._moved = True
+                for slink in small.fan if i == fan_at else small.fan[i - fan_at :]:
+                    mark = slink.send(header, bview)
+                    if mark is not None:
+                        if self._marks is None:
+                            self._marks = []
+                        self._marks.append((slink, mark))
+                    if self.handle.done():  # failed meanwhile (its link failed)
+                        return
+                i = len(ops)
             self._i = i
             if self._marks is not None and self._unsent():
                 self._spawn(self._drain())
