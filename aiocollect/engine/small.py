@@ -360,9 +360,7 @@ class Quick:
                         mark = slink.send(pre + self._seqb + post, self.bview)
                         self._moved = True
                         if mark is not None:
-                            if self._marks is None:
-                                self._marks = []
-                            self._marks.append((slink, mark))
+                            self._keep(slink, mark)
                         if self.handle.done():  # failed meanwhile (its link failed)
                             return
                     if self._key is not None:
@@ -385,10 +383,8 @@ class Quick:
                 for slink in small.fan if i == fan_at else small.fan[i - fan_at :]:
                     mark = slink.send(header, bview)
                     if mark is not None:
-                        if self._marks is None:
-                            self._marks = []
-                        self._marks.append((slink, mark))
-                    if self.handle.done():  # failed meanwhile (its link failed)
+                        self._keep(slink, mark)
+                    if self.handle.done():  # failed meanwhile
                         return
                 i = len(ops)
             self._i = i
@@ -415,6 +411,13 @@ class Quick:
         if not handle.done():
             handle._quick = None
             handle.set_result(self.result)
+
+    def _keep(self, link: Link, mark: SendMark) -> None:
+        """Remember a frame sent on ``link`` that still references the buffer (``mark``:
+        what ``Link.send`` returned, not None)."""
+        if self._marks is None:
+            self._marks = []
+        self._marks.append((link, mark))
 
     def _unsent(self) -> bool:
         """Whether a frame this operation sent still lies in user memory (else forgets
