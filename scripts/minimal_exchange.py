@@ -8,6 +8,7 @@
     python scripts/minimal_exchange.py 4 --star --unix  # Unix socket pairs, not TCP
     python scripts/minimal_exchange.py 4 --unix --json F  # and both statistics into F
     python scripts/minimal_exchange.py 4 --count 1024 # 4 KiB (float32 elements)
+    python scripts/minimal_exchange.py 4 --star --checked  # fingerprints, a registry
 
 N processes (forks of one parent, or with ``--exec`` each rank started as its own
 interpreter, as ``aiocollect run --start-method exec`` does; N a power of two unless
@@ -151,17 +152,33 @@ def _accepted(queue: asyncio.Queue[Peer]) -> Peer:
 TIMES_DIR: str | None = None
 
 
+#: --checked: each frame also carries the operation's fingerprint (collective, dtype,
+#: count, reduction, root), which the receiver compares with its own and the length with
+#: its buffer's, and each operation is entered in a registry and an in-flight table (with
+#: its start time, for deadlines) and taken out at its end: the least of what aiocollect's
+#: contract (mismatch detection, deadlines) asks per message and per operation.
+CHECKED = False
+CHECKED_HEADER = struct.Struct("<QII5i")
+
+
 async def run(rank: int, n: int, ports: list[int], star: bool) -> None:
     loop = asyncio.get_running_loop()
     peers = await connect(rank, n, ports, star)
     steps = [peers[p] for p in partners_of(rank, n, star)]
     value = np.zeros(COUNT, np.float32)
-    frame = HEADER.size + value.nbytes
+    header = CHECKED_HEADER if CHECKED else HEADER
+    frame = header.size + value.nbytes
     spin = float(os.environ.get("SPIN_US", "0")) * 1e-6
+    fp = (1, 11, COUNT, 0, -1)  # allreduce, float32, count, SUM, no root
+    registry: dict[int, tuple[int, ...]] = {}
+    in_flight: dict[int, float] = {}
 
     def send(peer: Peer, seq: int) -> None:
         assert peer.transport is not None
-        peer.transport.write(HEADER.pack(seq, 1, value.nbytes) + value.tobytes())
+        if CHECKED:
+            peer.transport.write(CHECKED_HEADER.pack(seq, 1, value.nbytes, *fp) + value.tobytes())
+        else:
+            peer.transport.write(HEADER.pack(seq, 1, value.nbytes) + value.tobytes())
 
     async def take(peer: Peer, seq: int, add: bool) -> None:
         """Wait for ``peer``'s frame of ``seq``; add its value (else copy it)."""
@@ -173,9 +190,14 @@ async def run(rank: int, n: int, ports: list[int], star: bool) -> None:
                 while not peer.waiter.done() and time.perf_counter() < end:  # noqa: ASYNC110
                     await asyncio.sleep(0)
             await peer.waiter
-        got, _, _ = HEADER.unpack_from(peer.buf, 0)
-        assert got == seq, (got, seq)
-        theirs = np.frombuffer(peer.buf, np.float32, COUNT, HEADER.size)
+        if CHECKED:
+            got, _, length, *theirs_fp = CHECKED_HEADER.unpack_from(peer.buf, 0)
+            if got != seq or tuple(theirs_fp) != fp or length != value.nbytes:
+                raise RuntimeError(f"frame {got} does not match operation {seq}")
+        else:
+            got, _, _ = HEADER.unpack_from(peer.buf, 0)
+            assert got == seq, (got, seq)
+        theirs = np.frombuffer(peer.buf, np.float32, COUNT, header.size)
         if add:
             np.add(value, theirs, out=value)
         else:
@@ -185,6 +207,17 @@ async def run(rank: int, n: int, ports: list[int], star: bool) -> None:
         peer.filled = rest
 
     async def exchange(seq: int) -> None:
+        if CHECKED:
+            registry[seq] = fp
+            in_flight[seq] = loop.time()
+            try:
+                await unchecked(seq)
+            finally:
+                del registry[seq], in_flight[seq]
+        else:
+            await unchecked(seq)
+
+    async def unchecked(seq: int) -> None:
         if not star:
             for peer in steps:
                 send(peer, seq)
@@ -211,7 +244,8 @@ async def run(rank: int, n: int, ports: list[int], star: bool) -> None:
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     us = 1e6 / ITERS
     print(
-        f"minimal exchange{' (star)' if star else ''}, N={n} rank {rank}: "
+        f"minimal exchange{' (star)' if star else ''}{' (checked)' if CHECKED else ''}, "
+        f"N={n} rank {rank}: "
         f"mean {wall * us:.1f} us, p50 "
         f"{np.median(lat) * 1e6:.1f}, p99 {np.percentile(lat, 99) * 1e6:.1f}; CPU per op: "
         f"user {(r1.ru_utime - r0.ru_utime) * us:.1f} us, sys "
@@ -233,7 +267,10 @@ def main() -> None:
         rank, n, ports = int(args[1]), int(args[2]), [int(p) for p in args[3].split(",")]
         uvloop.run(run(rank, n, ports, "--star" in args))
         return
-    global TIMES_DIR, COUNT
+    global TIMES_DIR, COUNT, CHECKED
+    if "--checked" in args:
+        CHECKED = True
+        args.remove("--checked")
     if "--count" in args:
         at = args.index("--count")
         COUNT = int(args[at + 1])
@@ -245,8 +282,8 @@ def main() -> None:
         del args[at : at + 2]
     star = "--star" in args
     fresh = "--exec" in args
-    if fresh and (json_out is not None or COUNT != 1):
-        raise SystemExit("--json and --count need forked ranks (not --exec)")
+    if fresh and (json_out is not None or COUNT != 1 or CHECKED):
+        raise SystemExit("--json, --count and --checked need forked ranks (not --exec)")
     numbers = [a for a in args if a not in ("--star", "--exec", "--unix")]
     n = int(numbers[0]) if numbers else 2
     if n < 2 or (not star and n & (n - 1)):

@@ -14,7 +14,9 @@ round to round,
   socket pairs, no event loop),
 - ``scripts/minimal_exchange.py N --unix --json`` with and without ``--star`` (uvloop, one
   ``BufferedProtocol`` per Unix socket pair, a 16-byte header, no checks, no deadlines,
-  no failure handling: the least an asyncio program does per message),
+  no failure handling: the least an asyncio program does per message), and the star with
+  ``--checked`` (each frame's fingerprint and length compared, each operation entered in
+  a registry and an in-flight table: the least of what aiocollect's contract asks),
 - ``aiocollect bench allreduce -n N --transport auto --sizes S --rounds 1 --baseline none``,
 
 and prints, per series, the median over rounds of both statistics and of the bench
@@ -41,14 +43,15 @@ from aiocollect.bench.spec import parse_size
 HERE = Path(__file__).resolve().parent
 
 
-def _minimal(n: int, star: bool, nbytes: int) -> tuple[float, float]:
+def _minimal(n: int, star: bool, nbytes: int, checked: bool = False) -> tuple[float, float]:
     if nbytes % 4 or nbytes > 16384:
         raise SystemExit("minimal_exchange.py sends float32 elements, at most 16 KiB")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "m.json")
         cmd = [sys.executable, str(HERE / "minimal_exchange.py"), str(n), "--unix", "--json", out]
         cmd += ["--count", str(nbytes // 4)]
-        subprocess.run(cmd + (["--star"] if star else []), check=True, capture_output=True)
+        cmd += (["--star"] if star else []) + (["--checked"] if checked else [])
+        subprocess.run(cmd, check=True, capture_output=True)
         d = json.loads(Path(out).read_text())
     return d["each_us"], d["rank_us"]
 
@@ -80,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         "floor (blocking doubling)": lambda: _floor(n, nbytes),
         "minimal asyncio star": lambda: _minimal(n, True, nbytes),
         "minimal asyncio doubling": lambda: _minimal(n, False, nbytes),
+        "checked minimal star": lambda: _minimal(n, True, nbytes, checked=True),
         "aiocollect (auto)": lambda: _library(n, nbytes),
     }
     names = list(series)
