@@ -8,6 +8,7 @@
     python scripts/minimal_exchange.py 4 --star --unix  # Unix socket pairs, not TCP
     python scripts/minimal_exchange.py 4 --unix --json F  # and both statistics into F
     python scripts/minimal_exchange.py 4 --count 1024 # 4 KiB (float32 elements)
+    python scripts/minimal_exchange.py 4 --star --count 0  # empty frames: a barrier
     python scripts/minimal_exchange.py 4 --star --checked  # fingerprints, a registry
 
 N processes (forks of one parent, or with ``--exec`` each rank started as its own
@@ -197,11 +198,12 @@ async def run(rank: int, n: int, ports: list[int], star: bool) -> None:
         else:
             got, _, _ = HEADER.unpack_from(peer.buf, 0)
             assert got == seq, (got, seq)
-        theirs = np.frombuffer(peer.buf, np.float32, COUNT, header.size)
-        if add:
-            np.add(value, theirs, out=value)
-        else:
-            value[:] = theirs
+        if COUNT:  # (--count 0: empty frames, a barrier)
+            theirs = np.frombuffer(peer.buf, np.float32, COUNT, header.size)
+            if add:
+                np.add(value, theirs, out=value)
+            else:
+                value[:] = theirs
         rest = peer.filled - frame
         peer.buf[:rest] = peer.buf[frame : peer.filled]
         peer.filled = rest

@@ -2,6 +2,7 @@
 
     python scripts/yardsticks.py 6                 # 4 ranks, 4 bytes, six rounds
     python scripts/yardsticks.py 6 -n 2 --size 4K
+    python scripts/yardsticks.py 6 --barrier      # empty frames against the barrier floor
 
 ``aiocollect bench --floor`` divides its p50 (the median over iterations of each
 iteration's slowest rank) by the floor's slowest rank's median, a smaller statistic of the
@@ -19,7 +20,9 @@ round to round,
   a registry and an in-flight table: the least of what aiocollect's contract asks),
 - ``aiocollect bench allreduce -n N --transport auto --sizes S --rounds 1 --baseline none``,
 
-and prints, per series, the median over rounds of both statistics and of the bench
+(with ``--barrier``: the barrier floor, a dissemination barrier over blocking socket
+pairs; the minimal exchanges with empty frames; ``aiocollect bench barrier``) and prints,
+per series, the median over rounds of both statistics and of the bench
 column's ratio (per-iteration statistic over the floor's slowest-rank median) and the
 like-for-like ratio (per-iteration over per-iteration). A yardstick; not part of
 aiocollect.
@@ -37,14 +40,14 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from aiocollect.bench.floor import latency
+from aiocollect.bench.floor import barrier, latency
 from aiocollect.bench.spec import parse_size
 
 HERE = Path(__file__).resolve().parent
 
 
 def _minimal(n: int, star: bool, nbytes: int, checked: bool = False) -> tuple[float, float]:
-    if nbytes % 4 or nbytes > 16384:
+    if nbytes % 4 or nbytes > 16384:  # (0: empty frames, the barrier's)
         raise SystemExit("minimal_exchange.py sends float32 elements, at most 16 KiB")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "m.json")
@@ -56,11 +59,11 @@ def _minimal(n: int, star: bool, nbytes: int, checked: bool = False) -> tuple[fl
     return d["each_us"], d["rank_us"]
 
 
-def _library(n: int, nbytes: int) -> tuple[float, float]:
+def _library(n: int, nbytes: int, collective: str) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "b.json")
-        cmd = [sys.executable, "-m", "aiocollect", "bench", "allreduce", "-n", str(n)]
-        cmd += ["--transport", "auto", "--sizes", str(nbytes), "--rounds", "1"]
+        cmd = [sys.executable, "-m", "aiocollect", "bench", collective, "-n", str(n)]
+        cmd += ["--transport", "auto", "--sizes", str(max(nbytes, 4)), "--rounds", "1"]
         cmd += ["--baseline", "none", "--no-lag-probe", "--json", out]
         subprocess.run(cmd, check=True, capture_output=True, timeout=300)
         rec = json.loads(Path(out).read_text())["summary"][0]["aiocollect"]
@@ -68,7 +71,7 @@ def _library(n: int, nbytes: int) -> tuple[float, float]:
 
 
 def _floor(n: int, nbytes: int) -> tuple[float, float]:
-    f = latency(n, nbytes=nbytes)
+    f = latency(n, nbytes=nbytes) if nbytes else barrier(n)
     return f.each * 1e6, f.seconds * 1e6
 
 
@@ -77,14 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("rounds", type=int)
     ap.add_argument("-n", type=int, default=4, help="ranks (a power of two: the floor)")
     ap.add_argument("--size", default="4", help="bytes per allreduce (default 4)")
+    ap.add_argument("--barrier", action="store_true", help="barriers: empty frames")
     args = ap.parse_args(argv)
-    n, nbytes = args.n, parse_size(args.size)
+    n, nbytes = args.n, 0 if args.barrier else parse_size(args.size)
+    collective = "barrier" if args.barrier else "allreduce"
+    if not nbytes and not args.barrier:
+        raise SystemExit("--size must be at least 4 bytes (--barrier for empty frames)")
     series: dict[str, Callable[[], tuple[float, float]]] = {
-        "floor (blocking doubling)": lambda: _floor(n, nbytes),
+        "floor (blocking)": lambda: _floor(n, nbytes),
         "minimal asyncio star": lambda: _minimal(n, True, nbytes),
         "minimal asyncio doubling": lambda: _minimal(n, False, nbytes),
         "checked minimal star": lambda: _minimal(n, True, nbytes, checked=True),
-        "aiocollect (auto)": lambda: _library(n, nbytes),
+        "aiocollect (auto)": lambda: _library(n, nbytes, collective),
     }
     names = list(series)
     got: dict[str, list[tuple[float, float]]] = {k: [] for k in names}
@@ -101,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{k.split(' (')[0]} {v[0]:.1f}/{v[1]:.1f}" for k, v in this.items()),
             flush=True,
         )
-    print(f"\n{n} ranks, {nbytes} B; per series the medians over {args.rounds} rounds:")
+    what = "barrier" if args.barrier else f"allreduce, {nbytes} B"
+    print(f"\n{n} ranks, {what}; per series the medians over {args.rounds} rounds:")
     print("per-iteration p50 / slowest rank's median (µs); x floor: the bench's column,")
     print("then per-iteration over the floor's per-iteration")
     for name in names:
