@@ -337,3 +337,45 @@ async def test_one_frame_recv_deadline_and_cancellation() -> None:
         [True, True, None, False],
         [True, True, [7.0, 7.0], False],
     ]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto", "memory"])
+async def test_the_star_roots_answer_is_one_fan_out_and_a_failing_send_in_it_breaks_all(
+    transport: str,
+) -> None:
+    """The star's root sends its answer to every leaf from one loop (``Small.fan``: the
+    header built once). A send that raises partway through (fault injection: rank 0's link
+    to rank 2 refuses its answer) fails the root's operation and breaks the group, and no
+    rank is left waiting or given a wrong sum: ranks 2 and 3 get an error, rank 1 (answered
+    before the failure) the right sum or an error."""
+    from aiocollect.errors import PeerDisconnected
+
+    async def body(g: ac.Group) -> Any:
+        buf = np.full(1, float(g.rank + 1), np.float32)
+        await g.allreduce(buf, algorithm="star")
+        assert float(buf[0]) == 10.0
+        small = next(p[1] for k, p in g._plans.items() if k[0] == "allreduce")
+        shape = (small.fan_at, len(small.fan), len(small.ops))
+        await g.barrier()
+        if g.rank == 0:
+            link = g._fabric.links[2]
+
+            def refuse(header: bytes, payload: Any) -> Any:
+                raise PeerDisconnected("injected: the answer to rank 2 cannot be sent", 2)
+
+            link.send = refuse  # type: ignore[method-assign]
+        buf[0] = g.rank + 1
+        try:
+            await g.allreduce(buf, algorithm="star", timeout=20.0)
+            outcome = float(buf[0])
+        except ac.AiocollectError as exc:
+            outcome = type(exc).__name__
+        return shape, outcome
+
+    results = await run_ranks(4, body, transport=transport, timeout=40.0)
+    assert results[0][0] == (3, 3, 6)  # three receives, then one fan-out of three sends
+    assert [r[0] for r in results[1:]] == [(1, 0, 1)] * 3  # a leaf: one step, no fan-out
+    assert results[0][1] == "PeerDisconnected"
+    assert results[1][1] in (10.0, "PeerDisconnected", "GroupBrokenError"), results
+    for leaf in (2, 3):
+        assert isinstance(results[leaf][1], str), results
