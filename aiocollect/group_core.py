@@ -118,15 +118,19 @@ class GroupCore:
         # As asyncio does for a pending Task: a one-frame operation still pending when its
         # group is collected was never awaited (each is in ``_tasks`` until it ends, and
         # its Quick holds the group: both go together). Here, once per group, rather than
-        # in a finalizer run for every operation.
-        for handle, info in getattr(self, "_tasks", {}).items():
-            if info is not None and isinstance(info[0], Quick) and not handle.done():
-                log.warning(
-                    "%s (op #%d) was garbage-collected while pending: its handle was "
-                    "never awaited and its group was dropped",
-                    info[1],
-                    info[0].seq,
-                )
+        # in a finalizer run for every operation. A warning only: it never raises (at
+        # interpreter exit some of what it uses may be gone already).
+        try:
+            for handle, info in getattr(self, "_tasks", {}).items():
+                if info is not None and isinstance(info[0], Quick) and not handle.done():
+                    log.warning(
+                        "%s (op #%d) was garbage-collected while pending: its handle was "
+                        "never awaited and its group was dropped",
+                        info[1],
+                        info[0].seq,
+                    )
+        except Exception:  # (nothing to report to at that point)
+            pass
 
     def _nearest_deadline(self) -> float | None:
         """The loop time of the nearest deadline among this group's operations in flight,
