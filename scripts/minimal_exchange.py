@@ -171,15 +171,13 @@ async def run(rank: int, n: int, ports: list[int], star: bool) -> None:
     frame = header.size + value.nbytes
     spin = float(os.environ.get("SPIN_US", "0")) * 1e-6
     fp = (1, 11, COUNT, 0, -1)  # allreduce, float32, count, SUM, no root
+    checked = fp if CHECKED else ()  # (the header's fields after the length)
     registry: dict[int, tuple[int, ...]] = {}
     in_flight: dict[int, float] = {}
 
     def send(peer: Peer, seq: int) -> None:
         assert peer.transport is not None
-        if CHECKED:
-            peer.transport.write(CHECKED_HEADER.pack(seq, 1, value.nbytes, *fp) + value.tobytes())
-        else:
-            peer.transport.write(HEADER.pack(seq, 1, value.nbytes) + value.tobytes())
+        peer.transport.write(header.pack(seq, 1, value.nbytes, *checked) + value.tobytes())
 
     async def take(peer: Peer, seq: int, add: bool) -> None:
         """Wait for ``peer``'s frame of ``seq``; add its value (else copy it)."""

@@ -141,10 +141,7 @@ class Fabric:
         """A receive ``fut`` on ``link`` is awaited: keep the loop polling for a while,
         unless the policy says not to or the link polls itself (``caps.polls``: shared
         memory)."""
-        on = self._spin_on.get(link)
-        if on is None:
-            on = self.spins(link)
-        if on:
+        if self.spins(link):
             self.spinner.wait(fut)
 
     def spins(self, link: Link) -> bool:

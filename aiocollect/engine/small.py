@@ -375,12 +375,13 @@ class Quick:
                         return
                     then(self)
                 i += 1
-            if i < len(ops):  # the fan-out (Small.fan): the same frame to each link
-                _, _, _, _, _, pre, post, _ = ops[i]
+            if i < len(ops):  # i == fan_at (``_i`` never points into the fan-out): the
+                # fan-out (Small.fan), whole: the same frame to each link
+                _, _, _, _, _, pre, post, _ = ops[fan_at]
                 header = pre + self._seqb + post
                 bview = self.bview
                 self._moved = True
-                for slink in small.fan if i == fan_at else small.fan[i - fan_at :]:
+                for slink in small.fan:
                     mark = slink.send(header, bview)
                     if mark is not None:
                         self._keep(slink, mark)

@@ -306,9 +306,7 @@ class RingReader(StreamLink):
             or magic != MAGIC
             or kind not in (DATA, P2P)
             or n > INLINE_MAX
-            or self._rpayload is not None  # (_ring_frame_open, inlined)
-            or self._pulling is not None
-            or self._pulls
+            or self._ring_frame_open()
             or self._rx_dead
         ):
             return False  # (_take_inline reports what is wrong)
@@ -445,9 +443,7 @@ class RingReader(StreamLink):
             self._inline_unacked = True
             return
         self._inline_unacked = False
-        gen = rx.publish_inlined(self._inlined)
-        if gen and gen != self._rung_writer:  # (_ring_writer's test, inlined)
-            self._ring_writer(gen)
+        self._ring_writer(rx.publish_inlined(self._inlined))
 
     def _escaped_bytes(self, data: memoryview) -> None:
         """Collect the ABORT frame that follows an escape; hand it up once complete."""
