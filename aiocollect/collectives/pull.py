@@ -57,7 +57,7 @@ import numpy as np
 
 from aiocollect._buffers import Array, byte_view
 from aiocollect.engine.op import Op, flat_blocks, split_even
-from aiocollect.engine.reduce import copy_into, reduce_into
+from aiocollect.engine.reduce import apply, copy_into, divide, reduce_into
 from aiocollect.engine.scratch import SCRATCH
 from aiocollect.engine.turns import give_way
 from aiocollect.errors import ProtocolError
@@ -167,8 +167,7 @@ class _Exchange:
         for s in range(0, dest.size, step):
             m = min(step, dest.size - s)
             link.read_peer(sview[: m * itemsize], src + s * itemsize)
-            piece = dest[s : s + m]
-            ufunc(first[s : s + m], scratch[:m], out=piece)
+            apply(ufunc, first[s : s + m], scratch[:m], dest[s : s + m])
             await give_way()
 
     async def push(self, slot: int, parts: Sequence[Array]) -> None:
@@ -253,7 +252,7 @@ async def allreduce(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> None:
     finally:
         SCRATCH.release(scratch)  # (only ever written by the synchronous reads above)
     if average:
-        mine /= n
+        divide(mine, n)
 
     for q in ex.order:
         if not ex.push_to[q]:
@@ -302,7 +301,7 @@ async def reduce_scatter(op: Op, send: Array, dest: Array, ufunc: np.ufunc, aver
     finally:
         SCRATCH.release(scratch)
     if average:
-        dest /= n
+        divide(dest, n)
     await ex.handed_back()
 
 

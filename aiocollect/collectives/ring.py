@@ -29,7 +29,7 @@ import numpy as np
 
 from aiocollect._buffers import Array
 from aiocollect.engine.op import Op, flat_blocks, split_even
-from aiocollect.engine.reduce import copy_into, reduce_into, settle
+from aiocollect.engine.reduce import copy_into, divide, reduce_into, settle
 from aiocollect.engine.scratch import SCRATCH
 from aiocollect.engine.turns import give_way
 
@@ -69,7 +69,7 @@ async def allreduce(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> None:
 
     async def forward(c: int, chunk: Array) -> None:
         if average:
-            chunk /= n
+            divide(chunk, n)
         await op.send(nxt, AG_SLOT, c, chunk)
 
     await reduce_scatter_blocks(op, blocks, ufunc, finished=forward)

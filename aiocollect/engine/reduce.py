@@ -1,17 +1,32 @@
 """Reduction kernels: numpy ufuncs with ``out=``; large ones run in a worker thread so the
 event loop stays responsive (numpy releases the GIL inside its loops). And large local
 copies, in steps with a turn of the event loop between them; and the end every reducing
-algorithm shares (:func:`settle`)."""
+algorithm shares (:func:`settle`).
+
+Every reduction follows IEEE 754 whatever numpy's error state: a sum that overflows is inf
+(a division or product likewise), on every rank, never an error. numpy raises from a ufunc
+whose result overflowed, underflowed, divided by zero or was invalid when the calling
+context's ``np.errstate`` says "raise" (FloatingPointError), or when a warnings filter
+turns numpy's RuntimeWarning into an error; it does so after its loop has written the
+whole result, so a reduction catches :data:`FP_SIGNALS` and keeps that result. Otherwise
+an overflow would fail the operation on the ranks that happened to compute it (whose
+contexts, event-loop callbacks and worker threads differ) while the others had their
+result. With numpy's default error state its RuntimeWarning still shows, once per place,
+on the ranks whose arithmetic overflowed, as any numpy arithmetic would."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import numpy as np
 
 from aiocollect._buffers import Array
 from aiocollect.engine.turns import give_way
 
+#: What numpy raises from a ufunc, after writing its whole result, where the error state or
+#: a warnings filter asks it to (module docstring): a reduction keeps the result.
+FP_SIGNALS = (FloatingPointError, RuntimeWarning)
 #: Reductions larger than this many bytes are offloaded to a thread.
 THREAD_THRESHOLD = 4 * 1024 * 1024
 #: Bytes a local copy moves per turn of the event loop (about a millisecond here).
@@ -27,9 +42,27 @@ async def reduce_into(ufunc: np.ufunc, dst: Array, src: Array, base: Array | Non
     by default), never for a whole block, so it holds the loop for one chunk at most."""
     first = dst if base is None else base
     if dst.nbytes >= THREAD_THRESHOLD:
-        await asyncio.to_thread(ufunc, first, src, out=dst)
+        await asyncio.to_thread(apply, ufunc, first, src, dst)
     else:
-        ufunc(first, src, out=dst)
+        try:  # noqa: SIM105 (a try costs nothing here, contextlib.suppress a call)
+            ufunc(first, src, out=dst)
+        except FP_SIGNALS:
+            pass  # (the IEEE result is written: module docstring)
+
+
+def apply(ufunc: np.ufunc, a: Array, b: Array, out: Array) -> None:
+    """``out = ufunc(a, b)`` with IEEE results whatever numpy's error state (module
+    docstring)."""
+    with contextlib.suppress(*FP_SIGNALS):
+        ufunc(a, b, out=out)
+
+
+def divide(arr: Array, divisor: int) -> None:
+    """``arr /= divisor`` in place (an AVG's end), IEEE whatever numpy's error state."""
+    try:  # noqa: SIM105 (once per small AVG: a try costs nothing, suppress a call)
+        np.divide(arr, divisor, out=arr)
+    except FP_SIGNALS:
+        pass
 
 
 async def copy_into(dst: Array, src: Array) -> None:
@@ -51,6 +84,6 @@ def settle(result: Array, dest: Array, divisor: int) -> None:
     ``divisor`` in place (an AVG; 1: nothing to do), then copy it into ``dest`` unless it
     is ``dest``."""
     if divisor != 1:
-        result /= divisor
+        divide(result, divisor)
     if result is not dest:
         dest[...] = result

@@ -39,6 +39,8 @@ import numpy as np
 from aiocollect._buffers import Array, byte_castable, byte_view
 from aiocollect.engine.fabric import Fabric
 from aiocollect.engine.op import wrap_error
+from aiocollect.engine.reduce import FP_SIGNALS
+from aiocollect.engine.reduce import divide as divide_array
 from aiocollect.errors import GroupBrokenError
 from aiocollect.transport.base import Fingerprint, Link, SendMark
 from aiocollect.transport.wire import DATA, HEADER, MAGIC, Key
@@ -111,18 +113,25 @@ def one_way(send_to: int, recv_from: int, slot: int) -> Program:
 
 
 def reduce_mine_first(q: Quick) -> None:
-    """``buf = ufunc(buf, tmp)``: this rank is the lower of the pair (reduction order)."""
-    q.ufunc(q.buf, q.tmp, out=q.buf)
+    """``buf = ufunc(buf, tmp)``: this rank is the lower of the pair (reduction order).
+    IEEE results whatever numpy's error state (engine/reduce.py: FP_SIGNALS)."""
+    try:  # noqa: SIM105 (per small operation: a try costs nothing, suppress a call)
+        q.ufunc(q.buf, q.tmp, out=q.buf)
+    except FP_SIGNALS:
+        pass
 
 
 def reduce_theirs_first(q: Quick) -> None:
     """``buf = ufunc(tmp, buf)``: the peer is the lower of the pair."""
-    q.ufunc(q.tmp, q.buf, out=q.buf)
+    try:  # noqa: SIM105 (as above)
+        q.ufunc(q.tmp, q.buf, out=q.buf)
+    except FP_SIGNALS:
+        pass
 
 
 def divide(q: Quick) -> None:
     """``buf /= world size``: the end of an AVG."""
-    np.divide(q.buf, len(q.small.ranks), out=q.buf)
+    divide_array(q.buf, len(q.small.ranks))
 
 
 class Small:

@@ -10,6 +10,7 @@ the caller's tensors once every handle has finished.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from aiocollect._buffers import Array
+from aiocollect.engine.reduce import FP_SIGNALS
 from aiocollect.errors import UsageError
 from aiocollect.group import Group
 from aiocollect.torch import _checks
@@ -84,10 +86,11 @@ def _prescaled(arr: Array, factor: float | None, *, copy: bool) -> Array:
     """``arr`` multiplied by a PREMUL_SUM factor (in place unless ``copy``)."""
     if factor is None:
         return arr.copy() if copy else arr
-    if copy:
-        return np.asarray(arr * factor, dtype=arr.dtype)
-    np.multiply(arr, factor, out=arr, casting="unsafe")
-    return arr
+    out = np.empty_like(arr) if copy else arr
+    # (IEEE whatever numpy's error state, as every reduction: engine/reduce.py)
+    with contextlib.suppress(*FP_SIGNALS):
+        np.multiply(arr, factor, out=out, casting="unsafe")
+    return out
 
 
 # -- reductions -------------------------------------------------------------------------------

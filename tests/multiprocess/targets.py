@@ -63,3 +63,21 @@ async def parent_and_sum(g: ac.Group) -> Any:
     data = np.full(3, g.rank + 1, dtype=np.int64)
     await g.allreduce(data)
     return (os.getppid(), data.tolist())
+
+
+async def overflow_under_strict_numpy(g: ac.Group) -> list[list[float]]:
+    """Allreduces whose sums overflow float32 in a process whose numpy raises on every
+    floating-point error and whose warnings are errors: one frame (4 bytes) and the pull
+    allreduce (4 MiB, shared memory), SUM then AVG; each one's first and last element."""
+    import warnings
+
+    np.seterr(all="raise")
+    warnings.simplefilter("error")
+    seen = []
+    for count in (1, 1 << 20):
+        for op in (ac.SUM, ac.AVG):
+            buf = np.ones(count, np.float32)
+            buf[0] = 3e38
+            await g.allreduce(buf, op=op)
+            seen.append([float(buf[0]), float(buf[-1])])
+    return seen

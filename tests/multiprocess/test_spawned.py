@@ -41,6 +41,17 @@ async def test_start_methods(start_method: str) -> None:
     assert (parents == {os.getpid()}) == (start_method == "spawn")
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("n", "uvloop"), [(2, False), (4, True)])
+async def test_overflow_is_inf_on_every_rank_whatever_numpy_raises(n: int, uvloop: bool) -> None:
+    """Ranks whose numpy raises on overflow (np.seterr, warnings as errors) get IEEE sums,
+    inf where they overflow, on the default transport: never an error on some ranks and a
+    result on others (tests/collectives/test_float_signals.py has every path)."""
+    res = await spawn_ranks(n, targets.overflow_under_strict_numpy, timeout=100, uvloop=uvloop)
+    inf = float("inf")
+    assert res == [[[inf, inf], [inf, inf], [inf, float(n)], [inf, 1.0]]] * n
+
+
 def test_unknown_start_method_is_refused() -> None:
     with pytest.raises(ValueError, match="start_method"):
         spawn_ranks(2, targets.echo_rank, start_method="fork")
