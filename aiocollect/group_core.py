@@ -54,6 +54,11 @@ CHECK_MAX = 30.0
 PROGRESS_SECONDS = 30.0
 #: Seconds ``aclose`` waits for the peers' GOODBYE (to compare what every rank called).
 CLOSE_WAIT = 5.0
+#: Seconds ``aclose`` then waits for the links to end where every peer said goodbye (as
+#: long as a closing link lingers for its peer, transport/tcp.py LINGER), and where one did
+#: not or the group failed (``Fabric.links_gone``); what is left then is reset.
+CLOSE_END_WAIT = 5.0
+CLOSE_END_GRACE = 0.5
 
 
 class GroupCore:
@@ -576,9 +581,11 @@ class GroupCore:
 
     async def aclose(self, timeout: float | None = 30.0) -> None:
         """Wait for in-flight operations (up to ``timeout``), say goodbye to every peer,
-        wait (up to ``CLOSE_WAIT`` s, at most ``timeout``) for theirs, and release links,
-        listener and owned store. Idempotent; never raises for a clean close. Closing the
-        world group closes its sub-groups.
+        wait (up to ``CLOSE_WAIT`` s, at most ``timeout``) for theirs, close every link and
+        wait for it to end (up to ``CLOSE_END_WAIT`` s where every peer said goodbye, else
+        ``CLOSE_END_GRACE``; then it is reset: no connection outlives the call), and
+        release listener and owned store. Idempotent; never raises for a clean close.
+        Closing the world group closes its sub-groups.
 
         Raises:
             MismatchError: the ranks called different operations and no operation of this
@@ -611,6 +618,9 @@ class GroupCore:
             if mismatch is not None:
                 fabric.fail(mismatch)
         fabric.close_links()
+        # nothing outlives the close: the links end (or are reset) before it returns
+        end_wait = CLOSE_END_WAIT if timeout is None else min(CLOSE_END_WAIT, timeout)
+        await fabric.links_gone(end_wait, CLOSE_END_GRACE)
         for fn in self._sync_closers:
             fn()
         for closer in self._closers:

@@ -540,6 +540,27 @@ class Fabric:
         for link in list(self.links.values()):
             link.close()
 
+    async def links_gone(self, timeout: float, grace: float) -> None:
+        """After :meth:`close_links`: wait for every link to end, then reset those that
+        have not, so that no connection outlives the group's close (an event loop closed
+        right after would find them open: uvloop then refuses to close, EBUSY, where
+        warnings are errors, and asyncio warns of unclosed transports). A peer that said
+        goodbye closes its end as soon as it reads ours, so this waits up to ``timeout``
+        when every peer did and ``grace`` otherwise (after a failure, or a peer gone or
+        still silent: time for what was flushed, an ABORT above all, to be read)."""
+        links = list(self.links.values())
+        if not links:
+            return
+        said = self.failure is None and all(link.goodbye_received for link in links)
+        waits = [asyncio.ensure_future(link.wait_closed()) for link in links]
+        try:
+            await asyncio.wait(waits, timeout=max(0.0, timeout if said else min(grace, timeout)))
+        finally:
+            for link, waiting in zip(links, waits, strict=True):
+                if not waiting.done():
+                    waiting.cancel()
+                    link.abort()
+
     def _wake_closers(self) -> None:
         waiters, self._close_waiters = self._close_waiters, []
         for fut in waiters:

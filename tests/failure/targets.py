@@ -51,3 +51,23 @@ async def reopen_after_failure(g: ac.Group, size: int, ready_key: str) -> dict[s
     """As loop_until_failure, then open a new group (new name) among the survivors."""
     result = await loop_until_failure(g, size, ready_key)
     return result
+
+
+async def open_after_close(g: ac.Group) -> list[int]:
+    """A few operations over every link size path, then the group's close: the peers whose
+    connection is still open right after ``aclose`` returned (none: nothing outlives it).
+    Warnings are errors in this process, as where uvloop's loop found a connection still
+    open at its close and refused to close (EBUSY)."""
+    import warnings
+
+    warnings.simplefilter("error")
+    for count in (1, 1 << 18):
+        await g.allreduce(np.ones(count, np.float32))
+    await g.barrier()
+    await g.aclose()
+    links = g._fabric.links  # (the links the close ended)
+    return sorted(
+        peer
+        for peer, link in links.items()
+        if getattr(link, "transport", None) is not None and not link.gone.is_set()  # type: ignore[attr-defined]
+    )

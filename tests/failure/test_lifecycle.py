@@ -22,6 +22,7 @@ import pytest
 import aiocollect as ac
 from aiocollect.store import MemoryStore, Store, TCPStoreServer, open_store
 from aiocollect.testing import free_port, links_settled, run_ranks, spawn_ranks
+from tests.failure import targets
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -131,6 +132,20 @@ async def test_cycles_with_tcp_store_and_secret_leak_nothing() -> None:
         await cycle()
     final = await _settled(baseline)
     assert _within(final, baseline), f"(fds, tasks): {baseline} before, {final} after"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("transport", "uvloop"), [("auto", True), ("auto", False), ("tcp", True), ("tcp", False)]
+)
+async def test_no_connection_outlives_aclose(transport: str, uvloop: bool) -> None:
+    """Four real processes close their group and at once their event loop (warnings are
+    errors there): every link has ended when ``aclose`` returns, so uvloop closes (it
+    refused with EBUSY while a link's half-closed connection waited for its peer's end)."""
+    res = await spawn_ranks(
+        4, targets.open_after_close, timeout=100, transport=transport, uvloop=uvloop
+    )
+    assert res == [[]] * 4
 
 
 async def test_failure_cycles_leak_nothing(unique_name: str) -> None:
