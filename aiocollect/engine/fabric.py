@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -67,6 +68,9 @@ GOODBYE_RECENT = 16
 #: that deadline unless this rank's own diagnosis holds it on (and then breaks the
 #: group with its own verdict first).
 NEAR_DEADLINE = 1.0
+#: Seconds an unexplained loss of a same-host peer's connection waits for that peer's
+#: process to exit before it is blamed (:meth:`Fabric.on_lost`).
+PEER_EXIT_WAIT = 0.5
 HOLD_SLACK = 0.05
 
 
@@ -106,6 +110,8 @@ class Fabric:
         #: raises a MismatchError nobody has seen yet).
         self.reported = False
         self._close_waiters: list[asyncio.Future[None]] = []
+        #: Losses waiting for their peer's process to exit: pidfd -> (its loop, its timer).
+        self._exit_waits: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle]] = {}
         self._done: OrderedDict[tuple[int, int], Fingerprint] = OrderedDict()
         self._p2p_waiters: list[asyncio.Future[None]] = []
         self._pongs: dict[tuple[int, bytes], asyncio.Future[bytes]] = {}
@@ -327,9 +333,57 @@ class Fabric:
         # the connection before the bytes it sent are read, and another peer's ABORT can
         # wait on another link. Blame the loss two loop turns later, after the next
         # poll for input, unless an ABORT broke the group first (docs/design.md, *Failure
-        # detection*).
+        # detection*). Where the peer is a process on this host, first wait (at most
+        # PEER_EXIT_WAIT) until it has exited: the kernel closes an exiting process's
+        # sockets before it tells its parent, so a launcher could see this rank, failing
+        # because of the loss, exit before the peer whose exit caused it.
         loop = asyncio.get_running_loop()
+        pid = link.peer_pid
+        if pid is not None and pid != os.getpid() and self._after_exit(loop, pid, link, exc):
+            return
         loop.call_soon(loop.call_soon, self._lost, link, exc)
+
+    def _after_exit(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        pid: int,
+        link: Link,
+        exc: BaseException | None,
+    ) -> bool:
+        """Blame the loss of ``link`` (two loop turns later, as :meth:`on_lost`) once
+        process ``pid`` has exited or ``PEER_EXIT_WAIT`` seconds have passed. False,
+        having done nothing, where that cannot be watched (no pidfd; the process is gone
+        already)."""
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            return False
+
+        def fire() -> None:
+            wait = self._exit_waits.pop(fd, None)
+            if wait is None:
+                return  # (fired already, or cancelled by a close)
+            wait[1].cancel()
+            loop.remove_reader(fd)
+            os.close(fd)
+            loop.call_soon(loop.call_soon, self._lost, link, exc)
+
+        try:
+            loop.add_reader(fd, fire)
+        except (NotImplementedError, OSError, ValueError):
+            os.close(fd)
+            return False
+        self._exit_waits[fd] = (loop, loop.call_later(PEER_EXIT_WAIT, fire))
+        return True
+
+    def _cancel_exit_waits(self) -> None:
+        """Stop watching peers' processes (the fabric closes: nothing is blamed now)."""
+        waits, self._exit_waits = self._exit_waits, {}
+        for fd, (loop, timer) in waits.items():
+            timer.cancel()
+            with contextlib.suppress(Exception):  # (a closed loop has no readers left)
+                loop.remove_reader(fd)
+            os.close(fd)
 
     def _lost(self, link: Link, exc: BaseException | None) -> None:
         """Break the group with the loss of ``link`` (``exc``: what ended it), unless it
@@ -537,6 +591,7 @@ class Fabric:
     def close_links(self) -> None:
         """Close every link gracefully (flush, half-close)."""
         self.closing = True
+        self._cancel_exit_waits()
         for link in list(self.links.values()):
             link.close()
 
@@ -620,6 +675,7 @@ class Fabric:
 
     def abort_links(self) -> None:
         self.closing = True
+        self._cancel_exit_waits()
         for link in list(self.links.values()):
             link.abort()
 

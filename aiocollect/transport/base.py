@@ -258,6 +258,10 @@ class Link(abc.ABC):
         self.frames_sent = 0
         self.frames_received = 0
         self.goodbye_received = False
+        #: The peer's process id where the kernel tells it (a Unix socket's SO_PEERCRED),
+        #: else None: a same-host peer whose connection ends unexplained is blamed once
+        #: its process has exited (engine.fabric, ``Fabric.on_lost``).
+        self.peer_pid: int | None = None
         #: What the peer's GOODBYE reported: (operations called, digest, recent
         #: fingerprints) per group id, for the close handshake (engine.fabric).
         self.goodbye_digests: dict[int, tuple[int, int, list[Any]]] | None = None

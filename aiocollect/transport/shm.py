@@ -159,6 +159,8 @@ class ShmLink(RingReader):
         self._segment = segment
         self._tx = segment.rings[1 - rx]
         self.attach(segment.rings[rx], peer_pid)
+        if self.peer_pid is None:  # (a TCP socket's peer: the handshake says who)
+            self.peer_pid = peer_pid or None
 
     # -- connection lifecycle --------------------------------------------------------------
 

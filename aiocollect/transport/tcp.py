@@ -220,7 +220,10 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         peername = transport.get_extra_info("peername")
         sockname = transport.get_extra_info("sockname")
         if sock is not None and sock.family == socket.AF_UNIX:
-            self.address = _unix_peer(sock)
+            self.peer_pid = _unix_peer_pid(sock)
+            self.address = (
+                "unix socket" if self.peer_pid is None else f"unix socket, pid {self.peer_pid}"
+            )
             self._caps = LinkCaps(local=True)  # (a Unix socket's peer is on this host)
         else:
             if peername:
@@ -750,15 +753,15 @@ def _warn_once(raw: str, message: str) -> None:
         log.warning("%s", message)
 
 
-def _unix_peer(sock: socket.socket) -> str:
-    """How messages name the peer of a Unix socket: its process id, where the kernel
-    says (``SO_PEERCRED``)."""
+def _unix_peer_pid(sock: socket.socket) -> int | None:
+    """The process id of a Unix socket's peer, where the kernel says (``SO_PEERCRED``;
+    None where it does not)."""
     try:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid = struct.unpack("3i", creds)[0]
+        pid = int(struct.unpack("3i", creds)[0])
     except (OSError, struct.error, AttributeError):
-        return "unix socket"
-    return f"unix socket, pid {pid}"
+        return None
+    return pid if pid > 0 else None
 
 
 def is_local(peername: object, sockname: object) -> bool | None:

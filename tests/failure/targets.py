@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
 import time
 from typing import Any
 
@@ -71,3 +73,24 @@ async def open_after_close(g: ac.Group) -> list[int]:
         for peer, link in links.items()
         if getattr(link, "transport", None) is not None and not link.gone.is_set()  # type: ignore[attr-defined]
     )
+
+
+async def close_links_then_linger(g: ac.Group, linger: float) -> tuple[str, float]:
+    """Rank 1 ends its connections without GOODBYE or ABORT (as a process's exit does) and
+    lives on ``linger`` seconds; rank 0 waits in an allreduce rank 1 never calls. Returns
+    (what rank 0 raised, when: time.time) on rank 0, ("ended", when its process goes on to
+    exit) on rank 1."""
+    if g.rank == 1:
+        await g.barrier()
+        for link in g._fabric.links.values():
+            fd = link.transport.get_extra_info("socket").fileno()  # type: ignore[attr-defined]
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)  # (the peer reads the end now)
+        await asyncio.sleep(linger)  # (the fault: this process lives on meanwhile)
+        return ("ended", time.time())
+    await g.barrier()
+    try:
+        await g.allreduce(np.ones(4, np.float32))
+    except ac.AiocollectError as exc:
+        return (type(exc).__name__, time.time())
+    return ("no error", time.time())

@@ -13,7 +13,7 @@ import pytest
 import aiocollect as ac
 from aiocollect.testing import run_ranks, spawn_ranks
 from aiocollect.transport.wire import ABORT
-from tests.failure import mismatch_targets
+from tests.failure import mismatch_targets, targets
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -120,6 +120,33 @@ async def test_a_relayed_blame_waits_for_a_near_deadline(transport: str, timeout
         assert not held
         assert err.ranks == [1], err  # the relayed one, at once
         assert took < 5.0, took
+
+
+@pytest.mark.parametrize("uvloop", [False, True])
+async def test_a_same_host_loss_is_blamed_once_the_process_has_exited(uvloop: bool) -> None:
+    """A peer's connection that ends unexplained (no GOODBYE, no ABORT) is blamed once
+    that peer's process on this host has exited: the kernel closes an exiting process's
+    sockets before it tells the parent, and a launcher that saw the survivor's failure
+    first named the wrong rank. Rank 1 ends its connection and lives 0.3 s more: rank 0's
+    PeerDisconnected comes after that (it came at once before)."""
+    (err, failed_at), (_, ended_at) = await spawn_ranks(
+        2, targets.close_links_then_linger, 0.3, timeout=40, transport="auto", uvloop=uvloop
+    )
+    assert err == "PeerDisconnected"
+    assert failed_at >= ended_at, failed_at - ended_at
+
+
+@pytest.mark.parametrize("uvloop", [False, True])
+async def test_a_same_host_peer_that_lives_on_is_blamed_within_the_bound(uvloop: bool) -> None:
+    """The wait for the peer's exit is bounded (``PEER_EXIT_WAIT``): a peer that ends its
+    connections and lives on 5 s is blamed after about half a second, not after 5 s."""
+    from aiocollect.engine.fabric import PEER_EXIT_WAIT
+
+    (err, failed_at), (_, ended_at) = await spawn_ranks(
+        2, targets.close_links_then_linger, 5.0, timeout=40, transport="auto", uvloop=uvloop
+    )
+    assert err == "PeerDisconnected"
+    assert ended_at - failed_at > 5.0 - PEER_EXIT_WAIT - 2.0, (ended_at, failed_at)
 
 
 async def test_open_group_without_await_says_so() -> None:
