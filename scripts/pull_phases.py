@@ -38,10 +38,8 @@ import numpy as np
 import uvloop
 
 import aiocollect as ac
-from aiocollect._buffers import byte_view
 from aiocollect.bench import floor
 from aiocollect.collectives import pull
-from aiocollect.transport import cma
 
 _spent: dict[str, float] = {}
 
@@ -105,37 +103,25 @@ def _floor_worker(
     out: Any,
 ) -> None:
     """The floor's pull-and-add worker (aiocollect.bench.floor) with its phases timed."""
-    count = nbytes // 4
-    own = np.full(count, rank + 1, np.float32)
+    own = np.full(nbytes // 4, rank + 1, np.float32)
     scratch = np.empty(pull.RS_STEP // 4, np.float32)
     table[2 * rank], table[2 * rank + 1] = os.getpid(), own.ctypes.data
     bar.wait(floor.BARRIER_SECONDS)
     peers = [(int(table[2 * p]), int(table[2 * p + 1])) for p in range(n)]
-    blk = count // n
-    view = byte_view(own)
+    stamps: list[tuple[str, float]] = []  # (a phase, when it ended)
     rows = []
     for _ in range(iters):
         own[...] = rank + 1
         bar.wait(floor.BARRIER_SECONDS)
-        t0 = time.perf_counter()
-        lo = rank * blk
-        for step in range(1, n):
-            pid, base = peers[(rank + step) % n]
-            floor.fold(pid, base, own, scratch, lo, lo + blk)
-        t1 = time.perf_counter()
-        bar.wait(floor.BARRIER_SECONDS)
-        t2 = time.perf_counter()
-        for step in range(1, n):
-            q = (rank + step) % n
-            pid, base = peers[q]
-            cma.pull(pid, view[q * blk * 4 : (q + 1) * blk * 4], base + q * blk * 4)
-        t3 = time.perf_counter()
-        bar.wait(floor.BARRIER_SECONDS)
-        t4 = time.perf_counter()
-        rows.append(
-            {"fold": t1 - t0, "bar1": t2 - t1, "read": t3 - t2, "bar2": t4 - t3, "total": t4 - t0}
+        stamps[:] = [("start", time.perf_counter())]
+        floor.pull_and_add(
+            rank, own, scratch, peers, bar, lambda p: stamps.append((p, time.perf_counter()))
         )
+        row = {p: t - stamps[i][1] for i, (p, t) in enumerate(stamps[1:])}
+        row["total"] = stamps[-1][1] - stamps[0][1]
+        rows.append(row)
     _report(f"floor rank {rank}", rows, ["fold", "bar1", "read", "bar2", "total"])
+    blk = own.size // n
     ok = bool((own[: blk * n] == n * (n + 1) / 2).all())
     out.put((rank, [r["total"] for r in rows], ok))
 

@@ -110,6 +110,42 @@ def fold(
             between()
 
 
+def pull_and_add(
+    rank: int,
+    own: np.ndarray[Any, np.dtype[np.float32]],
+    scratch: np.ndarray[Any, np.dtype[np.float32]],
+    peers: list[tuple[int, int]],
+    bar: Barrier,
+    mark: Callable[[str], None] | None = None,
+) -> None:
+    """One allreduce of the floor's data flow among ``len(peers)`` ranks (each peer's pid
+    and the address of its ``own``): fold block ``rank`` of every peer's array into this
+    rank's, a barrier, read every other block from the rank that reduced it, a barrier.
+    ``mark`` (when given) is called with "fold", "bar1", "read" and "bar2" as each of
+    those phases ends (``scripts/pull_phases.py`` times them)."""
+    n = len(peers)
+    blk = own.size // n
+    lo = rank * blk
+    for step in range(1, n):
+        pid, base = peers[(rank + step) % n]
+        fold(pid, base, own, scratch, lo, lo + blk)
+    if mark is not None:
+        mark("fold")
+    bar.wait(BARRIER_SECONDS)
+    if mark is not None:
+        mark("bar1")
+    view = byte_view(own)
+    for step in range(1, n):
+        q = (rank + step) % n
+        pid, base = peers[q]
+        cma.pull(pid, view[q * blk * 4 : (q + 1) * blk * 4], base + q * blk * 4)
+    if mark is not None:
+        mark("read")
+    bar.wait(BARRIER_SECONDS)
+    if mark is not None:
+        mark("bar2")
+
+
 def _pull_worker(
     rank: int, n: int, nbytes: int, chunk: int, iters: int, table: Any, bar: Barrier, out: Any
 ) -> None:
@@ -119,8 +155,6 @@ def _pull_worker(
     table[2 * rank], table[2 * rank + 1] = os.getpid(), own.ctypes.data
     bar.wait(BARRIER_SECONDS)
     peers = [(int(table[2 * p]), int(table[2 * p + 1])) for p in range(n)]
-    blk = count // n
-    view = byte_view(own)
     times = []
     # The sums are checked against the closed form afterwards; a pull that copied garbage
     # must give a wrong result, not a floating-point warning (an error where warnings are).
@@ -129,18 +163,9 @@ def _pull_worker(
         own[...] = rank + 1
         bar.wait(BARRIER_SECONDS)
         start = time.perf_counter()
-        lo = rank * blk
-        for step in range(1, n):
-            pid, base = peers[(rank + step) % n]
-            fold(pid, base, own, scratch, lo, lo + blk)
-        bar.wait(BARRIER_SECONDS)
-        for step in range(1, n):
-            q = (rank + step) % n
-            pid, base = peers[q]
-            cma.pull(pid, view[q * blk * 4 : (q + 1) * blk * 4], base + q * blk * 4)
-        bar.wait(BARRIER_SECONDS)
+        pull_and_add(rank, own, scratch, peers, bar)
         times.append(time.perf_counter() - start)
-    ok = bool((own[: blk * n] == n * (n + 1) / 2).all())
+    ok = bool((own[: count // n * n] == n * (n + 1) / 2).all())
     out.put((rank, times, ok))
 
 

@@ -17,7 +17,6 @@ on the ranks whose arithmetic overflowed, as any numpy arithmetic would."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import numpy as np
 
@@ -44,17 +43,16 @@ async def reduce_into(ufunc: np.ufunc, dst: Array, src: Array, base: Array | Non
     if dst.nbytes >= THREAD_THRESHOLD:
         await asyncio.to_thread(apply, ufunc, first, src, dst)
     else:
-        try:  # noqa: SIM105 (a try costs nothing here, contextlib.suppress a call)
-            ufunc(first, src, out=dst)
-        except FP_SIGNALS:
-            pass  # (the IEEE result is written: module docstring)
+        apply(ufunc, first, src, dst)
 
 
 def apply(ufunc: np.ufunc, a: Array, b: Array, out: Array) -> None:
     """``out = ufunc(a, b)`` with IEEE results whatever numpy's error state (module
-    docstring)."""
-    with contextlib.suppress(*FP_SIGNALS):
+    docstring; the one-frame programs' folds in engine/small.py do the same inline)."""
+    try:  # noqa: SIM105 (a try costs nothing, contextlib.suppress a call and a context)
         ufunc(a, b, out=out)
+    except FP_SIGNALS:
+        pass  # (the IEEE result is written)
 
 
 def divide(arr: Array, divisor: int) -> None:
