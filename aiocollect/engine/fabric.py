@@ -192,6 +192,41 @@ class Fabric:
         key = (gid, seq)
         return self._active.get(key) or self._done.get(key)
 
+    def closed_by(self, link: Link) -> errors.AiocollectError:
+        """The error for this rank's operations still waiting on ``link`` once its peer
+        closed cleanly. The peer's GOODBYE carries the digest of the operations it called:
+        where it shows that the peer called one of them differently, or never called it
+        (it closed after fewer operations), the MismatchError naming both calls; else a
+        GroupBrokenError saying the peer closed the group."""
+        theirs = link.goodbye_digests
+        peer = link.peer
+        if theirs is not None:
+            for (gid, seq), mine in sorted(self._active.items()):
+                if gid not in theirs and gid != WORLD_GID:
+                    continue  # a sub-group the peer never used (or is not a member of)
+                count, _digest, recent = theirs.get(gid, (0, 0, []))
+                where = "" if gid == WORLD_GID else f" of sub-group {gid:#x}"
+                if seq >= count:
+                    return MismatchError(
+                        f"operation #{seq}{where}: rank {self.rank} called "
+                        f"{describe_fingerprint(mine)} but rank {peer} closed the group "
+                        f"after calling {count} collective operations (it never called "
+                        "this one)"
+                    )
+                for entry in recent:
+                    try:
+                        their_seq, their_fp = int(entry[0]), tuple(int(x) for x in entry[1:6])
+                    except (TypeError, ValueError, IndexError):
+                        continue
+                    if their_seq == seq and len(their_fp) == 5 and their_fp != mine:
+                        return MismatchError(
+                            f"operation #{seq}{where}: rank {self.rank} called "
+                            f"{describe_fingerprint(mine)} but rank {peer} called "
+                            f"{describe_fingerprint(their_fp)} (found when rank {peer} "
+                            "closed the group)"
+                        )
+        return GroupBrokenError(f"rank {peer} closed the group")
+
     def _mismatch(
         self,
         gid: int,
@@ -246,7 +281,7 @@ class Fabric:
             link.goodbye_received = True
             link.goodbye_digests = _decode_goodbye(payload)
             # The peer sends no more frames: what still waits for one from it never gets it.
-            link.fail(GroupBrokenError(f"rank {link.peer} closed the group"), drop_early=False)
+            link.fail(self.closed_by(link), drop_early=False)
             self._wake_closers()
             return
         if kind == PING:
@@ -326,7 +361,7 @@ class Fabric:
         if link.goodbye_received:
             # A clean close fails only what still needs that peer; such an op then breaks
             # the group through the usual path.
-            link.fail(GroupBrokenError(f"rank {link.peer} closed the group"), drop_early=False)
+            link.fail(self.closed_by(link), drop_early=False)
             return
         # An unexplained loss. The peer may have gone right after an ABORT (its own, or
         # one it relayed) that this loop has not read yet: a write to it that fails ends
