@@ -15,10 +15,9 @@ would flatter). On rank 0 a probe task sleeps 1 ms
 in a loop during the timed iterations and records how late it wakes (event-loop lag); its
 idle floor is taken after the round's cases, not before them.
 
-Why a warm-up by time: a round's first small case ran 2-3x slower for its first 0.1-0.2 s
-after the ranks had idled (the idle lag probe's 0.2 s sleep, which used to come first),
-and five iterations of a 20 µs operation end long before that (docs/benchmarks.md,
-*Eighteenth session*).
+Why a warm-up by time: a small case runs 2-3x slower for its first 0.1-0.2 s after the
+ranks have idled (for 0.2 s, say, as the idle lag probe sleeps), and five iterations of a
+20 µs operation end long before that.
 
 Collectives whose root finishes before its receivers (broadcast: the root's sends leave
 and it returns) end every timed iteration with the backend's barrier, so the root waits
