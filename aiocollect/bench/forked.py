@@ -8,8 +8,9 @@ measures the ranks users get, its runner starts an aiocollect round through this
 under the same start method (``AIOCOLLECT_START_METHOD``, default ``fork``): it imports
 what the ranks import, forks one child per rank, each running
 :func:`aiocollect.bench.worker.main` with its own arguments (``ARGS_JSON``: a JSON list of
-argument lists, ``--parent`` of each set to this process), and waits for them all. The framework-free floor forks its ranks too; torch's
-gloo ranks are exec'd as ``torchrun`` starts them.
+argument lists, ``--parent`` of each set to this process), and waits for them all. The
+framework-free floor forks its ranks too; torch's gloo ranks are exec'd as ``torchrun``
+starts them.
 
 Exit status 0 when every rank exited 0; otherwise 1, after the other ranks had
 ``FAIL_GRACE`` seconds to finish (then SIGKILL). A SIGTERM stops every rank at once. It
