@@ -31,7 +31,7 @@ install: $(STAMP)
 
 # Debian packages the tests use (redis-server, mpirun); installed only when missing and root.
 system-deps:
-	@bash scripts/system-deps.sh
+	@bash tools/system-deps.sh
 
 demo: install
 	$(VENV)/bin/aiocollect run -n 4 examples/data_parallel.py
@@ -44,29 +44,32 @@ test: install system-deps
 stress: install
 	AIOCOLLECT_STRESS=full $(PY) -m pytest -q tests/stress $(PYTEST_ARGS)
 
+# The last step lists every module of aiocollect/ over 600 lines and fails if there is one
+# (tools/check_module_size.py).
 # mypy --strict reads torch's own types for aiocollect/torch: without torch installed it
 # checks everything else and says so (after make install it checks all; CI does).
 lint: $(LINT_STAMP)
-	$(VENV)/bin/ruff check aiocollect tests examples scripts
-	$(VENV)/bin/ruff format --check aiocollect tests examples scripts
+	$(VENV)/bin/ruff check aiocollect tests examples tools
+	$(VENV)/bin/ruff format --check aiocollect tests examples tools
 	@if $(PY) -c 'import importlib.util as u, sys; sys.exit(u.find_spec("torch") is None)'; \
 	then echo "$(VENV)/bin/mypy"; $(VENV)/bin/mypy; \
 	else echo "lint: torch is not installed: mypy skips aiocollect/torch (make install checks it)"; \
 	  echo "$(VENV)/bin/mypy --exclude '^aiocollect/torch/'"; \
 	  $(VENV)/bin/mypy --exclude '^aiocollect/torch/'; fi
 	$(VENV)/bin/lint-imports
+	$(PY) tools/check_module_size.py
 
 # torch's own DistributedTest suite (from the installed wheel) against "aiocollect" and "gloo"
 # in the same run; prints passed/failed/skipped for each (docs/torch.md). ~5 min.
 TORCH_SUITE_LOGS ?= /tmp/aiocollect-torch-suite
 torch-suite: install
 	$(PY) -c "import expecttest" 2>/dev/null || $(PY) -m pip install -q expecttest
-	$(PY) scripts/torch_dist_suite.py --log-dir $(TORCH_SUITE_LOGS) $(TORCH_SUITE_ARGS)
+	$(PY) tools/torch_dist_suite.py --log-dir $(TORCH_SUITE_LOGS) $(TORCH_SUITE_ARGS)
 
 # Elastic groups: SIGKILL a random member 20 times, a replacement joins each time; prints
 # regroup time p50/p99 (docs/failures.md, "Elastic groups"). Not part of make test (~1 min).
 soak-elastic: install
-	$(PY) scripts/soak_elastic.py --kills 20 $(SOAK_ARGS)
+	$(PY) tools/soak_elastic.py --kills 20 $(SOAK_ARGS)
 
 bench: install
 	$(VENV)/bin/aiocollect bench allreduce -n 2 --sizes 4..16M --transport tcp

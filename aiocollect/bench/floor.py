@@ -34,7 +34,7 @@ every round: for allreduce and sendrecv the latency floor below ``BULK_MIN`` byt
 a frame's cost is the time), the bandwidth floor from there (where the copies are).
 
 Every rank checks its result against the closed form; a wrong one fails the run (exit 1).
-Rank processes are forked; they exit with the run.
+Rank processes are forked (:mod:`aiocollect.bench.floor_ranks`); they exit with the run.
 """
 
 from __future__ import annotations
@@ -42,9 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing as mp
 import os
-import queue
 import select
 import socket
 import sys
@@ -52,39 +50,33 @@ import time
 from collections.abc import Callable, Sequence
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from aiocollect._buffers import byte_view
+from aiocollect.bench.floor_ranks import (
+    BARRIER_SECONDS,
+    Floor,
+    distances,
+    ring_pairs,
+    run_pairs,
+    run_pulls,
+    timed,
+)
 from aiocollect.bench.spec import format_size, parse_size, parse_sizes
 from aiocollect.transport import cma
 
-_CTX = mp.get_context("fork")
-#: A rank waiting longer than this at a barrier gives up (exits non-zero).
-BARRIER_SECONDS = 60.0
 #: :func:`measure` uses the bandwidth floor from this many bytes, the latency floor below
 #: (the size from which shared-memory links send by reference: ``cma.PULL_MIN``).
 BULK_MIN = cma.PULL_MIN
 #: Iterations of the latency floor and the bandwidth floor (the defaults of the functions,
-#: the command and :func:`measure`: the floor the issue 17 targets were set against). Far
-#: longer runs settle lower here: the blocking 4-byte ping-pong measured 7-11 µs over
-#: 20,000 iterations against 14-16 µs over 3,000 (docs/benchmarks.md, *Seventeenth
-#: session*).
+#: the command and :func:`measure`, which ``aiocollect bench --floor`` runs). Far longer
+#: runs settle lower on a two-core host: the blocking 4-byte ping-pong measured 7-11 µs over
+#: 20,000 iterations against 14-16 µs over 3,000 (``python -m aiocollect.bench.floor
+#: latency -n 2 --iters 20000``).
 LATENCY_ITERS = 3000
 BANDWIDTH_ITERS = 15
-
-
-class Floor(NamedTuple):
-    """One floor, two statistics of the same run (seconds per operation)."""
-
-    #: The slowest rank's median: the floor (the statistic issue 17's targets were set
-    #: against).
-    seconds: float
-    #: The median over iterations of each iteration's slowest rank: ``aiocollect
-    #: bench``'s p50 statistic. Never lower; higher where ranks wait for each other in
-    #: turn or outnumber the cores (docs/benchmarks.md, *Eighteenth session*).
-    each: float
 
 
 def fold(
@@ -116,34 +108,23 @@ def pull_and_add(
     scratch: np.ndarray[Any, np.dtype[np.float32]],
     peers: list[tuple[int, int]],
     bar: Barrier,
-    mark: Callable[[str], None] | None = None,
 ) -> None:
     """One allreduce of the floor's data flow among ``len(peers)`` ranks (each peer's pid
     and the address of its ``own``): fold block ``rank`` of every peer's array into this
-    rank's, a barrier, read every other block from the rank that reduced it, a barrier.
-    ``mark`` (when given) is called with "fold", "bar1", "read" and "bar2" as each of
-    those phases ends (``scripts/pull_phases.py`` times them)."""
+    rank's, a barrier, read every other block from the rank that reduced it, a barrier."""
     n = len(peers)
     blk = own.size // n
     lo = rank * blk
     for step in range(1, n):
         pid, base = peers[(rank + step) % n]
         fold(pid, base, own, scratch, lo, lo + blk)
-    if mark is not None:
-        mark("fold")
     bar.wait(BARRIER_SECONDS)
-    if mark is not None:
-        mark("bar1")
     view = byte_view(own)
     for step in range(1, n):
         q = (rank + step) % n
         pid, base = peers[q]
         cma.pull(pid, view[q * blk * 4 : (q + 1) * blk * 4], base + q * blk * 4)
-    if mark is not None:
-        mark("read")
     bar.wait(BARRIER_SECONDS)
-    if mark is not None:
-        mark("bar2")
 
 
 def _pull_worker(
@@ -169,60 +150,6 @@ def _pull_worker(
     out.put((rank, times, ok))
 
 
-def collect(target: Any, n: int, args: tuple[Any, ...]) -> list[tuple[int, Any, bool]]:
-    """Start ``n`` forked ranks of ``target`` (called with the rank, ``n``, ``args`` and a
-    queue, on which each puts ``(rank, result, ok)``) and return what they put, once all
-    have; kill them all if one fails.
-
-    Raises:
-        RuntimeError: a rank failed (exited non-zero without a result) or said its result
-            was wrong (``ok`` false)."""
-    out = _CTX.Queue()
-    procs = [_CTX.Process(target=target, args=(r, n, *args, out), daemon=True) for r in range(n)]
-    for p in procs:
-        p.start()
-    results: list[tuple[int, Any, bool]] = []
-    try:
-        while len(results) < n:
-            try:
-                results.append(out.get(timeout=0.5))
-            except queue.Empty:
-                # a rank that died without a result leaves the others at a barrier
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError(
-                        f"a rank failed: exit codes {[p.exitcode for p in procs]}"
-                    ) from None
-    finally:
-        for p in procs:
-            if len(results) < n:
-                p.kill()  # the run failed: the others would wait at a barrier
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    wrong = sorted(r for r, _, ok in results if not ok)
-    if wrong:
-        raise RuntimeError(f"wrong result on rank(s) {wrong}")
-    return results
-
-
-def _run(target: Any, n: int, args: tuple[Any, ...]) -> Floor:
-    """:func:`collect` for ranks that put their per-iteration seconds; both statistics of
-    their times (:class:`Floor`).
-
-    Raises:
-        RuntimeError: a rank failed or computed a wrong result."""
-    return _statistics(collect(target, n, args))
-
-
-def _statistics(results: list[tuple[int, Any, bool]]) -> Floor:
-    """Both statistics (:class:`Floor`) of the ranks' per-iteration seconds."""
-    return Floor(
-        float(max(np.median(t) for _, t, _ in results)),
-        float(np.median(np.max([t for _, t, _ in results], axis=0))),
-    )
-
-
 def bandwidth(n: int, nbytes: int, chunk: int = 1 << 20, iters: int = BANDWIDTH_ITERS) -> Floor:
     """Seconds per allreduce of ``nbytes`` (float32) among ``n`` ranks (the slowest rank's
     median), by the pull-and-add data flow above.
@@ -233,42 +160,7 @@ def bandwidth(n: int, nbytes: int, chunk: int = 1 << 20, iters: int = BANDWIDTH_
         RuntimeError: a rank failed or computed a wrong result."""
     if n < 2 or nbytes <= 0 or nbytes % (4 * n):
         raise ValueError(f"need 2+ ranks and a size that is a multiple of {4 * n} bytes")
-    return _run_pulls(_pull_worker, n, (nbytes, chunk, iters))
-
-
-def _run_pulls(target: Any, n: int, args: tuple[Any, ...]) -> Floor:
-    """:func:`_run` for ranks that read each other's memory (:func:`collect_pulls`).
-
-    Raises:
-        OSError: this host cannot use process_vm_readv (no Linux, or forbidden).
-        RuntimeError: as :func:`_run`."""
-    return _statistics(collect_pulls(target, n, args))
-
-
-def collect_pulls(target: Any, n: int, args: tuple[Any, ...]) -> list[tuple[int, Any, bool]]:
-    """:func:`collect` for ranks that read each other's memory: ``target`` gets ``args``,
-    then a shared table for each rank's pid and buffer address, then a barrier.
-
-    Raises:
-        OSError: this host cannot use process_vm_readv (no Linux, or forbidden).
-        RuntimeError: as :func:`collect`."""
-    reason = cma.self_check()
-    if reason is not None:
-        raise OSError(reason)
-    table = _CTX.Array("Q", 2 * n, lock=False)
-    return collect(target, n, (*args, table, _CTX.Barrier(n)))
-
-
-def _run_pairs(
-    target: Any, n: int, socks: dict[tuple[int, int], socket.socket], args: tuple[Any, ...]
-) -> Floor:
-    """:func:`_run` for ranks over the socket pairs ``socks`` (``target`` gets them, then
-    ``args``), closed here whatever happens."""
-    try:
-        return _run(target, n, (socks, *args))
-    finally:
-        for s in socks.values():
-            s.close()
+    return run_pulls(_pull_worker, n, (nbytes, chunk, iters))
 
 
 def _doubling_worker(
@@ -295,21 +187,7 @@ def _doubling_worker(
         val[...] = 1
         return ok
 
-    out.put((rank, *_timed(iters, step)))
-
-
-def _timed(iters: int, step: Callable[[], bool]) -> tuple[list[float], bool]:
-    """Run ``step`` ``iters`` times and a tenth more first to warm up, timing each run
-    after those: the times (seconds) and whether every ``step`` said its result was
-    right."""
-    times = []
-    ok = True
-    for i in range(iters + iters // 10):
-        start = time.perf_counter()
-        ok = step() and ok
-        if i >= iters // 10:
-            times.append(time.perf_counter() - start)
-    return times, ok
+    out.put((rank, *timed(iters, step)))
 
 
 def latency(n: int, iters: int = LATENCY_ITERS, nbytes: int = 4) -> Floor:
@@ -333,31 +211,14 @@ def latency(n: int, iters: int = LATENCY_ITERS, nbytes: int = 4) -> Floor:
             if r < p:
                 socks[(r, p)], socks[(p, r)] = socket.socketpair()
             mask <<= 1
-    return _run_pairs(_doubling_worker, n, socks, (iters, nbytes))
-
-
-def _ring_pairs(n: int, steps: Sequence[int]) -> dict[tuple[int, int], socket.socket]:
-    """Blocking socket pairs from every rank r to rank (r + d) % n for each distance d in
-    ``steps``: ``socks[(r, q)]`` is r's end towards q, ``socks[(q, -1 - r)]`` q's end
-    from r (the two keys differ even where d = n - d)."""
-    socks: dict[tuple[int, int], socket.socket] = {}
-    for d in steps:
-        for r in range(n):
-            q = (r + d) % n
-            socks[(r, q)], socks[(q, -1 - r)] = socket.socketpair()
-    return socks
-
-
-def _distances(n: int) -> list[int]:
-    """A dissemination barrier's steps among ``n`` ranks: 1, 2, 4, ... below ``n``."""
-    return [1 << k for k in range(max(0, (n - 1).bit_length()))]
+    return run_pairs(_doubling_worker, n, socks, (iters, nbytes))
 
 
 def _barrier_worker(
     rank: int, n: int, socks: dict[tuple[int, int], socket.socket], iters: int, out: Any
 ) -> None:
     steps = [
-        (socks[(rank, (rank + d) % n)], socks[(rank, -1 - (rank - d) % n)]) for d in _distances(n)
+        (socks[(rank, (rank + d) % n)], socks[(rank, -1 - (rank - d) % n)]) for d in distances(n)
     ]
     got = bytearray(1)
 
@@ -367,7 +228,7 @@ def _barrier_worker(
             rx.recv_into(got, 1, socket.MSG_WAITALL)
         return True  # (nothing to check in a barrier)
 
-    out.put((rank, *_timed(iters, step)))
+    out.put((rank, *timed(iters, step)))
 
 
 def barrier(n: int, iters: int = LATENCY_ITERS) -> Floor:
@@ -379,7 +240,7 @@ def barrier(n: int, iters: int = LATENCY_ITERS) -> Floor:
         RuntimeError: a rank failed."""
     if n < 2:
         raise ValueError("a barrier floor needs 2+ ranks")
-    return _run_pairs(_barrier_worker, n, _ring_pairs(n, _distances(n)), (iters,))
+    return run_pairs(_barrier_worker, n, ring_pairs(n, distances(n)), (iters,))
 
 
 def _exchange(tx: socket.socket, rx: socket.socket, data: memoryview, into: memoryview) -> None:
@@ -420,7 +281,7 @@ def _shift_worker(
         _exchange(tx, rx, data, into)
         return into[nbytes - 1] == (rank - 1) % n % 251 and into[0] == into[nbytes - 1]
 
-    out.put((rank, *_timed(iters, step)))
+    out.put((rank, *timed(iters, step)))
 
 
 def sendrecv_latency(n: int, nbytes: int, iters: int = LATENCY_ITERS) -> Floor:
@@ -432,7 +293,7 @@ def sendrecv_latency(n: int, nbytes: int, iters: int = LATENCY_ITERS) -> Floor:
         RuntimeError: a rank failed or received the wrong bytes."""
     if n < 2 or nbytes <= 0:
         raise ValueError("need 2+ ranks and a positive size")
-    return _run_pairs(_shift_worker, n, _ring_pairs(n, [1]), (iters, nbytes))
+    return run_pairs(_shift_worker, n, ring_pairs(n, [1]), (iters, nbytes))
 
 
 def _shift_pull_worker(
@@ -468,7 +329,7 @@ def sendrecv_bandwidth(n: int, nbytes: int, iters: int = BANDWIDTH_ITERS) -> Flo
         RuntimeError: a rank failed or read the wrong bytes."""
     if n < 2 or nbytes <= 0:
         raise ValueError("need 2+ ranks and a positive size")
-    return _run_pulls(_shift_pull_worker, n, (nbytes, iters))
+    return run_pulls(_shift_pull_worker, n, (nbytes, iters))
 
 
 #: The cases :func:`measure` has a floor for.

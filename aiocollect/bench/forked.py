@@ -2,14 +2,15 @@
 aiocollect ranks, forked from one process that imported aiocollect.
 
 ``aiocollect run`` forks its ranks from the launcher by default (aiocollect.cli.forked),
-and where ranks share cores that makes small operations faster (docs/benchmarks.md,
-*Twenty-first session*). So that ``aiocollect bench`` measures the ranks users get, its
-runner starts an aiocollect round through this module under the same start method
-(``AIOCOLLECT_START_METHOD``, default ``fork``): it imports what the ranks import, forks
-one child per rank, each running :func:`aiocollect.bench.worker.main` with its own
-arguments (``ARGS_JSON``: a JSON list of argument lists, ``--parent`` of each set to this
-process), and waits for them all. The framework-free floor forks its ranks too; torch's
-gloo ranks are exec'd as ``torchrun`` starts them.
+and where ranks share cores that makes small operations faster (``aiocollect run -n 4
+[--start-method exec] tools/op_cpu.py`` compares the two). So that ``aiocollect bench``
+measures the ranks users get, its runner starts an aiocollect round through this module
+under the same start method (``AIOCOLLECT_START_METHOD``, default ``fork``): it imports
+what the ranks import, forks one child per rank, each running
+:func:`aiocollect.bench.worker.main` with its own arguments (``ARGS_JSON``: a JSON list of
+argument lists, ``--parent`` of each set to this process), and waits for them all. The
+framework-free floor forks its ranks too; torch's gloo ranks are exec'd as ``torchrun``
+starts them.
 
 Exit status 0 when every rank exited 0; otherwise 1, after the other ranks had
 ``FAIL_GRACE`` seconds to finish (then SIGKILL). A SIGTERM stops every rank at once. It

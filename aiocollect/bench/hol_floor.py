@@ -23,8 +23,7 @@ trip. Rank 0 also records how late each service comes after the previous one plu
 that fell due.
 
 Every rank checks its result against the closed form (a wrong one fails the run). Nothing
-here is part of aiocollect's data path; it is a yardstick (docs/benchmarks.md, *Twentieth
-session*).
+here is part of aiocollect's data path; it is a yardstick.
 """
 
 from __future__ import annotations
@@ -39,7 +38,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from aiocollect._buffers import byte_view
-from aiocollect.bench.floor import BARRIER_SECONDS, _distances, _ring_pairs, collect_pulls, fold
+from aiocollect.bench.floor import fold
+from aiocollect.bench.floor_ranks import BARRIER_SECONDS, collect_pulls, distances, ring_pairs
 from aiocollect.collectives.pull import AG_STEP, RS_STEP
 from aiocollect.transport import cma
 
@@ -141,7 +141,7 @@ def _worker(
     view = byte_view(own)
     table[2 * rank], table[2 * rank + 1] = os.getpid(), own.ctypes.data
     steps = [
-        (socks[(rank, (rank + d) % n)], socks[(rank, -1 - (rank - d) % n)]) for d in _distances(n)
+        (socks[(rank, (rank + d) % n)], socks[(rank, -1 - (rank - d) % n)]) for d in distances(n)
     ]
     pinger: _Pinger | None = None
     if rank < 2:
@@ -209,7 +209,7 @@ def measure(n: int, nbytes: int, allreduces: int, ping: int = 1024) -> HolFloor:
     """
     if n < 2 or nbytes <= 0 or nbytes % (4 * n) or ping <= 0:
         raise ValueError(f"need 2+ ranks, a size that is a multiple of {4 * n} bytes, a ping")
-    socks = _ring_pairs(n, _distances(n))
+    socks = ring_pairs(n, distances(n))
     ping_socks = socket.socketpair()
     try:
         results = collect_pulls(_worker, n, (socks, ping_socks, nbytes, allreduces, ping))

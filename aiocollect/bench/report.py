@@ -67,6 +67,8 @@ def _combine(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, An
         out["rank_p50_us"] = med("rank_p50_us")
     if any("sync_p50_us" in s for s in sums):
         out["sync_p50_us"] = med("sync_p50_us")
+    if any("cpu_max_us" in s for s in sums):
+        out["cpu_max_us"], out["cpu_sum_us"] = med("cpu_max_us"), med("cpu_sum_us")
     if any("concurrent_ratio" in s for s in sums):
         out["seq_p50_us"] = med("seq_p50_us")
         out["concurrent_ratio"] = med("concurrent_ratio")

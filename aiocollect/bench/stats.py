@@ -33,8 +33,10 @@ def median(values: Sequence[float]) -> float:
 
 def summarize(record: dict[str, Any], world_size: int) -> dict[str, Any]:
     """p50/p99 latency (µs); the mean time (µs, the slowest rank's batch / iterations) and
-    the bus bandwidth at that time (GB/s, 1e9 bytes) as NCCL-tests computes them; for
-    concurrent cases the sequential p50 and the ratio concurrent/sequential."""
+    the bus bandwidth at that time (GB/s, 1e9 bytes) as NCCL-tests computes them; the
+    CPU time per iteration of the busiest rank and of all ranks together (µs), where the
+    record has it; for concurrent cases the sequential p50 and the ratio
+    concurrent/sequential."""
     times = record["times_us"]
     p50 = percentile(times, 50)
     k = record.get("concurrency", 1)
@@ -60,6 +62,10 @@ def summarize(record: dict[str, Any], world_size: int) -> dict[str, Any]:
         out["rank_p50_us"] = float(record["rank_p50_us"])
     if record.get("sync_p50_us") is not None:
         out["sync_p50_us"] = float(record["sync_p50_us"])
+    cpu = record.get("cpu_us")
+    if cpu:  # (per rank; absent from older records)
+        out["cpu_max_us"] = float(max(cpu))
+        out["cpu_sum_us"] = float(sum(cpu))
     seq = record.get("seq_times_us")
     if seq:
         seq50 = percentile(seq, 50)

@@ -3,22 +3,21 @@
 For each case every rank: allocates and touches its buffers; runs ``warmup`` untimed
 iterations, and more until ``warmup_seconds`` have passed (the median of the last
 ``warmup`` of them calibrates the iteration count so that a case takes about ``seconds``;
-rank 0's choices are broadcast so all ranks agree); resets its peak-RSS mark;
-enters a barrier; times each of ``iters`` iterations with ``perf_counter`` (a concurrent
-case times K collectives in flight together, then K back to back, alternately); reads its
-peak-RSS growth; runs the collective once more on rank-dependent data and checks the result
-against the closed form; and finally all ranks gather their per-iteration times, so that
-rank 0 reports, per iteration, the maximum over ranks (for p50/p99), and the slowest rank's
-total time divided by the iterations (NCCL-tests' time, for bandwidth: with collectives
-whose ranks can run ahead of each other, like a broadcast root, per-iteration times alone
-would flatter). On rank 0 a probe task sleeps 1 ms
-in a loop during the timed iterations and records how late it wakes (event-loop lag); its
-idle floor is taken after the round's cases, not before them.
+rank 0's choices are broadcast so all ranks agree); resets its peak-RSS mark; enters a
+barrier; times each of ``iters`` iterations with ``perf_counter`` (a concurrent case times
+K collectives in flight together, then K back to back, alternately) and its CPU time over
+them all (user and system, ``getrusage``); reads its peak-RSS growth; runs the collective
+once more on rank-dependent data and checks the result against the closed form; and finally
+all ranks gather their per-iteration times, so that rank 0 reports, per iteration, the
+maximum over ranks (for p50/p99), and the slowest rank's total time divided by the
+iterations (NCCL-tests' time, for bandwidth: with collectives whose ranks can run ahead of
+each other, like a broadcast root, per-iteration times alone would flatter). On rank 0 a
+probe task sleeps 1 ms in a loop during the timed iterations and records how late it wakes
+(event-loop lag); its idle floor is taken after the round's cases, not before them.
 
-Why a warm-up by time: a round's first small case ran 2-3x slower for its first 0.1-0.2 s
-after the ranks had idled (the idle lag probe's 0.2 s sleep, which used to come first),
-and five iterations of a 20 µs operation end long before that (docs/benchmarks.md,
-*Eighteenth session*).
+Why a warm-up by time: a small case runs 2-3x slower for its first 0.1-0.2 s after the
+ranks have idled (for 0.2 s, say, as the idle lag probe sleeps), and five iterations of a
+20 µs operation end long before that.
 
 Collectives whose root finishes before its receivers (broadcast: the root's sends leave
 and it returns) end every timed iteration with the backend's barrier, so the root waits
@@ -223,14 +222,16 @@ async def measure(backend: Backend, case: Case, cfg: SweepConfig) -> dict[str, A
     await backend.barrier()
     probe.start()
     times = np.empty((len(steps), iters), dtype=np.float64)
+    cpu = _cpu_seconds()
     for i in range(iters):
         for j, step in enumerate(steps):
             times[j, i] = await step()
+    cpu = (_cpu_seconds() - cpu) / iters
     lag = await probe.stop()
     growth = (peak_rss() - base) / MIB
     ok = await _check(backend, coll, sets)
     sync = await _time_barriers(backend) if synced else np.empty(0)
-    tail = np.array([growth, 1.0 if ok else 0.0])
+    tail = np.array([cpu, growth, 1.0 if ok else 0.0])
     gathered = await backend.gather(np.concatenate([times.reshape(-1), sync, tail]))
     if backend.rank != 0:
         return None
@@ -259,11 +260,19 @@ async def measure(backend: Backend, case: Case, cfg: SweepConfig) -> dict[str, A
         # NCCL-tests' time: the slowest rank's whole batch divided by the iterations.
         "mean_us": round(float(per_rank[:, 0].sum(axis=1).max()) / iters, 3),
         "lag_us": lag,
+        # each rank's CPU time (user + system) per timed iteration
+        "cpu_us": [round(float(c) * 1e6, 1) for c in gathered[:, -3]],
         "rss_growth_mib": [round(float(g), 3) for g in gathered[:, -2]],
         "correct": bool(gathered[:, -1].min() == 1.0),
         "wrong_ranks": [int(r) for r in np.flatnonzero(gathered[:, -1] != 1.0)],
         **extra,
     }
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU time so far, user and system (``getrusage``), in seconds."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 async def _warm_up(

@@ -6,7 +6,7 @@ Usage::
                      [--compare T] [--iters K] [--warmup W] [--warmup-seconds S]
                      [--rounds R]
                      [--dtype float32] [--algorithm A] [--concurrent K]
-                     [--baseline gloo] [--floor] [--json F] [--plot F.png]
+                     [--baseline gloo] [--floor] [--small] [--json F] [--plot F.png]
                      [--store URL --rank R]
 
 By default N rank processes are started on this machine for each round (see
@@ -21,6 +21,15 @@ URL --rank R`` this process is rank R of a multi-node run instead: start one suc
 per rank (rank 0 hosts the store when nothing listens at URL yet) and rank 0 prints the
 report. The timing method is described in :mod:`aiocollect.bench.sweep`, the report in
 :mod:`aiocollect.bench.report`.
+
+``--small`` measures small operations, where the time is the library's per-operation
+path: 4-byte cases (unless ``--sizes`` says otherwise), ``SMALL_WARMUP`` warm-up
+iterations at least (unless ``--warmup`` says otherwise), no event-loop lag probe (its
+1 ms wake-ups would run on rank 0 between operations of tens of microseconds), and after
+the table each case's CPU time per operation (user and system), of the busiest rank and
+of all ranks together: with more ranks than cores the ranks' CPU bounds the wall time,
+so it is the steadier figure on a shared machine. For example
+``aiocollect bench allreduce broadcast barrier -n 4 --small --transport auto``.
 
 Exit status: 0 on success, 1 when a result was wrong or a rank failed, 2 on bad arguments,
 130 when interrupted. Every rank process started is stopped before returning.
@@ -59,6 +68,11 @@ from aiocollect.bench.worker import RankOptions, aiocollect_rounds, run_loop
 from aiocollect.transport import registry
 
 PROG = "aiocollect bench"
+#: ``--warmup``'s default, and with ``--small`` its least.
+WARMUP = 5
+SMALL_WARMUP = 300
+#: ``--sizes`` with ``--small``.
+SMALL_SIZES = "4"
 #: What ``--transport`` and ``--compare`` offer: the registered transports that link
 #: processes and need no certificates.
 TRANSPORTS = tuple(t.name for t in registry.transports() if not (t.in_process or t.needs_tls))
@@ -85,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
         help="collectives to measure (default: allreduce)",
     )
     p.add_argument("-n", "--nproc", type=int, default=2, help="number of ranks (default 2)")
-    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"default {DEFAULT_SIZES}")
+    p.add_argument("--sizes", help=f"default {DEFAULT_SIZES} ({SMALL_SIZES} with --small)")
     p.add_argument("--transport", default="tcp", choices=TRANSPORTS)
     p.add_argument(
         "--compare",
@@ -106,7 +120,11 @@ def _parser() -> argparse.ArgumentParser:
         default=0.3,
         help="target time per size for adaptive iterations (default 0.3)",
     )
-    p.add_argument("--warmup", type=int, default=5, help="untimed iterations (default 5)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        help=f"untimed iterations (default {WARMUP}; {SMALL_WARMUP} with --small)",
+    )
     p.add_argument(
         "--warmup-seconds",
         type=float,
@@ -135,6 +153,13 @@ def _parser() -> argparse.ArgumentParser:
         "case in every round (python -m aiocollect.bench.floor) and report aiocollect p50 / "
         "floor",
     )
+    p.add_argument(
+        "--small",
+        action="store_true",
+        help=f"small-operation latency: sizes {SMALL_SIZES} unless --sizes, at least "
+        f"{SMALL_WARMUP} warm-up iterations, no lag probe, and each case's CPU time per "
+        "operation after the table",
+    )
     p.add_argument("--json", type=Path, metavar="F", help="write every number to F")
     p.add_argument("--plot", type=Path, metavar="F.png", help="draw bandwidth and latency")
     p.add_argument(
@@ -150,6 +175,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--store", help="join a multi-node run through this store URL")
     p.add_argument("--rank", type=int, help="this process's rank (with --store)")
     return p
+
+
+def _defaults(ns: argparse.Namespace) -> None:
+    """Fill in the defaults of ``--sizes``, ``--warmup`` and the lag probe, which
+    ``--small`` changes."""
+    if ns.sizes is None:
+        ns.sizes = SMALL_SIZES if ns.small else DEFAULT_SIZES
+    if ns.warmup is None:
+        ns.warmup = SMALL_WARMUP if ns.small else WARMUP
+    if ns.small:
+        ns.no_lag_probe = True
 
 
 def _cases(ns: argparse.Namespace) -> list[Case]:
@@ -305,6 +341,8 @@ def _publish(
         "start_method": None if ns.store is not None else start_method(plan),
     }
     print(report.format_tables(rows, meta), flush=True)
+    if ns.small:
+        print(_cpu_lines(rows, plan.world_size), flush=True)
     if meta["load_warning"]:
         print(f"{PROG}: WARNING: {meta['load_warning']}", file=sys.stderr)
     ok = report.all_correct(rows)
@@ -334,6 +372,7 @@ def _publish(
                 "baseline_note": note,
                 "multi_node": ns.store is not None,
                 "floor": plan.floor,
+                "small": ns.small,
                 "start_method": meta["start_method"],
                 **({"compare": plan.compare} if plan.compare else {}),
             },
@@ -365,6 +404,22 @@ def _publish(
     return ok
 
 
+def _cpu_lines(rows: list[dict[str, Any]], world_size: int) -> str:
+    """``--small``'s lines after the table: each case's CPU time per operation."""
+    lines = ["CPU per operation (user + system, median over rounds):"]
+    for row in rows:
+        got = row.get("aiocollect") or {}
+        what = row["name"] + ("" if row["size"] == 0 else f" {format_size(row['size'])}B")
+        if "cpu_max_us" not in got:
+            lines.append(f"  {what}: -")
+            continue
+        lines.append(
+            f"  {what}: busiest rank {got['cpu_max_us']:.1f} us, all {world_size} ranks "
+            f"{got['cpu_sum_us']:.1f} us"
+        )
+    return "\n".join(lines)
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     del frame
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
@@ -376,6 +431,7 @@ def bench_main(argv: list[str]) -> int:
     parser = _parser()
     try:
         ns = parser.parse_args(argv)
+        _defaults(ns)
         _validate(ns)
         plan, cases, note = _plan(ns)
     except SystemExit as exc:

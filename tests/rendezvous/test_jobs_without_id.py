@@ -6,8 +6,7 @@ rank that lost its claim now publishes a conflict marker, and every rank of a gr
 no job id checks it at the end of rendezvous: the mixed group fails with RendezvousError.
 
 Here the interleaving of a race is made deterministic with a world size of 3 (the group
-cannot form before its third rank arrives); ``scripts/jobs_without_id_race.py`` races two
-jobs of two ranks for real and counts the outcomes (docs/multinode.md).
+cannot form before its third rank arrives).
 """
 
 from __future__ import annotations

@@ -49,9 +49,8 @@ def _set_then_get(port: int, value: bytes) -> list[object]:
 async def test_large_set_and_get_do_not_block_the_servers_loop(tcp_server: TCPStoreServer) -> None:
     """A 64 MiB ``set`` then ``get``: the server's loop never works more than 50 ms in one
     go. Before values were kept as views and written in chunks, the loop spent 230-470 ms
-    of CPU in one go on this (``scripts/store_limits_probe.py --attack large-set``, 2-core
-    machine); now 2-4 ms. The bound is on the loop thread's CPU time, not wall time, so
-    other processes on a busy machine do not count.
+    of CPU in one go on this (2-core machine); now 2-4 ms. The bound is on the loop thread's
+    CPU time, not wall time, so other processes on a busy machine do not count.
     """
     value = _pattern(LARGE)
     ticker = Ticker()

@@ -7,9 +7,9 @@ class from ``TestDistBackend`` and ``DistributedTest._DistTestBase`` whose ``set
 one process per rank, and runs every test with unittest, once per backend, each backend in
 its own interpreter (the suite reads ``BACKEND`` at import).
 
-    python scripts/torch_dist_suite.py                       # aiocollect, then gloo
-    python scripts/torch_dist_suite.py --backends aiocollect -k allreduce
-    python scripts/torch_dist_suite.py --json results.json   # per-test outcomes
+    python tools/torch_dist_suite.py                       # aiocollect, then gloo
+    python tools/torch_dist_suite.py --backends aiocollect -k allreduce
+    python tools/torch_dist_suite.py --json results.json   # per-test outcomes
 
 Prints ``<backend>: N passed, N failed, N skipped`` per backend, then the tests that pass
 with gloo but not with aiocollect (with aiocollect's failure line or skip reason). The suite
@@ -223,7 +223,11 @@ def _last_line(detail: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python tools/torch_dist_suite.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--backends",
         default="aiocollect,gloo",

@@ -10,8 +10,8 @@ world size is back for the next round.
 
 Usage::
 
-    python scripts/soak_elastic.py                  # 20 kills, 4 members  (make soak-elastic)
-    python scripts/soak_elastic.py --kills 50 --seed 3 --json soak.json
+    python tools/soak_elastic.py                  # 20 kills, 4 members  (make soak-elastic)
+    python tools/soak_elastic.py --kills 50 --seed 3 --json soak.json
 
 Prints one line per kill and the distribution (p50, p99, max) of regroup times and of
 admission times; exits 1 if a round failed (a wrong sum, a survivor that did not regroup).
@@ -131,10 +131,14 @@ class Driver:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=None)
+    parser = argparse.ArgumentParser(
+        prog="python tools/soak_elastic.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--kills", type=int, default=20, help="members killed (default 20)")
+    parser.add_argument("--world-size", type=int, default=4, help="members (default 4)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the choice of victim")
     parser.add_argument("--json", default=None, help="write the measurements here")
     args = parser.parse_args()
     rng = random.Random(args.seed)

@@ -1,18 +1,21 @@
 """Alternate commands round by round and compare their per-rank figures, paired.
 
-    python scripts/alternate.py 20 \\
-        "AIOCOLLECT_UNIX_SOCKET=0 aiocollect run -n 4 scripts/op_latency.py --iters 3000" \\
-        "aiocollect run -n 4 scripts/op_latency.py --iters 3000"
+    python tools/alternate.py 20 \\
+        "AIOCOLLECT_UNIX_SOCKET=0 aiocollect run -n 4 tools/op_cpu.py --iters 3000" \\
+        "aiocollect run -n 4 tools/op_cpu.py --iters 3000"
+    python tools/alternate.py 10 "PYTHONPATH=/tree/a aiocollect run -n 2 tools/op_cpu.py" \\
+        "PYTHONPATH=/tree/b aiocollect run -n 2 tools/op_cpu.py"
 
 Each command (run by ``bash -c``, bounded by ``--timeout`` seconds) must print one line per
-rank with ``p50 <µs>`` and ``user <µs> us, sys <µs>`` (``scripts/op_latency.py`` and
-``scripts/minimal_exchange.py`` do). Round r runs the commands in order, round r+1 in
-reverse order, so that a slow phase of a shared machine hits each as often. Per command it
-prints: the median over rounds of the mean of the ranks' p50; that median paired against
-the first command (the median of the per-round ratios); the median of the rounds whose p50
-was under ``--fast`` µs and how many there were (four ranks on two cores run in one of two
-layouts, about 2x apart: docs/benchmarks.md, *Twenty-first session*); the median CPU per
-operation summed over the ranks (user + system); and every round's p50 and CPU.
+rank with ``p50 <µs>`` and ``user <µs> us, sys <µs>`` (``tools/op_cpu.py`` does). Round r
+runs the commands in order, round r+1 in reverse order, so that a slow phase of a shared
+machine hits each as often. Per command it prints: the median over rounds of the mean of
+the ranks' p50; that median paired against the first command (the median of the
+per-round ratios); the median of the rounds whose p50 was under ``--fast`` µs and how many
+there were (with more ranks than cores the ranks' processes fall into one of a few
+layouts on the cores whose figures differ up to 2x: four ranks on two cores, for
+example); the median CPU per operation summed over the ranks (user + system); and every
+round's p50 and CPU.
 """
 
 from __future__ import annotations
@@ -49,7 +52,11 @@ def _median(xs: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    ap = argparse.ArgumentParser(
+        prog="python tools/alternate.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("rounds", type=int)
     ap.add_argument("commands", nargs="+")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
