@@ -91,8 +91,9 @@ dist: $(DIST_STAMP)
 # The wheel from make dist installed in a fresh venv outside the checkout (torch too), then
 # the command line, the launcher, the pytest plugin and the torch backend run from there
 # (tests/packaging; a few minutes, mostly installing torch).
-test-dist: dist
-	AIOCOLLECT_DIST=$(CURDIR)/dist $(PY) -m pytest -q -p no:cacheprovider tests/packaging $(PYTEST_ARGS)
+test-dist: install dist
+	AIOCOLLECT_DIST=$(CURDIR)/dist $(PY) -m pytest -q -o faulthandler_timeout=0 tests/packaging \
+	  $(PYTEST_ARGS)
 
 # The documentation site in site/: every public name documented (tools/check_docstrings.py),
 # then the guides and the API reference (docs/reference/, from the docstrings) built by
