@@ -46,10 +46,6 @@ class Venv:
     work: Path
     env: dict[str, str]
 
-    @property
-    def python(self) -> Path:
-        return self.root / "bin" / "python"
-
     def run(self, *argv: str | Path, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` (a command of the venv's bin/ by name) in the working folder."""
         exe = self.root / "bin" / str(argv[0])
