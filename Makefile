@@ -4,12 +4,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
+DIST_STAMP := $(VENV)/.dist-installed
+DOCS_STAMP := $(VENV)/.docs-installed
 PYTEST_ARGS ?=
 # make test runs the suite on this many pytest-xdist workers (auto: one per core, at most
 # 4; PYTEST_WORKERS=0 runs it in this process, one test at a time).
 PYTEST_WORKERS ?= auto
 
-.PHONY: install demo test lint bench clean system-deps torch-suite stress soak-elastic
+.PHONY: install demo test lint bench clean system-deps torch-suite stress soak-elastic \
+	dist test-dist docs
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH"; exit 1; }
@@ -26,6 +29,16 @@ $(STAMP): pyproject.toml | $(PY)
 $(LINT_STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[lint]'
 	touch $(LINT_STAMP)
+
+# What make dist needs: the standard build front end and twine (the dist extra).
+$(DIST_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[dist]'
+	touch $(DIST_STAMP)
+
+# What make docs needs: MkDocs, its theme and mkdocstrings (the docs extra).
+$(DOCS_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
 
 install: $(STAMP)
 
@@ -71,8 +84,30 @@ torch-suite: install
 soak-elastic: install
 	$(PY) tools/soak_elastic.py --kills 20 $(SOAK_ARGS)
 
+# The source distribution and the wheel in dist/, built as any installer builds them (the
+# wheel from the sdist, in an isolated environment), and their metadata checked.
+dist: $(DIST_STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	$(PY) -m twine check --strict dist/*
+
+# The wheel from make dist installed in a fresh venv outside the checkout (torch too), then
+# the command line, the launcher, the pytest plugin and the torch backend run from there
+# (tests/packaging; a few minutes, mostly installing torch).
+test-dist: install dist
+	AIOCOLLECT_DIST=$(CURDIR)/dist $(PY) -m pytest -q -o faulthandler_timeout=0 tests/packaging \
+	  $(PYTEST_ARGS)
+
+# The documentation site in site/: every public name documented (tools/check_docstrings.py),
+# then the guides and the API reference (docs/reference/, from the docstrings) built by
+# MkDocs; --strict turns every warning (a broken link, say) into a failure.
+docs: $(DOCS_STAMP)
+	$(PY) tools/check_docstrings.py
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 bench: install
 	$(VENV)/bin/aiocollect bench allreduce -n 2 --sizes 4..16M --transport tcp
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache build dist *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache build dist site \
+	  *.egg-info

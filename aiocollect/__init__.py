@@ -31,15 +31,26 @@ from aiocollect.store import Store
 from aiocollect.types import ReduceOp
 
 __version__ = "0.1.0"
+"""The installed aiocollect's version: the one place it is written (the package metadata,
+``aiocollect --version`` and CHANGELOG.md's headings follow it)."""
 
 SUM = ReduceOp.SUM
+"""``ReduceOp.SUM``: elementwise sum (the default ``op``)."""
 PROD = ReduceOp.PROD
+"""``ReduceOp.PROD``: elementwise product."""
 MIN = ReduceOp.MIN
+"""``ReduceOp.MIN``: elementwise minimum."""
 MAX = ReduceOp.MAX
+"""``ReduceOp.MAX``: elementwise maximum."""
 AVG = ReduceOp.AVG
+"""``ReduceOp.AVG``: elementwise mean over the ranks, the sum divided by ``world_size``
+(floating-point and complex dtypes)."""
 BAND = ReduceOp.BAND
+"""``ReduceOp.BAND``: elementwise bitwise and (integer and bool dtypes)."""
 BOR = ReduceOp.BOR
+"""``ReduceOp.BOR``: elementwise bitwise or (integer and bool dtypes)."""
 BXOR = ReduceOp.BXOR
+"""``ReduceOp.BXOR``: elementwise bitwise exclusive or (integer and bool dtypes)."""
 
 __all__ = [
     "AVG",

@@ -27,7 +27,12 @@ class MismatchError(AiocollectError):
 
 class PeerError(AiocollectError):
     """A peer failed. ``rank`` is the failing peer's rank in the group (or None when
-    unknown). The group is broken; open a new one to continue."""
+    unknown). The group is broken; open a new one to continue.
+
+    Args:
+        message: what happened, naming the peer.
+        rank: the failing peer's rank in the group, or None when unknown.
+    """
 
     def __init__(self, message: str, rank: int | None = None) -> None:
         super().__init__(message)
@@ -42,7 +47,12 @@ class PeerDisconnected(PeerError):
 class PeerTimeout(PeerError, TimeoutError):
     """No progress before the deadline. ``ranks`` lists the peers that were not heard from
     (``rank`` is the first of them). Either a peer is frozen or slow, or ranks did not call
-    the same collectives; raise ``timeout=`` if the work is legitimately slow."""
+    the same collectives; raise ``timeout=`` if the work is legitimately slow.
+
+    Args:
+        message: what timed out.
+        ranks: the peers not heard from (kept sorted, without repeats).
+    """
 
     def __init__(self, message: str, ranks: Iterable[int] = ()) -> None:
         ranks = sorted(set(ranks))
@@ -62,7 +72,12 @@ class RendezvousError(AiocollectError):
 
 class RendezvousTimeout(RendezvousError, TimeoutError):
     """Not every rank arrived before the rendezvous deadline. ``missing`` lists the ranks
-    that never arrived: check that they were started with the same store and group name."""
+    that never arrived: check that they were started with the same store and group name.
+
+    Args:
+        message: what timed out.
+        missing: the ranks that never arrived (kept sorted, without repeats).
+    """
 
     def __init__(self, message: str, missing: Iterable[int] = ()) -> None:
         super().__init__(message)
@@ -79,7 +94,13 @@ class StoreError(AiocollectError):
 
 
 class StoreTimeout(StoreError, TimeoutError):
-    """A key did not appear in the store before the deadline."""
+    """A key did not appear in the store before the deadline. ``keys`` lists the missing
+    keys.
+
+    Args:
+        message: what timed out.
+        keys: the keys that did not appear.
+    """
 
     def __init__(self, message: str, keys: Iterable[str] = ()) -> None:
         super().__init__(message)

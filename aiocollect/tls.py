@@ -18,7 +18,12 @@ from aiocollect.errors import UsageError
 @dataclass(frozen=True)
 class TLSConfig:
     """The two contexts a rank needs: ``server`` for accepted links, ``client`` for links it
-    opens."""
+    opens.
+
+    Attributes:
+        server: the context of the links this rank accepts.
+        client: the context of the links this rank opens.
+    """
 
     server: ssl.SSLContext
     client: ssl.SSLContext
@@ -28,6 +33,14 @@ def contexts(certfile: str, keyfile: str, cafile: str) -> TLSConfig:
     """Mutual TLS: each rank presents ``certfile``/``keyfile`` and requires the peer's
     certificate to chain to ``cafile``. Peers are addressed by IP, so host names are not
     checked; the CA is the trust boundary.
+
+    Args:
+        certfile: this rank's certificate (PEM).
+        keyfile: its private key (PEM).
+        cafile: the CA bundle a peer's certificate must chain to (PEM).
+
+    Returns:
+        The server and client contexts, for ``open_group(transport="tls", ssl=...)``.
 
     Raises:
         UsageError: a file cannot be loaded.
@@ -48,6 +61,13 @@ def contexts(certfile: str, keyfile: str, cafile: str) -> TLSConfig:
 def as_config(value: Any) -> TLSConfig:
     """Normalise ``open_group``'s ``ssl=``.
 
+    Args:
+        value: a TLSConfig, a ``(server, client)`` pair of ``ssl.SSLContext`` or one
+            context for both sides.
+
+    Returns:
+        The TLSConfig it stands for.
+
     Raises:
         UsageError: not a TLSConfig, a (server, client) pair or an SSLContext.
     """
@@ -65,3 +85,6 @@ def as_config(value: Any) -> TLSConfig:
         "ssl= must be aiocollect.tls.contexts(...), a (server, client) pair of "
         f"ssl.SSLContext, or one SSLContext; got {type(value).__name__}"
     )
+
+
+__all__ = ["TLSConfig", "contexts"]

@@ -10,6 +10,7 @@ import abc
 from collections.abc import Sequence
 
 DEFAULT_TIMEOUT = 300.0
+"""Seconds a store operation waits when neither the call nor the store names a timeout."""
 
 
 class Store(abc.ABC):
@@ -32,11 +33,27 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def set(self, key: str, value: bytes) -> None:
-        """Publish ``value`` under ``key``."""
+        """Publish ``value`` under ``key``, replacing any value it had.
+
+        Args:
+            key: the key.
+            value: the bytes to publish; readers see all of them or none.
+
+        Raises:
+            UsageError: ``key`` is not a ``str`` or ``value`` not bytes.
+            StoreError: the backend failed or the store is closed.
+        """
 
     @abc.abstractmethod
     async def get(self, key: str, *, timeout: float | None = None) -> bytes:
         """Return the value of ``key``, waiting for it to appear.
+
+        Args:
+            key: the key.
+            timeout: seconds to wait for it (None: the store's ``timeout``).
+
+        Returns:
+            The value last published under ``key``.
 
         Raises:
             StoreTimeout: the key did not appear in time.
@@ -45,11 +62,26 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def add(self, key: str, amount: int) -> int:
-        """Atomically add ``amount`` to the counter ``key``; return the new value."""
+        """Atomically add ``amount`` to the counter ``key``; return the new value.
+
+        Args:
+            key: the counter; a missing key counts as 0.
+            amount: what to add (may be negative or 0, to read the counter).
+
+        Returns:
+            The counter's value after the addition (``get`` reads it as ASCII decimal).
+
+        Raises:
+            StoreError: the backend failed, or ``key`` holds a value that is not a counter.
+        """
 
     @abc.abstractmethod
     async def wait(self, keys: Sequence[str], *, timeout: float | None = None) -> None:
         """Wait until every key in ``keys`` exists.
+
+        Args:
+            keys: the keys to wait for.
+            timeout: seconds to wait (None: the store's ``timeout``).
 
         Raises:
             StoreTimeout: some keys did not appear in time (``.keys`` lists them).
@@ -57,11 +89,25 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def check(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key exists now, without waiting."""
+        """Whether each key exists now, without waiting.
+
+        Args:
+            keys: the keys to look up.
+
+        Returns:
+            One bool per key, in the order of ``keys``.
+        """
 
     @abc.abstractmethod
     async def delete(self, key: str) -> bool:
-        """Remove ``key``; return whether it existed."""
+        """Remove ``key``; return whether it existed.
+
+        Args:
+            key: the key to remove.
+
+        Returns:
+            True if ``key`` existed.
+        """
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections or servers owned by this store object."""

@@ -99,6 +99,9 @@ class TCPStore(Store):
     async def connect(self, *, timeout: float | None = None) -> None:
         """Open the connection and authenticate (one attempt). No-op when connected.
 
+        Args:
+            timeout: seconds for the attempt (None: the store's ``timeout``).
+
         Raises:
             StoreError: refused (by a store in protected mode: the message says how to set
                 a secret), unreachable, or not an aiocollect store.

@@ -95,7 +95,12 @@ def store_main(argv: list[str]) -> int:
     ``--secret``, else ``AIOCOLLECT_SECRET``; with neither, and neither ``--insecure`` nor
     ``AIOCOLLECT_INSECURE=1``, one is generated and the next line printed is
     ``export AIOCOLLECT_SECRET=...``, to run on every node before starting the ranks.
-    Returns the process exit status.
+
+    Args:
+        argv: the command line after ``aiocollect store`` (``--help`` lists the options).
+
+    Returns:
+        The process exit status.
     """
     args = _store_parser().parse_args(argv)
     secret = args.secret if args.secret is not None else os.environ.get("AIOCOLLECT_SECRET")

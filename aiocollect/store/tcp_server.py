@@ -92,8 +92,10 @@ class TCPStoreServer:
             closed (between frames a client may stay silent as long as it likes).
         max_inflight: bytes of large frames (over 64 KiB) received at once, all
             connections together; more wait their turn.
-        max_bytes, max_keys: quota of what is stored (keys and values); a ``set``/``add``
-            beyond it is refused with ``StoreError`` on that client.
+        max_bytes: quota of what is stored, keys and values together, in bytes; a
+            ``set``/``add`` beyond it is refused with ``StoreError`` on that client.
+        max_keys: quota of how many keys are stored; a ``set``/``add`` of a new key beyond
+            it is refused the same way.
         max_connections: connections served at once; more are told so and closed.
 
     Use ``await server.start()`` (or ``async with``) and ``await server.close()``.

@@ -40,9 +40,20 @@ async def run_ranks(
     **options: Any,
 ) -> list[Any]:
     """Run ``fn(group, *args)`` for every rank of a new group on the current event loop.
-    ``store`` is a Store or URL shared by all ranks, or a callable giving each rank's
-    (``store(rank)``); by default a fresh ``memory://`` store. Extra keyword ``options``
-    (``secret=``, ``ssl=``, ...) go to ``open_group``.
+
+    Args:
+        world_size: how many ranks.
+        fn: the coroutine function each rank runs, as ``fn(group, *args)``.
+        *args: the positional arguments after the group.
+        transport: the group's transport (``"memory"``, or ``"tcp"`` for real loopback
+            sockets, ...).
+        timeout: the group's default timeout in seconds (``open_group``'s ``timeout``).
+        chunk_bytes: the group's chunk size (small values push small inputs through the
+            multi-chunk paths); None for the default.
+        store: a Store or URL shared by all ranks, or a callable giving each rank's
+            (``store(rank)``); by default a fresh ``memory://`` store.
+        name: the group's name (by default a new one for each call).
+        **options: other keyword arguments for ``open_group`` (``secret=``, ``ssl=``, ...).
 
     Returns:
         The results in rank order.
@@ -113,7 +124,15 @@ async def run_ranks(
 def abort_payload(rank: int, exc: BaseException) -> bytes:
     """The payload of the ABORT frame that rank ``rank`` sends when it fails with ``exc``,
     exactly as the engine encodes it (its peers rebuild ``exc`` from it, naming ``rank``),
-    for tests that write an ABORT frame on a link by hand."""
+    for tests that write an ABORT frame on a link by hand.
+
+    Args:
+        rank: the failing rank.
+        exc: what it failed with.
+
+    Returns:
+        The frame's payload.
+    """
     return fabric._encode_abort(rank, exc)
 
 
@@ -121,7 +140,12 @@ async def links_settled(groups: list[Group], timeout: float = LINGER + 1.0) -> N
     """Wait (at most ``timeout`` s) until every link of ``groups`` has seen its connection
     end. A broken group's links flush their ABORT before closing, for up to the transport's
     linger time; a test whose loop ends before that leaves sockets open. Only this
-    process's own loop is waited on, never a peer."""
+    process's own loop is waited on, never a peer.
+
+    Args:
+        groups: the groups (of this process) whose links to wait for.
+        timeout: seconds to wait at most; links still open then are left as they are.
+    """
     waits = [
         asyncio.ensure_future(link.gone.wait())
         for g in groups

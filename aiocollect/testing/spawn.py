@@ -27,7 +27,14 @@ from aiocollect.errors import AiocollectError, UsageError
 
 class RankFailed(AiocollectError):
     """A rank of ``run_ranks``/``spawn_ranks`` failed; ``rank`` says which, ``traceback``
-    holds the child's formatted traceback (spawned ranks), ``exc_type`` its class name."""
+    holds the child's formatted traceback (spawned ranks), ``exc_type`` its class name.
+
+    Args:
+        rank: the rank that failed.
+        message: what it raised, in one line.
+        tb: the child's formatted traceback (spawned ranks; appended to the message).
+        exc_type: the class name of what the child raised (spawned ranks).
+    """
 
     def __init__(self, rank: int, message: str, tb: str = "", exc_type: str = "") -> None:
         super().__init__(message + (f"\n{tb}" if tb else ""))
@@ -84,7 +91,22 @@ def _child(
 
 
 class SpawnedRanks:
-    """Running rank processes. ``await`` it for the results in rank order."""
+    """Running rank processes. ``await`` it for the results in rank order.
+
+    Made by :func:`spawn_ranks`, whose arguments these are.
+
+    Args:
+        world_size: how many ranks (processes).
+        target: the module-level coroutine function each rank runs as
+            ``target(group, *args)``.
+        args: the positional arguments after the group.
+        timeout: seconds the whole run may take.
+        options: keyword arguments for ``open_group`` (see :func:`spawn_ranks`).
+        start_method: ``"spawn"`` or ``"forkserver"``.
+
+    Raises:
+        UsageError: another ``start_method`` (before any process starts).
+    """
 
     def __init__(
         self,
@@ -123,17 +145,35 @@ class SpawnedRanks:
             self._conns.append(parent)
 
     def pid(self, rank: int) -> int:
+        """The process id of a rank.
+
+        Args:
+            rank: the rank.
+        """
         return int(self.processes[rank].pid)
 
     def kill(self, rank: int) -> None:
-        """SIGKILL a rank (fault injection)."""
+        """SIGKILL a rank (fault injection).
+
+        Args:
+            rank: the rank to kill.
+        """
         os.kill(self.pid(rank), signal.SIGKILL)
 
     def stop(self, rank: int) -> None:
-        """SIGSTOP a rank (it freezes; ``resume`` or the final cleanup continues it)."""
+        """SIGSTOP a rank (it freezes; ``resume`` or the final cleanup continues it).
+
+        Args:
+            rank: the rank to freeze.
+        """
         os.kill(self.pid(rank), signal.SIGSTOP)
 
     def resume(self, rank: int) -> None:
+        """SIGCONT a rank that ``stop`` froze.
+
+        Args:
+            rank: the rank to continue.
+        """
         os.kill(self.pid(rank), signal.SIGCONT)
 
     async def _outcome(self, rank: int) -> tuple[Any, ...]:
@@ -272,11 +312,22 @@ def spawn_ranks(
     **options: Any,
 ) -> SpawnedRanks:
     """Start one process per rank running ``target(group, *args)``; ``await`` the result
-    for their return values in rank order. ``options`` go to ``open_group`` (plus
-    ``uvloop=True`` to run the children on uvloop, and ``group_timeout=`` for
-    open_group's ``timeout``, since ``timeout`` here bounds the whole run).
-    ``start_method``: ``"spawn"`` (fresh interpreters) or ``"forkserver"`` (see the module
-    docstring).
+    for their return values in rank order.
+
+    Args:
+        world_size: how many ranks (processes).
+        target: a module-level coroutine function (the children import it by name), run
+            as ``target(group, *args)`` on each rank's group.
+        *args: the positional arguments after the group (picklable).
+        timeout: seconds the whole run may take, from start to the last result.
+        start_method: ``"spawn"`` (fresh interpreters) or ``"forkserver"`` (forked from a
+            server process that imported aiocollect first; see the module docstring).
+        **options: keyword arguments for ``open_group``, plus ``uvloop=True`` to run the
+            children on uvloop and ``group_timeout=`` for open_group's ``timeout`` (since
+            ``timeout`` here bounds the whole run).
+
+    Returns:
+        The running ranks: ``await`` it, or ``await .outcomes()``, for what each returned.
 
     Raises:
         UsageError: another ``start_method`` (before any process starts).

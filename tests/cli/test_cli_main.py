@@ -167,3 +167,9 @@ def test_bench_offers_only_registered_process_transports(
 
     assert bench.bench_main(["allreduce", "-n", "2", "--transport", transport]) == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_version_in_process(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"aiocollect {aiocollect.__version__}\n"
