@@ -26,10 +26,6 @@ class TensorLike(Protocol):
     def numpy(self) -> Any: ...
 
 
-#: What the collectives accept as a buffer (:func:`as_array`): numpy arrays, objects with
-#: the buffer protocol (``bytes`` only where nothing is written into it) and CPU torch
-#: tensors. Other buffer-protocol objects work at run time too; the alias is for type
-#: checkers and readers.
 if TYPE_CHECKING:
     Buffer: TypeAlias = (
         Array | bytes | bytearray | memoryview | array.array[Any] | mmap.mmap | TensorLike
@@ -38,6 +34,9 @@ else:
     Buffer: TypeAlias = (
         Array | bytes | bytearray | memoryview | array.array | mmap.mmap | TensorLike
     )
+"""What the collectives accept as a buffer: numpy arrays, objects with the buffer protocol
+(``bytes`` only where nothing is written into it) and CPU torch tensors. Other
+buffer-protocol objects work at run time too; the alias is for type checkers and readers."""
 #: A Buffer of one type: a collective that fills the caller's buffer gives that buffer back.
 B = TypeVar("B", bound=Buffer)
 

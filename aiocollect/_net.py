@@ -11,6 +11,12 @@ def free_port(host: str = "127.0.0.1") -> int:
     Only for addresses that must be known before their listener starts (a store URL, a
     launcher's master port); listeners the code opens itself bind port 0 directly. When
     ``host`` is not an address of this machine, the port is free on every interface.
+
+    Args:
+        host: The address (IPv4, or IPv6 with or without brackets) to find a port on.
+
+    Returns:
+        The port number.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:

@@ -33,7 +33,14 @@ class _Fields(Mapping[str, Any]):
 
 @dataclass(frozen=True, eq=True)
 class LinkStatistics(_Fields):
-    """Counters of the link to one peer (world rank), since it connected."""
+    """Counters of the link to one peer (world rank), since it connected.
+
+    Attributes:
+        bytes_sent: Payload and header bytes this rank sent on the link.
+        bytes_received: Payload and header bytes this rank received on the link.
+        frames_sent: Frames this rank sent on the link.
+        frames_received: Frames this rank received on the link.
+    """
 
     bytes_sent: int
     bytes_received: int
@@ -43,15 +50,24 @@ class LinkStatistics(_Fields):
 
 @dataclass(frozen=True, eq=True)
 class Statistics(_Fields):
-    """A snapshot of a group's counters (``Group.statistics()``)."""
+    """A snapshot of a group's counters (``Group.statistics()``).
+
+    Attributes:
+        rank: This rank in the group.
+        world_size: The group's size.
+        ops: ``KIND_started`` and ``KIND_completed`` per operation kind
+            (``allreduce_started``...).
+        in_flight: Operations started and not yet done.
+        links: Per peer's world rank, the link's counters (links are shared with
+            sub-groups).
+        broken: Whether the group is broken (a failure, a timeout or ``abort()``).
+        closed: Whether ``aclose()`` or ``abort()`` was called.
+    """
 
     rank: int
     world_size: int
-    #: ``KIND_started`` and ``KIND_completed`` per operation kind (``allreduce_started``...).
     ops: dict[str, int]
-    #: Operations started and not yet done.
     in_flight: int
-    #: Per peer's world rank, the link's counters (links are shared with sub-groups).
     links: dict[int, LinkStatistics]
     broken: bool
     closed: bool
