@@ -10,7 +10,7 @@ on its own, and they change once as a handshake's checks end.
   socket. On a byte stream a small frame waits behind the frame being written, so bulk
   frames stay at 1 MiB there (docs/design.md, *Bytes ahead of a small frame*).
 - ``PULLED_CHUNK_BYTES`` (2 MiB): a group whose records all predict one-sided reads
-  between every two ranks (:func:`aiocollect.transport.onesided.reads`; shared memory's
+  between every two ranks (:func:`aiocollect.transport.onesided.all_read`; shared memory's
   records on one host, where pulls are on). Such a link moves a bulk frame as a reference
   record that the reader pulls in ``PULL_STEP`` pieces, reading its ring between them, so
   a small frame does not wait behind the larger frame; and half as many frames halve the
@@ -40,14 +40,13 @@ DEFAULT_MAX_FRAME = max(DEFAULT_CHUNK_BYTES, PULLED_CHUNK_BYTES)
 
 def all_pull(records: Mapping[int, Mapping[str, Any]]) -> bool:
     """Whether the records (all of them, this rank's included) predict that every rank
-    reads every other rank's memory: two or more ranks, each record saying its rank reads
-    one-sided as far as this rank (:func:`~aiocollect.transport.onesided.reads`: the
-    transport's own declaration, nothing else of the record). The same answer on every
-    rank: its own record is among them, so "every record reaches this rank" holds on every
-    rank or on none. It chooses the chunk size (:func:`group_chunk_bytes`) and lets the
-    automatic choice take the pull algorithms (collectives/select.py); a link that does not
-    read anyway still works under both (ring copies; the pull algorithms' pushes)."""
-    return len(records) >= 2 and all(onesided.reads(rec) for rec in records.values())
+    reads every other rank's memory: two or more ranks whose records declare one-sided
+    reads that reach each other (:func:`~aiocollect.transport.onesided.all_read`: the
+    transports' own declaration, nothing else of the records; the same answer on every
+    rank). It chooses the chunk size (:func:`group_chunk_bytes`) and lets the automatic
+    choice take the pull algorithms (collectives/select.py); a link that does not read
+    anyway still works under both (ring copies; the pull algorithms' pushes)."""
+    return len(records) >= 2 and onesided.all_read(records.values())
 
 
 def group_chunk_bytes(records: Mapping[int, Mapping[str, Any]]) -> int:

@@ -2,7 +2,7 @@
 their peers' exposed memory (``Link.read_exposed``), and how far that reaches.
 
 A listener that gives its links one-sided reads publishes :func:`fields` in its record;
-rendezvous asks :func:`reads` of every record (through
+rendezvous asks :func:`all_read` of the records (through
 :func:`aiocollect.rendezvous.chunking.all_pull`) to predict, alike on every rank, whether
 every link of the group will read: that chooses the group's default chunk size and lets
 the automatic algorithm choice take the pull algorithms. Nothing above the transport
@@ -14,7 +14,7 @@ and the pull algorithms then push to that peer instead.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from aiocollect.transport import host
@@ -35,10 +35,18 @@ def fields(scope: str | None) -> dict[str, Any]:
     return {FIELD: scope or False}
 
 
-def reads(record: Mapping[str, Any]) -> bool:
-    """Whether ``record``'s rank reads one-sided, as seen from this rank: its scope is
-    :data:`ANY`, or :data:`HOST` and the record comes from this host
+def all_read(records: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether ``records`` (every rank's, this rank's included) predict that every rank
+    reads every other one-sided: each declares a scope, and where one declares
+    :data:`HOST`, every record comes from this host
     (:func:`~aiocollect.transport.host.same_host`). Anything else (no field, False, a value
-    that is not a scope) predicts no reads."""
-    scope = record.get(FIELD)
-    return scope == ANY or (scope == HOST and host.same_host(record))
+    that is not a scope) predicts no reads. The same answer on every rank that evaluates
+    the same records: "every record from this host" holds on every rank or on none."""
+    scopes = set()
+    recs = list(records)
+    for rec in recs:
+        scope = rec.get(FIELD)
+        if scope != HOST and scope != ANY:
+            return False
+        scopes.add(scope)
+    return HOST not in scopes or all(host.same_host(rec) for rec in recs)
