@@ -24,8 +24,8 @@ Schedule (n ranks, the flat buffer in n blocks, rank r owns block r):
 Every rank reads and writes what a ring moves (2 (n-1)/n of the buffer, one copy each,
 (n-1)/n of it reduced) with 3 (n-1) small frames per rank, against the ring's
 2 (n-1) frames per chunk of a block, whose per-frame interpreter work is what four ranks
-on two cores wait for (docs/benchmarks.md: the pull allreduce's measurements). At step k every rank
-reads from a different peer, so no rank's memory serves two readers at once.
+on two cores wait for (docs/benchmarks.md: the pull allreduce's measurements). At step k
+every rank reads from a different peer, so no rank's memory serves two readers at once.
 
 *Reading.* Only through the links' one-sided seam (transport/base.py): ``caps.exposes``
 on the owner's side says the peer reads what it exposes, ``caps.reads`` on the reader's
