@@ -4,8 +4,9 @@ chunk and step.
 
 Schedule (n ranks, the flat buffer in n blocks, rank r owns block r):
 
-1. *Addresses.* Every rank sends every peer one frame: where its buffer lies in its
-   memory, its length, and whether it pushes to that peer instead (below).
+1. *Tokens.* Every rank exposes its buffer to every peer (``Link.expose``) and sends
+   it one frame: the token the link returned, the buffer's length, and whether it pushes
+   to that peer instead (below).
 2. *Reduce-scatter.* For k = 1 .. n-1, rank r reads block r of rank (r+k)'s buffer in
    ``RS_STEP`` pieces into scratch and folds each piece into its own block r, giving the
    event loop way after each (:func:`~aiocollect.engine.turns.give_way`: what arrived
@@ -17,25 +18,28 @@ Schedule (n ranks, the flat buffer in n blocks, rank r owns block r):
    q's buffer straight into its own block q (``AG_STEP`` per loop turn). Writing that
    block is safe then: q's done means q has read it (its step 2).
 5. *Finished.* Rank r tells every peer it read from that it is finished, and ends once
-   every peer that reads its buffer said so: the buffer is then the caller's again.
+   every peer that reads its buffer said so: it ends its exposures (``Link.unexpose``)
+   and the buffer is the caller's again.
 
 Every rank reads and writes what a ring moves (2 (n-1)/n of the buffer, one copy each,
 (n-1)/n of it reduced) with 3 (n-1) small frames per rank, against the ring's
 2 (n-1) frames per chunk of a block, whose per-frame interpreter work is what four ranks
-on two cores wait for (docs/benchmarks.md, *Sixteenth session*). At step k every rank
-reads from a different peer, so no rank's memory serves two readers at once.
+on two cores wait for (docs/benchmarks.md: the pull allreduce's measurements). At step k
+every rank reads from a different peer, so no rank's memory serves two readers at once.
 
-*Reading.* ``Link.read_peer`` (``process_vm_readv`` on shared-memory links whose pull
-check worked; ``caps.reference_min`` on the owner's side says the peer reads it). The
-address frames are checked (length equal to this rank's buffer, a non-zero address); the
-kernel checks that the range is the peer's own memory, and a range that is not breaks
-the link and the group with a ProtocolError.
+*Reading.* Only through the links' one-sided seam (transport/base.py): ``caps.exposes``
+on the owner's side says the peer reads what it exposes, ``caps.reads`` on the reader's
+that it reads, and ``Link.read_exposed(token, offset, into)`` copies (on shared memory,
+one ``process_vm_readv`` per piece). This module never sees an address: the token frames
+are checked here for their shape (the length equal to this rank's buffer, a token of at
+most ``TOKEN_MAX`` bytes), the token by the reading link, and a bad one breaks the link
+and the group with a ProtocolError.
 
 *Fallback: pushes.* A rank whose peer cannot read its memory (that link's pull check
-failed, pulls are turned off, or the link is not shared memory: the automatic choice
-takes this algorithm only where the rendezvous records predict pulls everywhere, but a
+failed, pulls are turned off, or the link has no one-sided reads: the automatic choice
+takes this algorithm only where the rendezvous records predict reads everywhere, but a
 check can still fail, and ``algorithm="pull"`` may be forced anywhere) says so in its
-address frame and sends that peer the data it would have read as ordinary frames: block
+token frame and sends that peer the data it would have read as ordinary frames: block
 q of its buffer (slot ``PUSH_RS``) for the reduce-scatter and, instead of the done frame,
 its final block (``PUSH_AG``). So the algorithm is correct over any links, and fast where
 it reads.
@@ -60,11 +64,16 @@ from aiocollect.engine.op import Op, flat_blocks, split_even
 from aiocollect.engine.reduce import apply, copy_into, divide, reduce_into
 from aiocollect.engine.scratch import SCRATCH
 from aiocollect.engine.turns import give_way
-from aiocollect.errors import ProtocolError
+from aiocollect.errors import InternalError, ProtocolError
+from aiocollect.transport.base import TOKEN_MAX, Link
 
-ADDR, DONE, FIN, PUSH_RS, PUSH_AG = range(5)
-#: Address-frame flag: the sender pushes to this peer instead of being read.
+TOKEN, DONE, FIN, PUSH_RS, PUSH_AG = range(5)
+#: Token-frame flag: the sender pushes to this peer instead of being read.
 PUSHES = 1
+#: A token frame's words (uint64): the buffer's length, the flags and the token's length,
+#: then room for ``TOKEN_MAX`` bytes of token.
+_HEAD = 3
+_WORDS = _HEAD + (TOKEN_MAX + 7) // 8
 #: Bytes read and reduced per turn of the event loop in the reduce-scatter (the
 #: scratch: about this host's L2 per core; 256 and 512 KiB measured slower).
 RS_STEP = 1 << 20
@@ -74,16 +83,20 @@ AG_STEP = 4 << 20
 _EMPTY = np.empty(0, dtype=np.uint8)
 
 
-def _record(base: int, nbytes: int, push: bool) -> Array:
-    """An address frame's payload: the buffer's address and length in this process, and
-    ``PUSHES`` when this rank pushes to the peer instead of being read."""
-    return np.array([base, nbytes, PUSHES if push else 0], np.uint64)
+def _record(token: bytes, nbytes: int, push: bool) -> Array:
+    """A token frame's payload: the buffer's length, ``PUSHES`` when this rank pushes to
+    the peer instead of being read, and the token the link returned (empty then)."""
+    record = np.zeros(_WORDS, np.uint64)
+    record[:_HEAD] = (nbytes, PUSHES if push else 0, len(token))
+    record.view(np.uint8)[_HEAD * 8 : _HEAD * 8 + len(token)] = np.frombuffer(token, np.uint8)
+    return record
 
 
 class _Exchange:
-    """One operation's addresses and its end: this rank's buffer ``buf`` announced to
-    every peer (read, or pushed to where the peer cannot read it), the peers' addresses
-    as they come, and the finished frames that hand every buffer back."""
+    """One operation's tokens and its end: this rank's buffer ``buf`` exposed to every
+    peer (read, or pushed to where the peer cannot read it), the peers' tokens as they
+    come, and the finished frames that hand every buffer back. A context manager: leaving
+    it ends this rank's exposures, however the operation ends."""
 
     def __init__(
         self,
@@ -93,8 +106,12 @@ class _Exchange:
         readers: Sequence[int] | None = None,
         sources: Sequence[int] | None = None,
     ) -> None:
-        """Announce ``buf`` to ``readers`` and expect the addresses of ``sources`` (both
-        default to every peer, in the order r+1, r+2, ...: ``order``)."""
+        """Expose ``buf`` to ``readers`` and expect the tokens of ``sources`` (both default
+        to every peer, in the order r+1, r+2, ...: ``order``).
+
+        Raises:
+            InternalError: a link returned a token longer than ``TOKEN_MAX``.
+        """
         n, r = op.size, op.rank
         self.op = op
         self.what = what
@@ -102,71 +119,102 @@ class _Exchange:
         self.order = [(r + k) % n for k in range(1, n)]
         readers = self.order if readers is None else readers
         sources = self.order if sources is None else sources
-        # this rank pushes to the peers that cannot read its memory
-        self.push_to = {q: not op.link(q).caps.reference_min for q in readers}
-        self.table = np.zeros((n, 3), np.uint64)
+        # this rank pushes to the peers that cannot read what it exposes
+        self.push_to = {q: not op.link(q).caps.exposes for q in readers}
+        self.table = np.zeros((n, _WORDS), np.uint64)
         # (in chunks like any payload: a group's frames may be smaller than the record)
-        self._addrs = {q: op.recv_chunks(q, ADDR, self.table[q].view(np.uint8)) for q in sources}
+        self._tokens = {q: op.recv_chunks(q, TOKEN, self.table[q].view(np.uint8)) for q in sources}
         self._fins = [(q, op.recv(q, FIN, 0, _EMPTY)) for q in readers if not self.push_to[q]]
-        base = int(buf.ctypes.data)
-        for q in readers:
-            record = _record(base, buf.nbytes, self.push_to[q])
-            for c, part in enumerate(op.chunks(record.view(np.uint8))):
-                op.send_now(q, ADDR, c, part)
+        self._exposed: list[tuple[Link, bytes]] = []
+        try:
+            self._announce(buf, readers)
+        except BaseException:
+            self.__exit__()
+            raise
 
-    async def address(self, q: int) -> int | None:
-        """Rank ``q``'s buffer address once its frame is here, None when it pushes.
+    def _announce(self, buf: Array, readers: Sequence[int]) -> None:
+        """Expose ``buf`` to the ``readers`` that can read it and send each its token
+        frame."""
+        op, view = self.op, byte_view(buf)
+        for q in readers:
+            token = b""
+            if not self.push_to[q]:
+                link = op.link(q)
+                token = link.expose(view)
+                self._exposed.append((link, token))
+                if len(token) > TOKEN_MAX:
+                    raise InternalError(
+                        f"the link to rank {q} made a {len(token)}-byte token (most: {TOKEN_MAX})"
+                    )
+            record = _record(token, buf.nbytes, self.push_to[q])
+            for c, part in enumerate(op.chunks(record.view(np.uint8))):
+                op.send_now(q, TOKEN, c, part)
+
+    def __enter__(self) -> _Exchange:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """End every exposure of this rank's buffer (its readers have finished, or the
+        operation failed)."""
+        exposed, self._exposed = self._exposed, []
+        for link, token in exposed:
+            link.unexpose(token)
+
+    async def token(self, q: int) -> bytes | None:
+        """Rank ``q``'s token once its frame is here, None when it pushes.
 
         Raises:
             ProtocolError: the frame is malformed, or asks to be read where this side
                 cannot read.
         """
-        for fut in self._addrs[q]:
+        for fut in self._tokens[q]:
             await _arrival(self.op, q, fut)
-        addr, length, flags = (int(x) for x in self.table[q])
-        if length != self.nbytes or flags & ~PUSHES:
+        length, flags, size = (int(x) for x in self.table[q, :_HEAD])
+        if length != self.nbytes or flags & ~PUSHES or size > TOKEN_MAX:
             raise ProtocolError(
-                f"rank {q} sent a malformed address frame ({length} bytes, flags "
-                f"{flags:#x}) for a {self.nbytes}-byte {self.what}"
+                f"rank {q} sent a malformed token frame ({length} bytes, flags "
+                f"{flags:#x}, a {size}-byte token) for a {self.nbytes}-byte {self.what}"
             )
         if flags & PUSHES:
             return None
-        if not self.op.link(q).caps.pull_min or not addr:
+        if not self.op.link(q).caps.reads or not size:
             raise ProtocolError(
-                f"rank {q} asked to be read ({addr:#x}), but this side cannot read it"
+                f"rank {q} asked to be read ({size}-byte token), but this side cannot read it"
             )
-        return addr
+        return bytes(self.table[q].view(np.uint8)[_HEAD * 8 : _HEAD * 8 + size])
 
-    async def read(self, q: int, dest: memoryview, src: int) -> None:
-        """Copy ``len(dest)`` bytes from ``src`` in rank ``q``'s memory, ``AG_STEP``
-        at a time, giving the event loop way after each."""
+    async def read(self, q: int, dest: memoryview, token: bytes, offset: int) -> None:
+        """Copy ``len(dest)`` bytes from ``offset`` of what rank ``q`` exposed as
+        ``token``, ``AG_STEP`` at a time, giving the event loop way after each."""
         link = self.op.link(q)
         lo, hi = 0, len(dest)
         while lo < hi:
             e = min(hi, lo + AG_STEP)
-            link.read_peer(dest[lo:e], src + lo)
+            link.read_exposed(token, offset + lo, dest[lo:e])
             lo = e
             await give_way()
 
     async def fold(
         self,
         q: int,
-        src: int,
+        token: bytes,
+        offset: int,
         dest: Array,
         ufunc: np.ufunc,
         scratch: Array,
         base: Array | None = None,
     ) -> None:
         """``dest = ufunc(dest, x)`` (with ``base``: ``ufunc(base, x)``), where ``x`` is
-        ``dest.nbytes`` bytes from ``src`` in rank ``q``'s memory, read ``scratch.size``
-        elements at a time into ``scratch``, giving the event loop way after each."""
+        ``dest.nbytes`` bytes from ``offset`` of what rank ``q`` exposed as ``token``, read
+        ``scratch.size`` elements at a time into ``scratch``, giving the event loop way
+        after each."""
         link = self.op.link(q)
         sview = byte_view(scratch)
         itemsize, step = dest.itemsize, scratch.size
         first = dest if base is None else base
         for s in range(0, dest.size, step):
             m = min(step, dest.size - s)
-            link.read_peer(sview[: m * itemsize], src + s * itemsize)
+            link.read_exposed(token, offset + s * itemsize, sview[: m * itemsize])
             apply(ufunc, first[s : s + m], scratch[:m], dest[s : s + m])
             await give_way()
 
@@ -223,8 +271,8 @@ async def allreduce(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> None:
     world size), reading the peers' buffers where their links allow (module docstring).
 
     Raises:
-        ProtocolError: a peer's address frame is malformed, or names memory the peer
-            does not have (the group breaks).
+        ProtocolError: a peer's token frame is malformed, or its token names memory the
+            peer did not expose (the group breaks).
         PeerDisconnected: a peer's process is gone while its memory is read.
     """
     n, r = op.size, op.rank
@@ -233,42 +281,44 @@ async def allreduce(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> None:
     blocks = flat_blocks(buf, n)
     mine = blocks[r]
     offsets = [0, *itertools.accumulate(b.nbytes for b in blocks)]  # (bytes, in buf)
-    ex = _Exchange(op, buf, "allreduce")
-    await ex.push(PUSH_RS, blocks)
+    with _Exchange(op, buf, "allreduce") as ex:
+        await ex.push(PUSH_RS, blocks)
 
-    pushed: dict[int, list[asyncio.Future[None]]] = {}  # allgather frames of pushers
-    dones: dict[int, asyncio.Future[None]] = {}
-    scratch = _scratch(mine)
-    try:
+        pushed: dict[int, list[asyncio.Future[None]]] = {}  # allgather frames of pushers
+        dones: dict[int, asyncio.Future[None]] = {}
+        tokens: dict[int, bytes] = {}
+        scratch = _scratch(mine)
+        try:
+            for q in ex.order:
+                token = await ex.token(q)
+                if token is None:
+                    # its block q lands in place: q pushes it only after reading what it needs
+                    pushed[q] = op.recv_chunks(q, PUSH_AG, blocks[q])
+                    await ex.fold_pushed(q, mine, ufunc)
+                    continue
+                tokens[q] = token
+                dones[q] = op.recv(q, DONE, 0, _EMPTY)
+                await ex.fold(q, token, offsets[r], mine, ufunc, scratch)
+        finally:
+            SCRATCH.release(scratch)  # (only ever written by the synchronous reads above)
+        if average:
+            divide(mine, n)
+
         for q in ex.order:
-            addr = await ex.address(q)
-            if addr is None:
-                # its block q lands in place: q pushes it only after reading what it needs
-                pushed[q] = op.recv_chunks(q, PUSH_AG, blocks[q])
-                await ex.fold_pushed(q, mine, ufunc)
+            if not ex.push_to[q]:
+                op.send_now(q, DONE, 0, _EMPTY)
+        await ex.push(PUSH_AG, [mine] * n)
+
+        view = byte_view(buf)
+        for q in ex.order:
+            if q in pushed:
+                await _landed(pushed[q])
                 continue
-            dones[q] = op.recv(q, DONE, 0, _EMPTY)
-            await ex.fold(q, addr + offsets[r], mine, ufunc, scratch)
-    finally:
-        SCRATCH.release(scratch)  # (only ever written by the synchronous reads above)
-    if average:
-        divide(mine, n)
-
-    for q in ex.order:
-        if not ex.push_to[q]:
-            op.send_now(q, DONE, 0, _EMPTY)
-    await ex.push(PUSH_AG, [mine] * n)
-
-    view = byte_view(buf)
-    for q in ex.order:
-        if q in pushed:
-            await _landed(pushed[q])
-            continue
-        await _arrival(op, q, dones[q])
-        lo, hi = offsets[q], offsets[q] + blocks[q].nbytes
-        await ex.read(q, view[lo:hi], int(ex.table[q, 0]) + lo)
-        ex.finished(q)
-    await ex.handed_back()
+            await _arrival(op, q, dones[q])
+            lo, hi = offsets[q], offsets[q] + blocks[q].nbytes
+            await ex.read(q, view[lo:hi], tokens[q], lo)
+            ex.finished(q)
+        await ex.handed_back()
 
 
 async def reduce_scatter(op: Op, send: Array, dest: Array, ufunc: np.ufunc, average: bool) -> None:
@@ -285,24 +335,24 @@ async def reduce_scatter(op: Op, send: Array, dest: Array, ufunc: np.ufunc, aver
         if dest is not send:
             dest[...] = blocks[r]
         return
-    ex = _Exchange(op, send, "reduce_scatter")
-    await ex.push(PUSH_RS, blocks)
-    base: Array | None = blocks[r]  # this rank's own part, folded in with the first peer
-    scratch = _scratch(dest)
-    try:
-        for q in ex.order:
-            addr = await ex.address(q)
-            if addr is None:
-                await ex.fold_pushed(q, dest, ufunc, base)
-            else:
-                await ex.fold(q, addr + r * blocks[r].nbytes, dest, ufunc, scratch, base)
-                ex.finished(q)
-            base = None
-    finally:
-        SCRATCH.release(scratch)
-    if average:
-        divide(dest, n)
-    await ex.handed_back()
+    with _Exchange(op, send, "reduce_scatter") as ex:
+        await ex.push(PUSH_RS, blocks)
+        base: Array | None = blocks[r]  # this rank's own part, folded in with the first peer
+        scratch = _scratch(dest)
+        try:
+            for q in ex.order:
+                token = await ex.token(q)
+                if token is None:
+                    await ex.fold_pushed(q, dest, ufunc, base)
+                else:
+                    await ex.fold(q, token, r * blocks[r].nbytes, dest, ufunc, scratch, base)
+                    ex.finished(q)
+                base = None
+        finally:
+            SCRATCH.release(scratch)
+        if average:
+            divide(dest, n)
+        await ex.handed_back()
 
 
 async def allgather(op: Op, send: Array, blocks: Sequence[Array]) -> None:
@@ -317,21 +367,21 @@ async def allgather(op: Op, send: Array, blocks: Sequence[Array]) -> None:
     if n == 1 or not send.nbytes:
         await copy_into(blocks[r], send)
         return
-    ex = _Exchange(op, send, "allgather")
-    await ex.push(PUSH_AG, [send] * n)
-    await copy_into(blocks[r], send)
-    for q in ex.order:
-        addr = await ex.address(q)
-        if addr is None:
-            await _landed(op.recv_chunks(q, PUSH_AG, blocks[q]))
-        else:
-            await ex.read(q, byte_view(blocks[q]), addr)
-            ex.finished(q)
-    await ex.handed_back()
+    with _Exchange(op, send, "allgather") as ex:
+        await ex.push(PUSH_AG, [send] * n)
+        await copy_into(blocks[r], send)
+        for q in ex.order:
+            token = await ex.token(q)
+            if token is None:
+                await _landed(op.recv_chunks(q, PUSH_AG, blocks[q]))
+            else:
+                await ex.read(q, byte_view(blocks[q]), token, 0)
+                ex.finished(q)
+        await ex.handed_back()
 
 
 async def broadcast(op: Op, buf: Array, root: int) -> None:
-    """Copy ``root``'s flat ``buf`` into every rank's: the root announces its buffer, every
+    """Copy ``root``'s flat ``buf`` into every rank's: the root exposes its buffer, every
     other rank reads it straight into its own (``AG_STEP`` per loop turn) and says
     finished; the root ends once every reader has (a root that cannot be read by a rank
     pushes to it).
@@ -343,14 +393,14 @@ async def broadcast(op: Op, buf: Array, root: int) -> None:
     if n == 1 or not buf.nbytes:
         return
     if op.rank == root:
-        ex = _Exchange(op, buf, "broadcast", sources=())
-        await ex.push(PUSH_AG, [buf] * n)
-        await ex.handed_back()
+        with _Exchange(op, buf, "broadcast", sources=()) as ex:
+            await ex.push(PUSH_AG, [buf] * n)
+            await ex.handed_back()
         return
-    ex = _Exchange(op, buf, "broadcast", readers=(), sources=(root,))
-    addr = await ex.address(root)
-    if addr is None:
-        await _landed(op.recv_chunks(root, PUSH_AG, buf))
-        return
-    await ex.read(root, byte_view(buf), addr)
-    ex.finished(root)
+    with _Exchange(op, buf, "broadcast", readers=(), sources=(root,)) as ex:
+        token = await ex.token(root)
+        if token is None:
+            await _landed(op.recv_chunks(root, PUSH_AG, buf))
+            return
+        await ex.read(root, byte_view(buf), token, 0)
+        ex.finished(root)

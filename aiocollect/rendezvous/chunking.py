@@ -9,12 +9,13 @@ on its own, and they change once as a handshake's checks end.
 - ``DEFAULT_CHUNK_BYTES`` (1 MiB): any group with a link that copies its bytes through a
   socket. On a byte stream a small frame waits behind the frame being written, so bulk
   frames stay at 1 MiB there (docs/design.md, *Bytes ahead of a small frame*).
-- ``PULLED_CHUNK_BYTES`` (2 MiB): a group whose ranks all run on one host, all offer
-  shared memory and may all pull payloads out of each other's memory. Such a link moves a
-  bulk frame as a reference record that the reader pulls in ``PULL_STEP`` pieces, reading
-  its ring between them, so a small frame does not wait behind the larger frame; and half
-  as many frames halve the per-frame work of the interpreter, which is what four ranks on
-  two cores wait for (docs/benchmarks.md, *Fourteenth session*).
+- ``PULLED_CHUNK_BYTES`` (2 MiB): a group whose records all predict one-sided reads
+  between every two ranks (:func:`aiocollect.transport.onesided.all_read`; shared memory's
+  records on one host, where pulls are on). Such a link moves a bulk frame as a reference
+  record that the reader pulls in ``PULL_STEP`` pieces, reading its ring between them, so
+  a small frame does not wait behind the larger frame; and half as many frames halve the
+  per-frame work of the interpreter, which is what four ranks on two cores wait for
+  (docs/benchmarks.md: the chunk-size measurements of four ranks on two cores).
 
 The choice is a prediction from the records, not a promise: a link between two ranks of
 such a group whose pull check fails still works (its frames go through the ring), and every
@@ -26,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from aiocollect.transport import host
+from aiocollect.transport import onesided
 
 #: The chunk size of a group whose links may copy their bytes through a socket.
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -39,23 +40,13 @@ DEFAULT_MAX_FRAME = max(DEFAULT_CHUNK_BYTES, PULLED_CHUNK_BYTES)
 
 def all_pull(records: Mapping[int, Mapping[str, Any]]) -> bool:
     """Whether the records (all of them, this rank's included) predict that every rank
-    can read every other rank's memory: two or more ranks, each from this host
-    (:func:`~aiocollect.transport.host.same_host`), offering shared memory (its ``shm``
-    mode is not ``off``) and pulling (a positive ``pull_min``). The same answer on every
-    rank: its own record is among them, so "every record from this host" holds on every
-    rank or on none. It chooses the chunk size (:func:`group_chunk_bytes`) and lets the
-    automatic choice take the pull allreduce (collectives/select.py); a link whose pull
-    check fails anyway still works under both (ring copies; the pull allreduce's
-    pushes)."""
-
-    def pulls(rec: Mapping[str, Any]) -> bool:
-        pull_min = rec.get("pull_min")
-        return isinstance(pull_min, int) and not isinstance(pull_min, bool) and pull_min > 0
-
-    return len(records) >= 2 and all(
-        host.same_host(rec) and rec.get("shm", "off") != "off" and pulls(rec)
-        for rec in records.values()
-    )
+    reads every other rank's memory: two or more ranks whose records declare one-sided
+    reads that reach each other (:func:`~aiocollect.transport.onesided.all_read`: the
+    transports' own declaration, nothing else of the records; the same answer on every
+    rank). It chooses the chunk size (:func:`group_chunk_bytes`) and lets the automatic
+    choice take the pull algorithms (collectives/select.py); a link that does not read
+    anyway still works under both (ring copies; the pull algorithms' pushes)."""
+    return len(records) >= 2 and onesided.all_read(records.values())
 
 
 def group_chunk_bytes(records: Mapping[int, Mapping[str, Any]]) -> int:

@@ -20,6 +20,9 @@ and control; the merged ``sent_mark`` of frames the peer has received is release
 PeerDisconnected) once the peer is gone; ``fail()`` fails posted and later receives;
 ``close()`` delivers a queued ABORT before the connection ends, ``abort()`` ends it at once.
 
+Links that declare one-sided reads are checked for them by
+:mod:`aiocollect.testing.onesided_suite`, with the same pair factories.
+
 Each check raises AssertionError (with what went wrong) on a violation; every wait is
 bounded by :data:`WAIT` seconds.
 """
@@ -433,7 +436,8 @@ LINK_CHECKS: tuple[Callable[[PairFactory], Awaitable[None]], ...] = (
 
 
 async def check_link(make_pair: PairFactory) -> None:
-    """Run every check of :data:`LINK_CHECKS` on fresh pairs from ``make_pair``.
+    """Run every check of :data:`LINK_CHECKS` on fresh pairs from ``make_pair`` (a link
+    with one-sided reads: :func:`aiocollect.testing.onesided_suite.check_one_sided` too).
 
     Raises:
         AssertionError: the first check the transport fails, naming what went wrong.

@@ -48,6 +48,18 @@ is gone, raises ``PeerDisconnected``; ``drained()`` returns, or raises
 frame and ``released(mark)`` / ``wait_released(mark)`` say when its payload has left user
 memory (what an operation waits for before it ends); ``close()`` delivers what is queued
 (an ABORT above all) before the connection ends, ``abort()`` ends it at once.
+
+One-sided reads (optional; ``caps.reads`` / ``caps.exposes`` say where a link has them):
+``expose(buf)`` lets the peer read ``buf`` and returns a token (bytes, at most
+:data:`TOKEN_MAX`, opaque to all but the link kind) that an algorithm sends the peer in a
+frame; the peer's link copies from it with ``read_exposed(token, offset, into)``;
+``unexpose(token)`` ends the exposure. Tokens come from the network, so ``read_exposed``
+checks them as far as the kind can (length, range, a live exposure) and a bad one is a
+ProtocolError that breaks the group, never a crash or a read outside the exposed range.
+All three run on the event loop's thread only (not thread-safe, like the rest of a link);
+``read_exposed`` has copied the bytes when it returns. Shared memory implements them with
+``process_vm_readv`` (transport/cma.py); tests/transport/example_onesided.py is the
+smallest example.
 """
 
 from __future__ import annotations
@@ -143,6 +155,12 @@ class LinkCaps:
     ``same_thread``: the peer runs on this very thread (the in-process memory link), so
     every message of an operation costs this thread's CPU at both ends; the automatic
     algorithm choice then counts messages (collectives/select.py).
+    ``reads``: this side reads, with :meth:`Link.read_exposed`, memory the peer exposed
+    (:meth:`Link.expose` at the peer's end): one-sided reads, what the pull algorithms
+    (collectives/pull.py) use.
+    ``exposes``: the peer can read what this side exposes with :meth:`Link.expose` (the
+    tokens it returns work at the peer's end). A pull algorithm exposes its buffer to the
+    peers of links that say so and pushes the data to the others.
     """
 
     pull_min: int = 0
@@ -150,6 +168,8 @@ class LinkCaps:
     local: bool | None = None
     polls: bool = False
     same_thread: bool = False
+    reads: bool = False
+    exposes: bool = False
 
     def pulls(self, nbytes: int) -> bool:
         """Whether a frame of ``nbytes`` from the peer is pulled out of its memory."""
@@ -159,6 +179,10 @@ class LinkCaps:
         """Whether ``send`` copies a payload of ``nbytes`` on the calling thread."""
         return not 0 < self.reference_min <= nbytes
 
+
+#: The most bytes a one-sided token (:meth:`Link.expose`) may take: a pull algorithm's
+#: token frame has room for this many.
+TOKEN_MAX = 64
 
 #: What a link that delivers bytes and copies what it sends can do (the default).
 COPIES = LinkCaps()
@@ -596,14 +620,52 @@ class Link(abc.ABC):
         a link's handshake ends): the only thing algorithms ask a link about itself."""
         return COPIES
 
-    def read_peer(self, dest: memoryview, addr: int) -> None:
-        """Copy ``len(dest)`` bytes from address ``addr`` of the peer's memory into
-        ``dest`` (a one-sided read, for algorithms that pull from the peer's own arrays:
-        collectives/pull.py). Only on a link whose ``caps.pull_min`` is positive; the
-        peer's side of the algorithm keeps the range unchanged until the reader says it
-        is done.
+    # -- one-sided reads: memory the peer reads without this side's help ---------------------
+
+    #: Whether this kind of link can tell that an exposure has ended: True where it keeps
+    #: a table of live exposures (the in-process example, RDMA's deregistered memory
+    #: regions), so that a read of an ended exposure's token is a ProtocolError; False where
+    #: a token names memory directly (shared memory's ``process_vm_readv``), and only the
+    #: algorithm's own frames keep reads inside an exposure's life.
+    exposure_end_checked: bool = False
+
+    def expose(self, buf: memoryview) -> bytes:
+        """Let the peer read ``buf`` (a contiguous byte view, which may be read-only) with
+        :meth:`read_exposed`: returns the token to send it, at most :data:`TOKEN_MAX`
+        bytes, opaque to everyone but this kind of link. Only where ``caps.exposes``.
+
+        Lifetime: the exposure lasts until :meth:`unexpose` (or until the link closes);
+        meanwhile the caller keeps ``buf`` alive, and unchanged where the peer reads it (the
+        algorithm's frames say when the peer has finished). Loop thread only, like every
+        call of this section.
 
         Raises:
+            InternalError: this link cannot expose memory to its peer (the default).
+        """
+        raise InternalError(f"the link to {self.describe()} cannot expose memory to its peer")
+
+    def unexpose(self, token: bytes) -> None:
+        """End the exposure ``token`` (from :meth:`expose` on this link): release what it
+        holds (a registration, a table entry). Never raises: a token already ended, or one
+        of a closed link, is ignored. Where :attr:`exposure_end_checked`, the peer's later
+        reads of ``token`` fail with ProtocolError."""
+        return  # (a link that exposes nothing holds nothing)
+
+    def read_exposed(self, token: bytes, offset: int, into: memoryview) -> None:
+        """Copy ``len(into)`` bytes from ``offset`` of the memory the peer exposed as
+        ``token`` (which came from the network: checked) into ``into``, before returning
+        (a link whose reads complete asynchronously waits for the completion). Only where
+        ``caps.reads``.
+
+        A bad token (malformed, of another link, ended where :attr:`exposure_end_checked`)
+        or a range outside the exposure, where the token lets the link check it, is the
+        peer's protocol error: the link reports it (``events.on_error``: the group breaks)
+        and raises it; it never reads outside the exposed range it can check, and never
+        crashes the process.
+
+        Raises:
+            ProtocolError: the token or the range is bad (above).
+            PeerDisconnected: the link is down, or the peer process is gone.
             InternalError: this link cannot read its peer's memory (the default).
         """
         raise InternalError(f"the link to {self.describe()} cannot read its peer's memory")

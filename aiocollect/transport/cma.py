@@ -9,6 +9,11 @@ may ptrace each other (Yama's ``ptrace_scope`` and container seccomp policies ca
 it), so each side *probes* the other once while the link is set up and falls back to ring
 copies if the probe fails. MPI implementations use the same mechanism (Open MPI's ``vader``
 BTL and MPICH's LMT call it CMA).
+
+The same reads are the shared-memory link's one-sided reads (``Link.expose`` /
+``Link.read_exposed``): an exposure's token is the buffer's address and length in the
+exposing process (:func:`token`), checked against the requested range before each read
+(:func:`locate`); the kernel checks that the range is mapped there.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import struct
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +36,10 @@ YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 #: Payloads at least this large go by reference: below it the ring's two copies cost less
 #: than the writer's wait for the reader's acknowledgement.
 PULL_MIN = 256 * 1024
+
+
+#: A one-sided token: the exposed buffer's address and length in the exposing process.
+TOKEN = struct.Struct("<QQ")
 
 
 class _IoVec(ctypes.Structure):
@@ -85,6 +95,33 @@ def address(buf: memoryview | bytes | bytearray) -> int:
         return ctypes.addressof(ctypes.c_char.from_buffer(buf))
     except TypeError:  # read-only
         return int(np.frombuffer(buf, np.uint8).ctypes.data)
+
+
+def token(buf: memoryview) -> bytes:
+    """The one-sided token of ``buf`` in this process (:data:`TOKEN`: its address and
+    length; 0 for the address of an empty buffer)."""
+    n = len(buf)
+    return TOKEN.pack(address(buf) if n else 0, n)
+
+
+def locate(token: bytes, offset: int, nbytes: int) -> int:
+    """The address of bytes ``offset`` .. ``offset + nbytes`` of the buffer ``token`` (from
+    the network) names in the exposing process.
+
+    Raises:
+        ValueError: the token is malformed (not :data:`TOKEN`'s size, a zero address for
+            a non-empty buffer), or the range is outside the buffer.
+    """
+    if len(token) != TOKEN.size:
+        raise ValueError(f"a token of {len(token)} bytes, not {TOKEN.size}")
+    base, length = TOKEN.unpack(token)
+    if offset < 0 or nbytes < 0 or offset + nbytes > length:
+        raise ValueError(
+            f"bytes {offset}..{offset + nbytes} are outside the exposed {length} bytes"
+        )
+    if not base and length:
+        raise ValueError("a token without an address")
+    return int(base) + offset
 
 
 def pull(pid: int, dst: memoryview, src: int) -> None:

@@ -147,19 +147,26 @@ def connect(address: str, link: MemoryLink) -> MemoryLink:
 
 
 class MemoryListener(Listener):
-    """An in-process listener: its record's ``address`` names it in this process."""
+    """An in-process listener: its record's ``address`` names it in this process. A
+    variant of the in-process link (tests/transport/example_onesided.py) subclasses it,
+    naming its own ``transport`` and ``link_type``."""
+
+    #: The record's ``transport``: what the listener speaks.
+    transport = "memory"
+    #: The links it makes.
+    link_type: type[MemoryLink] = MemoryLink
 
     def __init__(self, setup: LinkSetup) -> None:
         self.setup = setup
+        make = self.link_type
         address = listen(
-            lambda: MemoryLink(setup.events, setup.max_frame, setup.acceptor()), setup.on_link
+            lambda: make(setup.events, setup.max_frame, setup.acceptor()), setup.on_link
         )
-        self.record: Record = {"transport": "memory", "address": address}
+        self.record: Record = {"transport": self.transport, "address": address}
 
     async def connect(self, record: Record, handshaker: Handshaker) -> Link:
-        return connect(
-            str(record["address"]), MemoryLink(self.setup.events, self.setup.max_frame, handshaker)
-        )
+        link = self.link_type(self.setup.events, self.setup.max_frame, handshaker)
+        return connect(str(record["address"]), link)
 
     def close(self) -> None:
         unlisten(str(self.record["address"]))

@@ -71,7 +71,7 @@ from collections import deque
 from collections.abc import Callable
 
 from aiocollect.errors import PeerDisconnected, ProtocolError, RendezvousError
-from aiocollect.transport import cma, host, shm_ring, unix
+from aiocollect.transport import cma, host, onesided, shm_ring, unix
 from aiocollect.transport.base import DRAIN, Handshaker, LinkCaps, LinkEvents, SendMark
 from aiocollect.transport.interface import LinkSetup, Listener, Record, Transport
 from aiocollect.transport.shm_reader import (
@@ -466,7 +466,8 @@ class ShmLink(RingReader):
         """In shared memory mode: polled from the loop (the ring reader spins itself), and
         pulls (and sends by reference) from ``policy.pull_min`` on, in each direction once
         that direction's reader has checked it can read the writer's memory (the peer's
-        check may end after this side's handshake). On TCP fallback, the stream's."""
+        check may end after this side's handshake), and reads (exposes) one-sided where
+        it pulls (sends by reference). On TCP fallback, the stream's."""
         if self._caps_final is not None and self.shm:
             return self._caps_final  # (asked per frame sent: a pulls flag never goes back)
         stream = super().caps
@@ -474,7 +475,14 @@ class ShmLink(RingReader):
             return stream
         rx = self._ref_min(self.rx)
         tx = self._ref_min(self._tx)
-        caps = LinkCaps(pull_min=rx, reference_min=tx, local=stream.local, polls=True)
+        caps = LinkCaps(
+            pull_min=rx,
+            reference_min=tx,
+            local=stream.local,
+            polls=True,
+            reads=rx > 0,
+            exposes=tx > 0,
+        )
         if rx and tx:
             self._caps_final = caps
         return caps
@@ -850,9 +858,10 @@ class ShmListener(SocketListener):
         self._unix_server: asyncio.Server | None = None
         self.policy = ShmPolicy()
         self.record["shm"] = mode
-        #: Whether (and from which size) this rank pulls: the group's default chunk size
-        #: depends on every rank's (aiocollect.rendezvous.chunking).
-        self.record["pull_min"] = self.policy.pull_min
+        #: Whether this rank's links to the ranks on its host read one-sided: the group's
+        #: default chunk size and algorithms depend on every rank's (transport.onesided).
+        pulls = mode != "off" and self.policy.pull_min > 0
+        self.record.update(onesided.fields(onesided.HOST if pulls else None))
 
     async def serve(self, factory: Callable[[], StreamLink]) -> asyncio.Server:
         """TCP as any socket listener, and an abstract Unix socket for the ranks on this

@@ -207,29 +207,40 @@ class RingReader(StreamLink):
         self._peer_pid = peer_pid
         self.shm = True
 
-    def read_peer(self, dest: memoryview, addr: int) -> None:
-        """Copy ``len(dest)`` bytes at ``addr`` in the peer's memory into ``dest``
-        (``process_vm_readv``; only where this side's pull check worked: ``caps.pull_min``
-        is positive). A range the peer's memory does not back is malformed input: the
-        link fails (the group breaks) and so does the call.
+    def expose(self, buf: memoryview) -> bytes:
+        """The token of ``buf`` for the peer's ``process_vm_readv`` (its address and length
+        here: :func:`~aiocollect.transport.cma.token`); nothing is registered, so
+        :meth:`unexpose` has nothing to end (:meth:`Link.expose`)."""
+        return cma.token(buf)
+
+    def read_exposed(self, token: bytes, offset: int, into: memoryview) -> None:
+        """Copy ``len(into)`` bytes from ``offset`` of what the peer exposed as ``token``
+        into ``into`` (``process_vm_readv``; only where this side's pull check worked:
+        ``caps.reads``). A token that is malformed, a range outside the exposed length, or
+        a range the peer's memory does not back is malformed input: the link fails (the
+        group breaks) and so does the call (:meth:`Link.read_exposed`).
 
         Raises:
             PeerDisconnected: the link is down, or the peer process is gone.
-            ProtocolError: the range is not the peer's memory (``EFAULT``), or this side
-                may not read it although it said it would.
+            ProtocolError: the token or range is bad, or this side may not read the
+                peer's memory although it said it would.
         """
         if self.rx is None or self._rx_dead or not self.shm:
             raise self.failure or PeerDisconnected(
                 f"link to {self.describe()} is closed", self.peer
             )
-        if not dest:
-            return
         try:
-            cma.pull(self._peer_pid, dest, addr)
+            addr = cma.locate(token, offset, len(into))
+            if into:
+                cma.pull(self._peer_pid, into, addr)
         except ProcessLookupError:
             raise PeerDisconnected(
                 f"{self.describe()} is gone (its memory could not be read)", self.peer
             ) from None
+        except ValueError as exc:
+            err = ProtocolError(f"{self.describe()} sent a bad one-sided token: {exc}")
+            self._rx_failed(err)
+            raise err from None
         except OSError as exc:
             err = ProtocolError(
                 f"{self.describe()} gave an address its memory does not back ({exc})"

@@ -1,6 +1,7 @@
 """The group's default chunk size, chosen from the rendezvous records: 2 MiB where every
-rank is on one host with shared memory and pulls, 1 MiB otherwise; an explicit
-``chunk_bytes`` wins, and every rank of a group ends with the same size."""
+record declares one-sided reads that reach every rank (shared memory with pulls, on one
+host), 1 MiB otherwise; an explicit ``chunk_bytes`` wins, and every rank of a group ends
+with the same size."""
 
 from __future__ import annotations
 
@@ -17,15 +18,16 @@ from aiocollect.rendezvous.chunking import (
     group_chunk_bytes,
 )
 from aiocollect.store import MemoryStore
-from aiocollect.transport import cma, host, shm_ring
+from aiocollect.transport import cma, host, onesided, shm_ring
 
 pytestmark = pytest.mark.timeout(60)
 _names = iter(range(1 << 30))
 
 
 def _rec(**over: Any) -> dict[str, Any]:
-    """A record of a rank on this host that offers shared memory and pulls."""
-    rec: dict[str, Any] = {**host.identity(), "shm": "auto", "pull_min": 1 << 18}
+    """A record of a rank on this host that reads its peers on this host one-sided (what
+    shared memory with pulls publishes)."""
+    rec: dict[str, Any] = {**host.identity(), **onesided.fields(onesided.HOST)}
     rec.update(over)
     return rec
 
@@ -33,18 +35,22 @@ def _rec(**over: Any) -> dict[str, Any]:
 def test_one_host_that_pulls_chooses_the_larger_chunk() -> None:
     if not host.boot_id():
         pytest.skip("this host has no boot id: its records cannot name it")
-    assert group_chunk_bytes({0: _rec(), 1: _rec(), 2: _rec(shm="force")}) == PULLED_CHUNK_BYTES
+    assert group_chunk_bytes({0: _rec(), 1: _rec(), 2: _rec()}) == PULLED_CHUNK_BYTES
+    anywhere = [_rec(pull=onesided.ANY, hostname=h) for h in ("g", "h")]  # reads reach hosts
+    assert group_chunk_bytes(dict(enumerate(anywhere))) == PULLED_CHUNK_BYTES
+    assert group_chunk_bytes({0: _rec(pull=onesided.ANY), 1: _rec()}) == PULLED_CHUNK_BYTES
     assert PULLED_CHUNK_BYTES > DEFAULT_CHUNK_BYTES
 
 
 @pytest.mark.parametrize(
     "other",
     [
-        _rec(shm="off"),  # shared memory does not work on that rank
-        _rec(pull_min=0),  # pulls are off there (AIOCOLLECT_SHM_PULL=0, no process_vm_readv)
-        _rec(pull_min=True),  # not a size
+        _rec(pull=False),  # no one-sided reads there (AIOCOLLECT_SHM_PULL=0, shm off, ...)
+        _rec(pull=True),  # not a scope
+        _rec(pull="everywhere"),  # not a scope either
         _rec(boot_id="c"),  # another machine with the same hostname
         _rec(hostname="g"),
+        _rec(pull=onesided.ANY, hostname="g"),  # reaches here, but this rank's reads do not
         _rec(boot_id=""),  # no boot id: the host cannot be told apart
         {**host.identity(), "transport": "tcp"},  # a TCP listener's record
     ],

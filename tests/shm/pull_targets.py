@@ -9,6 +9,7 @@ import numpy as np
 
 import aiocollect as ac
 from aiocollect.collectives import pull, select
+from aiocollect.transport import cma
 from tests.collectives.star_targets import star_mix
 
 
@@ -67,16 +68,24 @@ async def gather_scatter_mix(g: ac.Group, in_flight: int) -> dict[str, Any]:
 
 
 async def bad_record(g: ac.Group, fault: str) -> str:
-    """Rank 1 announces a buffer its memory does not back (``address``) or of the wrong
-    length (``length``) in the pull allreduce's address frame; every rank reports what it
-    got (the process goes on)."""
+    """Rank 1 lies in the pull allreduce's token frame: its token names memory its process
+    does not map (``address``), 8 bytes fewer than its buffer (``range``), or is cut short
+    (``token``), or the frame gives the wrong buffer length (``length``); every rank
+    reports what it got (the process goes on)."""
     if g.rank == 1:
         real = pull._record
 
-        def record(base: int, nbytes: int, push: bool) -> np.ndarray[Any, Any]:
+        def record(token: bytes, nbytes: int, push: bool) -> np.ndarray[Any, Any]:
+            if push:
+                return real(token, nbytes, push)
             if fault == "address":
-                return real(4096, nbytes, push)  # the first page: never mapped
-            return real(base, nbytes + 8, push)
+                return real(cma.TOKEN.pack(4096, nbytes), nbytes, push)  # never mapped
+            if fault == "range":
+                base, length = cma.TOKEN.unpack(token)
+                return real(cma.TOKEN.pack(base, length - 8), nbytes, push)
+            if fault == "token":
+                return real(token[:-1], nbytes, push)
+            return real(token, nbytes + 8, push)
 
         pull._record = record  # type: ignore[assignment]
     buf = np.ones(select.PULL_MIN // 4, np.float32)

@@ -2,7 +2,7 @@
 ``select.PULL_MIN`` on where the rendezvous records say every rank reads the others'
 memory (the default transport on one host). Real processes over the default transport on
 both loops, several operations in flight, sizes on both sides of the switch; links whose
-pull check failed get pushes instead; a forced other algorithm is a mismatch; an address
+pull check failed get pushes instead; a forced other algorithm is a mismatch; a token
 frame that lies breaks the group, not the process. (SIGKILL and SIGSTOP in the middle of
 it: tests/shm/test_failure_shm.py and tests/failure/test_kill_stop.py.)"""
 
@@ -19,7 +19,7 @@ import aiocollect as ac
 from aiocollect.collectives import registry, select
 from aiocollect.rendezvous import chunking
 from aiocollect.testing import run_ranks, spawn_ranks
-from aiocollect.transport import cma, host
+from aiocollect.transport import cma, host, onesided
 from tests.shm import pull_targets
 
 pytestmark = pytest.mark.timeout(120)
@@ -52,14 +52,16 @@ def test_the_automatic_choice() -> None:
 
 
 def test_the_records_predict_pulls() -> None:
-    rec = {**host.identity(), "shm": "auto", "pull_min": 1 << 18}
+    rec = {**host.identity(), **onesided.fields(onesided.HOST)}
     assert chunking.all_pull({0: rec, 1: rec, 2: rec})
     assert not chunking.all_pull({0: rec})
-    assert not chunking.all_pull({0: rec, 1: {**rec, "pull_min": 0}})
-    assert not chunking.all_pull({0: rec, 1: {**rec, "pull_min": True}})
-    assert not chunking.all_pull({0: rec, 1: {**rec, "shm": "off"}})
+    assert not chunking.all_pull({0: rec, 1: {**rec, **onesided.fields(None)}})
+    assert not chunking.all_pull({0: rec, 1: {**rec, "pull": True}})
     assert not chunking.all_pull({0: rec, 1: {**rec, "hostname": "elsewhere"}})
     assert not chunking.all_pull({0: rec, 1: {**rec, "boot_id": "another-boot"}})
+    anywhere = {**rec, **onesided.fields(onesided.ANY), "hostname": "elsewhere"}
+    assert not chunking.all_pull({0: rec, 1: anywhere})  # rank 0 reads its host only
+    assert chunking.all_pull({0: anywhere, 1: {**anywhere, "hostname": "another"}})
 
 
 @pytest.mark.parametrize("uvloop", [False, True], ids=["asyncio", "uvloop"])
@@ -179,12 +181,18 @@ async def test_the_default_against_a_forced_ring_is_a_mismatch() -> None:
 
 @pytest.mark.parametrize(
     ("fault", "why"),
-    [("address", "does not back"), ("length", "malformed address frame")],
+    [
+        ("address", "does not back"),
+        ("range", "outside the exposed"),
+        ("token", "bad one-sided token"),
+        ("length", "malformed token frame"),
+    ],
 )
-async def test_a_lying_address_frame_breaks_the_group_not_the_process(fault: str, why: str) -> None:
-    """Rank 1 announces memory it does not have, or the wrong length: the ranks that
-    read it fail with ProtocolError naming it, every other rank gets the group's
-    failure, and every process returns normally."""
+async def test_a_lying_token_frame_breaks_the_group_not_the_process(fault: str, why: str) -> None:
+    """Rank 1 sends a token naming memory it does not have, one shorter than its buffer,
+    a malformed token, or the wrong buffer length: the ranks that read it fail with
+    ProtocolError naming it, every other rank gets the group's failure, and every process
+    returns normally."""
     res = await spawn_ranks(3, pull_targets.bad_record, fault, timeout=60)
     assert all(r != "no error" for r in res), res
     assert any("ProtocolError" in r and why in r and "rank 1" in r for r in res), res
@@ -212,13 +220,19 @@ async def test_subgroups_read_too() -> None:
 
 
 async def test_links_that_cannot_read_say_so() -> None:
-    """``Link.read_peer`` on a link without one-sided reads (in-process memory, TCP) is an
-    InternalError, never a silent no-op; the pull algorithms never call it there."""
+    """``Link.read_exposed`` and ``Link.expose`` on a link without one-sided reads
+    (in-process memory, TCP) are InternalErrors, never silent no-ops; the pull algorithms
+    never call them there."""
 
     async def body(g: ac.Group) -> str:
         link = g._fabric.links[1 - g.rank]
+        assert not link.caps.reads
+        assert not link.caps.exposes
         with pytest.raises(ac.InternalError, match="cannot read its peer's memory"):
-            link.read_peer(memoryview(bytearray(8)), 4096)
+            link.read_exposed(bytes(16), 0, memoryview(bytearray(8)))
+        with pytest.raises(ac.InternalError, match="cannot expose memory"):
+            link.expose(memoryview(bytearray(8)))
+        link.unexpose(bytes(16))  # (nothing exposed: ignored)
         return g.chosen_algorithm("allreduce", 64 << 20)
 
     assert await run_ranks(2, body) == ["ring", "ring"]

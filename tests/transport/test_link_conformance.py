@@ -3,9 +3,11 @@
 makes them, over real connections and real segments: each name of the registry (shared
 memory without single-copy pulls, and once more with them as ``shm-pull``; ``shm`` and
 ``auto`` over their default Unix socket and once more over TCP loopback as
-``shm-tcpsocket`` and ``auto-tcpsocket``), and the example transport of
-tests/transport/example_transport.py, registered here only. A transport added to the
-registry is checked without a line here."""
+``shm-tcpsocket`` and ``auto-tcpsocket``), and the example transports of
+tests/transport/example_transport.py and example_onesided.py, registered here only. Every
+one whose links declare one-sided reads (``shm-pull`` and the one-sided example) passes
+the one-sided checks too (aiocollect.testing.onesided_suite); the others skip them. A
+transport added to the registry is checked without a line here."""
 
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ from contextlib import asynccontextmanager
 import pytest
 
 from aiocollect.testing.link_suite import LINK_CHECKS, PairFactory, transport_pair
+from aiocollect.testing.onesided_suite import ONE_SIDED_CHECKS, one_sided_support
 from aiocollect.tls import TLSConfig
 from aiocollect.transport import cma, registry, unix
 from aiocollect.transport.base import Link, LinkEvents
 from aiocollect.transport.interface import Transport
 from aiocollect.transport.tcp import StreamLink
 from tests.failure.conftest import Certs, make_certs
+from tests.transport.example_onesided import ONE_SIDED
 from tests.transport.example_transport import UNIX
 
 pytestmark = pytest.mark.both_loops  # asyncio and uvloop transports differ (tests/conftest.py)
@@ -30,7 +34,9 @@ pytestmark = pytest.mark.both_loops  # asyncio and uvloop transports differ (tes
 PULL_VARIANTS = {"shm-pull": "shm"}
 #: ... and with Unix sockets off (AIOCOLLECT_UNIX_SOCKET=0): the socket is TCP loopback.
 SOCKET_VARIANTS = {"shm-tcpsocket": "shm", "auto-tcpsocket": "auto"}
-TRANSPORTS = [*registry.names(), *PULL_VARIANTS, *SOCKET_VARIANTS, UNIX.name]
+#: The example transports, registered for their tests only.
+EXAMPLES = {t.name: t for t in (UNIX, ONE_SIDED)}
+TRANSPORTS = [*registry.names(), *PULL_VARIANTS, *SOCKET_VARIANTS, *EXAMPLES]
 #: The socket family each shared-memory name's pair must connect over.
 FAMILIES = {
     "shm": socket.AF_UNIX,
@@ -67,8 +73,8 @@ def link_certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
 
 
 @pytest.fixture
-def example_registered() -> Iterator[None]:
-    with registry.registered(UNIX):
+def examples_registered() -> Iterator[None]:
+    with registry.registered(UNIX), registry.registered(ONE_SIDED):
         yield
 
 
@@ -91,8 +97,8 @@ def _pair(
     name: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> PairFactory:
     pulls = name in PULL_VARIANTS
-    if name == UNIX.name:
-        request.getfixturevalue("example_registered")
+    if name in EXAMPLES:
+        request.getfixturevalue("examples_registered")
     transport = registry.get(PULL_VARIANTS.get(name, name))
     assert isinstance(transport, Transport), name
     reason = transport.unavailable()
@@ -121,3 +127,19 @@ async def test_link_conformance(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     await check(_factory(transport, request, monkeypatch))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("check", ONE_SIDED_CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_one_sided_conformance(
+    transport: str,
+    check: Callable[[PairFactory], Awaitable[None]],
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    make_pair = _factory(transport, request, monkeypatch)
+    why = await one_sided_support(make_pair, check)
+    if why is not None:
+        pytest.skip(f"{transport}: {why}")
+    await check(make_pair)
