@@ -27,13 +27,10 @@ class TensorLike(Protocol):
 
 
 if TYPE_CHECKING:
-    Buffer: TypeAlias = (
-        Array | bytes | bytearray | memoryview | array.array[Any] | mmap.mmap | TensorLike
-    )
-else:
-    Buffer: TypeAlias = (
-        Array | bytes | bytearray | memoryview | array.array | mmap.mmap | TensorLike
-    )
+    _ArrayArray: TypeAlias = array.array[Any]
+else:  # (array.array is not subscriptable at run time before Python 3.12)
+    _ArrayArray: TypeAlias = array.array
+Buffer: TypeAlias = Array | bytes | bytearray | memoryview | _ArrayArray | mmap.mmap | TensorLike
 """What the collectives accept as a buffer: numpy arrays, objects with the buffer protocol
 (``bytes`` only where nothing is written into it) and CPU torch tensors. Other
 buffer-protocol objects work at run time too; the alias is for type checkers and readers."""
