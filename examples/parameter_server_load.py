@@ -40,6 +40,8 @@ REQUEST = 1
 #: Tag of the reply to client connection c is REPLY + c.
 REPLY = 1000
 KEY = struct.Struct("<q")
+#: This file, which the client process runs with ``--client``.
+HERE = os.path.abspath(__file__)
 
 
 def parse_size(text: str) -> int:
@@ -140,7 +142,7 @@ async def pull_phase(port: int, args: argparse.Namespace) -> dict[str, Any]:
     """Run the clients in their own process (so that they take no time from rank 0's
     loop); their report."""
     proc = await asyncio.create_subprocess_exec(
-        *(sys.executable, os.path.abspath(__file__), "--client", str(port)),
+        *(sys.executable, HERE, "--client", str(port)),
         *("--clients", str(args.clients), "--seconds", str(args.seconds)),
         *("--reply", str(args.reply)),
         stdout=asyncio.subprocess.PIPE,
