@@ -6,7 +6,9 @@ applies every gradient at once, and keeps serving while a periodic task on the *
 loop* broadcasts a checkpoint of the weights to everyone. That is the point: point-to-point
 traffic, collectives and unrelated coroutines all interleave on one loop.
 
-Run: ``aiocollect run -n 4 examples/parameter_server.py``.
+Run: ``aiocollect run -n 4 examples/parameter_server.py``. A server fronted by TCP that
+answers pulls while every rank runs bulk allreduces, and times them:
+``examples/parameter_server_load.py``.
 """
 
 from __future__ import annotations

@@ -52,6 +52,11 @@ def test_hol_reports_round_trips_and_bandwidth(transport: str, tmp_path: Path) -
     assert report["busbw_gbps_alone"] > 0
     assert report["busbw_gbps_with_pings"] > 0
     assert "floor_loaded_rtt_us" not in report
+    assert report["launcher"] == "spawn"
+    assert report["loop"] == "uvloop"
+    assert report["requesters"] == 1
+    assert report["requests_per_s_alone"] > 0
+    assert len(report["lag_us_with_pings"]) == 2
 
 
 @pytest.mark.timeout(180)
@@ -59,6 +64,55 @@ def test_hol_with_exec_started_ranks(tmp_path: Path) -> None:
     report = run_hol(tmp_path, "auto", "--start-method", "exec")
     assert report["start_method"] == "exec"
     assert report["loaded_rtt_us"]["n"] >= 1
+
+
+def check_requesters(report: dict[str, Any], ranks: int, requesters: int) -> None:
+    """The many-requester entries: every requester's idle round trips, a rate alone and
+    under load, and every rank's loop lag in both bulk phases."""
+    assert report["world_size"] == ranks
+    assert report["requesters"] == requesters
+    assert report["idle_rtt_us"]["n"] == 20 * requesters
+    assert report["loaded_rtt_us"]["n"] >= requesters
+    assert report["requests_per_s_alone"] > 0
+    assert report["requests_per_s_loaded"] > 0
+    for phase in ("lag_us_bulk_alone", "lag_us_with_pings"):
+        assert len(report[phase]) == ranks
+        assert all(rank["p99"] >= 0 for rank in report[phase] if rank["n"])
+    assert report["busbw_gbps_with_pings"] > 0
+
+
+@pytest.mark.timeout(180)
+def test_hol_many_requesters_plain_asyncio(tmp_path: Path) -> None:
+    """``--requesters 3`` among 3 ranks spread over both workers, on plain asyncio."""
+    report = run_hol(tmp_path, "tcp", "-n", "3", "--requesters", "3", "--loop", "asyncio")
+    assert report["loop"] == "asyncio"
+    check_requesters(report, 3, 3)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("method", ["exec", "fork"])
+def test_hol_ranks_started_by_aiocollect_run(method: str, tmp_path: Path) -> None:
+    """``--launcher run``: the ranks are the ones ``aiocollect run`` starts, both ways."""
+    report = run_hol(
+        tmp_path,
+        "auto",
+        *("--launcher", "run", "--start-method", method, "--requesters", "2"),
+        *("--loop", "asyncio" if method == "exec" else "uvloop"),
+    )
+    assert (report["launcher"], report["start_method"]) == ("run", method)
+    check_requesters(report, 2, 2)
+
+
+def test_hol_refuses_tls_under_the_launcher(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "aiocollect.bench.hol", "--transport", "tls", "--launcher", "run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "--transport tls needs --launcher spawn" in proc.stderr
 
 
 @pytest.mark.timeout(180)

@@ -154,10 +154,10 @@ async def test_frames_of_one_stream_keep_their_order_others_overtake(
 
 @pytest.mark.parametrize("transport", ["tcp", "auto"])
 async def test_round_trips_complete_during_bulk_allreduces_in_processes(transport: str) -> None:
-    """Real processes (the measurement of ``aiocollect.bench.hol`` on a small scale): 1 KiB
+    """Real processes (the measurement of ``aiocollect.bench.hol_ranks`` on a small scale): 1 KiB
     round trips between ranks 0 and 1 complete while allreduces of 16 MiB run, and every
     allreduce is correct (``hol_rank`` checks nothing itself: the group would break)."""
-    from aiocollect.bench.hol import hol_rank
+    from aiocollect.bench.hol_ranks import hol_rank
     from aiocollect.testing import spawn_ranks
 
     res = await spawn_ranks(
