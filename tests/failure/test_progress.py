@@ -18,7 +18,7 @@ import aiocollect as ac
 from aiocollect import group_core
 from aiocollect.store import MemoryStore
 from aiocollect.testing import run_ranks
-from aiocollect.testing.faultproxy import ProxyNetwork
+from aiocollect.testing.proxynet import ProxyNetwork
 
 pytestmark = pytest.mark.timeout(60)
 
