@@ -18,7 +18,7 @@ from aiocollect._buffers import Array
 from aiocollect.collectives import ring
 from aiocollect.engine.scratch import ScratchPool, size_class
 from aiocollect.testing import run_ranks
-from tests.helpers import assert_close, data, reference
+from tests.support.collectives import assert_close, data, reference
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -107,3 +107,9 @@ async def test_use_after_close() -> None:
     assert g.closed
     with pytest.raises(ac.UsageError, match="closed"):
         g.barrier()
+
+
+@pytest.mark.timeout(10)
+async def test_bad_transport_is_usage_error() -> None:
+    with pytest.raises(ac.UsageError, match="shm"):
+        await ac.open_group(0, 1, store="memory://bad", transport="bogus")

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import aiocollect as ac
-from tests.elastic import targets
-from tests.elastic.conftest import SECRET, Procs
+from tests.support.elastic import SECRET, Procs
+from tests.support.targets import elastic as targets
 
 pytestmark = pytest.mark.timeout(60)
 

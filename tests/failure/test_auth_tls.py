@@ -25,8 +25,9 @@ from aiocollect import tls
 from aiocollect.rendezvous.handshake import PROTOCOL_VERSION, ConnectorHandshake
 from aiocollect.store import MemoryStore, TCPStoreServer, connect_tcp_store
 from aiocollect.testing import free_port, run_ranks, spawn_ranks
+from aiocollect.testing.certs import Certs
 from aiocollect.transport.wire import ABORT, LENGTH_PREFIX
-from tests.failure.conftest import Certs, header, u32
+from tests.support.fakepeer import header, u32
 
 pytestmark = pytest.mark.timeout(90)
 

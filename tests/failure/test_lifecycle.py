@@ -22,7 +22,7 @@ import pytest
 import aiocollect as ac
 from aiocollect.store import MemoryStore, Store, TCPStoreServer, open_store
 from aiocollect.testing import free_port, links_settled, run_ranks, spawn_ranks
-from tests.failure import targets
+from tests.support.targets import failure as targets
 
 pytestmark = pytest.mark.timeout(120)
 

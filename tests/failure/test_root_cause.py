@@ -13,7 +13,8 @@ import pytest
 import aiocollect as ac
 from aiocollect.testing import run_ranks, spawn_ranks
 from aiocollect.transport.wire import ABORT
-from tests.failure import mismatch_targets, targets
+from tests.support.targets import failure as targets
+from tests.support.targets import mismatch as mismatch_targets
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,8 +20,8 @@ import aiocollect as ac
 from aiocollect.testing import run_ranks, spawn_ranks
 from aiocollect.transport import cma, shm_reader, shm_setup
 from aiocollect.transport.shm import ShmLink
-from tests.shm import targets
-from tests.shm.conftest import leaked, segments
+from tests.support.shm_leaks import leaked, segments
+from tests.support.targets import shm as targets
 
 if cma.threshold() == 0 and os.environ.get(cma.ENV) is None:  # pragma: no cover
     pytest.skip("process_vm_readv is not available on this platform", allow_module_level=True)
@@ -152,7 +152,7 @@ async def test_collectives_with_pulls_in_one_process(
 ) -> None:
     """Every collective over pulled frames (threshold lowered to 1 KiB, 4 KiB chunks):
     the same sweep as the other transports, results checked against numpy."""
-    from tests.helpers import allreduce_every_op, move_every_way
+    from tests.support.collectives import allreduce_every_op, move_every_way
 
     monkeypatch.setenv(cma.ENV, "1024")
     dtypes = [np.dtype(np.float32), np.dtype(np.int64)]

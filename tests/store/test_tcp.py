@@ -7,10 +7,10 @@ import logging
 import time
 
 import pytest
-from store_helpers import settle
 
 from aiocollect.errors import AuthenticationError, StoreError, StoreTimeout
 from aiocollect.store import TCPStore, TCPStoreServer, _wire
+from tests.support.store import settle
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -15,13 +15,14 @@ from contextlib import asynccontextmanager
 
 import pytest
 
+from aiocollect.testing.certs import Certs
 from aiocollect.testing.link_suite import LINK_CHECKS, PairFactory, transport_pair
 from aiocollect.tls import TLSConfig
 from aiocollect.transport import cma, registry, unix
 from aiocollect.transport.base import Link, LinkEvents
 from aiocollect.transport.interface import Transport
 from aiocollect.transport.tcp import StreamLink
-from tests.failure.conftest import Certs, make_certs
+from tests.support.certs import make_certs
 from tests.transport.example_transport import UNIX
 
 pytestmark = pytest.mark.both_loops  # asyncio and uvloop transports differ (tests/conftest.py)

@@ -1,5 +1,5 @@
 """A process that claims a rank of a group and then waits to be killed (for the stale-claim
-tests): ``python -m tests.rendezvous.claim_child SPEC NAME RANK WORLD``.
+tests): ``python -m tests.support.targets.claim_child SPEC NAME RANK WORLD``.
 
 SPEC is a store URL (``file://``, ``tcp://``, ``redis://``) or ``torch:PORT`` (a c10d
 TCPStore client behind :class:`~aiocollect.torch.store.TorchStore`). With RANK 0 it also

@@ -43,15 +43,6 @@ async def big_frames(g: ac.Group, count: int) -> bool:
     return True
 
 
-async def objects_and_split(g: ac.Group) -> tuple[list[int], int]:
-    everyone = await g.allgather_object(g.rank)
-    sub = await g.split(g.rank % 2)
-    assert sub is not None
-    buf = np.array([g.rank], np.int64)
-    await sub.allreduce(buf)
-    return list(everyone), int(buf[0])
-
-
 async def allreduce_forever(g: ac.Group, size: int) -> dict[str, Any]:
     """Allreduce until the group fails; report the error."""
     buf = np.ones(size, np.float32)

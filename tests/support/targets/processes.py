@@ -9,7 +9,14 @@ from typing import Any
 import numpy as np
 
 import aiocollect as ac
-from tests.helpers import CORE_DTYPES, assert_close, counts_for, data, reference, valid_ops
+from tests.support.collectives import (
+    CORE_DTYPES,
+    assert_close,
+    counts_for,
+    data,
+    reference,
+    valid_ops,
+)
 
 
 async def sweep(g: ac.Group) -> int:

@@ -9,7 +9,7 @@ import numpy as np
 
 import aiocollect as ac
 from aiocollect.collectives import pull, select
-from tests.collectives.star_targets import star_mix
+from tests.support.targets.star import star_mix
 
 
 def counts() -> tuple[int, ...]:
