@@ -44,16 +44,17 @@ test: install system-deps
 stress: install
 	AIOCOLLECT_STRESS=full $(PY) -m pytest -q tests/stress $(PYTEST_ARGS)
 
-# mypy --strict reads torch's own types for aiocollect/torch: without torch installed it
-# checks everything else and says so (after make install it checks all; CI does).
+# mypy --strict (the package and the tests) reads torch's own types for aiocollect/torch and
+# tests/torch: without torch installed it checks everything else and says so (after make
+# install it checks all; CI does).
 lint: $(LINT_STAMP)
 	$(VENV)/bin/ruff check aiocollect tests examples scripts
 	$(VENV)/bin/ruff format --check aiocollect tests examples scripts
 	@if $(PY) -c 'import importlib.util as u, sys; sys.exit(u.find_spec("torch") is None)'; \
 	then echo "$(VENV)/bin/mypy"; $(VENV)/bin/mypy; \
-	else echo "lint: torch is not installed: mypy skips aiocollect/torch (make install checks it)"; \
-	  echo "$(VENV)/bin/mypy --exclude '^aiocollect/torch/'"; \
-	  $(VENV)/bin/mypy --exclude '^aiocollect/torch/'; fi
+	else echo "lint: torch is not installed: mypy skips aiocollect/torch and tests/torch (make install checks them)"; \
+	  echo "$(VENV)/bin/mypy --exclude '^(aiocollect|tests)/torch/'"; \
+	  $(VENV)/bin/mypy --exclude '^(aiocollect|tests)/torch/'; fi
 	$(VENV)/bin/lint-imports
 
 # torch's own DistributedTest suite (from the installed wheel) against "aiocollect" and "gloo"

@@ -43,7 +43,7 @@ from tests.support.transports import Axis
 try:
     import uvloop
 except ImportError:  # pragma: no cover - uvloop is a core dependency on Linux
-    uvloop = None
+    uvloop = None  # type: ignore[assignment]
 
 LOOP_SUITES = ("collectives", "failure", "stress")
 _ROOT = Path(__file__).parent
@@ -135,7 +135,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         return None
     from xdist.scheduler import LoadGroupScheduling
 
-    class DirectoryGroups(LoadGroupScheduling):
+    class DirectoryGroups(LoadGroupScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
             for group, prefixes in XDIST_GROUPS.items():
                 if nodeid.startswith(prefixes):

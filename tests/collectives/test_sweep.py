@@ -82,7 +82,7 @@ async def _p2p(g: ac.Group) -> list[int]:
             g.send(a, nxt, tag=1),
             g.send(b, nxt, tag=2),
         ]
-        await asyncio.gather(*hs)
+        await asyncio.gather(*hs)  # type: ignore[call-overload]
         np.testing.assert_array_equal(got_a, np.full(count, prv, np.float32))
         np.testing.assert_array_equal(got_b, np.full(count, prv + 100, np.float32))
     # any-source: everyone sends to rank 0

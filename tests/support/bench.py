@@ -136,8 +136,8 @@ def capture_figures(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
                         "lines": [
                             (
                                 str(ln.get_label()),
-                                list(ln.get_xdata()),
-                                list(ln.get_ydata()),
+                                list(ln.get_xdata()),  # type: ignore[arg-type]
+                                list(ln.get_ydata()),  # type: ignore[arg-type]
                                 ln.get_color(),
                             )
                             for ln in ax.get_lines()

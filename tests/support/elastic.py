@@ -47,10 +47,10 @@ class Procs:
                 break
             for conn in ready:
                 try:
-                    return tuple(conn.recv())
+                    return tuple(conn.recv())  # type: ignore[call-arg, union-attr]
                 except (EOFError, OSError):
                     self.conns.remove(conn)
-                    conn.close()
+                    conn.close()  # type: ignore[union-attr]
         raise queue.Empty
 
     def kill(self, key: Any) -> float:

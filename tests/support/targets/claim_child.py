@@ -25,7 +25,7 @@ async def _store(spec: str) -> Store:
         from aiocollect.torch.store import TorchStore
 
         return TorchStore(
-            dist.TCPStore("127.0.0.1", int(spec[6:]), is_master=False, wait_for_workers=False),
+            dist.TCPStore("127.0.0.1", int(spec[6:]), is_master=False, wait_for_workers=False),  # type: ignore[attr-defined]
             timeout=30,
         )
     store, _ = await open_store(spec, rank=1, timeout=30)

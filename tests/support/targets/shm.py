@@ -17,7 +17,8 @@ from aiocollect.transport.shm import ShmLink
 def link_kinds_of(g: ac.Group) -> list[str]:
     links = g._fabric.links
     return [
-        "shm" if isinstance(links[p], ShmLink) and links[p].shm else "tcp" for p in sorted(links)
+        "shm" if isinstance(link := links[p], ShmLink) and link.shm else "tcp"
+        for p in sorted(links)
     ]
 
 
