@@ -73,17 +73,18 @@ QUICK_WORLDS = {
 }
 
 
-def _cases(worlds: dict[str, list[int]]) -> dict[str, list[tuple[bool, int]]]:
-    return {m: [(uv, w) for uv in (False, True) for w in ws] for m, ws in worlds.items()}
+def _cases(worlds: dict[str, list[int]]) -> dict[str, list[tuple[str, int]]]:
+    return {m: [(lp, w) for lp in ("asyncio", "uvloop") for w in ws] for m, ws in worlds.items()}
 
 
 @pytest.mark.transports(
-    argnames="uvloop, world",
+    argnames="loop, world",
     values=_cases({m.name: WORLDS for m in modes()} if FULL else QUICK_WORLDS),
     default=_cases({"": [3]})[""],
     where="processes",
 )
-async def test_stress_in_processes(axis: Axis, uvloop: bool, world: int) -> None:
+async def test_stress_in_processes(axis: Axis, loop: str, world: int) -> None:
+    uvloop = loop == "uvloop"
     names = [m.name for m in modes("processes")]
     seed = 100 * world + names.index(axis.name) * 10 + uvloop
     timeout = op_timeout()
