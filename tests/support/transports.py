@@ -132,6 +132,7 @@ def cases(
 
 
 def _id(value: Any) -> str:
+    """A case value in a test id (None: ``default``)."""
     return "default" if value is None else str(value)
 
 
@@ -145,10 +146,12 @@ class Axis:
 
     @property
     def name(self) -> str:
+        """The mode's name (its test id)."""
         return self.mode.name
 
     @property
     def transport(self) -> str:
+        """The registered transport the mode runs on."""
         return self.mode.transport
 
     async def run(
