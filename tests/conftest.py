@@ -14,6 +14,9 @@ collective, stress and failure suites run on both asyncio and uvloop.
   one after another (docs/testing.md, "In parallel").
 - ``redis_url``: one private redis-server per session (so per xdist worker) for every test
   that needs one (the store and rendezvous suites).
+- The transport axis: a test that takes the ``axis`` fixture runs over every registered
+  transport and its modes (tests/support/transports.py; the ``transports`` mark picks its
+  cases).
 """
 
 from __future__ import annotations
@@ -31,11 +34,16 @@ from typing import Any
 import pytest
 
 from aiocollect.testing import free_port
+from aiocollect.testing.certs import Certs
+from tests.support import transports
+from tests.support.certs import make_certs
+from tests.support.shm_leaks import nothing_left
+from tests.support.transports import Axis
 
 try:
     import uvloop
 except ImportError:  # pragma: no cover - uvloop is a core dependency on Linux
-    uvloop = None
+    uvloop = None  # type: ignore[assignment]
 
 LOOP_SUITES = ("collectives", "failure", "stress")
 _ROOT = Path(__file__).parent
@@ -86,6 +94,36 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "both_loops: run this async test on asyncio and uvloop, in any suite"
     )
+    config.addinivalue_line(
+        "markers",
+        "transports(argnames=None, values=None, default=None, where='any'): the cases of "
+        "a test on the transport axis (tests/support/transports.py)",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrize every test that takes ``axis`` over the transport axis."""
+    if "axis" not in metafunc.fixturenames:
+        return
+    mark = metafunc.definition.get_closest_marker("transports")
+    names, params = transports.cases(**(mark.kwargs if mark is not None else {}))
+    metafunc.parametrize(names, params, indirect=["axis"])
+
+
+@pytest.fixture
+def axis(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Axis]:
+    """The test's place on the transport axis: its mode's environment is set (spawned ranks
+    inherit it), certificates are made for a mode that needs TLS, and the test may leave
+    nothing in shared memory."""
+    m: transports.Mode = request.param
+    why = m.unavailable()
+    if why is not None:
+        pytest.skip(f"{m.name}: {why}")
+    for key, value in m.env.items():
+        monkeypatch.setenv(key, value)
+    certs = request.getfixturevalue("certs") if m.needs_tls else None
+    with nothing_left():
+        yield Axis(m, certs)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
@@ -97,7 +135,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         return None
     from xdist.scheduler import LoadGroupScheduling
 
-    class DirectoryGroups(LoadGroupScheduling):
+    class DirectoryGroups(LoadGroupScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
             for group, prefixes in XDIST_GROUPS.items():
                 if nodeid.startswith(prefixes):
@@ -125,8 +163,9 @@ def pytest_asyncio_loop_factories(
 
 
 def _drives_processes(item: pytest.Item) -> bool:
-    """Whether the test body starts rank processes itself (their loop is theirs to pick),
-    or is a collective sweep over memory links only (``tests/collectives/*_memory``)."""
+    """Whether the test body starts rank processes itself (``spawn_ranks``, or ``spawn`` of
+    the transport axis; their loop is theirs to pick), or is a collective sweep over memory
+    links only (``tests/collectives/*_memory``)."""
     if (
         getattr(item, "name", "").endswith("_memory")
         and "collectives" in Path(str(item.path)).parts
@@ -134,7 +173,7 @@ def _drives_processes(item: pytest.Item) -> bool:
         return True  # a sweep over memory links: the loop only schedules, no transport
     code = getattr(getattr(item, "obj", None), "__code__", None)
     names = set(code.co_names) if code is not None else set()
-    return bool(names & {"spawn_ranks", "SpawnedRanks"}) or "spawned" in getattr(
+    return bool(names & {"spawn_ranks", "SpawnedRanks", "spawn"}) or "spawned" in getattr(
         item, "fixturenames", ()
     )
 
@@ -151,6 +190,12 @@ def loop_error_trap() -> Iterator[None]:
         pytest.fail(
             "unhandled errors reached the event loop:\n  " + "\n  ".join(lines), pytrace=False
         )
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    """Certificates for four ranks (skips the test visibly where they cannot be made)."""
+    return make_certs(tmp_path_factory.mktemp("certs"), 4)
 
 
 #: The private redis-server's password; tests/store/test_backends.py replaces it in the URL

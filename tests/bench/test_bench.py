@@ -16,30 +16,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from aiocollect.cli import bench
 from aiocollect.testing.spawn import free_port
-
-SMOKE = ("--rounds", "1", "--iters", "3", "--warmup", "1")
-
-
-def run_bench(*args: str, cwd: Path, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "aiocollect", "bench", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-        check=False,
-    )
-
-
-def _positive(value: Any) -> bool:
-    return isinstance(value, (int, float)) and value > 0
+from tests.support.bench import SMOKE, positive, run_bench
 
 
 @pytest.mark.timeout(60)
@@ -89,7 +71,7 @@ def test_smoke_table_and_json(tmp_path: Path) -> None:
         assert ac["iters"] == 3
         assert ac["correct"] is True
         for key in ("p50_us", "p99_us", "busbw_gbps"):
-            assert _positive(ac[key]), (row["name"], row["size"], key, ac[key])
+            assert positive(ac[key]), (row["name"], row["size"], key, ac[key])
         assert ac["p99_us"] >= ac["p50_us"]
         assert ac["rss_growth_mib"] >= 0
         assert row["gloo"] is None
@@ -127,10 +109,10 @@ def test_gloo_baseline(tmp_path: Path) -> None:
     assert doc["config"]["baseline_used"] == "gloo"
     for row in doc["summary"]:
         assert row["gloo"]["correct"] is True
-        assert _positive(row["gloo"]["p50_us"])
-        assert _positive(row["gloo"]["busbw_gbps"])
-        assert _positive(row["bw_ratio"])
-        assert _positive(row["lat_ratio"])
+        assert positive(row["gloo"]["p50_us"])
+        assert positive(row["gloo"]["busbw_gbps"])
+        assert positive(row["bw_ratio"])
+        assert positive(row["lat_ratio"])
 
 
 @pytest.mark.timeout(60)

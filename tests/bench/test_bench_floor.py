@@ -21,10 +21,18 @@ from aiocollect.bench import floor, report
 from aiocollect.bench import plot as plotting
 from aiocollect.bench.spec import Case
 from aiocollect.cli import bench
-from tests.bench.test_bench import SMOKE, _positive, run_bench
-from tests.bench.test_compare import CASES, META, _rounds, _table
-from tests.bench.test_floor import needs_pulls
-from tests.bench.test_plot import _capture, needs_mpl
+from tests.support.bench import (
+    CASES,
+    META,
+    SMOKE,
+    capture_figures,
+    needs_mpl,
+    needs_pulls,
+    positive,
+    run_bench,
+    synthetic_rounds,
+    table_of,
+)
 
 
 def _run_with_floor(tmp_path: Path, *args: str, rounds: int = 1) -> tuple[Any, dict[str, Any]]:
@@ -55,13 +63,13 @@ def test_floor_columns_json_and_ratio(tmp_path: Path) -> None:
         tmp_path, "allreduce", "broadcast", "-n", "2", "--sizes", "4,1M", rounds=2
     )
     assert "[floor r2/2] allreduce sizes 4,1048576" in done.stderr
-    head, body = _table(done.stdout, "allreduce: 2 ranks")
+    head, body = table_of(done.stdout, "allreduce: 2 ranks")
     assert head[-4:] == ["floor", "x floor", "rounds", "check"]
     assert len(body) == 2
     assert all(line[-1] == "ok" for line in body)
     assert "floor: the framework-free operation of the same bytes" in done.stdout
     # broadcast has no floor: its table is the plain one
-    head_b, _ = _table(done.stdout, "broadcast: 2 ranks")
+    head_b, _ = table_of(done.stdout, "broadcast: 2 ranks")
     assert "floor" not in head_b
     assert doc["config"]["floor"] is True
     assert all(
@@ -73,7 +81,7 @@ def test_floor_columns_json_and_ratio(tmp_path: Path) -> None:
     assert (small["floor_bytes"], large["floor_bytes"]) == (4, 1 << 20)
     for row in (small, large):
         assert row["floor_rounds"] == 2
-        assert _positive(row["floor_us"])
+        assert positive(row["floor_us"])
         per_round = sorted(
             r["us"]
             for e in doc["rounds"]
@@ -107,7 +115,7 @@ def test_floor_that_cannot_measure_says_why(tmp_path: Path) -> None:
     """Three ranks: recursive doubling needs a power of two, so the 4-byte floor is '-'
     with the reason under the table, and the run still succeeds."""
     done, doc = _run_with_floor(tmp_path, "allreduce", "-n", "3", "--sizes", "4")
-    _, body = _table(done.stdout, "allreduce: 3 ranks")
+    _, body = table_of(done.stdout, "allreduce: 3 ranks")
     assert body[0][-4:-1] == ["-", "-", "-"]
     assert "floor not measured ('-'): recursive doubling needs a power-of-two" in done.stdout
     (row,) = doc["summary"]
@@ -140,8 +148,8 @@ def test_floor_usage_errors(args: list[str], why: str, capsys: pytest.CaptureFix
 
 
 def _with_floor(records: list[list[dict[str, Any]] | None]) -> list[dict[str, Any]]:
-    """``_rounds(False)`` with a floor entry per round (None: that round's floor failed)."""
-    rounds = _rounds(False)
+    """``synthetic_rounds(False)`` with a floor entry per round (None: its floor failed)."""
+    rounds = synthetic_rounds(False)
     for entry, recs in zip(rounds, records, strict=True):
         entry["floor"] = {"error": "boom"} if recs is None else {"records": recs}
     return rounds
@@ -190,7 +198,7 @@ def test_report_when_every_floor_round_failed() -> None:
 
 
 def test_report_without_floor_is_unchanged() -> None:
-    rows = report.aggregate(_rounds(False), CASES, 2)
+    rows = report.aggregate(synthetic_rounds(False), CASES, 2)
     assert all("floor_us" not in r for r in rows)
     assert "x floor" not in report.format_tables(rows, META)
 
@@ -200,7 +208,7 @@ def test_report_without_floor_is_unchanged() -> None:
 def test_plot_draws_the_floor_and_its_ratio(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    figs = _capture(monkeypatch)
+    figs = capture_figures(monkeypatch)
     rounds = _with_floor([[{"size": 4, "method": "latency", "bytes": 4, "us": 50.0}]] * 2)
     rows = report.aggregate(rounds, CASES, 2)
     plotting.plot(rows, tmp_path / "b.png", "t")

@@ -16,9 +16,7 @@ from pathlib import Path
 import pytest
 
 from aiocollect.bench import floor
-from tests.bench.test_bench import SMOKE, _positive, run_bench
-from tests.bench.test_compare import _table
-from tests.bench.test_floor import needs_pulls
+from tests.support.bench import SMOKE, needs_pulls, positive, run_bench, table_of
 
 
 @needs_pulls
@@ -48,10 +46,10 @@ def test_sendrecv_and_barrier_with_floor(tmp_path: Path, transport: str, n: int)
     assert done.returncode == 0, done.stderr
     assert "[floor r1/1] sendrecv sizes 4,1048576" in done.stderr
     assert "[floor r1/1] barrier sizes 0" in done.stderr
-    head, body = _table(done.stdout, f"sendrecv: {n} ranks")
+    head, body = table_of(done.stdout, f"sendrecv: {n} ranks")
     assert head[-4:] == ["floor", "x floor", "rounds", "check"]
     assert [line[-1] for line in body] == ["ok", "ok"]
-    _, (barrier_line,) = _table(done.stdout, f"barrier: {n} ranks")
+    _, (barrier_line,) = table_of(done.stdout, f"barrier: {n} ranks")
     assert barrier_line[0] == "0"
     assert barrier_line[-1] == "-"
     doc = json.loads(out.read_text())
@@ -65,11 +63,11 @@ def test_sendrecv_and_barrier_with_floor(tmp_path: Path, transport: str, n: int)
     )
     for row in (small, large, bar):
         assert row["aiocollect"]["correct"] is True
-        assert _positive(row["aiocollect"]["p50_us"])
-        assert _positive(row["floor_us"])
+        assert positive(row["aiocollect"]["p50_us"])
+        assert positive(row["floor_us"])
         assert row["floor_each_us"] >= row["floor_us"]
         assert row["floor_ratio"] == pytest.approx(row["aiocollect"]["p50_us"] / row["floor_us"])
-    assert _positive(large["aiocollect"]["busbw_gbps"])
+    assert positive(large["aiocollect"]["busbw_gbps"])
     assert bar["aiocollect"]["busbw_gbps"] == 0
 
 
@@ -97,10 +95,10 @@ def test_sendrecv_and_barrier_against_gloo(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     for row in doc["summary"]:
         assert row["gloo"]["correct"] is True
-        assert _positive(row["gloo"]["p50_us"])
-        assert _positive(row["lat_ratio"])
+        assert positive(row["gloo"]["p50_us"])
+        assert positive(row["lat_ratio"])
     sr = next(r for r in doc["summary"] if r["name"] == "sendrecv")
-    assert _positive(sr["bw_ratio"])
+    assert positive(sr["bw_ratio"])
 
 
 @pytest.mark.timeout(120)

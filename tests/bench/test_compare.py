@@ -24,7 +24,15 @@ from aiocollect.bench.stats import median, summarize
 from aiocollect.bench.sweep import SweepConfig
 from aiocollect.bench.worker import RankOptions
 from aiocollect.cli import bench
-from tests.bench.test_bench import SMOKE, _positive, run_bench
+from tests.support.bench import (
+    CASES,
+    META,
+    SMOKE,
+    positive,
+    run_bench,
+    synthetic_rounds,
+    table_of,
+)
 
 #: The columns of a plain (concurrency 1) table without --compare or --baseline.
 PLAIN_HEADER = [
@@ -41,23 +49,6 @@ PLAIN_HEADER = [
 ]
 
 
-def _cells(line: str) -> list[str]:
-    """A table line's cells (columns are separated by at least two spaces)."""
-    return re.split(r"\s{2,}", line.strip())
-
-
-def _table(stdout: str, title: str) -> tuple[list[str], list[list[str]]]:
-    """The header and data lines of the table whose title line starts with ``title``."""
-    lines = stdout.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(title))
-    body: list[list[str]] = []
-    for line in lines[start + 2 :]:
-        if not line.strip():
-            break
-        body.append(_cells(line))
-    return _cells(lines[start + 1]), body
-
-
 def _check_compare_row(row: dict[str, Any], transport: str) -> None:
     ac, cmp = row["aiocollect"], row["compare"]
     assert row["compare_transport"] == transport
@@ -65,7 +56,7 @@ def _check_compare_row(row: dict[str, Any], transport: str) -> None:
     assert cmp["correct"] is True
     assert cmp["iters"] >= 3
     for key in ("p50_us", "p99_us", "mean_us", "busbw_gbps"):
-        assert _positive(cmp[key]), (row["name"], row["size"], key, cmp[key])
+        assert positive(cmp[key]), (row["name"], row["size"], key, cmp[key])
     assert cmp["p99_us"] >= cmp["p50_us"]
     assert row["compare_algorithm"]
     # The ratios are those of the reported medians.
@@ -98,7 +89,7 @@ def test_compare_columns_json_and_ratio(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     title = "allreduce: 2 ranks, shm vs tcp, float32, ranks forked, median of 1 rounds"
     assert title in done.stdout
-    header, body = _table(done.stdout, "allreduce: ")
+    header, body = table_of(done.stdout, "allreduce: ")
     assert header == [*PLAIN_HEADER[:-1], "tcp p50", "tcp GB/s", "shm/tcp bw", "check"]
     assert "shm/tcp bw: busbw over shm / busbw over tcp" in done.stdout
     assert "(>1 favours shm)" in done.stdout
@@ -162,7 +153,7 @@ def test_compare_rounds_interleave_and_use_medians(tmp_path: Path) -> None:
     tags = re.findall(r"^\[(\S+) (r\d/2) allreduce 4K\]", done.stderr, re.MULTILINE)
     per_round = ["aiocollect/tcp", "aiocollect/shm", *(["gloo"] if gloo else [])]
     assert tags == [(tag, f"r{i}/2") for i in (1, 2) for tag in per_round]
-    header, _ = _table(done.stdout, "allreduce: ")
+    header, _ = table_of(done.stdout, "allreduce: ")
     compare_cols = ["shm p50", "shm GB/s", "tcp/shm bw"]
     gloo_cols = ["gloo p50", "gloo GB/s", "bw ratio", "lat ratio"] if gloo else []
     assert header == [*PLAIN_HEADER[:-1], *compare_cols, *gloo_cols, "check"]
@@ -179,7 +170,7 @@ def test_compare_rounds_interleave_and_use_medians(tmp_path: Path) -> None:
         assert row[key]["p50_us"] == pytest.approx(median([s["p50_us"] for s in sums]))
     if gloo:
         assert row["gloo"]["correct"] is True
-        assert _positive(row["bw_ratio"])
+        assert positive(row["bw_ratio"])
 
 
 @pytest.mark.timeout(60)
@@ -190,7 +181,7 @@ def test_without_compare_the_output_is_unchanged(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "allreduce: 2 ranks, tcp, float32, ranks forked, median of 1 rounds\n" in done.stdout
-    header, _ = _table(done.stdout, "allreduce: ")
+    header, _ = table_of(done.stdout, "allreduce: ")
     assert header == PLAIN_HEADER
     assert "--compare" not in done.stdout
     assert " vs " not in done.stdout
@@ -227,7 +218,7 @@ def test_failing_compared_round_is_recorded(capfd: pytest.CaptureFixture[str]) -
     table = report.format_tables(
         [row], {"world_size": 2, "transport": "tcp", "dtype": "float32", "rounds": 1}
     )
-    header, (cells,) = _table(table, "allreduce: ")
+    header, (cells,) = table_of(table, "allreduce: ")
     assert cells[header.index("nosuch p50") : header.index("check")] == ["-", "-", "-"]
 
 
@@ -282,70 +273,8 @@ def test_compare_equal_to_transport_from_the_command(tmp_path: Path) -> None:
 
 # -- the report, from synthetic rounds ----------------------------------------------------
 
-CASES = [Case("allreduce", 4), Case("allreduce", 65536), Case("allreduce", 65536, 2)]
-META = {
-    "world_size": 2,
-    "transport": "shm",
-    "dtype": "float32",
-    "rounds": 2,
-    "baseline_note": None,
-    "idle_lag_p99_ms": 0.19,
-}
-
-
-def _record(case: Case, scale: float, algorithm: str, correct: bool) -> dict[str, Any]:
-    k = case.concurrency
-    return {
-        "collective": case.collective,
-        "name": case.name,
-        "concurrency": k,
-        "size": case.size,
-        "bytes": case.size,
-        "count": max(1, case.size // 4),
-        "dtype": "float32",
-        "iters": 3,
-        "algorithm": algorithm,
-        "times_us": [t * scale for t in (100.0, 120.0, 110.0)],
-        "seq_times_us": [t * scale * k for t in (90.0, 95.0, 99.0)] if k > 1 else None,
-        "mean_us": 111.0 * scale,
-        "lag_us": {"samples": 5, "p50": 100.0, "p99": 250.0 * scale, "max": 300.0},
-        "rss_growth_mib": [0.5, 0.25],
-        "correct": correct,
-        "wrong_ranks": [] if correct else [1],
-    }
-
-
-def _result(backend: str, scale: float, algorithm: str, correct: bool = True) -> dict[str, Any]:
-    return {
-        "backend": backend,
-        "label": "r/2",
-        "idle_lag_us": {"p99": 190.0},
-        "records": [_record(c, scale, algorithm, correct) for c in CASES],
-        "loop": "asyncio",
-    }
-
-
-def _rounds(
-    gloo: bool, compare: bool = False, compare_correct: bool = True
-) -> list[dict[str, Any]]:
-    out = []
-    for i, s in enumerate((1.0, 1.5)):
-        entry: dict[str, Any] = {
-            "round": i + 1,
-            "aiocollect": _result("aiocollect", s, "auto:ring"),
-        }
-        if compare:
-            entry["compare"] = {
-                **_result("aiocollect", 4 * s, "auto:ring", compare_correct),
-                "transport": "tcp",
-            }
-        if gloo:
-            entry["gloo"] = _result("gloo", 2 * s, "gloo")
-        out.append(entry)
-    return out
-
-
-#: format_tables' output for _rounds(False) and _rounds(True) as it was before --compare.
+#: format_tables' output for synthetic_rounds(False) and synthetic_rounds(True) as it was
+#: before --compare.
 GOLDEN = {
     False: """\
 allreduce: 2 ranks, shm, float32, median of 2 rounds
@@ -388,11 +317,11 @@ bw ratio: aiocollect/gloo busbw (>1 favours aiocollect); lat ratio: aiocollect/g
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("gloo", [False, True])
 def test_table_without_compare_is_byte_for_byte_unchanged(gloo: bool) -> None:
-    rows = report.aggregate(_rounds(gloo), CASES, 2)
+    rows = report.aggregate(synthetic_rounds(gloo), CASES, 2)
     assert report.format_tables(rows, META) == GOLDEN[gloo]
     # Rounds that somehow hold a "compare" entry change nothing unless asked for.
     assert (
-        report.format_tables(report.aggregate(_rounds(gloo, compare=True), CASES, 2), META)
+        report.format_tables(report.aggregate(synthetic_rounds(gloo, compare=True), CASES, 2), META)
         == GOLDEN[gloo]
     )
 
@@ -400,15 +329,15 @@ def test_table_without_compare_is_byte_for_byte_unchanged(gloo: bool) -> None:
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("gloo", [False, True])
 def test_table_with_compare(gloo: bool) -> None:
-    rows = report.aggregate(_rounds(gloo, compare=True), CASES, 2, "tcp")
+    rows = report.aggregate(synthetic_rounds(gloo, compare=True), CASES, 2, "tcp")
     text = report.format_tables(rows, META)
     plain, conc = text.split("\n\n")[:2]
     gloo_cols = ["gloo p50", "gloo GB/s", "bw ratio", "lat ratio"] if gloo else []
-    header, body = _table(plain, "allreduce: 2 ranks, shm vs tcp, float32")
+    header, body = table_of(plain, "allreduce: 2 ranks, shm vs tcp, float32")
     assert header == [*PLAIN_HEADER[:-1], "tcp p50", "tcp GB/s", "shm/tcp bw", *gloo_cols, "check"]
     # The compared transport is 4x slower: p50 4 x 137.5 us, busbw ratio 4.
     assert [c[9:12] for c in body] == [["550.0us", "0.000", "4.00x"], ["550.0us", "0.123", "4.00x"]]
-    header, (cells,) = _table(conc, "allreduce-concurrent2: 2 ranks, shm vs tcp")
+    header, (cells,) = table_of(conc, "allreduce-concurrent2: 2 ranks, shm vs tcp")
     assert header[9:12] == ["tcp conc p50", "tcp GB/s", "shm/tcp bw"]
     assert cells[9:12] == ["550.0us", "0.246", "4.00x"]
     for row in rows:
@@ -423,7 +352,9 @@ def test_table_with_compare(gloo: bool) -> None:
 
 @pytest.mark.timeout(10)
 def test_wrong_compared_result_fails_the_check() -> None:
-    rows = report.aggregate(_rounds(True, compare=True, compare_correct=False), CASES, 2, "tcp")
+    rows = report.aggregate(
+        synthetic_rounds(True, compare=True, compare_correct=False), CASES, 2, "tcp"
+    )
     assert not report.all_correct(rows)
     assert "ok (tcp WRONG)" in report.format_tables(rows, META)
 
@@ -443,7 +374,7 @@ def test_plot_draws_the_compared_transport(tmp_path: Path, monkeypatch: pytest.M
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
     png = tmp_path / "bench.png"
-    rows = report.aggregate(_rounds(True, compare=True), CASES, 2, "tcp")
+    rows = report.aggregate(synthetic_rounds(True, compare=True), CASES, 2, "tcp")
     plotting.plot(rows, png, "test", "shm")
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert sorted(set(labels)) == [

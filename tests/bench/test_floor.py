@@ -17,10 +17,7 @@ import pytest
 
 from aiocollect.bench import floor
 from aiocollect.transport import cma
-
-needs_pulls = pytest.mark.skipif(
-    cma.self_check() is not None, reason="process_vm_readv is unavailable or forbidden here"
-)
+from tests.support.bench import needs_pulls
 
 
 def run_floor(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

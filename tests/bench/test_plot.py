@@ -18,50 +18,12 @@ from aiocollect.bench import plot as plotting
 from aiocollect.bench import report
 from aiocollect.cli import bench
 from aiocollect.testing.spawn import free_port
-from tests.bench.test_bench import run_bench
-from tests.bench.test_compare import CASES, META, _rounds
-
-needs_mpl = pytest.mark.skipif(not plotting.available(), reason="matplotlib not installed")
-
-
-def _capture(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    import matplotlib.figure
-
-    figs: list[Any] = []
-    save = matplotlib.figure.Figure.savefig
-
-    def spy(fig: matplotlib.figure.Figure, *args: Any, **kwargs: Any) -> None:
-        figs.append(
-            {
-                "axes": [
-                    {
-                        "lines": [
-                            (
-                                str(ln.get_label()),
-                                list(ln.get_xdata()),
-                                list(ln.get_ydata()),
-                                ln.get_color(),
-                            )
-                            for ln in ax.get_lines()
-                        ],
-                        "yscale": ax.get_yscale(),
-                        "ylabel": ax.get_ylabel(),
-                        "texts": [t.get_text() for t in ax.texts],
-                    }
-                    for ax in fig.axes
-                ],
-                "texts": [t.get_text() for t in fig.texts],
-            }
-        )
-        save(fig, *args, **kwargs)
-
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
-    return figs
+from tests.support.bench import CASES, META, capture_figures, needs_mpl, run_bench, synthetic_rounds
 
 
 def _sized_rows() -> list[dict[str, Any]]:
     """Rows for sizes 4 .. 4M so that both latency panels have points."""
-    rows = report.aggregate(_rounds(True), CASES, 2)
+    rows = report.aggregate(synthetic_rounds(True), CASES, 2)
     plain = [r for r in rows if r["concurrency"] == 1]
     out = []
     for size in (4, 4096, 256 * 1024, 4 << 20):
@@ -75,7 +37,7 @@ def _sized_rows() -> list[dict[str, Any]]:
 def test_plot_panels_ratio_split_axes_colours_and_footer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    figs = _capture(monkeypatch)
+    figs = capture_figures(monkeypatch)
     rows = _sized_rows()
     text = plotting.footer(
         "2026-12-02T01:00:00+00:00",
@@ -116,8 +78,8 @@ def test_plot_panels_ratio_split_axes_colours_and_footer(
 @needs_mpl
 @pytest.mark.timeout(60)
 def test_plot_without_baseline_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    figs = _capture(monkeypatch)
-    rows = report.aggregate(_rounds(False), CASES, 2)
+    figs = capture_figures(monkeypatch)
+    rows = report.aggregate(synthetic_rounds(False), CASES, 2)
     plotting.plot(rows, tmp_path / "b.png", "t")
     assert "no baseline in this run" in figs[0]["axes"][0]["texts"]
 
@@ -137,7 +99,7 @@ def test_load_warning_in_table_and_summary(monkeypatch: pytest.MonkeyPatch) -> N
     assert summary["cores"] == 2
     assert summary["max"] == 3.5
     assert "3.50 on 2 cores" in summary["warning"]
-    rows = report.aggregate(_rounds(False), CASES, 2)
+    rows = report.aggregate(synthetic_rounds(False), CASES, 2)
     text = report.format_tables(rows, {**META, "load_warning": summary["warning"]})
     assert text.splitlines()[-1].startswith("WARNING: the load average reached 3.50")
     monkeypatch.setattr(report, "load_average", lambda: [0.5, 1.0, 1.0])

@@ -6,6 +6,7 @@ asserts speed, only that the mode measures what it says with the defaults it say
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from aiocollect.bench.stats import summarize
 from aiocollect.cli import bench
 
 
-def _resolved(*args: str) -> object:
+def _resolved(*args: str) -> argparse.Namespace:
     ns = bench._parser().parse_args(list(args))
     bench._defaults(ns)
     return ns

@@ -7,7 +7,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from cli_helpers import RunCli, WriteScript, cli_command
+
+from tests.support.cli import RunCli, WriteScript, cli_command
 
 
 @pytest.fixture(autouse=True, params=["fork", "exec"])

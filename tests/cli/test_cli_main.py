@@ -9,11 +9,11 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from cli_helpers import RunCli, WriteScript, cli_command
 
 import aiocollect
 from aiocollect.cli.main import main
 from aiocollect.transport import registry, unix
+from tests.support.cli import RunCli, WriteScript, cli_command
 
 
 @pytest.mark.timeout(60)

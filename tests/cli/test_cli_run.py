@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_helpers import PID_LINE, RunCli, WriteScript, assert_all_gone, cli_command, rank_pids
 
 from aiocollect.testing import free_port
+from tests.support.cli import PID_LINE, RunCli, WriteScript, assert_all_gone, cli_command, rank_pids
 
 ENV_SCRIPT = """\
     import os, sys

@@ -8,7 +8,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cli_helpers import RunCli, WriteScript, cli_command
+
+from tests.support.cli import RunCli, WriteScript, cli_command
 
 EARLY_SCRIPT = """\
     import os, sys, time

@@ -12,10 +12,10 @@ import threading
 from pathlib import Path
 
 import pytest
-from cli_helpers import RunCli, WriteScript
 
 from aiocollect.cli.forked import BLAS_THREADS, exit_code, fork_safe
 from aiocollect.cli.launch import _blas_ready
+from tests.support.cli import RunCli, WriteScript
 
 PROBE = """\
     import atexit, os, sys

@@ -1,5 +1,6 @@
 """Every collective x every algorithm x world sizes 1-8 x counts x dtype classes x ops x
-roots, against numpy — in one process (memory and TCP) and in separate processes."""
+roots, against numpy — in one process (memory, TCP and shared memory) and in separate
+processes (the default transport, and shared memory forced)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import numpy as np
 import pytest
 
 import aiocollect as ac
-from aiocollect.testing import run_ranks, spawn_ranks
-from tests.collectives.algorithms import sweep_algorithms
-from tests.helpers import CHUNK
+from aiocollect.testing import run_ranks
+from tests.support.algorithms import sweep_algorithms
+from tests.support.collectives import CHUNK
+from tests.support.transports import Axis
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -20,17 +22,21 @@ async def test_algorithms_memory(n: int) -> None:
     assert res[0] > 100
 
 
-@pytest.mark.parametrize("n", [3, 5])
-async def test_algorithms_tcp(n: int) -> None:
+#: The algorithms' code is the same over every link: the sweep of every mode is in
+#: test_sweep.py, this one over TCP and shared memory (memory: test_algorithms_memory).
+@pytest.mark.transports(argnames="n", values={"tcp": [3, 5], "shm": [3, 5]}, default=[])
+async def test_algorithms(axis: Axis, n: int) -> None:
     dtypes = [np.dtype(np.int32), np.dtype(np.float32)]
-    res = await run_ranks(n, sweep_algorithms, dtypes, transport="tcp", chunk_bytes=CHUNK)
+    res = await axis.run(n, sweep_algorithms, dtypes, chunk_bytes=CHUNK)
     assert res[0] > 20
 
 
-@pytest.mark.parametrize("n", [2, 5, 8])
-async def test_algorithms_in_processes(n: int) -> None:
+@pytest.mark.transports(
+    argnames="n", values={"auto": [2, 5, 8], "shm": [2]}, default=[], where="processes"
+)
+async def test_algorithms_in_processes(axis: Axis, n: int) -> None:
     dtypes = [np.dtype(np.bool_), np.dtype(np.int64), np.dtype(np.float64)]
-    res = await spawn_ranks(n, sweep_algorithms, dtypes, timeout=250, chunk_bytes=CHUNK)
+    res = await axis.spawn(n, sweep_algorithms, dtypes, timeout=250, chunk_bytes=CHUNK)
     assert len(set(res)) == 1
 
 

@@ -11,7 +11,7 @@ import pytest
 import aiocollect as ac
 from aiocollect.collectives.registry import REGISTRIES
 from aiocollect.testing import run_ranks, spawn_ranks
-from tests.collectives import star_targets
+from tests.support.targets import star as star_targets
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -29,14 +29,14 @@ def _plan(g: ac.Group, salt: int, count: int = 64) -> list[tuple[Any, Callable[[
             buf = np.full(size, r + i, np.int64)
             want = np.full(size, sum(x + i for x in range(n)), np.int64)
             h = g.allreduce(buf)
-            started.append((h, lambda b=buf, w=want: np.testing.assert_array_equal(b, w)))
+            started.append((h, lambda b=buf, w=want: np.testing.assert_array_equal(b, w)))  # type: ignore[misc]
         elif kind == 1:
             buf = np.full(size, r * 1000 + i, np.int32)
             h = g.broadcast(buf, root=root)
             started.append(
                 (
                     h,
-                    lambda b=buf, v=root * 1000 + i: np.testing.assert_array_equal(
+                    lambda b=buf, v=root * 1000 + i: np.testing.assert_array_equal(  # type: ignore[misc]
                         b, np.full(b.size, v, np.int32)
                     ),
                 )
@@ -47,31 +47,31 @@ def _plan(g: ac.Group, salt: int, count: int = 64) -> list[tuple[Any, Callable[[
             started.append(
                 (
                     h,
-                    lambda h=h, i=i, s=size: np.testing.assert_array_equal(
+                    lambda h=h, i=i, s=size: np.testing.assert_array_equal(  # type: ignore[misc]
                         h.result(), np.stack([np.full(s, x - i, np.float64) for x in range(n)])
                     ),
                 )
             )
         elif kind == 3:
-            send = np.arange(n * (size + 1), dtype=np.float32) + r
+            send = np.arange(n * (size + 1), dtype=np.float32) + r  # type: ignore[assignment]
             h = g.reduce_scatter(send, op=ac.MAX)
-            want = (np.arange(n * (size + 1), dtype=np.float32) + (n - 1))[
+            want = (np.arange(n * (size + 1), dtype=np.float32) + (n - 1))[  # type: ignore[assignment]
                 r * (size + 1) : (r + 1) * (size + 1)
             ]
-            started.append((h, lambda h=h, w=want: np.testing.assert_array_equal(h.result(), w)))
+            started.append((h, lambda h=h, w=want: np.testing.assert_array_equal(h.result(), w)))  # type: ignore[misc]
         elif kind == 4:
-            h = g.barrier()
+            h = g.barrier()  # type: ignore[assignment]
             started.append((h, lambda: None))
         elif kind == 5:
             buf = np.full(size, r + 1, np.int64)
             h = g.reduce(buf, root=root, op=ac.PROD)
             prod = int(np.prod(np.arange(1, n + 1)))
             want = np.full(size, prod if r == root else r + 1, np.int64)
-            started.append((h, lambda b=buf, w=want: np.testing.assert_array_equal(b, w)))
+            started.append((h, lambda b=buf, w=want: np.testing.assert_array_equal(b, w)))  # type: ignore[misc]
         else:
             peer_to, peer_from = (r + 1) % n, (r - 1) % n
             if n == 1:
-                h = g.barrier()
+                h = g.barrier()  # type: ignore[assignment]
                 started.append((h, lambda: None))
                 continue
             got = np.empty(size, np.int64)
@@ -81,7 +81,7 @@ def _plan(g: ac.Group, salt: int, count: int = 64) -> list[tuple[Any, Callable[[
             started.append(
                 (
                     h1,
-                    lambda b=got, v=peer_from * 7 + i: np.testing.assert_array_equal(
+                    lambda b=got, v=peer_from * 7 + i: np.testing.assert_array_equal(  # type: ignore[misc]
                         b, np.full(b.size, v, np.int64)
                     ),
                 )

@@ -66,7 +66,7 @@ def _want(op: Any, n: int, count: int) -> np.ndarray[Any, Any]:
 def _signals(mode: str) -> Any:
     """numpy's error state for the whole run: "raise" (FloatingPointError), or "warn"
     (numpy's default: a RuntimeWarning, which this suite's filter makes an error)."""
-    with np.errstate(all=mode):
+    with np.errstate(all=mode):  # type: ignore[arg-type]
         yield
 
 

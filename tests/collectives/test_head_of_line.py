@@ -35,7 +35,7 @@ def _watch(link: Any) -> dict[str, Any]:
         if len(payload) < tcp.BULK_MIN and queued and len(link._bulk) == before:
             seen["overtook"] += 1
         seen["max_transport"] = max(seen["max_transport"], link.transport.get_write_buffer_size())
-        return mark
+        return mark  # type: ignore[no-any-return]
 
     link.send = send
     return seen
@@ -114,9 +114,9 @@ async def _stream_order(g: ac.Group) -> list[str]:
         futs = []
         for name, seq, slot, chunk, n in frames:
             buf = memoryview(bytearray(n))
-            fut = link.post_recv((P2P, 0, seq, slot, chunk), buf)
+            fut = link.post_recv((P2P, 0, seq, slot, chunk), buf)  # type: ignore[arg-type]
             fut.add_done_callback(
-                lambda _f, name=name, buf=buf: order.append(
+                lambda _f, name=name, buf=buf: order.append(  # type: ignore[misc]
                     name if bytes(buf[:8]) == name.encode().ljust(8, b".") else name + "!"
                 )
             )
@@ -133,7 +133,7 @@ async def _stream_order(g: ac.Group) -> list[str]:
         payloads.append(payload)
         link.send(_header(seq, slot, chunk, n), memoryview(payload))
         queued.append(
-            any(h[2] == P2P and bytes(p[:2]) == name.encode()[:2] for h, p, _ in link._bulk)
+            any(h[2] == P2P and bytes(p[:2]) == name.encode()[:2] for h, p, _ in link._bulk)  # type: ignore[attr-defined]
         )
     assert queued[8], "a frame of a stream with queued bulk frames went ahead of them"
     assert not queued[9], "a small frame of another stream waited behind bulk frames"
@@ -186,7 +186,7 @@ def _watch_shm(link: Any, holds: asyncio.Event) -> dict[str, Any]:
         if len(payload) < tcp.BULK_MIN and held and len(link._held) == held:
             seen["overtook"] += 1
         seen["max_ahead"] = max(seen["max_ahead"], link._bulk_ahead())
-        return mark
+        return mark  # type: ignore[no-any-return]
 
     link.send = send
     return seen
@@ -208,10 +208,10 @@ async def _shm_pings(g: ac.Group, behind: _Behind) -> dict[str, Any]:
     any receive, and the first fills the cap); rank 0's first ping goes out then, ahead
     of them, before rank 1 reads on (``_staging_relieved``: on the loop's next turn)."""
     link = g._fabric.links[1 - g.rank]
-    assert link.shm
+    assert link.shm  # type: ignore[attr-defined]
     seen = _watch_shm(link, behind.held)
     if g.rank == 1:
-        link._rx_paused = True
+        link._rx_paused = True  # type: ignore[attr-defined]
         behind.paused.set()
         # bounded: rank 0 failing before it holds anything must not hang the test
         await asyncio.wait_for(behind.held.wait(), 60)

@@ -38,7 +38,7 @@ async def test_a_different_dtype_size_op_or_root_gets_its_own_plan(transport: st
             out.append(("ring", buf[0].item()))
             for root in (0, 1, np.int64(1)):
                 buf = np.full(2, 10 * r, np.int32)
-                await g.broadcast(buf, root=root)
+                await g.broadcast(buf, root=root)  # type: ignore[arg-type]
                 out.append(("bcast", int(root), buf.tolist()))
         return out
 

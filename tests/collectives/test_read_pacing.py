@@ -35,8 +35,8 @@ async def test_large_reads_yield_to_the_loop(monkeypatch: pytest.MonkeyPatch) ->
         await asyncio.sleep(0)  # one pass: every pending resume has run
         return (
             bool(np.array_equal(buf, np.arange(count, dtype=np.float32))),
-            [link._yielding or link._reading_paused for link in links],
-        )  # type: ignore[attr-defined]
+            [link._yielding or link._reading_paused for link in links],  # type: ignore[attr-defined]
+        )
 
     results = await run_ranks(2, body, transport="tcp")
     assert all(ok for ok, _ in results)

@@ -18,12 +18,12 @@ from aiocollect._buffers import Array
 from aiocollect.collectives import ring
 from aiocollect.engine.scratch import ScratchPool, size_class
 from aiocollect.testing import run_ranks
-from tests.helpers import assert_close, data, reference
+from tests.support.collectives import assert_close, data, reference
 
 pytestmark = pytest.mark.timeout(120)
 
 CHUNK = 64  # bytes: 16 float32 / 8 int64 per frame
-DTYPES = [np.dtype(np.float32), np.dtype(np.int64)]
+DTYPES: list[np.dtype[Any]] = [np.dtype(np.float32), np.dtype(np.int64)]
 OPS = [ac.ReduceOp.SUM, ac.ReduceOp.MAX]
 
 
@@ -155,10 +155,11 @@ async def test_concurrent_ring_allreduces_share_no_scratch(n: int, pool: Checkin
 
     async def body(g: ac.Group) -> None:
         for rnd in range(3):
-            for dtype, op in [
+            cases: list[tuple[np.dtype[Any], ac.ReduceOp]] = [
                 (np.dtype(np.float32), ac.ReduceOp.SUM),
                 (np.dtype(np.int64), ac.ReduceOp.MAX),
-            ]:
+            ]
+            for dtype, op in cases:
                 seeds = [10 * rnd + k + int(op) for k in range(4)]
                 bufs = [data(g.rank, count, dtype, seed=s) for s in seeds]
                 await asyncio.gather(*[g.allreduce(b, op=op, algorithm="ring") for b in bufs])

@@ -52,7 +52,7 @@ async def test_results_match_numpy_and_are_identical_on_every_rank(
     elif op is np.logaddexp:
         want = np.logaddexp.reduce(inputs, axis=0)
     else:
-        want = {ac.ReduceOp.SUM: np.sum, ac.ReduceOp.MAX: np.max, ac.ReduceOp.PROD: np.prod}[op](
+        want = {ac.ReduceOp.SUM: np.sum, ac.ReduceOp.MAX: np.max, ac.ReduceOp.PROD: np.prod}[op](  # type: ignore[operator]
             inputs, axis=0
         )
     for task_free, got in results:
@@ -369,7 +369,7 @@ async def test_the_star_roots_answer_is_one_fan_out_and_a_failing_send_in_it_bre
             await g.allreduce(buf, algorithm="star", timeout=20.0)
             outcome = float(buf[0])
         except ac.AiocollectError as exc:
-            outcome = type(exc).__name__
+            outcome = type(exc).__name__  # type: ignore[assignment]
         return shape, outcome
 
     results = await run_ranks(4, body, transport=transport, timeout=40.0)

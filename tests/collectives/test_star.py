@@ -14,8 +14,8 @@ import pytest
 import aiocollect as ac
 from aiocollect.collectives import registry, select
 from aiocollect.testing import run_ranks, spawn_ranks
-from tests.collectives import star_targets
-from tests.helpers import reference
+from tests.support.collectives import reference
+from tests.support.targets import star as star_targets
 
 pytestmark = pytest.mark.timeout(120)
 

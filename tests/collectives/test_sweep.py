@@ -1,16 +1,17 @@
 """Every collective against numpy: world sizes, counts around the chunk size, dtypes, ops,
-roots — in one process over the memory and TCP transports."""
+roots — in one process, over every transport and mode (tests/support/transports.py): every
+world size over memory, TCP and shared memory, one over the other modes."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
 import pytest
 
 import aiocollect as ac
-from aiocollect.testing import run_ranks
-from tests.helpers import (
+from tests.support.collectives import (
     CHUNK,
     CORE_DTYPES,
     DTYPES,
@@ -22,18 +23,20 @@ from tests.helpers import (
     reference,
     valid_ops,
 )
+from tests.support.transports import Axis
 
 SIZES = [1, 2, 3, 4, 7]
-TRANSPORTS = ["memory", "tcp"]
+#: World sizes per mode; every other mode (a variant, or a transport registered later): 3.
+WORLDS = {"memory": SIZES, "tcp": SIZES, "shm": SIZES}
+P2P_WORLDS = {"memory": [2, 3, 4, 7], "tcp": [2, 3, 4, 7], "shm": [2, 3, 4, 7]}
 
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("n", SIZES)
-async def test_allreduce(n: int, transport: str) -> None:
-    dtypes = DTYPES if transport == "memory" else CORE_DTYPES
-    counts = await run_ranks(n, allreduce_every_op, dtypes, transport=transport, chunk_bytes=CHUNK)
+@pytest.mark.transports(argnames="n", values=WORLDS, default=[3])
+async def test_allreduce(axis: Axis, n: int) -> None:
+    dtypes = DTYPES if axis.transport == "memory" else CORE_DTYPES
+    counts = await axis.run(n, allreduce_every_op, dtypes, chunk_bytes=CHUNK)
     assert counts[0] > 50
 
 
@@ -53,17 +56,15 @@ async def _reduce_all(g: ac.Group, dtypes: list[Any]) -> None:
                         np.testing.assert_array_equal(buf, mine)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("n", SIZES)
-async def test_reduce(n: int, transport: str) -> None:
-    await run_ranks(n, _reduce_all, CORE_DTYPES[1::2], transport=transport, chunk_bytes=CHUNK)
+@pytest.mark.transports(argnames="n", values=WORLDS, default=[3])
+async def test_reduce(axis: Axis, n: int) -> None:
+    await axis.run(n, _reduce_all, CORE_DTYPES[1::2], chunk_bytes=CHUNK)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("n", SIZES)
-async def test_data_movement(n: int, transport: str) -> None:
-    dtypes = DTYPES if transport == "memory" else CORE_DTYPES
-    await run_ranks(n, move_every_way, dtypes, transport=transport, chunk_bytes=CHUNK)
+@pytest.mark.transports(argnames="n", values=WORLDS, default=[3])
+async def test_data_movement(axis: Axis, n: int) -> None:
+    dtypes = DTYPES if axis.transport == "memory" else CORE_DTYPES
+    await axis.run(n, move_every_way, dtypes, chunk_bytes=CHUNK)
 
 
 async def _p2p(g: ac.Group) -> list[int]:
@@ -81,7 +82,7 @@ async def _p2p(g: ac.Group) -> list[int]:
             g.send(a, nxt, tag=1),
             g.send(b, nxt, tag=2),
         ]
-        await asyncio.gather(*hs)
+        await asyncio.gather(*hs)  # type: ignore[call-overload]
         np.testing.assert_array_equal(got_a, np.full(count, prv, np.float32))
         np.testing.assert_array_equal(got_b, np.full(count, prv + 100, np.float32))
     # any-source: everyone sends to rank 0
@@ -96,11 +97,27 @@ async def _p2p(g: ac.Group) -> list[int]:
     return sorted(sources)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("n", [2, 3, 4, 7])
-async def test_send_recv(n: int, transport: str) -> None:
-    res = await run_ranks(n, _p2p, transport=transport, chunk_bytes=CHUNK)
+@pytest.mark.transports(argnames="n", values=P2P_WORLDS, default=[3])
+async def test_send_recv(axis: Axis, n: int) -> None:
+    res = await axis.run(n, _p2p, chunk_bytes=CHUNK)
     assert res[0] == list(range(1, n))
 
 
-import asyncio  # noqa: E402
+async def objects_and_split(g: ac.Group) -> tuple[list[int], int]:
+    everyone = await g.allgather_object(g.rank)
+    sub = await g.split(g.rank % 2)
+    assert sub is not None
+    buf = np.array([g.rank], np.int64)
+    await sub.allreduce(buf)
+    return list(everyone), int(buf[0])
+
+
+async def test_objects_and_split(axis: Axis) -> None:
+    res = await axis.run(4, objects_and_split)
+    # allgather_object of the ranks; allreduce of the ranks within each color (r % 2)
+    assert res == [
+        ([0, 1, 2, 3], 0 + 2),
+        ([0, 1, 2, 3], 1 + 3),
+        ([0, 1, 2, 3], 0 + 2),
+        ([0, 1, 2, 3], 1 + 3),
+    ]

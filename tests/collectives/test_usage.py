@@ -24,12 +24,12 @@ def _bad_calls(g: ac.Group) -> list[tuple[str, Any]]:
     return [
         ("root out of range", lambda: g.broadcast(f32, root=g.world_size)),
         ("negative root", lambda: g.reduce(f32, root=-1)),
-        ("root not int", lambda: g.gather(f32, root=1.5)),
+        ("root not int", lambda: g.gather(f32, root=1.5)),  # type: ignore[call-overload]
         ("non-contiguous", lambda: g.allreduce(strided)),
         ("read-only", lambda: g.allreduce(ro)),
         ("read-only bytes", lambda: g.broadcast(b"abcd")),
-        ("not a buffer", lambda: g.allreduce([1, 2, 3])),
-        ("unknown op", lambda: g.allreduce(f32, op="sum")),
+        ("not a buffer", lambda: g.allreduce([1, 2, 3])),  # type: ignore[type-var]
+        ("unknown op", lambda: g.allreduce(f32, op="sum")),  # type: ignore[arg-type]
         ("bitwise on float", lambda: g.allreduce(f32, op=ac.BXOR)),
         ("avg on int", lambda: g.allreduce(i32, op=ac.AVG)),
         ("non-binary ufunc", lambda: g.allreduce(f32, op=np.sqrt)),
@@ -107,3 +107,9 @@ async def test_use_after_close() -> None:
     assert g.closed
     with pytest.raises(ac.UsageError, match="closed"):
         g.barrier()
+
+
+@pytest.mark.timeout(10)
+async def test_bad_transport_is_usage_error() -> None:
+    with pytest.raises(ac.UsageError, match="shm"):
+        await ac.open_group(0, 1, store="memory://bad", transport="bogus")

@@ -8,14 +8,16 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import aiocollect as ac
-from tests.elastic import targets
-from tests.elastic.conftest import SECRET, Procs
+from tests.support.elastic import SECRET, Procs
+from tests.support.targets import elastic as targets
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,7 +25,9 @@ pytestmark = pytest.mark.timeout(60)
 REGROUP_BOUND = 2.0
 
 
-def _members(procs: Procs, url: str, world: int, target=targets.member, **kw: object) -> None:
+def _members(
+    procs: Procs, url: str, world: int, target: Callable[..., Any] = targets.member, **kw: object
+) -> None:
     for r in range(world):
         procs.start(r, target, url, r, world, SECRET, **kw)
     procs.wait("up", world)

@@ -25,8 +25,9 @@ from aiocollect import tls
 from aiocollect.rendezvous.handshake import PROTOCOL_VERSION, ConnectorHandshake
 from aiocollect.store import MemoryStore, TCPStoreServer, connect_tcp_store
 from aiocollect.testing import free_port, run_ranks, spawn_ranks
+from aiocollect.testing.certs import Certs
 from aiocollect.transport.wire import ABORT, LENGTH_PREFIX
-from tests.failure.conftest import Certs, header, u32
+from tests.support.fakepeer import header, u32
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -134,7 +135,7 @@ async def _challenge(reader: asyncio.StreamReader) -> dict[str, Any]:
 
 def _framed(msg: dict[str, Any]) -> bytes:
     data = msgpack.packb(msg, use_bin_type=True)
-    return u32(len(data)) + data
+    return u32(len(data)) + data  # type: ignore[no-any-return]
 
 
 HelloFactory = Callable[[str, dict[str, Any]], dict[str, Any]]

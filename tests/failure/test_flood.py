@@ -22,7 +22,7 @@ from aiocollect import errors
 from aiocollect.store import MemoryStore
 from aiocollect.transport import base as link_base
 from aiocollect.transport.wire import DATA, P2P
-from tests.failure.conftest import FakePeer, header
+from tests.support.fakepeer import FakePeer, header
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pytest
 
-import aiocollect as ac
 from aiocollect.testing import spawn_ranks
-from tests.failure import mismatch_targets
+from tests.support.targets import mismatch as mismatch_targets
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,31 +43,14 @@ async def test_a_waiting_rank_names_the_other_root(transport: str, uvloop: bool)
     assert "root=0" in message, message
 
 
-async def fewer_operations(g: ac.Group, short: int) -> dict[str, Any]:
-    """Every rank but ``short`` calls a second broadcast from root 0 that ``short`` never
-    calls; ``short`` closes after the first."""
-    await g.broadcast(np.zeros(8, np.float32), root=0)
-    if g.rank == short:
-        return {"error": None}
-    try:
-        await g.broadcast(np.zeros(8, np.float32), root=short)
-    except ac.MismatchError as exc:
-        return {"error": "MismatchError", "message": str(exc)}
-    except ac.GroupBrokenError as exc:
-        return {
-            "error": "GroupBrokenError",
-            "message": str(exc),
-            "cause": type(exc.__cause__).__name__,
-        }
-    return {"error": None}
-
-
 @pytest.mark.parametrize("uvloop", LOOPS)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_a_peer_that_closes_after_fewer_operations(transport: str, uvloop: bool) -> None:
     """Rank 1 closes after one broadcast; ranks 0 and 2 wait on a second one rooted at rank
     1: they raise MismatchError saying rank 1 closed after fewer operations."""
-    ranks = spawn_ranks(3, fewer_operations, 1, timeout=40, transport=transport, uvloop=uvloop)
+    ranks = spawn_ranks(
+        3, mismatch_targets.fewer_operations, 1, timeout=40, transport=transport, uvloop=uvloop
+    )
     outcomes = await ranks.outcomes()
     for rank in (0, 2):
         kind, message = _kind(outcomes[rank])

@@ -36,7 +36,7 @@ from aiocollect.rendezvous.handshake import (
     ConnectorHandshake,
 )
 from aiocollect.store import MemoryStore
-from aiocollect.testing import links_settled, run_ranks
+from aiocollect.testing import run_ranks
 from aiocollect.transport import base as link_base
 from aiocollect.transport.base import Rejection
 from aiocollect.transport.tcp import TcpLink
@@ -59,13 +59,21 @@ from aiocollect.transport.wire import (
     parse_header,
 )
 from aiocollect.types import Collective
-from tests.failure.conftest import FakePeer, echo_header, header, u32
+from tests.support.fakepeer import (
+    CHUNK,
+    GROUP_TIMEOUT,
+    PROMPT,
+    FakePeer,
+    echo_header,
+    expect_failure,
+    group_is_broken_by,
+    header,
+    linked,
+    u32,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
-CHUNK = 64  # bytes: the fake link's chunk size, so frames are small and many
-GROUP_TIMEOUT = 20.0  # the real rank's deadline: every error below must come well before it
-PROMPT = 5.0  # "promptly", generous for a noisy 2-core machine; far below GROUP_TIMEOUT
 PROTOCOL_ERRORS = (errors.ProtocolError, errors.AuthenticationError, errors.RendezvousError)
 
 # == (a) fuzzing the parsers ===============================================================
@@ -172,7 +180,7 @@ def _check_outcome(call: Callable[[], Any]) -> None:
     except PROTOCOL_ERRORS:
         return
     else:
-        rejection = None
+        rejection = None  # type: ignore[assignment]
     if rejection is not None:
         assert isinstance(rejection.error, PROTOCOL_ERRORS), repr(rejection.error)
         msgpack.packb(rejection.reply, use_bin_type=True)
@@ -298,7 +306,7 @@ def _feed_stranger(data: bytes, secret: bytes | None, pieces: int) -> None:
 
 def _framed(msg: Any) -> bytes:
     data = msgpack.packb(msg, use_bin_type=True)
-    return u32(len(data)) + data
+    return u32(len(data)) + data  # type: ignore[no-any-return]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -491,51 +499,6 @@ async def test_silent_stranger_is_closed_once_the_group_formed(
 # == (c) hostile frames on an established link ==============================================
 
 
-async def _linked(
-    store: MemoryStore, name: str, fake_peer: Callable[..., FakePeer], **options: Any
-) -> tuple[ac.Group, FakePeer]:
-    """A real rank 0 and a fake rank 1, linked."""
-    fake = fake_peer(store, name, chunk_bytes=CHUNK)
-    opening = asyncio.ensure_future(
-        ac.open_group(
-            0,
-            2,
-            store=store,
-            transport="tcp",
-            timeout=GROUP_TIMEOUT,
-            name=name,
-            chunk_bytes=CHUNK,
-            **options,
-        )
-    )
-    try:
-        await fake.join()
-    except BaseException:
-        opening.cancel()
-        raise
-    return await opening, fake
-
-
-async def _expect_failure(
-    handle: asyncio.Future[Any], exc_type: type[BaseException], started: float
-) -> BaseException:
-    with pytest.raises(exc_type) as info:
-        async with asyncio.timeout(GROUP_TIMEOUT + 5):
-            await handle
-    elapsed = time.monotonic() - started
-    assert elapsed < PROMPT, f"took {elapsed:.2f}s: a timeout, not a detected failure"
-    assert not isinstance(info.value, TimeoutError), info.value
-    return info.value
-
-
-async def _group_is_broken_by(g: ac.Group, cause: BaseException) -> None:
-    with pytest.raises(ac.GroupBrokenError) as info:
-        g.barrier()
-    assert info.value.__cause__ is cause
-    g.abort()
-    await links_settled([g])
-
-
 async def _process_still_healthy() -> None:
     """The loop and the library still work after the hostile peer was dealt with."""
     res = await run_ranks(2, _sum_ranks, transport="tcp", timeout=GROUP_TIMEOUT)
@@ -598,20 +561,20 @@ async def test_garbage_on_a_live_link(
     fake_peer: Callable[..., FakePeer],
     loop_errors: list[Any],
 ) -> None:
-    g, fake = await _linked(memory_store, unique_name, fake_peer)
+    g, fake = await linked(memory_store, unique_name, fake_peer)
     handle = g.allreduce(np.ones(64, np.float32))  # 4 chunks each way; fake sends none
     h, payload = await fake.read_frame()
     data, exc_type, phrase = _garbage_after(h, payload)[kind]
     started = time.monotonic()
     fake.write(data)
-    exc = await _expect_failure(handle, exc_type, started)
+    exc = await expect_failure(handle, exc_type, started)
     assert phrase in str(exc), str(exc)
     assert "rank 1" in str(exc), str(exc)  # names the peer
     # The real rank tells the peer why and closes the link (the fake sees EOF).
     async with asyncio.timeout(PROMPT):
         aborts = await fake.aborts()
     assert [a["rank"] for a in aborts] == [0]
-    await _group_is_broken_by(g, exc)
+    await group_is_broken_by(g, exc)
     await _process_still_healthy()
 
 
@@ -626,7 +589,7 @@ async def test_truncated_frame_then_close(
     fake_peer: Callable[..., FakePeer],
     loop_errors: list[Any],
 ) -> None:
-    g, fake = await _linked(memory_store, unique_name, fake_peer)
+    g, fake = await linked(memory_store, unique_name, fake_peer)
     handle = g.allreduce(np.ones(64, np.float32))
     h, payload = await fake.read_frame()
     data = {
@@ -638,10 +601,10 @@ async def test_truncated_frame_then_close(
     await fake.drain()
     started = time.monotonic()
     fake.close()
-    exc = await _expect_failure(handle, ac.PeerDisconnected, started)
-    assert exc.rank == 1
+    exc = await expect_failure(handle, ac.PeerDisconnected, started)
+    assert exc.rank == 1  # type: ignore[attr-defined]
     assert "rank 1" in str(exc)
-    await _group_is_broken_by(g, exc)
+    await group_is_broken_by(g, exc)
     await _process_still_healthy()
 
 
@@ -651,17 +614,17 @@ async def test_frame_for_a_finished_operation(
     fake_peer: Callable[..., FakePeer],
     loop_errors: list[Any],
 ) -> None:
-    g, fake = await _linked(memory_store, unique_name, fake_peer)
+    g, fake = await linked(memory_store, unique_name, fake_peer)
     await g.broadcast(np.ones(64, np.float32), root=0)  # op #0: rank 0 only sends
     old = [await fake.read_frame() for _ in range(4)]
     handle = g.allreduce(np.ones(64, np.float32))  # op #1, pending
     h, payload = old[0]
     started = time.monotonic()
     fake.write(echo_header(h) + payload)  # a replay of op #0
-    exc = await _expect_failure(handle, errors.ProtocolError, started)
+    exc = await expect_failure(handle, errors.ProtocolError, started)
     assert "finished operation #0" in str(exc)
     assert "rank 1" in str(exc)
-    await _group_is_broken_by(g, exc)
+    await group_is_broken_by(g, exc)
 
 
 async def test_duplicate_frame_is_rejected(
@@ -672,16 +635,16 @@ async def test_duplicate_frame_is_rejected(
 ) -> None:
     """A legitimate peer never sends the same frame key twice; a repeated early frame must
     not silently replace the first one."""
-    g, fake = await _linked(memory_store, unique_name, fake_peer)
+    g, fake = await linked(memory_store, unique_name, fake_peer)
     handle = g.allreduce(np.ones(64, np.float32))
     h, payload = await fake.read_frame()
     future = echo_header(h, seq=5) + payload  # an operation rank 0 has not called yet
     started = time.monotonic()
     fake.write(future + future)
-    exc = await _expect_failure(handle, errors.ProtocolError, started)
+    exc = await expect_failure(handle, errors.ProtocolError, started)
     assert "rank 1" in str(exc), str(exc)
     assert "twice" in str(exc), str(exc)
-    await _group_is_broken_by(g, exc)
+    await group_is_broken_by(g, exc)
 
 
 def _unmatched_frames(kind: int, payload_len: int, count: int, start: int = 0) -> bytes:
@@ -713,7 +676,7 @@ async def test_unmatched_frames_are_staged_up_to_a_bound(
     instead of exhausting memory."""
     limit = 256 * 1024
     monkeypatch.setattr(link_base, "MAX_EARLY_BYTES", limit)
-    g, fake = await _linked(memory_store, unique_name, fake_peer)
+    g, fake = await linked(memory_store, unique_name, fake_peer)
     handle = g.allreduce(np.ones(64, np.float32))
     await fake.read_frame()
     tracemalloc.start()
@@ -732,11 +695,11 @@ async def test_unmatched_frames_are_staged_up_to_a_bound(
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
-    exc = await _expect_failure(handle, errors.ProtocolError, started)
+    exc = await expect_failure(handle, errors.ProtocolError, started)
     assert "rank 1" in str(exc), str(exc)
     assert "staged" in str(exc), str(exc)
     assert peak < 4 * limit + (2 << 20), f"staging grew to {peak} bytes (limit {limit})"
-    await _group_is_broken_by(g, exc)
+    await group_is_broken_by(g, exc)
 
 
 async def test_staging_within_the_bound_is_fine(
@@ -747,7 +710,7 @@ async def test_staging_within_the_bound_is_fine(
 ) -> None:
     """Early frames below the limit stay receivable: a P2P message sent before its receive
     is posted is delivered when the receive comes."""
-    g, fake = await _linked(memory_store, unique_name, fake_peer)
+    g, fake = await linked(memory_store, unique_name, fake_peer)
     msg = np.arange(40, dtype=np.int32)  # 160 bytes: three chunks of at most 64
     coll, dtype, elems, op, root = pack(Collective.SEND, msg)
     raw = msg.tobytes()
@@ -847,13 +810,13 @@ async def test_goodbye_then_close_fails_only_what_needs_the_peer(
 ) -> None:
     """A peer that says GOODBYE and leaves while an operation still needs it: that
     operation fails with GroupBrokenError naming it (not a timeout)."""
-    g, fake = await _linked(memory_store, unique_name, fake_peer)
+    g, fake = await linked(memory_store, unique_name, fake_peer)
     handle = g.allreduce(np.ones(64, np.float32))
     await fake.read_frame()
     fake.write(header(GOODBYE))
     await fake.drain()
     started = time.monotonic()
     fake.close()
-    exc = await _expect_failure(handle, ac.GroupBrokenError, started)
+    exc = await expect_failure(handle, ac.GroupBrokenError, started)
     assert "rank 1" in str(exc)
     g.abort()

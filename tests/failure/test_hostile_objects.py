@@ -9,7 +9,7 @@
 (c) any other exception that escapes an operation (a bug) is wrapped as InternalError and
     breaks the group on every rank as well, on the Task and on the Schedule path.
 
-The hostile rank is a hand-driven ``FakePeer`` (tests/failure/conftest.py) on a real link,
+The hostile rank is a hand-driven ``FakePeer`` (tests/support/fakepeer.py) on a real link,
 or, with three ranks, a real rank whose serialised value is replaced at call time.
 """
 
@@ -38,14 +38,16 @@ from aiocollect.store import MemoryStore
 from aiocollect.testing import run_ranks
 from aiocollect.transport.wire import DATA
 from aiocollect.types import Collective
-from tests.failure.conftest import FakePeer, echo_header, header
-from tests.failure.test_hostile import (
+from tests.support.fakepeer import (
     CHUNK,
     GROUP_TIMEOUT,
     PROMPT,
-    _expect_failure,
-    _group_is_broken_by,
-    _linked,
+    FakePeer,
+    echo_header,
+    expect_failure,
+    group_is_broken_by,
+    header,
+    linked,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -118,7 +120,7 @@ async def _round_trips(g: ac.Group) -> int:
         assert len(everyone) == g.world_size
         assert all(same(v, value) for v in everyone)
         gathered = await g.gather_object(value, root=2)
-        assert gathered is None if g.rank != 2 else all(same(v, value) for v in gathered)
+        assert gathered is None if g.rank != 2 else all(same(v, value) for v in gathered)  # type: ignore[union-attr]
         checked += 1
     return checked
 
@@ -280,13 +282,13 @@ async def _broken_everywhere(
 ) -> None:
     """The real rank's operation failed promptly with a ProtocolError naming the fake rank
     and ``phrases``; the fake got an ABORT and EOF; later calls raise GroupBrokenError."""
-    exc = await _expect_failure(handle, errors.ProtocolError, started)
+    exc = await expect_failure(handle, errors.ProtocolError, started)
     for phrase in ("rank 1", *phrases):
         assert phrase in str(exc), str(exc)
     async with asyncio.timeout(PROMPT):
         aborts = await fake.aborts()
     assert [a["rank"] for a in aborts] == [0], aborts
-    await _group_is_broken_by(g, exc)
+    await group_is_broken_by(g, exc)
 
 
 @pytest.mark.both_loops
@@ -298,7 +300,7 @@ async def test_hostile_broadcast_object_payload(
     fake_peer: Callable[..., FakePeer],
     loop_errors: list[Any],
 ) -> None:
-    g, fake = await _linked(memory_store, unique_name, fake_peer)
+    g, fake = await linked(memory_store, unique_name, fake_peer)
     handle = g.broadcast_object(root=1)
     fp = pack(Collective.OBJECT, None, count=0, root=1)
     payload = HOSTILE[kind]
@@ -324,7 +326,7 @@ async def test_hostile_broadcast_object_size(
     fake_peer: Callable[..., FakePeer],
     loop_errors: list[Any],
 ) -> None:
-    g, fake = await _linked(memory_store, unique_name, fake_peer)
+    g, fake = await linked(memory_store, unique_name, fake_peer)
     handle = g.broadcast_object(root=1)
     started = time.monotonic()
     fake.write(_frames(pack(Collective.OBJECT, None, count=0, root=1), 0, _i64(declared)))
@@ -350,7 +352,7 @@ async def test_hostile_allgather_object_payload(
     fake_peer: Callable[..., FakePeer],
     loop_errors: list[Any],
 ) -> None:
-    g, fake = await _linked(memory_store, unique_name, fake_peer)
+    g, fake = await linked(memory_store, unique_name, fake_peer)
     handle = (
         g.allgather_object("mine")
         if collective == "allgather_object"
@@ -371,7 +373,7 @@ async def test_hostile_allgather_object_size(
     fake_peer: Callable[..., FakePeer],
     loop_errors: list[Any],
 ) -> None:
-    g, fake = await _linked(memory_store, unique_name, fake_peer)
+    g, fake = await linked(memory_store, unique_name, fake_peer)
     handle = g.allgather_object("mine")
     h, _ = await fake.read_frame()
     started = time.monotonic()
@@ -392,7 +394,7 @@ async def test_hostile_allgatherv_sizes(
     fake_peer: Callable[..., FakePeer],
     loop_errors: list[Any],
 ) -> None:
-    g, fake = await _linked(memory_store, unique_name, fake_peer)
+    g, fake = await linked(memory_store, unique_name, fake_peer)
     handle = g.allgatherv(np.ones((3, 2), np.float32))
     h, _ = await fake.read_frame()
     started = time.monotonic()

@@ -1,5 +1,6 @@
-"""Real processes, real signals: a killed rank is named on every survivor within a second; a
-frozen one is named at the deadline; afterwards the group is broken and a new one opens."""
+"""Real processes, real signals, over every transport and mode that links processes
+(tests/support/transports.py): a killed rank is named on every survivor within a second and
+leaves nothing in shared memory; a frozen one is named at the deadline."""
 
 from __future__ import annotations
 
@@ -7,40 +8,58 @@ import time
 
 import pytest
 
-from aiocollect.testing import spawn_ranks
-from tests.failure import targets
-from tests.helpers import check_killed, wait_ready
+from tests.support.procs import check_killed, wait_ready
+from tests.support.shm_leaks import leaked, segments
+from tests.support.targets import failure as targets
+from tests.support.transports import Axis
 
 pytestmark = pytest.mark.timeout(90)
 
 
-@pytest.mark.parametrize(
-    ("n", "victim", "size", "alg"),
-    [
-        (2, 1, 1 << 16, None),
-        (3, 2, 1 << 20, "ring"),
-        (4, 1, 4096, "recursive_doubling"),
-        (4, 3, 1 << 18, "halving_doubling"),
-        (4, 0, 16, None),  # the star's root (the default at 3-4 ranks, small buffers)
-        (3, 2, 4096, None),  # a star leaf
-        (4, 2, 1 << 22, None),  # the pull allreduce (the default from 1 MiB where ranks pull)
-    ],
+#: (world, victim, bytes, algorithm) of each kill.
+KILLS = [
+    (2, 1, 1 << 16, None),
+    (3, 2, 1 << 20, "ring"),
+    (4, 1, 4096, "recursive_doubling"),
+    (4, 3, 1 << 18, "halving_doubling"),
+    (4, 0, 16, None),  # the star's root (the default at 3-4 ranks, small buffers)
+    (3, 2, 4096, None),  # a star leaf
+    (4, 2, 1 << 22, None),  # the pull allreduce (the default from 1 MiB where ranks pull)
+]
+#: Frames larger than the shared-memory ring in flight.
+LARGER_THAN_THE_RING = (2, 0, 8 << 20, None)
+
+
+@pytest.mark.transports(
+    argnames="n, victim, size, alg",
+    values={"auto": KILLS, "shm": [*KILLS, LARGER_THAN_THE_RING]},
+    default=[(3, 2, 4096, None)],
+    where="processes",
 )
 async def test_sigkill_named_on_every_survivor_within_a_second(
-    n: int, victim: int, size: int, alg: str | None
+    axis: Axis, n: int, victim: int, size: int, alg: str | None
 ) -> None:
-    job = spawn_ranks(n, targets.loop_until_failure, size, "ready", alg, timeout=60)
+    before = segments()
+    job = axis.spawn(n, targets.loop_until_failure, size, "ready", alg, timeout=60)
     await wait_ready(job.store, n, "ready")
     killed_at = time.time()
     job.kill(victim)
     check_killed(await job.outcomes(), victim, killed_at)
+    assert not leaked(before, {job.pid(r) for r in range(n)})
 
 
-async def test_sigstop_gives_peer_timeout_naming_the_frozen_rank() -> None:
+@pytest.mark.transports(
+    argnames="size",
+    values={"shm": [1 << 14, 1 << 20]},  # 1 << 20 (4 MiB): the pull allreduce
+    default=[1 << 14],
+    where="processes",
+)
+async def test_sigstop_gives_peer_timeout_naming_the_frozen_rank(axis: Axis, size: int) -> None:
+    """A frozen rank is named at the deadline, also when its peers' frames wait for it to
+    pull them (a frozen process's memory can still be pulled, so it is the one that stops
+    pulling that is to blame)."""
     n, victim = 3, 1
-    job = spawn_ranks(
-        n, targets.loop_until_failure, 1 << 14, "ready", timeout=60, group_timeout=2.0
-    )
+    job = axis.spawn(n, targets.loop_until_failure, size, "ready", timeout=60, group_timeout=2.0)
     await wait_ready(job.store, n, "ready")
     stopped_at = time.time()
     job.stop(victim)

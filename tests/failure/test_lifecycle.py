@@ -22,7 +22,7 @@ import pytest
 import aiocollect as ac
 from aiocollect.store import MemoryStore, Store, TCPStoreServer, open_store
 from aiocollect.testing import free_port, links_settled, run_ranks, spawn_ranks
-from tests.failure import targets
+from tests.support.targets import failure as targets
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -186,7 +186,7 @@ async def test_abort_returns_at_once_and_fails_everyone_promptly(unique_name: st
 
     async def body(g: ac.Group, store: Store) -> dict[str, Any]:
         if g.rank == 0:
-            pending = [
+            pending: list[asyncio.Future[Any]] = [
                 g.allreduce(np.ones(1 << 16)),  # the peers never call it
                 g.recv(np.zeros(4), 1, tag=3),
             ]  # never sent
@@ -195,7 +195,8 @@ async def test_abort_returns_at_once_and_fails_everyone_promptly(unique_name: st
             g.abort()
             aborted_at.append(time.monotonic())
             results = await asyncio.wait_for(
-                asyncio.gather(*pending, return_exceptions=True), SLACK
+                asyncio.gather(*pending, return_exceptions=True),
+                SLACK,
             )
             with pytest.raises(ac.UsageError, match="closed"):
                 g.barrier()
@@ -257,7 +258,7 @@ async def test_aclose_waits_for_operations_in_flight(
             assert not closing.done()
             await store.set("rank0-closing", b"1")
             await asyncio.wait_for(closing, SLACK)
-            assert all(h.done() and h.exception() is None for h in handles)
+            assert all(h.done() and h.exception() is None for h in handles)  # type: ignore[attr-defined]
         else:
             await store.wait(["rank0-closing"], timeout=SLACK)
             await g.allreduce(big)

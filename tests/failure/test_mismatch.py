@@ -12,7 +12,7 @@ import pytest
 import aiocollect as ac
 from aiocollect.collectives import select
 from aiocollect.testing import run_ranks, spawn_ranks
-from tests.helpers import ON_SHM
+from tests.support.transports import ON_SHM
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -147,7 +147,7 @@ async def test_send_recv_size_mismatch() -> None:
 
 # -- mismatches no frame reveals (real processes, world size 3) -----------------------------
 
-from tests.failure import mismatch_targets  # noqa: E402
+from tests.support.targets import mismatch as mismatch_targets  # noqa: E402
 
 TRANSPORTS = ["tcp", "auto"]
 

@@ -9,7 +9,7 @@ import itertools
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
 import pytest
@@ -18,7 +18,7 @@ import aiocollect as ac
 from aiocollect import group_core
 from aiocollect.store import MemoryStore
 from aiocollect.testing import run_ranks
-from aiocollect.testing.faultproxy import ProxyNetwork
+from aiocollect.testing.proxynet import ProxyNetwork
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,13 +53,13 @@ class Warnings(logging.Handler):
 
 
 @pytest.fixture
-def stall_warnings(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Warnings]:
+def stall_warnings(monkeypatch: pytest.MonkeyPatch) -> Iterator[Warnings]:
     monkeypatch.setattr(group_core, "PROGRESS_SECONDS", 0.4)
     handler = Warnings()
     logger = logging.getLogger("aiocollect")
     logger.addHandler(handler)
     try:
-        yield handler  # type: ignore[misc]
+        yield handler
     finally:
         logger.removeHandler(handler)
 

@@ -13,7 +13,8 @@ import pytest
 import aiocollect as ac
 from aiocollect.testing import run_ranks, spawn_ranks
 from aiocollect.transport.wire import ABORT
-from tests.failure import mismatch_targets, targets
+from tests.support.targets import failure as targets
+from tests.support.targets import mismatch as mismatch_targets
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,7 +27,7 @@ async def test_peers_see_what_the_aborting_rank_raised() -> None:
     assert "4 of 4 ranks failed" in str(group)
     for failed in group.exceptions:
         cause = failed.__cause__
-        if failed.rank == 2:  # type: ignore[attr-defined]
+        if failed.rank == 2:  # type: ignore[union-attr]
             assert isinstance(cause, KeyError)
             continue
         assert isinstance(cause, ac.GroupBrokenError), repr(cause)
@@ -42,7 +43,7 @@ async def test_spawned_ranks_name_the_first_failure(transport: str) -> None:
         )
     group = info.value
     assert str(group).startswith("rank 1 failed first: KeyError: 'missing'"), str(group)
-    others = [f for f in group.exceptions if f.rank != 1]  # type: ignore[attr-defined]
+    others = [f for f in group.exceptions if f.rank != 1]  # type: ignore[union-attr]
     assert others, str(group)
     for failed in others:
         assert "rank 1 raised KeyError: 'missing'" in str(failed), str(failed)
@@ -152,9 +153,9 @@ async def test_a_same_host_peer_that_lives_on_is_blamed_within_the_bound(uvloop:
 async def test_open_group_without_await_says_so() -> None:
     opener = ac.open_group(0, 1, store="memory://no-await", name="no-await")
     with pytest.raises(AttributeError, match="await open_group"):
-        opener.allreduce(np.ones(1))  # type: ignore[attr-defined]
+        opener.allreduce(np.ones(1))
     with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
-        opener.nonsense  # type: ignore[attr-defined]  # noqa: B018
+        opener.nonsense  # noqa: B018
     group = await opener
     await group.aclose()
 
@@ -209,7 +210,7 @@ async def test_world_size_mismatch_is_a_rendezvous_error_on_every_rank(sizes: li
             stdout=asyncio.subprocess.PIPE,
         )
         assert procs[rank].stdout is not None
-        assert await procs[rank].stdout.readline() == b"up\n"
+        assert await procs[rank].stdout.readline() == b"up\n"  # type: ignore[union-attr]
 
     # the odd rank comes last (a rank arriving after rank 0 gave up waits for a new job,
     # as after a restart: that race is not what this test is about)

@@ -15,7 +15,7 @@ import pytest
 
 from aiocollect.testing import free_port
 
-SCRIPT = str(Path(__file__).with_name("env_rank.py"))
+SCRIPT = str(Path(__file__).parents[1] / "support" / "targets" / "env_rank.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -1,4 +1,5 @@
-"""The collective sweep in real processes over TCP (one process per rank)."""
+"""The collective sweep in real processes (one process per rank), and how ranks are
+started."""
 
 from __future__ import annotations
 
@@ -7,23 +8,45 @@ import os
 import pytest
 
 from aiocollect.testing import spawn_ranks
-from tests.helpers import CHUNK
-from tests.multiprocess import targets
+from tests.support.collectives import CHUNK
+from tests.support.targets import processes as targets
+from tests.support.transports import Axis
 
 
+#: The process sweeps run over the default transport and shared memory forced; every mode
+#: runs in processes in tests/stress (and every mode's collectives in one process in
+#: tests/collectives/test_sweep.py).
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("n", [2, 3, 4])
-async def test_sweep_in_processes(n: int) -> None:
-    counts = await spawn_ranks(n, targets.sweep, timeout=200, chunk_bytes=CHUNK)
+@pytest.mark.transports(
+    argnames="n", values={"auto": [2, 3, 4], "shm": [2, 3, 4]}, default=[], where="processes"
+)
+async def test_sweep_in_processes(axis: Axis, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    if axis.name == "shm" and n == 2:  # spinning readers (opt-in, and only while ranks <= cores)
+        monkeypatch.setenv("AIOCOLLECT_SHM_SPIN_US", "300")
+    counts = await axis.spawn(n, targets.sweep, timeout=200, chunk_bytes=CHUNK)
     assert len(counts) == n
     assert counts[0] > 50
     assert len(set(counts)) == 1
 
 
 @pytest.mark.timeout(120)
-async def test_concurrent_allreduces_uvloop() -> None:
-    n = 3
-    res = await spawn_ranks(n, targets.concurrent, 50_000, timeout=100, uvloop=True)
+@pytest.mark.transports(
+    argnames="n, spin_us, uvloop",
+    values={
+        "auto": [(3, None, True)],
+        "shm": [(3, "0", False), (3, "0", True), (2, "500", False), (2, "500", True)],
+    },
+    default=[],
+    where="processes",
+)
+async def test_concurrent_allreduces(
+    axis: Axis, n: int, spin_us: str | None, uvloop: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several allreduces in flight; over shared memory, readers sleeping at once or (2
+    ranks, so no more than the cores of any CI machine) spinning first."""
+    if spin_us is not None:
+        monkeypatch.setenv("AIOCOLLECT_SHM_SPIN_US", spin_us)  # the children inherit it
+    res = await axis.spawn(n, targets.concurrent, 50_000, timeout=100, uvloop=uvloop)
     want = [float(sum(r + i for r in range(n))) for i in range(6)]
     assert res == [want] * n
 

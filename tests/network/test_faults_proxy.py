@@ -16,7 +16,8 @@ import pytest
 
 import aiocollect as ac
 from aiocollect.store import MemoryStore
-from aiocollect.testing.faultproxy import LinkFaults, ProxyNetwork
+from aiocollect.testing.faultproxy import LinkFaults
+from aiocollect.testing.proxynet import ProxyNetwork
 
 pytestmark = pytest.mark.timeout(60)
 

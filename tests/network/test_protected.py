@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from aiocollect.store import _wire
-from tests.network import netns
-from tests.network.test_netns import ROOT, Rank, _all, _check_run, launch  # noqa: F401
+from tests.support import netns
+from tests.support.netns_ranks import ROOT, check_run
 
 STORE_PORT = 29578
 _why_not = netns.unavailable()
@@ -61,7 +61,7 @@ async def _agent(
         topology.ns[rank],
         sys.executable,
         "-m",
-        "tests.network.protected_agent",
+        "tests.support.targets.protected_agent",
         *args,
         cwd=ROOT,
         env=_env(),
@@ -131,7 +131,7 @@ async def test_store_without_secret_refuses_other_hosts(topology: netns.Topology
 
 async def test_job_without_secret_across_hosts_fails_with_the_fix(
     topology: netns.Topology,
-    launch: Any,  # noqa: F811
+    launch: Any,
 ) -> None:
     """Rank 1 on another host cannot reach rank 0's embedded store: it fails at once with
     the refusal (not a timeout); it never gets to publish a record."""
@@ -156,7 +156,7 @@ async def test_job_without_secret_across_hosts_fails_with_the_fix(
 
 async def test_peer_listener_without_secret_refuses_other_hosts(
     topology: netns.Topology,
-    launch: Any,  # noqa: F811
+    launch: Any,
     shared_dir: Path,
 ) -> None:
     """A store both hosts share (a directory: namespaces share the file system): the
@@ -179,7 +179,7 @@ async def test_peer_listener_without_secret_refuses_other_hosts(
     await asyncio.wait_for(ranks[0].proc.wait(), 30)
 
 
-async def test_insecure_opt_out_across_hosts(topology: netns.Topology, launch: Any) -> None:  # noqa: F811
+async def test_insecure_opt_out_across_hosts(topology: netns.Topology, launch: Any) -> None:
     store = f"tcp://{topology.v4(0)}:{STORE_PORT}"
 
     def env(rank: int) -> dict[str, str]:
@@ -191,10 +191,10 @@ async def test_insecure_opt_out_across_hosts(topology: netns.Topology, launch: A
             "NETNS_MODE": "check",
         }
 
-    await _check_run(topology, launch, env, topology.v4)
+    await check_run(topology, launch, env, topology.v4)
 
 
-async def test_secret_job_across_hosts(topology: netns.Topology, launch: Any) -> None:  # noqa: F811
+async def test_secret_job_across_hosts(topology: netns.Topology, launch: Any) -> None:
     store = f"tcp://{topology.v4(0)}:{STORE_PORT}"
 
     def env(rank: int) -> dict[str, str]:
@@ -205,7 +205,7 @@ async def test_secret_job_across_hosts(topology: netns.Topology, launch: Any) ->
             "NETNS_MODE": "check",
         }
 
-    await _check_run(topology, launch, env, topology.v4)
+    await check_run(topology, launch, env, topology.v4)
 
 
 RUN_SCRIPT = textwrap.dedent("""

@@ -143,7 +143,7 @@ async def _claim_in_child_and_kill_it(spec: str, name: str, rank: int) -> str:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "tests.rendezvous.claim_child",
+        "tests.support.targets.claim_child",
         spec,
         name,
         str(rank),

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from aiocollect.store import TCPStore, TCPStoreServer
-from tests.rendezvous.procs import reap
+from tests.support.procs import reap
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.one_loop]  # real processes
 

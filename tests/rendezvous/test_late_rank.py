@@ -13,7 +13,7 @@ import pytest
 from aiocollect.errors import StoreError
 from aiocollect.store import TCPStore
 from aiocollect.testing import free_port
-from tests.rendezvous.procs import reap
+from tests.support.procs import reap
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,76 +1,21 @@
 """Shared-memory tests: nothing of ours may be left behind when a test or the session ends.
 
-Segments are sealed memfds (no name in any file system), so what could leak is what this
-process holds: a descriptor of a segment (an acceptor's, kept until its peer has mapped
-it) or a mapping of one (a link that was never closed). Every test checks both, for this
-process (the in-process ranks of ``run_ranks``); a spawned rank's descriptors and mappings
-die with it, which the kernel guarantees. ``/dev/shm`` is checked too: nothing named
-``aiocollect-*`` may ever appear there again (the previous design named segments there).
+Every test checks (tests/support/shm_leaks.py) that this process (the in-process ranks of
+``run_ranks``) holds no segment's descriptor or mapping it did not hold before, and that no
+``aiocollect-*`` file appeared in ``/dev/shm``.
 """
 
 from __future__ import annotations
 
-import gc
-import os
 from collections.abc import Iterator
 
 import pytest
 
-from aiocollect.transport.shm_ring import PREFIX, pid_alive, unavailable
+from aiocollect.transport.shm_ring import unavailable
+from tests.support.shm_leaks import SHM_DIR, held, leaked, nothing_left, segments
 
 if unavailable() is not None:  # pragma: no cover - the CI machines are Linux x86-64
     pytest.skip(f"shared memory unavailable: {unavailable()}", allow_module_level=True)
-
-SHM_DIR = "/dev/shm"
-MEMFD = f"/memfd:{PREFIX}"
-
-
-def segments() -> set[str]:
-    """Names of aiocollect files in /dev/shm (of any process)."""
-    try:
-        return {n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)}
-    except OSError:
-        return set()
-
-
-def _pid_of(name: str) -> int | None:
-    pid, _, rest = name[len(PREFIX) :].partition("-")
-    return int(pid) if pid.isdigit() and rest else None
-
-
-def leaked(before: set[str], pids: set[int] | None = None) -> set[str]:
-    """Files named in /dev/shm since ``before`` that belong to ``pids`` or, without pids,
-    to this process or a process that has exited."""
-    out = set()
-    for name in segments() - before:
-        pid = _pid_of(name)
-        if pid is None:
-            continue
-        if pids is not None:
-            if pid in pids:
-                out.add(name)
-            continue
-        if pid == os.getpid() or not pid_alive(pid):
-            out.add(name)
-    return out
-
-
-def held() -> set[str]:
-    """This process's descriptors and mappings of segments (``fd N -> ...``, ``map ...``)."""
-    gc.collect()  # a mapping whose view was still exported at close goes with the GC
-    out = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(MEMFD):
-            out.add(f"fd {fd} -> {target}")
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            if MEMFD in line:
-                out.add(f"map {line.split()[0]} {line.split(maxsplit=5)[-1].strip()}")
-    return out
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -84,9 +29,5 @@ def no_segments_left() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def no_segments_left_by_test() -> Iterator[None]:
-    before, held_before = segments(), held()
-    yield
-    left = leaked(before)
-    assert not left, f"this test left shared-memory files: {sorted(left)}"
-    kept = held() - held_before
-    assert not kept, f"this test left segments open or mapped: {sorted(kept)}"
+    with nothing_left():
+        yield

@@ -20,8 +20,8 @@ import aiocollect as ac
 from aiocollect.testing import run_ranks, spawn_ranks
 from aiocollect.transport import cma, shm_reader, shm_setup
 from aiocollect.transport.shm import ShmLink
-from tests.shm import targets
-from tests.shm.conftest import leaked, segments
+from tests.support.shm_leaks import leaked, segments
+from tests.support.targets import shm as targets
 
 if cma.threshold() == 0 and os.environ.get(cma.ENV) is None:  # pragma: no cover
     pytest.skip("process_vm_readv is not available on this platform", allow_module_level=True)
@@ -86,7 +86,7 @@ def test_threshold_setting(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.timeout(10)
 def test_address_of_read_only_and_writable_buffers() -> None:
     arr = np.arange(10, dtype=np.int64)
-    assert cma.address(memoryview(arr).cast("B")) == arr.ctypes.data
+    assert cma.address(memoryview(arr).cast("B")) == arr.ctypes.data  # type: ignore[arg-type]
     data = b"immutable bytes"
     view = bytearray(len(data))
     cma.pull(os.getpid(), memoryview(view), cma.address(data))
@@ -152,7 +152,7 @@ async def test_collectives_with_pulls_in_one_process(
 ) -> None:
     """Every collective over pulled frames (threshold lowered to 1 KiB, 4 KiB chunks):
     the same sweep as the other transports, results checked against numpy."""
-    from tests.helpers import allreduce_every_op, move_every_way
+    from tests.support.collectives import allreduce_every_op, move_every_way
 
     monkeypatch.setenv(cma.ENV, "1024")
     dtypes = [np.dtype(np.float32), np.dtype(np.int64)]
@@ -167,7 +167,7 @@ async def test_collectives_with_pulls_in_one_process(
 async def test_failed_probe_falls_back_to_ring_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     """A peer whose memory cannot be read (ptrace policy, say) is sent copies through the
     ring: same results, no references."""
-    monkeypatch.setattr(shm_setup.cma, "probe", lambda *a: "denied by policy (injected)")
+    monkeypatch.setattr(shm_setup.cma, "probe", lambda *a: "denied by policy (injected)")  # type: ignore[attr-defined]
     res = await run_ranks(2, _allreduce_counting, 1 << 18, 2, transport="shm", chunk_bytes=1 << 20)
     assert [sum(r["refs"].values()) for r in res] == [0, 0]
 
@@ -191,10 +191,10 @@ async def test_bad_reference_closes_the_link_not_the_process(
     process goes on."""
     import aiocollect.transport.shm as shm_mod
 
-    real_pack = shm_mod.REF_DESC.pack
+    real_pack = shm_mod.REF_DESC.pack  # type: ignore[attr-defined]
 
     class BadDesc:
-        size = shm_mod.REF_DESC.size
+        size = shm_mod.REF_DESC.size  # type: ignore[attr-defined]
 
         @staticmethod
         def pack(addr: int, n: int) -> bytes:
@@ -380,7 +380,7 @@ async def test_a_reference_read_as_the_spin_ends_is_pulled(
         fut = b.post_recv(key, memoryview(buf))
         assert b._spin_until is not None, "the receive did not start the reader's spin"
         a.send(header, memoryview(data))
-        assert a.frames_by_reference == 1, "the payload did not go by reference"
+        assert a.frames_by_reference == 1, "the payload did not go by reference"  # type: ignore[attr-defined]
         await within("the pull after the spin's end", fut)
         assert bytes(buf) == data
         await within("the writer to see its payload pulled", a.drained())

@@ -20,7 +20,7 @@ from aiocollect.collectives import registry, select
 from aiocollect.rendezvous import chunking
 from aiocollect.testing import run_ranks, spawn_ranks
 from aiocollect.transport import cma, host, onesided
-from tests.shm import pull_targets
+from tests.support.targets import pull as pull_targets
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,7 +18,7 @@ from aiocollect.errors import StoreError
 from aiocollect.store import open_store
 from aiocollect.testing import spawn_ranks
 from aiocollect.transport.shm_ring import MIN_CAPACITY, Segment
-from tests.shm import targets
+from tests.support.targets import shm as targets
 
 # Run as a separate process: for each (pid, path) it opens the file, tries to grow it, to
 # shrink it to half and to 0 (so it stays truncated if the kernel allows any of it), and

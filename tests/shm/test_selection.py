@@ -15,7 +15,7 @@ import aiocollect as ac
 from aiocollect.store import MemoryStore
 from aiocollect.transport import host, shm_ring
 from aiocollect.transport.shm import ShmLink
-from tests.shm.targets import link_kinds_of
+from tests.support.targets.shm import link_kinds_of
 
 pytestmark = pytest.mark.timeout(30)
 _current_rank: contextvars.ContextVar[int] = contextvars.ContextVar("rank", default=-1)

@@ -21,7 +21,7 @@ from aiocollect.transport import base
 from aiocollect.transport.shm import ShmLink
 from aiocollect.transport.shm_reader import INLINE, INLINE_AHEAD, INLINE_MAX
 from aiocollect.transport.wire import DATA, HEADER_SIZE, Header, Key, pack_header
-from tests.shm import targets
+from tests.support.targets import shm as targets
 
 
 def _sleeping(link: ShmLink) -> None:

@@ -19,10 +19,10 @@ import pytest
 import aiocollect as ac
 from aiocollect.store import MemoryStore
 from aiocollect.testing import run_ranks, spawn_ranks
-from aiocollect.testing.faultproxy import RecordView
+from aiocollect.testing.proxynet import RecordView
 from aiocollect.transport import unix
-from tests.failure.conftest import u32
-from tests.shm import targets
+from tests.support.fakepeer import u32
+from tests.support.targets import shm as targets
 
 pytestmark = pytest.mark.timeout(60)
 

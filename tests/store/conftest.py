@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from store_helpers import SECRET, Backend
 
 from aiocollect.store import (
     FileStore,
@@ -20,6 +19,7 @@ from aiocollect.store import (
     TCPStore,
     TCPStoreServer,
 )
+from tests.support.store import SECRET, Backend
 
 BACKENDS = ["memory", "file", "tcp", "tcp-secret", "prefix", "redis", "torch"]
 

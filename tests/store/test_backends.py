@@ -9,11 +9,11 @@ import threading
 from pathlib import Path
 
 import pytest
-from store_helpers import child_env, free_port
 
 from aiocollect.errors import ProtocolError, StoreError, StoreTimeout
 from aiocollect.store import FileStore, MemoryStore, PrefixStore, RedisStore, _wire
 from aiocollect.store.file import escape_key
+from tests.support.store import child_env, free_port
 
 pytestmark = pytest.mark.timeout(60)
 

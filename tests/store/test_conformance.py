@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 import pytest
-from store_helpers import Backend
 
 from aiocollect.testing.store_suite import STORE_CHECKS, StoreFactory
+from tests.support.store import Backend
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -9,10 +9,10 @@ import socket
 
 import msgpack
 import pytest
-from store_helpers import Ticker
 
 from aiocollect.errors import ProtocolError
 from aiocollect.store import TCPStore, TCPStoreServer, _stream, _wire
+from tests.support.store import Ticker
 
 pytestmark = pytest.mark.timeout(60)
 

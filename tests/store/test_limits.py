@@ -12,11 +12,11 @@ import time
 
 import msgpack
 import pytest
-from store_helpers import Ticker, settle
 
 from aiocollect import _protect
 from aiocollect.errors import ProtocolError, StoreError, UsageError
 from aiocollect.store import TCPStore, TCPStoreServer, _wire
+from tests.support.store import Ticker, settle
 
 pytestmark = pytest.mark.timeout(60)
 

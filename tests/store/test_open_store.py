@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from store_helpers import free_port
 
 from aiocollect.errors import StoreError, UsageError
 from aiocollect.store import (
@@ -17,6 +16,7 @@ from aiocollect.store import (
     TCPStore,
     open_store,
 )
+from tests.support.store import free_port
 
 pytestmark = pytest.mark.timeout(30)
 

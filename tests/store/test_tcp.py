@@ -7,10 +7,10 @@ import logging
 import time
 
 import pytest
-from store_helpers import settle
 
 from aiocollect.errors import AuthenticationError, StoreError, StoreTimeout
 from aiocollect.store import TCPStore, TCPStoreServer, _wire
+from tests.support.store import settle
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -137,7 +137,7 @@ async def test_server_close_fails_pending_promptly() -> None:
     await server.start()
     store = await _client(server)
     pending = [asyncio.create_task(store.get(f"never-{i}", timeout=25)) for i in range(5)]
-    pending.append(asyncio.create_task(store.wait(["a", "b"], timeout=25)))
+    pending.append(asyncio.create_task(store.wait(["a", "b"], timeout=25)))  # type: ignore[arg-type]
     await settle(store)
     start = time.monotonic()
     await server.close()

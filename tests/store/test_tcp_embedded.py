@@ -9,10 +9,10 @@ import sys
 import time
 
 import pytest
-from store_helpers import child_env, free_port, settle
 
 from aiocollect.errors import AuthenticationError, StoreError, StoreTimeout, UsageError
 from aiocollect.store import TCPStore, TCPStoreServer, connect_tcp_store, tcp
+from tests.support.store import child_env, free_port, settle
 
 pytestmark = pytest.mark.timeout(30)
 

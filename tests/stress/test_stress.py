@@ -1,12 +1,13 @@
 """The stress suite: 32+ seeded random operations in flight at once, on every transport and
 mode, on asyncio and uvloop, at world sizes 2-4, with sizes straddling every threshold, and
-every result compared exactly with numpy (tests/stress/plan.py).
+every result compared exactly with numpy (tests/support/stress_plan.py).
 
-Modes: ``memory`` (ranks in one process, on both loops), and in real processes ``tcp``,
-``tls``, ``shm`` with single-copy pulls, ``shm`` without them (``AIOCOLLECT_SHM_PULL=0``)
-``auto`` (the default a same-host user gets: shared memory with pulls where the kernel
-allows it, the link's socket a Unix socket) and ``shm-tcpsocket`` (shared memory with the
-link's socket on TCP loopback, ``AIOCOLLECT_UNIX_SOCKET=0``: where Unix sockets fail).
+Modes (tests/support/transports.py): ``memory`` (ranks in one process, on both loops), and
+in real processes ``tcp``, ``tls``, ``shm`` with single-copy pulls, ``shm-nopull`` without
+them (``AIOCOLLECT_SHM_PULL=0``), ``auto`` (the default a same-host user gets: shared memory
+with pulls where the kernel allows it, the link's socket a Unix socket) and
+``shm-tcpsocket`` (shared memory with the link's socket on TCP loopback,
+``AIOCOLLECT_UNIX_SOCKET=0``: where Unix sockets fail); and any transport registered later.
 
 A stall shows as a PeerTimeout after ``op_timeout()`` seconds (30 s on a machine with a
 core per runnable process, up to 4 times that when it is oversubscribed), inside the
@@ -16,14 +17,12 @@ test's bound.
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from typing import Any
 
 import pytest
 
-from aiocollect.testing import run_ranks, spawn_ranks
-from aiocollect.transport import cma, unix
-from tests.stress import targets
+from aiocollect.transport import cma
+from tests.support.targets import stress as targets
+from tests.support.transports import Axis, modes
 
 ROUNDS = 2
 OPS = 32
@@ -34,8 +33,6 @@ OPS = 32
 OP_TIMEOUT = 30.0
 #: The most ``op_timeout`` stretches OP_TIMEOUT on a loaded machine.
 MAX_STRETCH = 4.0
-#: shm-tcpsocket: shared memory with the link's socket on TCP loopback, not a Unix socket.
-PROCESS_MODES = ["tcp", "tls", "shm", "shm-nopull", "auto", "shm-tcpsocket"]
 WORLDS = [2, 3, 4]
 
 
@@ -56,23 +53,6 @@ def _check(res: list[dict[str, int]], world: int) -> None:
     assert len(kinds) >= 10, kinds
 
 
-async def tls_stress(g: Any, certs: Any, seed: int, timeout: float) -> dict[str, int]:
-    """Open a TLS group beside the spawned one (certificates cannot be pickled as
-    contexts) and stress it."""
-    import aiocollect as ac
-
-    async with ac.open_group(
-        g.rank,
-        g.world_size,
-        store=g.store,
-        transport="tls",
-        ssl=certs.config(g.rank),
-        name="stress-tls",
-        timeout=timeout,
-    ) as t:
-        return await targets.stress(t, seed, ROUNDS, OPS)
-
-
 #: ``make test`` runs every mode on both loops, the default path (``auto``) at every world
 #: size and the others at fewer; ``make stress`` (AIOCOLLECT_STRESS=full) runs every
 #: combination with more rounds.
@@ -81,6 +61,8 @@ if FULL:
     ROUNDS = 8
 #: Beyond a whole run's operation deadlines (spawn_ranks' bound) at the largest stretch.
 pytestmark = pytest.mark.timeout(ROUNDS * OP_TIMEOUT * MAX_STRETCH + 180)
+#: World sizes per mode in ``make test`` (every other mode, a transport registered later
+#: included: 3).
 QUICK_WORLDS = {
     "auto": WORLDS,
     "shm": [2, 4],
@@ -89,46 +71,41 @@ QUICK_WORLDS = {
     "tls": [4],
     "shm-tcpsocket": [4],
 }
-CASES = [
-    (mode, uv, world)
-    for mode in PROCESS_MODES
-    for uv in (False, True)
-    for world in (WORLDS if FULL else QUICK_WORLDS[mode])
-]
 
 
-@pytest.mark.parametrize(
-    ("mode", "uvloop", "world"),
-    CASES,
-    ids=[f"{m}-{'uvloop' if u else 'asyncio'}-{w}" for m, u, w in CASES],
+def _cases(worlds: dict[str, list[int]]) -> dict[str, list[tuple[str, int]]]:
+    return {m: [(lp, w) for lp in ("asyncio", "uvloop") for w in ws] for m, ws in worlds.items()}
+
+
+@pytest.mark.transports(
+    argnames="loop, world",
+    values=_cases({m.name: WORLDS for m in modes()} if FULL else QUICK_WORLDS),
+    default=_cases({"": [3]})[""],
+    where="processes",
 )
-async def test_stress_in_processes(
-    mode: str, uvloop: bool, world: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    seed = 100 * world + PROCESS_MODES.index(mode) * 10 + uvloop
+async def test_stress_in_processes(axis: Axis, loop: str, world: int) -> None:
+    uvloop = loop == "uvloop"
+    names = [m.name for m in modes("processes")]
+    seed = 100 * world + names.index(axis.name) * 10 + uvloop
     timeout = op_timeout()
     bound = max(200.0, ROUNDS * timeout + 60)  # a stall in the last round fails inside it
-    options: dict[str, Any] = {"uvloop": uvloop, "group_timeout": timeout}
-    if mode == "shm-nopull":
-        monkeypatch.setenv(cma.ENV, "0")
-    if mode == "shm-tcpsocket":
-        monkeypatch.setenv(unix.UNIX_ENV, "0")
-    if mode in ("shm", "shm-nopull", "auto", "shm-tcpsocket"):
-        options["transport"] = "shm" if mode.startswith("shm") else "auto"
-    if mode == "tls":
-        from tests.failure.conftest import make_certs
-
-        certs = make_certs(tmp_path, world)
-        res = await spawn_ranks(world, tls_stress, certs, seed, timeout, timeout=bound, **options)
-    else:
-        res = await spawn_ranks(world, targets.stress, seed, ROUNDS, OPS, timeout=bound, **options)
+    res = await axis.spawn(
+        world,
+        targets.stress,
+        seed,
+        ROUNDS,
+        OPS,
+        timeout=bound,
+        uvloop=uvloop,
+        group_timeout=timeout,
+    )
     _check(res, world)
 
 
-@pytest.mark.parametrize("world", WORLDS)
-async def test_stress_memory(world: int) -> None:
+@pytest.mark.transports(argnames="world", default=WORLDS, where="in_process")
+async def test_stress_in_one_process(axis: Axis, world: int) -> None:
     """Ranks in one process (memory links); run on asyncio and uvloop (tests/conftest.py)."""
-    res = await run_ranks(world, targets.stress, 7 * world, ROUNDS, OPS, timeout=op_timeout())
+    res = await axis.run(world, targets.stress, 7 * world, ROUNDS, OPS, timeout=op_timeout())
     _check(res, world)
 
 
@@ -137,7 +114,7 @@ def test_plan_straddles_every_threshold() -> None:
     automatic allreduce's switch points (the star's or recursive doubling's last size)."""
     from aiocollect.collectives import select
     from aiocollect.engine.op import SEND_WINDOW
-    from tests.stress.plan import CHUNK, boundary_sizes, plan
+    from tests.support.stress_plan import CHUNK, boundary_sizes, plan
 
     sizes = boundary_sizes()
     thresholds = (CHUNK, cma.PULL_MIN, select.ALLREDUCE_DOUBLING_MAX, select.ALLREDUCE_HALVING_MAX)

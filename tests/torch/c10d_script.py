@@ -22,7 +22,7 @@ import aiocollect
 import aiocollect.torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-import torch_ddp
+import torch_ddp  # type: ignore[import-not-found]
 
 Tensors = list[torch.Tensor]
 RANK = int(os.environ["RANK"])
@@ -99,7 +99,9 @@ def reductions() -> None:
         for opname, op in ops.items():
 
             def run(
-                g: dist.ProcessGroup, dtype: torch.dtype = dtype, op: dist.ReduceOp = op
+                g: dist.ProcessGroup,
+                dtype: torch.dtype = dtype,
+                op: dist.ReduceOp = op,  # type: ignore[assignment]
             ) -> Tensors:
                 t = inputs((5, 7), dtype)
                 dist.all_reduce(t, op=op, group=g)
@@ -112,7 +114,7 @@ def reductions() -> None:
         "bxor": dist.ReduceOp.BXOR,
     }.items():
 
-        def bitwise(g: dist.ProcessGroup, op: dist.ReduceOp = op) -> Tensors:
+        def bitwise(g: dist.ProcessGroup, op: dist.ReduceOp = op) -> Tensors:  # type: ignore[assignment]
             t = inputs((33,), torch.int32)
             dist.all_reduce(t, op=op, group=g)
             return [t]
@@ -125,7 +127,7 @@ def reductions() -> None:
     dist.all_reduce(ref, group=GLOO)
     check("all_reduce avg", torch.allclose(t, ref / WORLD))
     premul = inputs((4, 6), torch.float32)
-    dist.all_reduce(premul, op=dist._make_nccl_premul_sum(0.5))
+    dist.all_reduce(premul, op=dist._make_nccl_premul_sum(0.5))  # type: ignore[attr-defined]
     check("all_reduce premul_sum", torch.allclose(premul, ref * 0.5))
 
     def complex_(g: dist.ProcessGroup) -> Tensors:
@@ -184,7 +186,7 @@ def reductions() -> None:
 
     def manager(g: dist.ProcessGroup) -> Tensors:
         ts = [inputs((5,), torch.float32, salt=3), inputs((9,), torch.float32, salt=4)]
-        with dist._coalescing_manager(group=g, async_ops=True) as cm:
+        with dist._coalescing_manager(group=g, async_ops=True) as cm:  # type: ignore[attr-defined]
             for t in ts:
                 dist.all_reduce(t, group=g)
         cm.wait()
@@ -195,7 +197,7 @@ def reductions() -> None:
     for root in range(WORLD):
         for opname, op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX)):
 
-            def reduce_(g: dist.ProcessGroup, root: int = root, op: dist.ReduceOp = op) -> Tensors:
+            def reduce_(g: dist.ProcessGroup, root: int = root, op: dist.ReduceOp = op) -> Tensors:  # type: ignore[assignment]
                 t = inputs((7, 3), torch.float32)
                 dist.reduce(t, dst=root, op=op, group=g)
                 return [t] if root == RANK else []  # gloo leaves scratch data elsewhere
@@ -363,7 +365,7 @@ def functional() -> None:
                 fc.broadcast(t, 1, g),
                 *fc.all_reduce_coalesced([t, t * 2], "max", g),
             ]
-        return [fc.wait_tensor(x) for x in out]
+        return [fc.wait_tensor(x) for x in out]  # type: ignore[no-untyped-call]
 
     same("functional collectives", run)
 
@@ -425,7 +427,7 @@ def sub_groups() -> None:
             )
         else:
             check(f"new_group [{member}] non-member", solo == dist.GroupMember.NON_GROUP_MEMBER)
-    for g in dist.new_subgroups(group_size=1)[1]:
+    for g in dist.new_subgroups(group_size=1)[1]:  # type: ignore[no-untyped-call]
         del g
     check("new_subgroups", True)
 
@@ -487,7 +489,8 @@ def errors() -> None:
         else:
             raise AssertionError("the barrier did not fail")
         return
-    torch.nn.functional.mse_loss(model(x), y).backward()  # completes: the future is normal
+    # completes: the future is normal
+    torch.nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
     try:
         aiocollect.torch.check(group)
     except aiocollect.GroupBrokenError:
@@ -495,7 +498,7 @@ def errors() -> None:
     else:
         raise AssertionError("check() missed the failure")
     try:
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
     except Exception as exc:
         check(f"ddp: the next backward raises {type(exc).__name__}", True)
     else:
@@ -530,7 +533,7 @@ def peer_death() -> None:
 def main() -> None:
     global AC, GLOO
     dist.init_process_group("aiocollect", timeout=timedelta(seconds=60))
-    AC = dist.group.WORLD
+    AC = dist.group.WORLD  # type: ignore[assignment]
     GLOO = dist.new_group(backend="gloo")
     assert WORLD == 2
     assert dist.get_backend() == "aiocollect"

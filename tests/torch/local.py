@@ -43,12 +43,15 @@ def make_groups(
     world: int, *, store: Any = None, timeout: float = 30.0, prefix: str | None = None
 ) -> list[AiocollectProcessGroup]:
     """``world`` process groups of one group, formed concurrently."""
-    store = dist.HashStore() if store is None else store
+    store = dist.HashStore() if store is None else store  # type: ignore[attr-defined]
     prefix = prefix or f"local-{uuid.uuid4().hex[:8]}"
     return _in_threads(
         world,
         lambda r: create_process_group(
-            dist.PrefixStore(prefix, store), r, world, timedelta(seconds=timeout)
+            dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
+            r,
+            world,
+            timedelta(seconds=timeout),
         ),
         timeout + 10,
     )

@@ -131,7 +131,7 @@ def test_work_states() -> None:
 
 
 @pytest.fixture
-def world() -> Iterator[dist.ProcessGroup]:
+def world() -> Iterator[dist.ProcessGroup]:  # type: ignore[name-defined]
     dist.init_process_group(
         "aiocollect", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30)
     )
@@ -142,7 +142,7 @@ def world() -> Iterator[dist.ProcessGroup]:
 
 
 @pytest.mark.timeout(60)
-def test_world_of_one(world: dist.ProcessGroup) -> None:
+def test_world_of_one(world: dist.ProcessGroup) -> None:  # type: ignore[name-defined]
     pg = act.get_process_group()
     assert pg.name() == "aiocollect"
     assert pg.size() == 1
@@ -180,7 +180,7 @@ def test_world_of_one(world: dist.ProcessGroup) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_bad_arguments_raise_at_the_call(world: dist.ProcessGroup) -> None:
+def test_bad_arguments_raise_at_the_call(world: dist.ProcessGroup) -> None:  # type: ignore[name-defined]
     with pytest.raises(ValueError, match="all_gather"):
         dist.all_gather_single(torch.empty(5), torch.ones(2))
     with pytest.raises(ValueError, match="split sizes"):

@@ -214,7 +214,7 @@ def test_bad_arguments_raise_runtime_errors_before_anything_runs() -> None:
         pg.check()  # the group is still usable, and no rank sent anything
         t = torch.ones(3)
         pg.allreduce([t]).wait()
-        return t.sum().item()
+        return t.sum().item()  # type: ignore[no-any-return]
 
     assert run_ranks(W, body) == [3.0 * W] * W
 
@@ -248,7 +248,7 @@ def test_a_failed_copy_back_fails_the_work_and_its_future(monkeypatch: pytest.Mo
         def finish(results: list[Any]) -> None:
             raise RuntimeError("copy-back failed")
 
-        plan.finish = finish  # type: ignore[assignment]
+        plan.finish = finish
         return plan
 
     monkeypatch.setattr(_ops, "allreduce", failing)

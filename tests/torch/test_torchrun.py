@@ -58,16 +58,16 @@ def test_every_collective_matches_gloo_and_errors_propagate() -> None:
     assert any(p.startswith("peer death: wait() raises ") for p in passed), tail(run.output)
 
 
-def _reference(steps: int, world: int) -> list[torch.Tensor]:
+def _reference(steps: int, world: int) -> list[torch.Tensor]:  # type: ignore[name-defined]
     """The example's training computed in one process: DDP averages the ranks' gradients."""
     sys.path.insert(0, str(EXAMPLE.parent))
     try:
-        import torch_ddp
+        import torch_ddp  # type: ignore[import-not-found]
     finally:
         sys.path.remove(str(EXAMPLE.parent))
     model = torch_ddp.make_model()
     params = list(model.parameters())
-    momentum: list[torch.Tensor] = []
+    momentum: list[torch.Tensor] = []  # type: ignore[name-defined]
     for step in range(steps):
         grads = [torch.zeros_like(p) for p in params]
         for rank in range(world):

@@ -69,7 +69,7 @@ def _coalescing(group: dist.ProcessGroup, members: list[int], rank: int) -> None
     a = torch.ones(big, 2)[:, 0]  # not contiguous: written back when the work finishes
     b = torch.full((big,), float(rank))
     c = torch.full((4,), float(rank))
-    with dist._coalescing_manager(group=group, device=torch.device("cpu"), async_ops=True) as cm:
+    with dist._coalescing_manager(group=group, device=torch.device("cpu"), async_ops=True) as cm:  # type: ignore[attr-defined]
         dist.all_reduce(a, group=group)
         dist.all_reduce(b, group=group)
         dist.broadcast(c, src=members[0], group=group)
@@ -118,7 +118,7 @@ def rank_main(rank: int, path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "aiocollect",
-        store=dist.FileStore(path, WORLD),
+        store=dist.FileStore(path, WORLD),  # type: ignore[attr-defined]
         rank=rank,
         world_size=WORLD,
         timeout=timedelta(seconds=60),

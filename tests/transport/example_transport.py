@@ -30,12 +30,12 @@ class UnixListener(SocketListener):
         self._dir = tempfile.mkdtemp(prefix="aiocollect-unix-")
         self.path = os.path.join(self._dir, f"rank{setup.rank}.sock")
 
-    async def serve(self, factory: Callable[[], TcpLink]) -> asyncio.Server:
+    async def serve(self, factory: Callable[[], TcpLink]) -> asyncio.Server:  # type: ignore[override]
         server = await asyncio.get_running_loop().create_unix_server(factory, self.path)
         self.record["path"] = self.path
         return server
 
-    async def dial(self, record: Record, link: TcpLink) -> None:
+    async def dial(self, record: Record, link: TcpLink) -> None:  # type: ignore[override]
         await asyncio.get_running_loop().create_unix_connection(lambda: link, str(record["path"]))
 
     def where(self, record: Record) -> str:

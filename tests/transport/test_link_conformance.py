@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
+from aiocollect.testing.certs import Certs
 from aiocollect.testing.link_suite import LINK_CHECKS, PairFactory, transport_pair
 from aiocollect.testing.onesided_suite import ONE_SIDED_CHECKS, one_sided_support
 from aiocollect.tls import TLSConfig
@@ -24,7 +25,7 @@ from aiocollect.transport import cma, registry, unix
 from aiocollect.transport.base import Link, LinkEvents
 from aiocollect.transport.interface import Transport
 from aiocollect.transport.tcp import StreamLink
-from tests.failure.conftest import Certs, make_certs
+from tests.support.certs import make_certs
 from tests.transport.example_onesided import ONE_SIDED
 from tests.transport.example_transport import UNIX
 

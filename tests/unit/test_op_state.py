@@ -33,7 +33,7 @@ def _op(loop: asyncio.AbstractEventLoop, states: list[str]) -> Op:
             fut.exception()  # retrieved
         elif state == "cancelled":
             fut.cancel()
-        op.pending.append((peer, (DATA, 0, 0, 0, 0), fut))
+        op.pending.append((peer, (DATA, 0, 0, 0, 0), fut))  # type: ignore[arg-type]
     return op
 
 

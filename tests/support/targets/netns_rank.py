@@ -1,5 +1,5 @@
 """One rank of the namespace tests, run as ``ip netns exec NS python -m
-tests.network.netns_rank``. Configuration comes from the environment (AIOCOLLECT_RANK,
+tests.support.targets.netns_rank``. Configuration comes from the environment (AIOCOLLECT_RANK,
 AIOCOLLECT_WORLD_SIZE, AIOCOLLECT_STORE, AIOCOLLECT_IFNAME as usual, plus NETNS_MODE,
 NETNS_HOST, NETNS_TIMEOUT, NETNS_COUNT). Every event is one JSON line on stdout:
 

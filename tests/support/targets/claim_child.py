@@ -1,5 +1,5 @@
 """A process that claims a rank of a group and then waits to be killed (for the stale-claim
-tests): ``python -m tests.rendezvous.claim_child SPEC NAME RANK WORLD``.
+tests): ``python -m tests.support.targets.claim_child SPEC NAME RANK WORLD``.
 
 SPEC is a store URL (``file://``, ``tcp://``, ``redis://``) or ``torch:PORT`` (a c10d
 TCPStore client behind :class:`~aiocollect.torch.store.TorchStore`). With RANK 0 it also
@@ -25,7 +25,7 @@ async def _store(spec: str) -> Store:
         from aiocollect.torch.store import TorchStore
 
         return TorchStore(
-            dist.TCPStore("127.0.0.1", int(spec[6:]), is_master=False, wait_for_workers=False),
+            dist.TCPStore("127.0.0.1", int(spec[6:]), is_master=False, wait_for_workers=False),  # type: ignore[attr-defined]
             timeout=30,
         )
     store, _ = await open_store(spec, rank=1, timeout=30)

@@ -17,7 +17,8 @@ from aiocollect.transport.shm import ShmLink
 def link_kinds_of(g: ac.Group) -> list[str]:
     links = g._fabric.links
     return [
-        "shm" if isinstance(links[p], ShmLink) and links[p].shm else "tcp" for p in sorted(links)
+        "shm" if isinstance(link := links[p], ShmLink) and link.shm else "tcp"
+        for p in sorted(links)
     ]
 
 
@@ -41,15 +42,6 @@ async def big_frames(g: ac.Group, count: int) -> bool:
         await g.broadcast(b, root=root)
         assert (b == root).all()
     return True
-
-
-async def objects_and_split(g: ac.Group) -> tuple[list[int], int]:
-    everyone = await g.allgather_object(g.rank)
-    sub = await g.split(g.rank % 2)
-    assert sub is not None
-    buf = np.array([g.rank], np.int64)
-    await sub.allreduce(buf)
-    return list(everyone), int(buf[0])
 
 
 async def allreduce_forever(g: ac.Group, size: int) -> dict[str, Any]:

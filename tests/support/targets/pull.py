@@ -10,7 +10,7 @@ import numpy as np
 import aiocollect as ac
 from aiocollect.collectives import pull, select
 from aiocollect.transport import cma
-from tests.collectives.star_targets import star_mix
+from tests.support.targets.star import star_mix
 
 
 def counts() -> tuple[int, ...]:
@@ -53,10 +53,10 @@ async def gather_scatter_mix(g: ac.Group, in_flight: int) -> dict[str, Any]:
         ]
         dests = [np.empty(count, np.float32) for _ in range(in_flight)]
         handles = [g.allgather(s, o) for s, o in zip(sends, outs, strict=True)]
-        handles += [g.reduce_scatter(x, d) for x, d in zip(inputs, dests, strict=True)]
+        handles += [g.reduce_scatter(x, d) for x, d in zip(inputs, dests, strict=True)]  # type: ignore[arg-type]
         chosen[f"broadcast {total}"] = g.chosen_algorithm("broadcast", count * 4 * n)
         casts = [_block(g.rank, count * n, i) for i in range(in_flight)]
-        handles += [g.broadcast(b, root=i % n) for i, b in enumerate(casts)]
+        handles += [g.broadcast(b, root=i % n) for i, b in enumerate(casts)]  # type: ignore[misc]
         await asyncio.gather(*handles)
         for i in range(in_flight):
             for q in range(n):
@@ -87,7 +87,7 @@ async def bad_record(g: ac.Group, fault: str) -> str:
                 return real(token[:-1], nbytes, push)
             return real(token, nbytes + 8, push)
 
-        pull._record = record  # type: ignore[assignment]
+        pull._record = record
     buf = np.ones(select.PULL_MIN // 4, np.float32)
     try:
         await asyncio.wait_for(g.allreduce(buf, algorithm="pull", timeout=20), 30)

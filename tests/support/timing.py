@@ -1,4 +1,4 @@
-"""Allreduce timing over shm and tcp (not a test: ``python -m tests.shm.timing``).
+"""Allreduce timing over shm and tcp (not a test: ``python -m tests.support.timing``).
 
 Prints, per world size, transport and size: the lowest per-batch median time per allreduce
 (the latency figure), the median over batches of the mean time per allreduce (slowest rank)

@@ -8,7 +8,7 @@ import numpy as np
 
 import aiocollect as ac
 from aiocollect.collectives.registry import REGISTRIES
-from tests.helpers import assert_close, counts_for, data, reference, valid_ops
+from tests.support.collectives import assert_close, counts_for, data, reference, valid_ops
 
 CLASS_DTYPES = [np.dtype(d) for d in ("bool", "int32", "uint8", "float32", "float16", "complex64")]
 

@@ -1,91 +1,19 @@
-"""The collective sweeps of tests/collectives and tests/multiprocess, over shared memory:
-the same bodies, in one process (every link a pair of rings in a memfd) and in real
-processes (transport="shm" forced, and "auto" on one host)."""
+"""Frames through shared-memory rings: frames larger than the ring, headers that wrap around
+its end, the sender's memory once a send is drained, idle links that never poll, and which
+links are shared memory. (The collective bodies over shared memory, as over every
+transport: tests/collectives, tests/multiprocess.)"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
 
 import aiocollect as ac
 from aiocollect.testing import run_ranks, spawn_ranks
-from tests.collectives import test_sweep
-from tests.collectives.algorithms import sweep_algorithms
-from tests.helpers import CHUNK
-from tests.multiprocess import targets as mp_targets
-from tests.shm import targets
-
-#: The one-process sweeps of tests/collectives/test_sweep.py, run as they are with
-#: transport="shm" (here, on asyncio only, with this suite's leak checks) rather than
-#: copied: (test, world sizes).
-SWEEPS = [
-    (test_sweep.test_allreduce, test_sweep.SIZES),
-    (test_sweep.test_reduce, test_sweep.SIZES),
-    (test_sweep.test_data_movement, test_sweep.SIZES),
-    (test_sweep.test_send_recv, [2, 3, 4, 7]),
-]
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize(
-    ("sweep", "n"),
-    [
-        pytest.param(test, n, id=f"{test.__name__.removeprefix('test_')}-{n}")
-        for test, sizes in SWEEPS
-        for n in sizes
-    ],
-)
-async def test_sweep_over_shm(sweep: Callable[[int, str], Awaitable[None]], n: int) -> None:
-    await sweep(n, "shm")
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("n", [3, 5])
-async def test_algorithms(n: int) -> None:
-    dtypes = [np.dtype(np.int32), np.dtype(np.float32)]
-    res = await run_ranks(n, sweep_algorithms, dtypes, transport="shm", chunk_bytes=CHUNK)
-    assert res[0] > 20
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(("n", "transport"), [(2, "shm"), (5, "auto")])
-async def test_algorithms_in_processes(n: int, transport: str) -> None:
-    dtypes = [np.dtype(np.bool_), np.dtype(np.int64), np.dtype(np.float64)]
-    res = await spawn_ranks(
-        n, sweep_algorithms, dtypes, timeout=250, chunk_bytes=CHUNK, transport=transport
-    )
-    assert len(set(res)) == 1
-
-
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("n", [2, 3, 4])
-async def test_sweep_in_processes(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    if n == 2:  # spinning readers (opt-in, and only while ranks <= cores)
-        monkeypatch.setenv("AIOCOLLECT_SHM_SPIN_US", "300")
-    counts = await spawn_ranks(n, mp_targets.sweep, timeout=200, chunk_bytes=CHUNK, transport="shm")
-    assert len(counts) == n
-    assert counts[0] > 50
-    assert len(set(counts)) == 1
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize(("n", "spin_us"), [(3, "0"), (2, "500")])
-@pytest.mark.parametrize("uvloop", [False, True])
-async def test_concurrent_allreduces(
-    uvloop: bool, n: int, spin_us: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Several allreduces in flight, readers sleeping at once or (2 ranks, so no more
-    than the cores of any CI machine) spinning first."""
-    monkeypatch.setenv("AIOCOLLECT_SHM_SPIN_US", spin_us)  # the children inherit it
-    res = await spawn_ranks(
-        n, mp_targets.concurrent, 50_000, timeout=100, uvloop=uvloop, transport="shm"
-    )
-    want = [float(sum(r + i for r in range(n))) for i in range(6)]
-    assert res == [want] * n
+from tests.support.targets import shm as targets
 
 
 @pytest.mark.timeout(120)
@@ -156,39 +84,6 @@ async def test_tcp_stays_tcp() -> None:
         ["tcp"],
         ["tcp"],
     ]
-
-
-@pytest.mark.timeout(60)
-async def test_objects_and_split() -> None:
-    res = await run_ranks(4, targets.objects_and_split, transport="shm")
-    # allgather_object of the ranks; allreduce of the ranks within each color (r % 2)
-    assert res == [
-        ([0, 1, 2, 3], 0 + 2),
-        ([0, 1, 2, 3], 1 + 3),
-        ([0, 1, 2, 3], 0 + 2),
-        ([0, 1, 2, 3], 1 + 3),
-    ]
-
-
-@pytest.mark.timeout(10)
-async def test_bad_transport_is_usage_error() -> None:
-    with pytest.raises(ac.UsageError, match="shm"):
-        await ac.open_group(0, 1, store="memory://bad", transport="bogus")
-
-
-@pytest.mark.timeout(120)
-async def test_staging_is_bounded_and_nothing_is_lost(monkeypatch: pytest.MonkeyPatch) -> None:
-    """tests/collectives/test_backpressure.py over shared memory: with too many early
-    frames the link leaves the rest in the ring, and the writer waits for space."""
-    from aiocollect.transport import base
-    from tests.helpers import send_past_staging
-
-    limit = 4 * 1024 * 1024
-    monkeypatch.setattr(base, "STAGING_LIMIT", limit)
-    res = await run_ranks(
-        2, send_past_staging, limit, limit, transport="shm", chunk_bytes=256 * 1024
-    )
-    assert limit < res[0] <= limit + 256 * 1024
 
 
 async def _overwrite_after_send(g: ac.Group, count: int) -> bool:

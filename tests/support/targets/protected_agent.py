@@ -1,5 +1,5 @@
 """Helpers of the protected-mode tests, run as ``ip netns exec NS python -m
-tests.network.protected_agent MODE ...``; each prints JSON lines on stdout.
+tests.support.targets.protected_agent MODE ...``; each prints JSON lines on stdout.
 
 - ``store PORT``: a :class:`TCPStoreServer` with no secret on every interface; prints
   ``{"event": "ready"}``, then, for each line ``keys`` on stdin, ``{"event": "keys",

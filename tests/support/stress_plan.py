@@ -159,7 +159,7 @@ def _reduce(op: str, arrays: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any]
             "MIN": np.logical_and,
         }[op]
     else:
-        fn = _NP_OPS[op]
+        fn = _NP_OPS[op]  # type: ignore[assignment]
     out = arrays[0].copy()
     for a in arrays[1:]:
         out = fn(out, a).astype(dt)
@@ -207,7 +207,7 @@ def start(g: ac.Group, seed: int, spec: Spec) -> tuple[Any, Check]:
         per = max(count // n, 0)
         out = np.zeros(per, np.dtype(spec.dtype))
         full = inp(root, per * n).reshape(n, per)
-        send = full if r == root else None
+        send = full if r == root else None  # type: ignore[assignment]
         want = full[r].copy()
         return g.scatter(send, out, root=root), lambda _: eq(out, want)
     if kind in ("reduce_scatter", "alltoall"):
@@ -221,7 +221,7 @@ def start(g: ac.Group, seed: int, spec: Spec) -> tuple[Any, Check]:
     if kind == "allgatherv":
         mine = inp(r, _vcount(count, r))
         want_v = [inp(x, _vcount(count, x)) for x in range(n)]
-        return g.allgatherv(
+        return g.allgatherv(  # type: ignore[return-value]
             mine
         ), lambda res: [eq(a, b) for a, b in zip(res, want_v, strict=True)] and None
     if kind == "barrier":

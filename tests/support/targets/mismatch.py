@@ -64,3 +64,22 @@ async def raise_on_rank(g: ac.Group, bad: int) -> None:
     if g.rank == bad:
         raise KeyError("missing")
     await g.allreduce(np.ones(1000, np.float32))
+
+
+async def fewer_operations(g: ac.Group, short: int) -> dict[str, Any]:
+    """Every rank but ``short`` calls a second broadcast from root 0 that ``short`` never
+    calls; ``short`` closes after the first."""
+    await g.broadcast(np.zeros(8, np.float32), root=0)
+    if g.rank == short:
+        return {"error": None}
+    try:
+        await g.broadcast(np.zeros(8, np.float32), root=short)
+    except ac.MismatchError as exc:
+        return {"error": "MismatchError", "message": str(exc)}
+    except ac.GroupBrokenError as exc:
+        return {
+            "error": "GroupBrokenError",
+            "message": str(exc),
+            "cause": type(exc.__cause__).__name__,
+        }
+    return {"error": None}

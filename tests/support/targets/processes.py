@@ -9,7 +9,14 @@ from typing import Any
 import numpy as np
 
 import aiocollect as ac
-from tests.helpers import CORE_DTYPES, assert_close, counts_for, data, reference, valid_ops
+from tests.support.collectives import (
+    CORE_DTYPES,
+    assert_close,
+    counts_for,
+    data,
+    reference,
+    valid_ops,
+)
 
 
 async def sweep(g: ac.Group) -> int:
@@ -41,7 +48,7 @@ async def sweep(g: ac.Group) -> int:
     # point to point around the ring, several messages in flight
     buf = np.empty(100, np.int32)
     hs = [g.recv(buf, (r - 1) % n, tag=3), g.send(np.full(100, r, np.int32), (r + 1) % n, tag=3)]
-    await asyncio.gather(*hs)
+    await asyncio.gather(*hs)  # type: ignore[call-overload]
     assert (buf == (r - 1) % n).all()
     await g.barrier()
     return checked

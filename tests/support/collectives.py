@@ -1,6 +1,5 @@
-"""Helpers shared by test modules: deterministic test data and numpy references for the
-collective tests, whole-collective sweeps and the staging-bound body (run over every
-transport), and the checks of the process-killing failure tests."""
+"""Deterministic test data and numpy references for the collective tests, the
+whole-collective sweeps and the staging-bound body (run over every transport)."""
 
 from __future__ import annotations
 
@@ -9,11 +8,8 @@ import functools
 from typing import Any
 
 import numpy as np
-import pytest
 
 import aiocollect as ac
-from aiocollect.store import open_store
-from aiocollect.transport.shm_ring import unavailable as _shm_unavailable
 from aiocollect.types import resolve_op
 
 try:
@@ -24,14 +20,6 @@ except ImportError:  # pragma: no cover - ml_dtypes is a test dependency
     BF16 = None
 
 CHUNK = 16  # bytes: tiny, so small inputs take the multi-chunk path
-
-#: The marks of a ``transport="shm"`` case of a test parametrized over transports: skipped
-#: where shared memory is unavailable.
-ON_SHM = (
-    pytest.mark.skipif(
-        _shm_unavailable() is not None, reason=f"shared memory unavailable: {_shm_unavailable()}"
-    ),
-)
 
 DTYPES = [
     np.dtype(d)
@@ -203,30 +191,3 @@ async def send_past_staging(g: ac.Group, limit: int, size: int) -> int:
     await g.recv(buf, 1, tag=5)
     np.testing.assert_array_equal(buf, np.arange(size, dtype=np.int64))
     return seen
-
-
-async def wait_ready(store_url: str, n: int, key: str) -> None:
-    """Wait (30 s at most) until every one of ``n`` spawned ranks has set ``key/<rank>``
-    in the store at ``store_url`` (the targets of tests/failure/targets.py do once they
-    are in their loop)."""
-    store, _ = await open_store(store_url, rank=1, timeout=30)
-    try:
-        await store.wait([f"{key}/{r}" for r in range(n)], timeout=30)
-    finally:
-        await store.close()
-
-
-def check_killed(outcomes: list[Any], victim: int, killed_at: float) -> None:
-    """``victim`` died; every survivor reported PeerDisconnected naming it within a second,
-    and its later calls failed from that cause (GroupBrokenError caused by it)."""
-    assert outcomes[victim][0] == "died"
-    for rank, out in enumerate(outcomes):
-        if rank == victim:
-            continue
-        assert out[0] == "ok", out
-        res = out[1]
-        assert res["error"] == "PeerDisconnected", res
-        assert res["rank_attr"] == victim, res
-        assert f"rank {victim}" in res["message"]
-        assert res["at"] - killed_at < 1.0, f"rank {rank} took {res['at'] - killed_at:.2f}s"
-        assert res["later"] == "PeerDisconnected"

@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 import aiocollect as ac
-from tests.stress.plan import boundary_sizes, plan, start
+from tests.support.stress_plan import boundary_sizes, plan, start
 
 
 async def stress(g: ac.Group, seed: int, rounds: int, count: int) -> dict[str, Any]:
