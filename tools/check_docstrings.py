@@ -233,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The exit status.
     """
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="tools/check_docstrings.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("modules", nargs="*", help=f"modules to check (default: {MODULES})")
     ns = parser.parse_args(argv)
     found = problems(tuple(ns.modules) or MODULES)

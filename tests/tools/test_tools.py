@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
-PYTHON_TOOLS = sorted(p.name for p in TOOLS.glob("*.py"))
+#: The commands among them (tools/mkdocs_hooks.py is a module MkDocs loads, not a command).
+PYTHON_TOOLS = sorted(
+    p.name for p in TOOLS.glob("*.py") if 'if __name__ == "__main__":' in p.read_text()
+)
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
