@@ -1,4 +1,4 @@
-"""GroupCore: sequence numbers, handles, close and abort (the methods live in group.py).
+"""GroupCore: sequence numbers, handles, close and abort (the methods: the other modules).
 
 Every collective method checks its arguments (raising UsageError before anything is sent),
 takes the next sequence number at call time, registers its fingerprint and returns an
@@ -11,23 +11,19 @@ collectives in the same order.
 from __future__ import annotations
 
 import asyncio
-import heapq
+import contextlib
 import logging
-import weakref
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from aiocollect._buffers import Array
+from aiocollect.collectives.plan import Plan, Planner
 from aiocollect.engine.fabric import Fabric
 from aiocollect.engine.op import Op
-from aiocollect.engine.small import Handle, Program, Quick, Small
-from aiocollect.errors import (
-    GroupBrokenError,
-    MismatchError,
-    PeerTimeout,
-    UsageError,
-)
+from aiocollect.engine.small import Handle, Quick, Small
+from aiocollect.engine.watchdog import WATCH_AT_TICK, Watchdog
+from aiocollect.errors import GroupBrokenError, MismatchError, UsageError
 from aiocollect.stats import LinkStatistics, Statistics
 from aiocollect.transport.wire import DATA, P2P
 
@@ -35,23 +31,6 @@ log = logging.getLogger("aiocollect")
 
 T = TypeVar("T")
 
-#: Seconds a timed-out operation waits for peers to answer a liveness probe.
-PROBE_SECONDS = 0.5
-#: An operation still waiting after this many seconds asks its peers which operation they
-#: called at its sequence number (a PING, answered by their event loops): ranks that
-#: disagree then raise MismatchError instead of waiting for the deadline. Asked again at
-#: 2, 4, 8 ... seconds (at most every ``CHECK_MAX`` s) while peers have not called it yet.
-CHECK_SECONDS = 1.0
-#: A deadline at least this far off is put on the deadline heap by the progress ticker,
-#: which sees every operation still in flight within ``CHECK_SECONDS`` of its start, not
-#: by the call: most operations end long before and never touch the heap
-#: (docs/design.md, *Deadlines*). Nearer ones are put there at once.
-WATCH_AT_TICK = 2 * CHECK_SECONDS
-CHECK_MAX = 30.0
-#: An operation with no byte received or sent on its links for this long logs a WARNING
-#: naming it and the ranks not heard from, again after 2x, 4x ... that interval (at most
-#: every 5 minutes); at most a quarter of its timeout.
-PROGRESS_SECONDS = 30.0
 #: Seconds ``aclose`` waits for the peers' GOODBYE (to compare what every rank called).
 CLOSE_WAIT = 5.0
 #: Seconds ``aclose`` then waits for the links to end where every peer said goodbye (as
@@ -59,6 +38,8 @@ CLOSE_WAIT = 5.0
 #: not or the group failed (``Fabric.links_gone``); what is left then is reset.
 CLOSE_END_WAIT = 5.0
 CLOSE_END_GRACE = 0.5
+#: Plans (argument checks' conclusions) a group keeps, see ``GroupCore._remember``.
+PLANS = 256
 
 
 class GroupCore:
@@ -91,10 +72,10 @@ class GroupCore:
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
         self._seq = 0
-        # handles (and helper tasks: None) in flight, with what the progress ticker needs
-        self._tasks: dict[asyncio.Future[Any], _Watched | None] = {}
-        self._tick_handle: asyncio.TimerHandle | None = None
-        self._progress: dict[asyncio.Future[Any], _Progress] = {}
+        #: The operations in flight: deadlines, progress checks, stall warnings
+        #: (engine/watchdog.py); its ``tasks`` are the handles in flight.
+        self._watchdog = watchdog = Watchdog(fabric, gid, ranks, name)
+        self._tasks = watchdog.tasks
         self._children: list[GroupCore] = []
         self._parent = parent
         self._closed = False
@@ -102,52 +83,17 @@ class GroupCore:
         self._send_counters: Counter[tuple[int, int]] = Counter()
         self._recv_counters: Counter[tuple[int, int]] = Counter()
         self._stats: Counter[str] = Counter()  # operations started, per kind
-        self._done: Counter[str] = Counter()  # and completed
-        self._deadlines: list[tuple[float, int, asyncio.Future[Any], Op | Quick]] = []
-        self._watch_count = 0
-        self._watch_at: float | None = None
-        self._watch_handle: asyncio.TimerHandle | None = None
-        #: operations in flight whose far deadline the ticker has put on the heap
-        self._watched: set[asyncio.Future[Any]] = set()
+        self._done = watchdog.done  # and completed
         self._closers: list[Callable[[], Coroutine[Any, Any, None]]] = list(closers)
         #: The loop the group runs on, from its first one-frame operation (links are bound
         #: to one loop: a group is used on one).
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sync_closers: list[Callable[[], None]] = list(sync_closers)
+        #: A call's checks and choices (collectives/plan.py).
+        self._planner = Planner(fabric, gid, ranks, chunk_bytes)
         #: What a collective's argument checks concluded, per (collective, dtype, size,
-        #: op or root, algorithm) (group.py: a repeated call is one dict lookup).
-        self._plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        fabric.deadlines.append(self._nearest_deadline)  # (until _unwatch)
-
-    def __del__(self) -> None:
-        # As asyncio does for a pending Task: a one-frame operation still pending when its
-        # group is collected was never awaited (each is in ``_tasks`` until it ends, and
-        # its Quick holds the group: both go together). Here, once per group, rather than
-        # in a finalizer run for every operation. A warning only: it never raises (at
-        # interpreter exit some of what it uses may be gone already).
-        try:
-            for handle, info in getattr(self, "_tasks", {}).items():
-                if info is not None and isinstance(info[0], Quick) and not handle.done():
-                    log.warning(
-                        "%s (op #%d) was garbage-collected while pending: its handle was "
-                        "never awaited and its group was dropped",
-                        info[1],
-                        info[0].seq,
-                    )
-        except Exception:  # (nothing to report to at that point)
-            pass
-
-    def _nearest_deadline(self) -> float | None:
-        """The loop time of the nearest deadline among this group's operations in flight,
-        or None (the fabric asks when a peer's relayed timeout blames this rank)."""
-        soonest: float | None = None
-        for fut, info in self._tasks.items():
-            if info is None or fut.done() or info[3] is None:
-                continue
-            deadline = info[2] + info[3]
-            if soonest is None or deadline < soonest:
-                soonest = deadline
-        return soonest
+        #: op or root, algorithm): a repeated call is one dict lookup.
+        self._plans: dict[tuple[Any, ...], Plan] = {}
 
     def add_closer(self, closer: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Await ``closer`` when the group closes or aborts, after those already given
@@ -164,6 +110,24 @@ class GroupCore:
     @property
     def broken(self) -> bool:
         return self._fabric.failure is not None
+
+    def _plan(self, key: tuple[Any, ...]) -> Plan | None:
+        """The plan remembered for ``key``, or None (also for an unhashable key: not valid
+        arguments, whose checks then say why)."""
+        try:
+            return self._plans.get(key)
+        except TypeError:
+            return None
+
+    def _remember(self, key: tuple[Any, ...], plan: Plan) -> Plan:
+        """Keep ``plan`` for ``key`` (unhashable keys are not kept; at most ``PLANS``: a
+        program calling with ever new sizes starts over rather than grow)."""
+        plans = self._plans
+        if len(plans) >= PLANS:
+            plans.clear()
+        with contextlib.suppress(TypeError):
+            plans[key] = plan
+        return plan
 
     def _check_usable(self) -> None:
         """Raise UsageError if closed, GroupBrokenError if broken."""
@@ -247,20 +211,13 @@ class GroupCore:
         loop = asyncio.get_running_loop()
         task = loop.create_task(self._run(kind, op, body, timeout, p2p is None))
         self._tasks[task] = (op, kind, loop.time(), timeout)
-        task.add_done_callback(self._untrack)
-        if self._tick_handle is None:
-            self._tick_handle = loop.call_later(CHECK_SECONDS, _tick, weakref.ref(self), loop)
+        watchdog = self._watchdog
+        task.add_done_callback(watchdog.untrack)
+        if watchdog.ticking is None:
+            watchdog.ticking = watchdog.start_ticking(loop)
         if timeout is not None and timeout < WATCH_AT_TICK:
-            self._watch(loop, loop.time() + timeout, task, op)
+            watchdog.watch(loop, loop.time() + timeout, task, op)
         return task
-
-    def _track(self, fut: asyncio.Future[Any]) -> None:
-        """Count ``fut`` as in flight (aclose waits for it) until it is done."""
-        self._tasks[fut] = None
-        fut.add_done_callback(self._untrack)
-
-    def _untrack(self, fut: asyncio.Future[Any]) -> None:
-        self._tasks.pop(fut, None)
 
     def _quick(
         self,
@@ -288,7 +245,8 @@ class GroupCore:
         if loop is None:  # (asyncio.get_running_loop costs a getpid() system call)
             loop = self._loop = asyncio.get_running_loop()
         handle = Handle(loop=loop)
-        quick = handle._quick = Quick(self, small, seq, buf, ufunc, handle, result, timeout)
+        watchdog = self._watchdog
+        quick = handle._quick = Quick(watchdog, small, seq, buf, ufunc, handle, result, timeout)
         now = loop.time()
         # The first step runs here, in the call: it posts the first receive and sends the
         # first frame (one loop pass less per operation than a call_soon; docs/design.md,
@@ -302,93 +260,11 @@ class GroupCore:
         if handle.done():
             return handle
         self._tasks[handle] = (quick, kind, now, timeout)
-        if self._tick_handle is None:
-            self._tick_handle = loop.call_later(CHECK_SECONDS, _tick, weakref.ref(self), loop)
+        if watchdog.ticking is None:
+            watchdog.ticking = watchdog.start_ticking(loop)
         if timeout is not None and timeout < WATCH_AT_TICK:
-            self._watch(loop, now + timeout, handle, quick)
+            watchdog.watch(loop, now + timeout, handle, quick)
         return handle
-
-    def _small(
-        self,
-        kind: str,
-        program: Program,
-        fp: tuple[int, int, int, int, int],
-        nbytes: int,
-        dtype: Any = None,
-        frame_kind: int = DATA,
-    ) -> Small:
-        """``program`` bound to this group's links and frame headers, for buffers of
-        ``dtype`` and frames of ``frame_kind`` (DATA, or P2P for send/recv): a plan's
-        part."""
-        fabric = self._fabric
-        return Small(
-            kind,
-            program,
-            self._gid,
-            fp,
-            self._ranks,
-            fabric.links,
-            nbytes,
-            dtype,
-            frame_kind,
-            fabric.spins,
-        )
-
-    def _watch(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        deadline: float,
-        task: asyncio.Future[Any],
-        op: Op | Quick,
-    ) -> None:
-        """Expire ``task`` at ``deadline``. One timer per group (a loop timer costs several
-        microseconds, a heap push well under one): entries of finished tasks are dropped
-        when they reach the top or when the heap outgrows the operations in flight."""
-        heap = self._deadlines
-        self._watch_count += 1
-        heapq.heappush(heap, (deadline, self._watch_count, task, op))
-        if len(heap) > 2 * len(self._tasks) + 64:
-            heap[:] = [entry for entry in heap if not entry[2].done()]
-            heapq.heapify(heap)
-        if self._watch_at is None or deadline < self._watch_at:
-            self._arm(loop)
-
-    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
-        heap = self._deadlines
-        while heap and heap[0][2].done():
-            heapq.heappop(heap)
-        if self._watch_handle is not None:
-            self._watch_handle.cancel()
-            self._watch_handle = None
-        self._watch_at = heap[0][0] if heap else None
-        if self._watch_at is not None:
-            self._watch_handle = loop.call_at(self._watch_at, self._on_deadline, loop)
-
-    def _unwatch(self) -> None:
-        """Drop the deadline timer and its entries (the group is closed: no new ones)."""
-        if self._watch_handle is not None:
-            self._watch_handle.cancel()
-            self._watch_handle = None
-        self._watch_at = None
-        self._deadlines.clear()
-        self._watched.clear()
-        if self._nearest_deadline in self._fabric.deadlines:
-            self._fabric.deadlines.remove(self._nearest_deadline)
-
-    def _on_deadline(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._watch_handle = None
-        heap = self._deadlines
-        now = loop.time()
-        while heap and (heap[0][0] <= now or heap[0][2].done()):
-            _, _, task, target = heapq.heappop(heap)
-            if task.done():
-                continue
-            if isinstance(target, Quick):
-                target.expire()
-            else:
-                target.expired = True  # _run turns the cancellation into a PeerTimeout
-                task.cancel()
-        self._arm(loop)
 
     async def _run(
         self,
@@ -411,7 +287,7 @@ class GroupCore:
             if op.expired and task is not None and task.uncancel() == 0:
                 # The deadline passed (not a cancellation by the caller): name the culprits.
                 if fabric.failure is None:
-                    err = await self._timeout_error(kind, op, timeout)
+                    err = await self._watchdog.timeout_error(kind, op, timeout)
                     fabric.fail(err)  # no-op if a peer's ABORT arrived while probing
                 assert fabric.failure is not None
                 raise fabric.failure from fabric.failure.__cause__
@@ -434,138 +310,6 @@ class GroupCore:
             op.abandon()
             if registered:
                 fabric.unregister(self._gid, op.seq)
-
-    async def _timeout_error(
-        self, kind: str, op: Op | Quick, timeout: float | None
-    ) -> PeerTimeout | MismatchError:
-        """Name the ranks to blame: those that do not answer a liveness probe, else those
-        that have not called this operation, else those it was still waiting for. A peer
-        that called another operation at this sequence number makes it a MismatchError."""
-        waited = op.silent_peers()
-        others = [r for r in self._ranks if r != self._fabric.rank]
-        absent: list[int] = []
-        with self._fabric.diagnosing():  # a bystander's blame of this rank waits for it
-            if op.kind == DATA:
-                dead, absent, fps = await self._fabric.survey(
-                    others, PROBE_SECONDS, self._gid, op.seq
-                )
-                mismatch = self._fabric.check_fingerprints(self._gid, op.seq, fps, self._ranks)
-                if mismatch is not None:
-                    return mismatch
-            else:  # point to point: no operation number to ask about
-                dead = await self._fabric.probe(others, PROBE_SECONDS)
-        if dead:
-            silent, how = [self._ranks.index(r) for r in dead], "do not respond"
-        elif absent:
-            silent, how = [self._ranks.index(r) for r in absent], "have not called it"
-        else:
-            silent, how = waited, "sent nothing"
-        return PeerTimeout(
-            f"{kind} (op #{op.seq} of group {self.name!r}) on rank {self.rank} timed out "
-            f"after {timeout:g} s: ranks {silent} {how}",
-            silent,
-        )
-
-    # -- seeing progress (and mismatches) while an operation waits ------------------------
-
-    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Every ``TICK`` s while operations are in flight: far deadlines
-        (``WATCH_AT_TICK``) of operations seen for the first time go on the deadline
-        heap; operations older than ``CHECK_SECONDS`` ask their peers what they called
-        (:meth:`_check`); operations without progress for their interval log a WARNING."""
-        self._tick_handle = None
-        if self.closed or self._fabric.failure is not None:
-            self._progress.clear()
-            return
-        now = loop.time()
-        live = False
-        for fut, info in list(self._tasks.items()):
-            if info is None or fut.done():
-                continue
-            live = True
-            op, kind, started, timeout = info
-            if timeout is not None and timeout >= WATCH_AT_TICK and fut not in self._watched:
-                self._watched.add(fut)  # (a deadline already passed fires at once)
-                self._watch(loop, started + timeout, fut, op)
-            age = now - started
-            if age < CHECK_SECONDS:
-                continue
-            st = self._progress.get(fut)
-            if st is None:
-                st = self._progress[fut] = _Progress(op.progress(), age, timeout)
-            if op.kind == DATA and not st.checking and age >= st.next_check:
-                st.checking = True
-                self._track(loop.create_task(self._check(op, st, loop)))
-            if age >= st.next_warn:
-                token = op.progress()
-                if token == st.token:
-                    self._warn_stalled(kind, op, st, now - st.since, timeout, age)
-                    st.warn_every = min(st.warn_every * 2, 300.0)
-                else:
-                    st.token, st.since = token, now
-                st.next_warn = age + st.warn_every
-        for fut in [f for f in self._progress if f.done()]:
-            del self._progress[fut]
-        self._watched = {fut for fut in self._watched if not fut.done()}
-        if live:
-            self._tick_handle = loop.call_later(TICK, _tick, weakref.ref(self), loop)
-
-    async def _check(self, op: Op | Quick, st: _Progress, loop: asyncio.AbstractEventLoop) -> None:
-        """Ask the peers which operation they called at ``op``'s sequence number; one that
-        called another breaks the group with MismatchError (on every rank, by the ABORT)."""
-        fabric = self._fabric
-        try:
-            others = [r for r in op.ranks if r != fabric.rank]
-            dead, absent, fps = await fabric.survey(others, PROBE_SECONDS, self._gid, op.seq)
-            if fabric.failure is not None:
-                return
-            err = fabric.check_fingerprints(self._gid, op.seq, fps, self._ranks)
-            if err is not None:
-                fabric.fail(err)
-                return
-            st.absent = [self._ranks.index(r) for r in absent]
-            st.dead = [self._ranks.index(r) for r in dead]
-            if dead or absent or len(fps) < len(others):
-                st.check_every = min(st.check_every * 2, CHECK_MAX)
-                st.next_check += st.check_every
-            else:  # every peer called this very operation: nothing to disagree about
-                st.next_check = float("inf")
-        finally:
-            st.checking = False
-
-    def _warn_stalled(
-        self,
-        kind: str,
-        op: Op | Quick,
-        st: _Progress,
-        stalled: float,
-        timeout: float | None,
-        age: float,
-    ) -> None:
-        what = (
-            f"op #{op.seq} of group {self.name!r}"
-            if op.kind == DATA
-            else f"point to point, group {self.name!r}"
-        )
-        parts = [f"waiting for ranks {op.silent_peers()}"]
-        if st.dead:
-            parts.append(f"ranks {st.dead} did not answer a ping")
-        if st.absent:
-            parts.append(f"ranks {st.absent} have not called it")
-        end = (
-            "no timeout"
-            if timeout is None
-            else f"it times out in {max(timeout - age, 0):.0f} s (timeout={timeout:g})"
-        )
-        log.warning(
-            "%s (%s) on rank %d: no progress for %.0f s; %s; %s",
-            kind,
-            what,
-            self.rank,
-            stalled,
-            "; ".join(parts),
-            end,
-        )
 
     def _next_send(self, dst: int, tag: int) -> int:
         n = self._send_counters[(dst, tag)]
@@ -601,10 +345,10 @@ class GroupCore:
             if pending:
                 await asyncio.wait(pending)
         self._closed = True
-        self._unwatch()
+        self._watchdog.stop()
         for child in self._children:
             child._closed = True
-            child._unwatch()
+            child._watchdog.stop()
         if self._parent is not None:
             return
         fabric = self._fabric
@@ -662,10 +406,10 @@ class GroupCore:
             self._fabric.abort_links()
         self._fabric.fail(exc)
         root._closed = True
-        root._unwatch()
+        root._watchdog.stop()
         for child in root._children:
             child._closed = True
-            child._unwatch()
+            child._watchdog.stop()
         for fn in root._sync_closers:
             fn()
         loop = asyncio.get_running_loop()
@@ -675,48 +419,6 @@ class GroupCore:
         root._closers.clear()
 
 
-#: Seconds between two looks of the progress ticker at the operations in flight.
-TICK = 0.5
-
-_Watched = tuple["Op | Quick", str, float, "float | None"]
-
-
-def _tick(ref: weakref.ref[GroupCore], loop: asyncio.AbstractEventLoop) -> None:
-    """The ticker holds its group weakly: a group dropped with operations in flight is
-    collected (its pending handles then warn, see engine.small), not kept by the loop."""
-    core = ref()
-    if core is not None:
-        core._tick(loop)
-
-
 def _describe(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-class _Progress:
-    """What the ticker knows of one operation in flight for more than CHECK_SECONDS."""
-
-    __slots__ = (
-        "absent",
-        "check_every",
-        "checking",
-        "dead",
-        "next_check",
-        "next_warn",
-        "since",
-        "token",
-        "warn_every",
-    )
-
-    def __init__(self, token: tuple[int, int], age: float, timeout: float | None) -> None:
-        self.token = token
-        self.since = asyncio.get_running_loop().time() - age
-        self.checking = False
-        self.check_every = CHECK_SECONDS
-        self.next_check = CHECK_SECONDS
-        every = PROGRESS_SECONDS if timeout is None else min(PROGRESS_SECONDS, timeout / 4)
-        self.warn_every = max(every, TICK)
-        self.next_warn = self.warn_every
-        self.absent: list[int] = []
-        self.dead: list[int] = []
