@@ -394,7 +394,7 @@ class Quick:
         watchdog.done[small.kind] += 1
         self._released = True
         if small.frame_kind == DATA:
-            watchdog.fabric.unregister(small.gid, self.seq)
+            watchdog.registry.unregister(small.gid, self.seq)
         handle = self.handle
         watchdog.tasks.pop(handle, None)
         if not handle.done():
@@ -528,7 +528,7 @@ class Quick:
             if link is not None:
                 link.unpost(key)
         if self.small.frame_kind == DATA:
-            self.watchdog.fabric.unregister(self.small.gid, self.seq)
+            self.watchdog.registry.unregister(self.small.gid, self.seq)
 
     # -- for the group's checks ------------------------------------------------------------
 

@@ -66,6 +66,8 @@ class Watchdog:
 
     def __init__(self, fabric: Fabric, gid: int, ranks: list[int], name: str) -> None:
         self.fabric = fabric
+        #: The fabric's registry of operations (a one-frame operation unregisters there).
+        self.registry = fabric.registry
         self.gid = gid
         self.ranks = ranks
         self.rank = ranks.index(fabric.rank)
@@ -248,12 +250,14 @@ class Watchdog:
         absent: list[int] = []
         with fabric.diagnosing():  # a bystander's blame of this rank waits for it
             if op.kind == DATA:
-                dead, absent, fps = await fabric.survey(others, PROBE_SECONDS, self.gid, op.seq)
-                mismatch = fabric.check_fingerprints(self.gid, op.seq, fps, self.ranks)
+                dead, absent, fps = await fabric.liveness.survey(
+                    others, PROBE_SECONDS, self.gid, op.seq
+                )
+                mismatch = self.registry.check_fingerprints(self.gid, op.seq, fps, self.ranks)
                 if mismatch is not None:
                     return mismatch
             else:  # point to point: no operation number to ask about
-                dead = await fabric.probe(others, PROBE_SECONDS)
+                dead = await fabric.liveness.probe(others, PROBE_SECONDS)
         if dead:
             silent, how = [self.ranks.index(r) for r in dead], "do not respond"
         elif absent:
@@ -316,10 +320,12 @@ class Watchdog:
         fabric = self.fabric
         try:
             others = [r for r in op.ranks if r != fabric.rank]
-            dead, absent, fps = await fabric.survey(others, PROBE_SECONDS, self.gid, op.seq)
+            dead, absent, fps = await fabric.liveness.survey(
+                others, PROBE_SECONDS, self.gid, op.seq
+            )
             if fabric.failure is not None:
                 return
-            err = fabric.check_fingerprints(self.gid, op.seq, fps, self.ranks)
+            err = self.registry.check_fingerprints(self.gid, op.seq, fps, self.ranks)
             if err is not None:
                 fabric.fail(err)
                 return

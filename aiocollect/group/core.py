@@ -64,6 +64,7 @@ class GroupCore:
         group closes or aborts: what the opener holds for it (its endpoint, an owned
         store). More can be added later with :meth:`add_closer`."""
         self._fabric = fabric
+        self._registry = fabric.registry  # (operations register per call)
         self._gid = gid
         self._ranks = ranks
         self.rank = ranks.index(fabric.rank)
@@ -185,7 +186,7 @@ class GroupCore:
         if p2p is None:
             seq = self._seq
             self._seq = seq + 1
-            fabric.register(self._gid, seq, fp, self._ranks)
+            self._registry.register(self._gid, seq, fp, self._ranks)
             op = Op(fabric, self._gid, seq, fp, self._ranks, self.rank, self.chunk_bytes, DATA)
         else:
             op = Op(fabric, self._gid, p2p[0], fp, self._ranks, self.rank, self.chunk_bytes, P2P)
@@ -238,7 +239,7 @@ class GroupCore:
         if counter is None:
             seq = self._seq
             self._seq = seq + 1
-            self._fabric.register(self._gid, seq, small.fp, self._ranks)
+            self._registry.register(self._gid, seq, small.fp, self._ranks)
         else:
             seq = counter
         loop = self._loop
@@ -309,7 +310,7 @@ class GroupCore:
         finally:
             op.abandon()
             if registered:
-                fabric.unregister(self._gid, op.seq)
+                self._registry.unregister(self._gid, op.seq)
 
     def _next_send(self, dst: int, tag: int) -> int:
         n = self._send_counters[(dst, tag)]
@@ -356,15 +357,15 @@ class GroupCore:
             # Close handshake: every rank's GOODBYE carries a digest of the operations it
             # called; a difference is a mismatch no frame revealed (e.g. a root mixed up
             # on a rank that only sends).
-            fabric.goodbye()
+            fabric.closer.goodbye()
             wait = CLOSE_WAIT if timeout is None else min(CLOSE_WAIT, timeout)
-            mismatch = await fabric.farewell(wait)
+            mismatch = await fabric.closer.farewell(wait)
             if mismatch is not None:
                 fabric.fail(mismatch)
-        fabric.close_links()
+        fabric.closer.close_links()
         # nothing outlives the close: the links end (or are reset) before it returns
         end_wait = CLOSE_END_WAIT if timeout is None else min(CLOSE_END_WAIT, timeout)
-        await fabric.links_gone(end_wait, CLOSE_END_GRACE)
+        await fabric.closer.links_gone(end_wait, CLOSE_END_GRACE)
         for fn in self._sync_closers:
             fn()
         for closer in self._closers:
@@ -403,7 +404,7 @@ class GroupCore:
         if self._fabric.failure is not None:
             # Broken before: the ABORT went out then, and links still flushing to peers
             # that stopped reading would otherwise linger past the loop's end.
-            self._fabric.abort_links()
+            self._fabric.closer.abort_links()
         self._fabric.fail(exc)
         root._closed = True
         root._watchdog.stop()

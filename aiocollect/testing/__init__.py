@@ -19,7 +19,7 @@ from typing import Any
 
 from aiocollect._net import free_port
 from aiocollect.api import open_group
-from aiocollect.engine import fabric
+from aiocollect.engine import closing
 from aiocollect.errors import AiocollectError
 from aiocollect.group import Group
 from aiocollect.testing.spawn import RankFailed, SpawnedRanks, headline, spawn_ranks
@@ -114,7 +114,7 @@ def abort_payload(rank: int, exc: BaseException) -> bytes:
     """The payload of the ABORT frame that rank ``rank`` sends when it fails with ``exc``,
     exactly as the engine encodes it (its peers rebuild ``exc`` from it, naming ``rank``),
     for tests that write an ABORT frame on a link by hand."""
-    return fabric._encode_abort(rank, exc)
+    return closing.encode_abort(rank, exc)
 
 
 async def links_settled(groups: list[Group], timeout: float = LINGER + 1.0) -> None:
