@@ -97,8 +97,12 @@ class GroupCore:
         self._plans: dict[tuple[Any, ...], Plan] = {}
 
     def add_closer(self, closer: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        """Await ``closer`` when the group closes or aborts, after those already given
-        (errors it raises are logged, not raised)."""
+        """Await ``closer`` when the group closes or aborts, after those already given.
+
+        Args:
+            closer: a coroutine function of no arguments; errors it raises are logged, not
+                raised.
+        """
         self._closers.append(closer)
 
     # -- state -----------------------------------------------------------------------------
@@ -110,6 +114,8 @@ class GroupCore:
 
     @property
     def broken(self) -> bool:
+        """True once the group failed (an operation's failure, a peer's ABORT, ``abort()``):
+        every later call raises GroupBrokenError."""
         return self._fabric.failure is not None
 
     def _plan(self, key: tuple[Any, ...]) -> Plan | None:
@@ -140,7 +146,11 @@ class GroupCore:
     def statistics(self) -> Statistics:
         """Counters: operations started and completed per kind, bytes and frames moved per
         link, operations in flight, broken/closed (a :class:`~aiocollect.stats.Statistics`,
-        which also reads like the dict it once was: ``stats["links"][1]["bytes_sent"]``)."""
+        which also reads like a dict: ``stats["links"][1]["bytes_sent"]``).
+
+        Returns:
+            A snapshot of the counters (later operations do not change it).
+        """
         links = {
             peer: LinkStatistics(
                 link.bytes_sent, link.bytes_received, link.frames_sent, link.frames_received
@@ -332,6 +342,11 @@ class GroupCore:
         release listener and owned store. Idempotent; never raises for a clean close.
         Closing the world group closes its sub-groups.
 
+        Args:
+            timeout: seconds to wait for operations in flight (then they are cancelled)
+                and at most for the peers' goodbyes and the links' end; None: no limit for
+                the operations.
+
         Raises:
             MismatchError: the ranks called different operations and no operation of this
                 rank has reported it yet (its operations all succeeded): found by the close
@@ -387,7 +402,11 @@ class GroupCore:
 
         Args:
             reason: the exception that made this rank give up, if any: its type and
-                message go to the peers ("rank 2 raised KeyError: 'missing'")."""
+                message go to the peers ("rank 2 raised KeyError: 'missing'").
+
+        Raises:
+            RuntimeError: no running event loop (the closers run as tasks on it).
+        """
         root = self
         while root._parent is not None:
             root = root._parent

@@ -21,7 +21,20 @@ from aiocollect.group.p2p import PointToPoint
 
 
 class Group(InPlace, Blocks, ObjectCollectives, PointToPoint):
-    """A set of ranks that run collectives together. Obtain one with ``open_group``."""
+    """A set of ranks that run collectives together. Obtain one with ``open_group``.
+
+    Every collective method checks its arguments (raising UsageError before anything is
+    sent), takes the next sequence number at call time and returns a handle to await;
+    several may run at once, and ranks must call a group's collectives in the same order.
+
+    Attributes:
+        rank: this process's rank in the group.
+        world_size: the number of ranks.
+        name: the group's name (sub-groups: the parent's, a dot and the color).
+        timeout: the default deadline of every operation in seconds, or None.
+        chunk_bytes: the size of the pieces large messages are pipelined in.
+        store: the store the group formed through (None for a sub-group).
+    """
 
     #: The elastic settings (``aiocollect.elastic.ElasticState``) of an elastic group.
     _elastic: Any = None
