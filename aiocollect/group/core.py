@@ -1,11 +1,11 @@
-"""GroupCore: sequence numbers, handles, close and abort (the methods: the other modules).
+"""GroupCore: a group's lifecycle and its operations' bookkeeping.
 
-Every collective method checks its arguments (raising UsageError before anything is sent),
-takes the next sequence number at call time, registers its fingerprint and returns an
-``asyncio.Task`` running the algorithm (:meth:`GroupCore._start`), or a Future resolved by
-a :class:`~aiocollect.engine.small.Quick` for one-frame operations
-(:meth:`GroupCore._quick`). Several may run at once; ranks must call a group's
-collectives in the same order.
+Sequence numbers, starting operations (:meth:`GroupCore._start`: a Task running the
+algorithm; :meth:`GroupCore._quick`: a one-frame operation, engine/small.py), the plans
+remembered per call shape, statistics, ``aclose`` and ``abort``. The operations in flight
+are the group's :class:`~aiocollect.engine.watchdog.Watchdog`'s (deadlines, progress,
+stall warnings); the methods users call live in the package's other modules. Several
+operations may run at once; ranks must call a group's collectives in the same order.
 """
 
 from __future__ import annotations
