@@ -63,7 +63,18 @@ DEFAULT_TIMEOUT = _DefaultTimeout(300.0)
 
 def resolve_timeout(timeout: float | None) -> float | None:
     """``timeout`` if given, else AIOCOLLECT_TIMEOUT (seconds, or ``none`` for no deadline),
-    else 300 s."""
+    else 300 s.
+
+    Args:
+        timeout: ``open_group``'s argument (``DEFAULT_TIMEOUT`` where the caller gave
+            none).
+
+    Returns:
+        The group's default timeout in seconds, or None for no deadline.
+
+    Raises:
+        UsageError: AIOCOLLECT_TIMEOUT is not a positive number of seconds or ``none``.
+    """
     if timeout is not DEFAULT_TIMEOUT:
         return timeout
     value = os.environ.get("AIOCOLLECT_TIMEOUT", "").strip()
@@ -84,7 +95,18 @@ def resolve_timeout(timeout: float | None) -> float | None:
 
 
 def resolve_store(store: Store | str | None) -> Store | str:
-    """The store argument, else AIOCOLLECT_STORE, else torchrun's MASTER_ADDR/PORT."""
+    """The store argument, else AIOCOLLECT_STORE, else torchrun's MASTER_ADDR/PORT.
+
+    Args:
+        store: ``open_group``'s argument, or None.
+
+    Returns:
+        The Store, or a store URL (with MASTER_ADDR/PORT: ``tcp://MASTER_ADDR:PORT+1``,
+        as torchrun's own store may listen on MASTER_PORT).
+
+    Raises:
+        UsageError: no store given and none in the environment.
+    """
     if store is not None:
         return store
     env = os.environ.get("AIOCOLLECT_STORE")
@@ -128,7 +150,18 @@ def _route_address(target: str) -> str:
 
 def listen_host(host: str | None, store: Store | str) -> str:
     """Where this rank listens: ``host``, else AIOCOLLECT_IFNAME's address, else the
-    address that routes to the store's host, else loopback."""
+    address that routes to the store's host, else loopback.
+
+    Args:
+        host: ``open_group``'s argument, or None.
+        store: the store or its URL (a ``tcp://`` or ``redis://`` host gives the route).
+
+    Returns:
+        The address to listen on and publish.
+
+    Raises:
+        UsageError: AIOCOLLECT_IFNAME names an interface without an IPv4 address.
+    """
     if host:
         return host
     ifname = os.environ.get("AIOCOLLECT_IFNAME")
@@ -367,7 +400,10 @@ def open_group(
     """Form a group of ``world_size`` ranks and return it (awaitable / async with).
 
     Args:
-        rank, world_size: this rank and the group size (else from the environment).
+        rank: this rank, 0 to ``world_size - 1`` (else from the environment:
+            AIOCOLLECT_RANK, RANK, OMPI_COMM_WORLD_RANK, PMI_RANK or SLURM_PROCID).
+        world_size: the number of ranks (else from the environment:
+            AIOCOLLECT_WORLD_SIZE, WORLD_SIZE, ...).
         store: a Store or URL (``tcp://H:P``, ``file:///path``, ``redis://H:P/DB``,
             ``memory://NAME``); else AIOCOLLECT_STORE, else MASTER_ADDR/MASTER_PORT.
         transport: ``auto`` (default: shared memory to ranks on this host, TCP to the
@@ -381,6 +417,8 @@ def open_group(
             how to set a secret.
         host: address to listen on and publish (else AIOCOLLECT_IFNAME, else the address
             that routes to the store).
+        ssl: for ``transport="tls"``: a :class:`~aiocollect.tls.TLSConfig`, a (server,
+            client) pair of ``ssl.SSLContext`` or one context for both.
         name: group name; distinct groups on one store need distinct names.
         chunk_bytes: pipelining chunk size (every rank must use the same).
         insecure: without a secret, accept store and peer connections from any host
@@ -390,9 +428,17 @@ def open_group(
             the embedded TCP store is refused (UsageError); use ``aiocollect store``,
             Redis or a file store.
 
+    Returns:
+        A :class:`GroupOpener`: ``await`` it for the :class:`~aiocollect.Group`, or use it
+        with ``async with`` (closing the group gracefully on normal exit, aborting it on
+        an exception). What follows is raised when it is awaited or entered.
+
     Raises:
-        UsageError: bad arguments. RendezvousTimeout: ranks missing at the deadline (named).
-        RendezvousError, AuthenticationError, StoreError: as their names say.
+        UsageError: bad arguments.
+        RendezvousTimeout: ranks missing at the deadline (named).
+        RendezvousError: the group could not form (the message says why).
+        AuthenticationError: a secret was required and not proven.
+        StoreError: the store failed.
     """
     return GroupOpener(
         lambda: _open(
@@ -429,15 +475,25 @@ async def join_group(
     with ``group.joiners()``. Chunk size and default timeout are the group's.
 
     Args:
-        store: the elastic group's store (a standalone TCP store, Redis, or file).
-        name: the group's name. secret: its shared secret (else AIOCOLLECT_SECRET).
-        transport, host, ssl, insecure: as in :func:`open_group`.
+        store: the elastic group's store (a standalone TCP store, Redis, or file); else
+            AIOCOLLECT_STORE, else MASTER_ADDR/MASTER_PORT.
+        name: the group's name.
+        secret: its shared secret (else AIOCOLLECT_SECRET).
+        transport: as in :func:`open_group`.
         timeout: seconds to wait for admission (None: 300 s), then as long again to form.
+        host: as in :func:`open_group`.
+        ssl: as in :func:`open_group`.
+        insecure: as in :func:`open_group`.
+
+    Returns:
+        The Group of the generation that admitted this process.
 
     Raises:
-        UsageError: bad arguments, or an embedded store. RendezvousTimeout: no regroup
-        admitted this process in time. RendezvousError, AuthenticationError, StoreError:
-        as in :func:`open_group`.
+        UsageError: bad arguments, or an embedded store.
+        RendezvousTimeout: no regroup admitted this process in time.
+        RendezvousError: the generation could not form.
+        AuthenticationError: a secret was required and not proven.
+        StoreError: the store failed.
     """
     transport = _check_transport(transport, ssl)
     if timeout is not None and (

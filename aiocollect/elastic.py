@@ -78,6 +78,15 @@ class Shared:
     store_closed: bool = False
 
     async def close_store(self, group: Group) -> None:
+        """Close the store if this member opened it and ``group`` is the current
+        generation (a closer of every generation; only the last one's closes it).
+
+        Args:
+            group: the generation closing.
+
+        Raises:
+            StoreError: the store failed while closing.
+        """
         if self.owned and self.current is group and not self.store_closed:
             self.store_closed = True
             await self.store.close()
@@ -107,14 +116,40 @@ class ElasticState:
 
     @property
     def prefix(self) -> str:
+        """Where the group's membership records live on the store."""
         return f"aiocollect/{self.name}/elastic"
 
     async def regroup(self, group: Group, *, min_size: int, timeout: float | None) -> Group:
-        """:meth:`Group.regroup` (group.py delegates here: it does not import this module)."""
+        """:meth:`Group.regroup` (the group delegates here: it does not import this
+        module).
+
+        Args:
+            group: the current generation's world group.
+            min_size: the fewest members the next generation may have.
+            timeout: seconds to wait for the members (None: the group's).
+
+        Returns:
+            The next generation's world group.
+
+        Raises:
+            UsageError: not the current generation's world group, or bad arguments.
+            RendezvousError: fewer than ``min_size`` members, or this rank was left out.
+            StoreError: the store failed.
+        """
         return await regroup(group, min_size=min_size, timeout=timeout)
 
     async def joiners(self, group: Group) -> int:
-        """:meth:`Group.joiners`."""
+        """:meth:`Group.joiners`.
+
+        Args:
+            group: a group of this elastic job.
+
+        Returns:
+            How many processes wait in ``join_group``.
+
+        Raises:
+            StoreError: the store failed.
+        """
         return await joiners(group)
 
 
@@ -123,9 +158,22 @@ async def open_elastic_store(
 ) -> tuple[Store, bool]:
     """Open the store of an elastic group: one that outlives every member.
 
+    Args:
+        spec: a Store, or its URL (``tcp://`` of a standalone store, ``redis://``,
+            ``file://``, ``memory://``).
+        secret: the shared secret, or None.
+        insecure: without a secret, accept a store on another host.
+        timeout: the store's default timeout in seconds (None: 300 s); a TCP store must
+            answer within ``STORE_CONNECT`` of it.
+
+    Returns:
+        The store, and whether this member opened it (and so closes it).
+
     Raises:
         UsageError: the store is (or would be) embedded in a member; the message names the
-            alternatives. StoreError, AuthenticationError: the store could not be reached.
+            alternatives.
+        StoreError: the store could not be reached.
+        AuthenticationError: the store refused the secret.
     """
     if isinstance(spec, Store):
         if getattr(spec, "server", None) is not None:
@@ -152,7 +200,18 @@ async def open_elastic_store(
 
 async def start(group: Group, state: ElasticState) -> Group:
     """Make ``group`` (generation ``state.generation``, just formed) elastic: remember the
-    settings and publish who holds each rank (peers use it to tell the dead)."""
+    settings and publish who holds each rank (peers use it to tell the dead).
+
+    Args:
+        group: the generation's world group.
+        state: the member's elastic settings.
+
+    Returns:
+        ``group``.
+
+    Raises:
+        StoreError: the store failed.
+    """
     group.attach_elastic(state)
     state.shared.current = group
     group.add_closer(lambda: state.shared.close_store(group))
@@ -416,7 +475,23 @@ def _who(ident: str) -> str:
 
 
 async def regroup(group: Group, *, min_size: int = 1, timeout: float | None = None) -> Group:
-    """See :meth:`aiocollect.Group.regroup`."""
+    """Form the next generation of ``group``'s elastic job (see
+    :meth:`aiocollect.Group.regroup`).
+
+    Args:
+        group: the current generation's world group (healthy or broken).
+        min_size: the fewest members the next generation may have.
+        timeout: seconds to wait for the members (None: the group's).
+
+    Returns:
+        The next generation's world group.
+
+    Raises:
+        UsageError: not an elastic world group, a sub-group, closed, already regrouped,
+            or bad ``min_size`` or ``timeout``.
+        RendezvousError: fewer than ``min_size`` members, or this rank was left out.
+        StoreError: the store failed.
+    """
     state: ElasticState | None = group._elastic
     if state is None or group._parent is not None:
         raise UsageError(
@@ -467,7 +542,19 @@ async def regroup(group: Group, *, min_size: int = 1, timeout: float | None = No
 
 
 async def joiners(group: Group) -> int:
-    """See :meth:`aiocollect.Group.joiners`."""
+    """How many processes wait in ``join_group`` for ``group``'s elastic job (see
+    :meth:`aiocollect.Group.joiners`).
+
+    Args:
+        group: a group of the job.
+
+    Returns:
+        The number of processes waiting.
+
+    Raises:
+        UsageError: not an elastic group.
+        StoreError: the store failed.
+    """
     state: ElasticState | None = group._elastic
     if state is None:
         raise UsageError("joiners() needs a group of open_group(..., elastic=True)")
@@ -480,7 +567,21 @@ async def joiners(group: Group) -> int:
 
 
 async def join(state: ElasticState, timeout: float | None) -> Group:
-    """Take a ticket, wait for the regroup that admits it, form that generation."""
+    """Take a ticket, wait for the regroup that admits it, form that generation
+    (``join_group``'s work).
+
+    Args:
+        state: the joiner's settings (its store, name, secret, transport).
+        timeout: seconds to wait for admission (None: 300 s), then as long again to form.
+
+    Returns:
+        The admitting generation's world group.
+
+    Raises:
+        RendezvousTimeout: no regroup admitted this process in time.
+        RendezvousError: the generation could not form.
+        StoreError: the store failed.
+    """
     store = state.shared.store
     t = await store.add(f"{state.prefix}/tickets", 1) - 1
     ticket = f"{state.prefix}/ticket/{t}"

@@ -8,19 +8,21 @@ one frame from that peer, then run this function". The group binds it once per s
 its links' frame headers (:class:`Small`), and each call makes one :class:`Quick`: the
 operation's state, its own posted receive (the link calls it back as the frame lands, from
 the transport's read path, see :class:`~aiocollect.transport.base.Receiver`) and the
-record the group's deadline and progress checks read. The handle is a :class:`Handle`, an
+record the group's :class:`~aiocollect.engine.watchdog.Watchdog` reads for its deadline and
+progress checks (and to which it reports its end). The handle is a :class:`Handle`, an
 ``asyncio.Future`` that notices its own cancellation. That saves the Task, the coroutine
 frames, the per-receive future, the step objects and one event-loop pass per step
 (docs/design.md, *The one-frame path*).
 
-The contract is the Task path's (group_core) but for when the first step runs: here in the
-call itself (``GroupCore._quick`` runs :meth:`Quick._go` before it returns the handle), not
-on the next loop pass, which saves a loop pass per operation (docs/design.md, *Sent in the
-call*). So the operation has moved data once the call returns if its program sends first,
-and cancelling it then breaks the group; an operation that only receives first (a recv, a
-broadcast off the root) moved nothing until its frame lands, and cancelling it before that
-leaves the group usable. A failed receive or an error breaks the group; the deadline names
-the ranks to blame through the group's probe; any non-aiocollect exception becomes an
+The contract is the Task path's (``aiocollect.group``) but for when the first step runs:
+here in the call itself (the group's ``_quick`` runs :meth:`Quick._go` before it returns
+the handle), not on the next loop pass, which saves a loop pass per operation
+(docs/design.md, *Sent in the call*). So the operation has moved data once the call
+returns if its program sends first, and cancelling it then breaks the group; an
+operation that only receives first (a recv, a broadcast off the root) moved nothing until
+its frame lands, and cancelling it before that leaves the group usable. A failed receive
+or an error breaks the group; the deadline names the ranks to blame through the
+watchdog's probe; any non-aiocollect exception becomes an
 InternalError that breaks the group on every rank.
 """
 
@@ -28,16 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from aiocollect._buffers import Array, byte_castable, byte_view
-from aiocollect.engine.fabric import Fabric
 from aiocollect.engine.op import wrap_error
 from aiocollect.engine.reduce import FP_SIGNALS
 from aiocollect.engine.reduce import divide as divide_array
@@ -45,34 +45,13 @@ from aiocollect.errors import GroupBrokenError
 from aiocollect.transport.base import Fingerprint, Link, SendMark
 from aiocollect.transport.wire import DATA, HEADER, MAGIC, Key
 
+if TYPE_CHECKING:
+    from aiocollect.engine.watchdog import Watchdog
+
 #: Where a frame header carries the operation's sequence number (``wire.HEADER``).
 _SEQ_AT = 14
 _SEQ = struct.Struct("<Q")
 _tuple_new = tuple.__new__
-
-
-class GroupCore(Protocol):
-    """What a one-frame operation needs of the group running it (group_core.GroupCore):
-    its fabric, its rank, its bookkeeping of live and done operations, and its deadline
-    probe. A protocol, so that the engine never imports the group layer above it."""
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def _fabric(self) -> Fabric: ...
-
-    @property
-    def _done(self) -> Counter[str]: ...
-
-    @property
-    def _tasks(self) -> MutableMapping[asyncio.Future[Any], Any]: ...
-
-    def _track(self, fut: asyncio.Future[Any]) -> None: ...
-
-    def _timeout_error(
-        self, kind: str, op: Any, timeout: float | None
-    ) -> Awaitable[BaseException]: ...
 
 
 # -- programs ------------------------------------------------------------------------------
@@ -281,7 +260,6 @@ class Quick:
         "_timing_out",
         "buf",
         "bview",
-        "core",
         "expect",
         "handle",
         "result",
@@ -292,11 +270,12 @@ class Quick:
         "tview",
         "ufunc",
         "view",
+        "watchdog",
     )
 
     def __init__(
         self,
-        core: GroupCore,
+        watchdog: Watchdog,
         small: Small,
         seq: int,
         buf: Array,
@@ -305,7 +284,7 @@ class Quick:
         result: Any,
         timeout: float | None,
     ) -> None:
-        self.core = core
+        self.watchdog = watchdog
         self.small = small
         self.seq = seq
         self._seqb = _SEQ.pack(seq)
@@ -375,7 +354,7 @@ class Quick:
                     if self._key is not None:
                         self._i = i
                         if spins:  # (Fabric.spin's decision, made for the step)
-                            self.core._fabric.spinner.wait(self)
+                            self.watchdog.fabric.spinner.wait(self)
                         return  # landed() goes on
                 if then is not None:
                     if self._marks is not None and self._unsent():
@@ -411,13 +390,13 @@ class Quick:
     def _complete(self) -> None:
         """Success: every frame is in and out (nothing posted to withdraw)."""
         small = self.small
-        core = self.core
-        core._done[small.kind] += 1
+        watchdog = self.watchdog
+        watchdog.done[small.kind] += 1
         self._released = True
         if small.frame_kind == DATA:
-            core._fabric.unregister(small.gid, self.seq)
+            watchdog.registry.unregister(small.gid, self.seq)
         handle = self.handle
-        core._tasks.pop(handle, None)
+        watchdog.tasks.pop(handle, None)
         if not handle.done():
             handle._quick = None
             handle.set_result(self.result)
@@ -456,7 +435,7 @@ class Quick:
         self._go(self._i < len(self.small.ops))
 
     def _spawn(self, coro: Any) -> None:
-        self.core._track(asyncio.get_running_loop().create_task(coro))
+        self.watchdog.track(asyncio.get_running_loop().create_task(coro))
 
     # -- as the posted receiver (transport.base.Receiver) ------------------------------------
 
@@ -491,11 +470,11 @@ class Quick:
 
     def _fail(self, exc: BaseException) -> None:
         # As _run does: anything but an aiocollect error is wrapped, and breaks the group.
-        fabric = self.core._fabric
-        exc = fabric.cause(wrap_error(self.small.kind, self.seq, self.core.rank, exc))
+        fabric = self.watchdog.fabric
+        exc = fabric.cause(wrap_error(self.small.kind, self.seq, self.watchdog.rank, exc))
         self._release()
         handle = self.handle
-        self.core._tasks.pop(handle, None)
+        self.watchdog.tasks.pop(handle, None)
         if not handle.done():
             handle._quick = None
             handle.set_exception(exc)
@@ -503,14 +482,14 @@ class Quick:
     def cancelled(self) -> None:
         """The handle was cancelled: it leaves the group's in-flight set, and a caller's
         cancellation after data moved breaks the group."""
-        core = self.core
-        core._tasks.pop(self.handle, None)
+        watchdog = self.watchdog
+        watchdog.tasks.pop(self.handle, None)
         if self._timing_out:
             return
         if self._moved:
-            core._fabric.fail(
+            watchdog.fabric.fail(
                 GroupBrokenError(
-                    f"{self.small.kind} (op #{self.seq}) was cancelled on rank {core.rank} "
+                    f"{self.small.kind} (op #{self.seq}) was cancelled on rank {watchdog.rank} "
                     "with data in flight"
                 )
             )
@@ -524,15 +503,15 @@ class Quick:
         self._spawn(self._timeout())
 
     async def _timeout(self) -> None:
-        core = self.core
-        fabric = core._fabric
+        watchdog = self.watchdog
+        fabric = watchdog.fabric
         if fabric.failure is None:
-            err = await core._timeout_error(self.small.kind, self, self.timeout)
+            err = await watchdog.timeout_error(self.small.kind, self, self.timeout)
             fabric.fail(err)
         assert fabric.failure is not None
         self._release()
         handle = self.handle
-        core._tasks.pop(handle, None)
+        watchdog.tasks.pop(handle, None)
         if not handle.done():
             handle._quick = None
             handle.set_exception(fabric.failure)
@@ -549,7 +528,7 @@ class Quick:
             if link is not None:
                 link.unpost(key)
         if self.small.frame_kind == DATA:
-            self.core._fabric.unregister(self.small.gid, self.seq)
+            self.watchdog.registry.unregister(self.small.gid, self.seq)
 
     # -- for the group's checks ------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from aiocollect._net import free_port
 from aiocollect.api import open_group
-from aiocollect.engine import fabric
+from aiocollect.engine import closing
 from aiocollect.errors import AiocollectError
 from aiocollect.group import Group
 from aiocollect.testing.spawn import RankFailed, SpawnedRanks, headline, spawn_ranks
@@ -133,7 +133,7 @@ def abort_payload(rank: int, exc: BaseException) -> bytes:
     Returns:
         The frame's payload.
     """
-    return fabric._encode_abort(rank, exc)
+    return closing.encode_abort(rank, exc)
 
 
 async def links_settled(groups: list[Group], timeout: float = LINGER + 1.0) -> None:

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 import aiocollect as ac
 from aiocollect import errors
-from aiocollect.engine import fabric as fabric_module
+from aiocollect.engine import liveness
 from aiocollect.fingerprint import pack
 from aiocollect.rendezvous.handshake import (
     PROTOCOL_VERSION,
@@ -749,7 +749,7 @@ async def test_ping_flood_without_reading_keeps_memory_bounded(
     """A peer that sends PINGs and never reads the PONGs must not make the rank queue
     PONGs without bound; the group keeps working."""
     backlog = 64 * 1024
-    monkeypatch.setattr(fabric_module, "PONG_BACKLOG", backlog)
+    monkeypatch.setattr(liveness, "PONG_BACKLOG", backlog)
     fake = fake_peer(memory_store, unique_name, chunk_bytes=CHUNK)
     opening = asyncio.ensure_future(
         ac.open_group(

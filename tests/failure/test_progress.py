@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import aiocollect as ac
-from aiocollect import group_core
+from aiocollect.engine import watchdog
 from aiocollect.store import MemoryStore
 from aiocollect.testing import run_ranks
 from aiocollect.testing.proxynet import ProxyNetwork
@@ -54,7 +54,7 @@ class Warnings(logging.Handler):
 
 @pytest.fixture
 def stall_warnings(monkeypatch: pytest.MonkeyPatch) -> Iterator[Warnings]:
-    monkeypatch.setattr(group_core, "PROGRESS_SECONDS", 0.4)
+    monkeypatch.setattr(watchdog, "PROGRESS_SECONDS", 0.4)
     handler = Warnings()
     logger = logging.getLogger("aiocollect")
     logger.addHandler(handler)

@@ -57,7 +57,7 @@ async def test_a_loss_waits_for_the_abort_read_next(transport: str, abort_follow
     failed after it went) before rank 1's ABORT, already sent, is read on the loop's next
     turn. The loss is blamed only after that turn, so the ABORT's cause breaks the group;
     with no ABORT the loss does, as PeerDisconnected, within two loop turns."""
-    from aiocollect.engine.fabric import _encode_abort
+    from aiocollect.engine.closing import encode_abort
 
     async def body(g: ac.Group) -> Any:
         if g.rank != 0:  # hears rank 0's ABORT (relaying the cause, or the loss)
@@ -71,7 +71,7 @@ async def test_a_loss_waits_for_the_abort_read_next(transport: str, abort_follow
         if abort_follows:
             cause = ac.GroupBrokenError("rank 1 raised KeyError: 'missing'")
             cause.raised = True  # type: ignore[attr-defined]
-            payload = _encode_abort(1, cause)
+            payload = encode_abort(1, cause)
             loop.call_soon(fabric.on_control, links[1], ABORT, payload)
         for _ in range(3):
             await asyncio.sleep(0)
@@ -94,7 +94,7 @@ async def test_a_relayed_blame_waits_for_a_near_deadline(transport: str, timeout
     short of its deadline. Near it (0.4 s), the blame is held and this rank's own
     diagnosis wins: it names the peer it waits for. Far from it (30 s), the relayed blame
     breaks the group at once."""
-    from aiocollect.engine.fabric import _encode_abort
+    from aiocollect.engine.closing import encode_abort
 
     async def body(g: ac.Group) -> Any:
         if g.rank == 0:  # stays alive (it answers the probe), hears rank 1's ABORT
@@ -105,7 +105,7 @@ async def test_a_relayed_blame_waits_for_a_near_deadline(transport: str, timeout
         waiting = g.recv(np.zeros(1), 0, tag=1, timeout=timeout)
         blame = ac.PeerTimeout("recv on rank 0 timed out after 0.4 s: ranks [1] sent nothing", [1])
         start = loop.time()
-        fabric.on_control(fabric.links[0], ABORT, _encode_abort(0, blame))
+        fabric.on_control(fabric.links[0], ABORT, encode_abort(0, blame))
         held = fabric.failure is None
         with pytest.raises(ac.PeerTimeout) as info:
             await waiting
@@ -141,7 +141,7 @@ async def test_a_same_host_loss_is_blamed_once_the_process_has_exited(uvloop: bo
 async def test_a_same_host_peer_that_lives_on_is_blamed_within_the_bound(uvloop: bool) -> None:
     """The wait for the peer's exit is bounded (``PEER_EXIT_WAIT``): a peer that ends its
     connections and lives on 5 s is blamed after about half a second, not after 5 s."""
-    from aiocollect.engine.fabric import PEER_EXIT_WAIT
+    from aiocollect.engine.liveness import PEER_EXIT_WAIT
 
     (err, failed_at), (_, ended_at) = await spawn_ranks(
         2, targets.close_links_then_linger, 5.0, timeout=40, transport="auto", uvloop=uvloop

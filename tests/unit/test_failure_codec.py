@@ -9,12 +9,10 @@ import msgpack
 import pytest
 
 from aiocollect import errors
-from aiocollect.engine.fabric import (
-    _CALLED_QUERY,
-    Fabric,
-    _decode_abort,
-    _encode_abort,
-)
+from aiocollect.engine.closing import decode_abort as _decode_abort
+from aiocollect.engine.closing import encode_abort as _encode_abort
+from aiocollect.engine.fabric import Fabric
+from aiocollect.engine.liveness import CALLED_QUERY
 
 
 @pytest.mark.parametrize(
@@ -67,14 +65,14 @@ def test_probe_question_answers_whether_an_operation_was_called() -> None:
     byte after the echoed payload (a plain token is just echoed)."""
     fabric = Fabric(rank=1, world_size=3, max_frame=64)
     token = (7).to_bytes(8, "little")
-    assert fabric._called(token) == b""
+    assert fabric.liveness.called(token) == b""
 
     def ask(gid: int, seq: int) -> bytes:
-        return fabric._called(token + _CALLED_QUERY.pack(gid, seq))
+        return fabric.liveness.called(token + CALLED_QUERY.pack(gid, seq))
 
     assert ask(0, 0) == b"\x00"
-    fabric.register(0, 0, (1, 1, 1, 0, -1), [0, 1, 2])
-    fabric.register(0, 1, (1, 1, 1, 0, -1), [0, 1, 2])
+    fabric.registry.register(0, 0, (1, 1, 1, 0, -1), [0, 1, 2])
+    fabric.registry.register(0, 1, (1, 1, 1, 0, -1), [0, 1, 2])
     # a yes carries this rank's fingerprint of the operation (mismatches found while waiting)
     fp = struct.pack("<qqqqq", 1, 1, 1, 0, -1)
     assert [ask(0, 0), ask(0, 1), ask(0, 2), ask(5, 0)] == [
