@@ -11,11 +11,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 from aiocollect.errors import AiocollectError, GroupBrokenError, MismatchError
 from aiocollect.fingerprint import describe as describe_fingerprint
 from aiocollect.transport.base import Fingerprint, Link
 from aiocollect.transport.wire import WORLD_GID
+
+#: A GOODBYE's digests by group id: (operations called, digest, the last few as
+#: [seq, *fingerprint]) (engine/closing.py).
+Digests = dict[int, tuple[int, int, list[Any]]]
 
 #: Fingerprints of finished operations kept (a peer that disagrees may only send after
 #: this rank finished, e.g. when this rank's operation had nothing to receive).
@@ -43,6 +48,8 @@ class OpRegistry:
         self.digests: dict[int, int] = {}
         #: (gid, seq) -> fingerprint of the last ``DONE_MEMORY`` finished operations
         self.done: OrderedDict[tuple[int, int], Fingerprint] = OrderedDict()
+        #: peer -> the digest of its GOODBYE, for the peers that closed the group
+        self.closed: dict[int, Digests] = {}
 
     def register(self, gid: int, seq: int, fp: Fingerprint, ranks: list[int]) -> None:
         """Record this rank's operation at (gid, seq) and check frames that came early
@@ -58,6 +65,12 @@ class OpRegistry:
         if seq > self.started.get(gid, -1):
             self.started[gid] = seq
         self.digests[gid] = hash((self.digests.get(gid, 0), fp))
+        if self.closed:  # a peer closed already: its digest may show this call is wrong
+            for closer, digests in self.closed.items():
+                err = self._contradicts(closer, digests, gid, seq, fp)
+                if err is not None:
+                    self._fail(err)
+                    return
         early = self.early.pop((gid, seq), None) if self.early else None
         if early is None:
             return
@@ -72,7 +85,8 @@ class OpRegistry:
         (:attr:`Link.goodbye_digests`): where it shows that the peer called one of them
         differently, or never called it (it closed after fewer operations), the
         MismatchError naming both calls; else a GroupBrokenError saying the peer closed
-        the group.
+        the group. The digest is kept: an operation this rank registers later is checked
+        against it too (:meth:`register`).
 
         Args:
             link: the link whose peer said goodbye.
@@ -81,33 +95,42 @@ class OpRegistry:
             The error to fail what still waits on that link with.
         """
         theirs = link.goodbye_digests
-        peer = link.peer
         if theirs is not None:
+            self.closed[link.peer] = theirs
             for (gid, seq), mine in sorted(self.active.items()):
-                if gid not in theirs and gid != WORLD_GID:
-                    continue  # a sub-group the peer never used (or is not a member of)
-                count, _digest, recent = theirs.get(gid, (0, 0, []))
-                where = "" if gid == WORLD_GID else f" of sub-group {gid:#x}"
-                if seq >= count:
-                    return MismatchError(
-                        f"operation #{seq}{where}: rank {self.rank} called "
-                        f"{describe_fingerprint(mine)} but rank {peer} closed the group "
-                        f"after calling {count} collective operations (it never called "
-                        "this one)"
-                    )
-                for entry in recent:
-                    try:
-                        their_seq, their_fp = int(entry[0]), tuple(int(x) for x in entry[1:6])
-                    except (TypeError, ValueError, IndexError):
-                        continue
-                    if their_seq == seq and len(their_fp) == 5 and their_fp != mine:
-                        return MismatchError(
-                            f"operation #{seq}{where}: rank {self.rank} called "
-                            f"{describe_fingerprint(mine)} but rank {peer} called "
-                            f"{describe_fingerprint(their_fp)} (found when rank {peer} "
-                            "closed the group)"
-                        )
-        return GroupBrokenError(f"rank {peer} closed the group")
+                err = self._contradicts(link.peer, theirs, gid, seq, mine)
+                if err is not None:
+                    return err
+        return GroupBrokenError(f"rank {link.peer} closed the group")
+
+    def _contradicts(
+        self, peer: int, theirs: Digests, gid: int, seq: int, mine: Fingerprint
+    ) -> MismatchError | None:
+        """The MismatchError if ``peer``'s GOODBYE digest shows that it called operation
+        ``seq`` of group ``gid`` otherwise than ``mine``, or never called it."""
+        if gid not in theirs and gid != WORLD_GID:
+            return None  # a sub-group the peer never used (or is not a member of)
+        count, _digest, recent = theirs.get(gid, (0, 0, []))
+        where = "" if gid == WORLD_GID else f" of sub-group {gid:#x}"
+        if seq >= count:
+            return MismatchError(
+                f"operation #{seq}{where}: rank {self.rank} called "
+                f"{describe_fingerprint(mine)} but rank {peer} closed the group after "
+                f"calling {count} collective operations (it never called this one)"
+            )
+        for entry in recent:
+            try:
+                their_seq, their_fp = int(entry[0]), tuple(int(x) for x in entry[1:6])
+            except (TypeError, ValueError, IndexError):
+                continue
+            if their_seq == seq and len(their_fp) == 5 and their_fp != mine:
+                return MismatchError(
+                    f"operation #{seq}{where}: rank {self.rank} called "
+                    f"{describe_fingerprint(mine)} but rank {peer} called "
+                    f"{describe_fingerprint(their_fp)} (found when rank {peer} closed the "
+                    "group)"
+                )
+        return None
 
     def unregister(self, gid: int, seq: int) -> None:
         """The operation at (gid, seq) ended: remember its fingerprint among the last

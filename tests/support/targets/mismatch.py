@@ -67,12 +67,13 @@ async def raise_on_rank(g: ac.Group, bad: int) -> None:
 
 
 async def fewer_operations(g: ac.Group, short: int) -> dict[str, Any]:
-    """Every rank but ``short`` calls a second broadcast from root 0 that ``short`` never
-    calls; ``short`` closes after the first."""
-    await g.broadcast(np.zeros(8, np.float32), root=0)
-    if g.rank == short:
-        return {"error": None}
+    """Every rank but ``short`` calls a second broadcast, rooted at ``short``, that
+    ``short`` never calls; ``short`` closes after the first. Reports what the other ranks'
+    broadcasts raised (the first may already fail: a peer's ABORT can overtake its data)."""
     try:
+        await g.broadcast(np.zeros(8, np.float32), root=0)
+        if g.rank == short:
+            return {"error": None}
         await g.broadcast(np.zeros(8, np.float32), root=short)
     except ac.MismatchError as exc:
         return {"error": "MismatchError", "message": str(exc)}
