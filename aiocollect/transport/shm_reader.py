@@ -20,12 +20,12 @@ import asyncio
 import logging
 import os
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from aiocollect.errors import PeerDisconnected, ProtocolError
 from aiocollect.transport import cma
-from aiocollect.transport.base import Aside, Fingerprint, Handshaker, LinkEvents, Receiver, land
+from aiocollect.transport.base import Fingerprint, Handshaker, LinkEvents, Receiver, land
+from aiocollect.transport.shm_pulls import PULL_STEP, PullQueue
 from aiocollect.transport.shm_ring import (
     REF_DESC,
     REF_MAGIC_BYTES,
@@ -78,14 +78,6 @@ PARK_MIN = 64 * 1024
 #: AIOCOLLECT_SHM_SPIN_US overrides it, 0 = off). Measured in docs/shm.md.
 SPIN_SECONDS = 200e-6
 SPIN_ENV = "AIOCOLLECT_SHM_SPIN_US"
-#: Most bytes pulled out of the peer's memory in one go; a larger payload is pulled in
-#: steps, and every step (and every pulled frame) ends with a turn of the event loop, so
-#: that the operation waiting for the frame reduces it and sends on before the next pull.
-#: Reference records are taken out of the ring as they come (the pulls queue up, in
-#: order), so a small frame behind them is read at once instead of after their pulls,
-#: unless it belongs to the stream (kind, group, seq, slot) of a queued pull: frames of one
-#: stream land in order, so the ring then waits for that stream's pulls.
-PULL_STEP = 1024 * 1024
 REF_SIZE = HEADER_SIZE + REF_DESC.size
 
 
@@ -158,16 +150,11 @@ class RingReader(StreamLink):
         self._rgen = 1  # our reader's sleep generation; a new segment starts armed at 1
         self._rung_writer = 0  # the peer writer's generation we last rang for
         self._peer_pid = 0  # whose memory reference records point into
-        #: Reference records taken out of the ring, to pull in order: header, address and
-        #: stream (kind, group, seq, slot).
-        self._pulls: deque[tuple[Header, int, tuple[int, ...]]] = deque()
-        #: The pull under way: where it goes, its token (Link._begin_aside), its address
-        #: and stream.
-        self._pulling: tuple[memoryview, Aside, int, tuple[int, ...]] | None = None
-        self._pgot = 0  # bytes of it pulled so far
-        #: Streams (kind, group, seq, slot) with queued or underway pulls: how many each.
-        self._pull_streams: dict[tuple[int, ...], int] = {}
-        self._pulled = 0  # reference records completed
+        #: Reference records taken out of the ring, to pull in order, and the pull under
+        #: way; its streams (kind, group, seq, slot) with queued or underway pulls, bound
+        #: (tested per frame read).
+        self._pulls = PullQueue()
+        self._pull_streams = self._pulls.streams
         self._resume: asyncio.Handle | None = None  # the next pull step, at the loop's next turn
         self._desc = bytearray(REF_DESC.size)
         self._desc_view = memoryview(self._desc)
@@ -189,6 +176,7 @@ class RingReader(StreamLink):
         into the memory of process ``peer_pid``."""
         self.rx = rx
         self._peer_pid = peer_pid
+        self._pulls.peer_pid = peer_pid
         self.shm = True
 
     def read_peer(self, dest: memoryview, addr: int) -> None:
@@ -359,7 +347,7 @@ class RingReader(StreamLink):
         """Whether a frame from the ring is half read or pulls are queued: then no frame
         may come on the socket (the writer sends one only with everything before it read
         and pulled)."""
-        return self._rpayload is not None or self._pulling is not None or bool(self._pulls)
+        return self._rpayload is not None or bool(self._pull_streams)  # (queued or underway)
 
     def _take_socket_frame(self, h: Header, buf: bytes | bytearray) -> bool:
         """Hand the frame ``h`` (``buf``: its header and payload) from the socket to the
@@ -585,8 +573,7 @@ class RingReader(StreamLink):
                             f"at {addr:#x} for a frame of {h.length}"
                         )
                     stream = h.key[:4]
-                    self._pulls.append((h, addr, stream))  # pulled in turn (_pull_step)
-                    self._pull_streams[stream] = self._pull_streams.get(stream, 0) + 1
+                    self._pulls.add(h, addr, stream)  # pulled in turn (_pull_step)
                     continue
                 if (dest := self.open_frame(h)) is not None:
                     self._rpayload = dest
@@ -616,17 +603,15 @@ class RingReader(StreamLink):
         loop's next turn. A frame whose receive is not posted yet waits for it as the
         ring's frames do (parking, then staging), and while staging is full; the ring is
         read on meanwhile."""
+        pulls = self._pulls
         while True:
             if self.discarding or self.failure is not None:
-                self._pulls.clear()  # (the link is failing: its receives fail with it)
-                self._pull_streams.clear()
-                self._pulling = None
+                pulls.clear()  # (the link is failing: its receives fail with it)
                 return
-            cur = self._pulling
-            if cur is None:
-                if not self._pulls:
+            if pulls.current is None:
+                if not pulls.pending:
                     return
-                h, addr, stream = self._pulls[0]
+                h = pulls.pending[0][0]
                 if not final:
                     if self._parked is not None and not self._parked_in_ring:
                         return  # waits for its receive (post_recv) or the park's end
@@ -635,19 +620,13 @@ class RingReader(StreamLink):
                             return  # staging is full: wait until it is relieved
                         if h.kind == DATA and h.length >= PARK_MIN and self._park(h, in_ring=False):
                             return
-                self._pulls.popleft()
-                begun = self._begin_aside(h)
-                if begun is None:  # refused (the link is failing): nothing to copy
+                if not pulls.begin(self._begin_aside(h)):
+                    # refused (the link is failing): nothing to copy, the pull is over
                     self.discarding = True
-                    self._pulled_one(rx, stream)
+                    self._count_pull(rx)
                     continue
-                cur = self._pulling = (begun[0], begun[1], addr, stream)
-                self._pgot = 0
-            dest, token, addr, stream = cur
-            got = self._pgot
-            n = min(PULL_STEP, len(dest) - got)
             try:
-                cma.pull(self._peer_pid, dest[got : got + n], addr + got)
+                token = pulls.copy(PULL_STEP)
             except ProcessLookupError:
                 # the peer is gone: its socket's end reports that; nothing more can be read
                 self._rx_dead = True
@@ -656,11 +635,8 @@ class RingReader(StreamLink):
                 raise ProtocolError(
                     f"{self.describe()} sent a reference its memory does not back ({exc})"
                 ) from None
-            self._pgot = got = got + n
-            if got == len(dest):
-                self._pulling = None
-                self._pgot = 0
-                self._pulled_one(rx, stream)
+            if token is not None:  # the payload is complete
+                self._count_pull(rx)
                 self._end_aside(token)
             if final:
                 continue  # nothing else runs before the end is reported
@@ -672,19 +648,9 @@ class RingReader(StreamLink):
         self._resume = None
         self._service()
 
-    def _pulled_one(self, rx: Ring, stream: tuple[int, ...]) -> None:
-        """A pull of ``stream`` is over: count it, and let that stream's frames on."""
-        left = self._pull_streams.get(stream, 1) - 1
-        if left:
-            self._pull_streams[stream] = left
-        else:
-            self._pull_streams.pop(stream, None)
-        self._count_pull(rx)
-
     def _count_pull(self, rx: Ring) -> None:
         """Tell the writer that one more reference record is done with."""
-        self._pulled += 1
-        rx.publish_pulled(self._pulled)
+        rx.publish_pulled(self._pulls.pulled)
         self._wake_writer(rx)
 
     # -- parking: a frame whose receive is not posted yet stays in the ring ----------------
