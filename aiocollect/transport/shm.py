@@ -57,9 +57,9 @@ Modules: ``shm_transport`` (the ``shm`` and ``auto`` transports and their listen
 ``shm_reader`` (the receiving half: parking, spinning, backpressure) with ``shm_socket``
 (the socket's bytes, sans-IO) and ``shm_pulls`` (the pull queue), ``shm_ledger`` (what
 sent payloads wait for, sans-IO), ``stream_queue`` (held bulk frames, shared with TCP) and
-this one (the link: setup, sending, closing). The classes: ``StreamLink`` (tcp.py: the socket side) <-
-``RingReader`` (receiving) <- ``ShmLink`` (sending); each uses only the declared interface
-of the one below it (listed in its docstring), never its underscored state
+this one (the link: setup, sending, closing). The classes: ``StreamLink`` (tcp.py: the
+socket side) <- ``RingReader`` (receiving) <- ``ShmLink`` (sending); each uses only the
+declared interface of the one below it (listed in its docstring), never its underscored state
 (docs/design.md, "Stream links and the shared-memory link"). docs/shm.md has the design
 and the measurements.
 """
