@@ -29,7 +29,6 @@ InternalError that breaks the group on every rank.
 from __future__ import annotations
 
 import asyncio
-import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -44,13 +43,12 @@ from aiocollect.engine.reduce import divide as divide_array
 from aiocollect.errors import GroupBrokenError
 from aiocollect.transport.base import Fingerprint, Link, SendMark
 from aiocollect.transport.wire import DATA, HEADER, MAGIC, Key
+from aiocollect.transport.wire import SEQ as _SEQ
+from aiocollect.transport.wire import SEQ_AT as _SEQ_AT
 
 if TYPE_CHECKING:
     from aiocollect.engine.watchdog import Watchdog
 
-#: Where a frame header carries the operation's sequence number (``wire.HEADER``).
-_SEQ_AT = 14
-_SEQ = struct.Struct("<Q")
 _tuple_new = tuple.__new__
 
 

@@ -39,7 +39,7 @@ from typing import TypeVar
 from aiocollect.errors import AiocollectError, PeerDisconnected, ProtocolError
 from aiocollect.rendezvous.handshake import AcceptorHandshake, ConnectorHandshake
 from aiocollect.tls import TLSConfig
-from aiocollect.transport import host, memory, shm, tcp
+from aiocollect.transport import host, memory, shm_transport, tcp_listener
 from aiocollect.transport.base import Fingerprint, Handshaker, Link, LinkEvents, SendMark
 from aiocollect.transport.interface import LinkSetup, Listener, Transport
 from aiocollect.transport.wire import ABORT, DATA, P2P, PING, Header, Key, pack_header
@@ -535,9 +535,9 @@ def tcp_pair(
     """A factory of two links over one loopback TCP connection, TLS when given the
     ``ssl.SSLContext`` of each side (:mod:`aiocollect.transport.tcp`)."""
     if server_ssl is None or client_ssl is None:
-        return transport_pair(tcp.TCP)
+        return transport_pair(tcp_listener.TCP)
     return transport_pair(
-        tcp.TLS, (TLSConfig(client_ssl, client_ssl), TLSConfig(server_ssl, server_ssl))
+        tcp_listener.TLS, (TLSConfig(client_ssl, client_ssl), TLSConfig(server_ssl, server_ssl))
     )
 
 
@@ -545,7 +545,7 @@ def shm_pair(expect_pulls: bool | None = None) -> PairFactory:
     """A factory of two shared-memory links (:mod:`aiocollect.transport.shm`), required to
     be in shared memory. With ``expect_pulls``, the pair must (or must not) pull large
     payloads out of the sender's memory (AIOCOLLECT_SHM_PULL decides)."""
-    return transport_pair(shm.SHM, expect_pulls=expect_pulls)
+    return transport_pair(shm_transport.SHM, expect_pulls=expect_pulls)
 
 
 __all__ = [

@@ -11,11 +11,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from aiocollect.transport import memory, shm, tcp
+from aiocollect.transport import memory, shm_transport, tcp_listener
 from aiocollect.transport.interface import Transport
 
 #: The built-in transports, in the order they are listed (``auto``, the default, first).
-BUILTIN: tuple[Transport, ...] = (shm.AUTO, tcp.TCP, tcp.TLS, memory.MEMORY, shm.SHM)
+BUILTIN: tuple[Transport, ...] = (
+    shm_transport.AUTO,
+    tcp_listener.TCP,
+    tcp_listener.TLS,
+    memory.MEMORY,
+    shm_transport.SHM,
+)
 
 _registry: dict[str, Transport] = {t.name: t for t in BUILTIN}
 

@@ -15,14 +15,14 @@ socket carries doorbell bytes and small frames:
   that it is about to sleep; a reader rings it only when the writer announced that it waits
   for space. Any byte makes the receiving loop drain its incoming ring and continue its
   queued writes, so idle links cost nothing and a stream of frames costs one wake-up.
-- Small frames on the socket: a frame of at most ``INLINE_MAX`` payload bytes (below the
-  by-reference threshold) goes on the socket, behind one ``INLINE`` byte, when the reader
+- Small frames on the socket: a frame of at most ``SOCKET_FRAME_MAX`` payload bytes (below the
+  by-reference threshold) goes on the socket, behind one ``SOCKET_FRAME`` byte, when the reader
   sleeps (its flag is armed, so a doorbell would be written anyway) and has read
   everything this side put into the ring and pulled every reference: the one write then
   carries the frame, and neither side touches the ring (where ranks outnumber cores and
   readers do not spin, every small frame went ring, doorbell, wake-up, ring). While the
-  reader has not counted all of them taken (``inlined`` in the ring), the next small
-  frames follow on the socket (at most ``INLINE_AHEAD``) and nothing enters the ring,
+  reader has not counted all of them taken (``socket_taken`` in the ring), the next small
+  frames follow on the socket (at most ``SOCKET_FRAMES_AHEAD``) and nothing enters the ring,
   so frames reach the peer in the order they were sent.
 - ``send`` never blocks: what does not fit is queued (the payload is referenced, not
   copied, until it is in the ring, as with TCP) and written as the reader frees space;
@@ -49,14 +49,17 @@ socket carries doorbell bytes and small frames:
 - The socket closing (a SIGKILLed peer's kernel closes it) is the loss of the peer; what
   the peer put in the ring before is still read first, so an ABORT frame is never lost.
 - A rank that finds a ring corrupt (either direction) sends its ABORT on the socket
-  instead, after an escape byte (:mod:`aiocollect.transport.shm_reader`), so that the peer
+  instead, after an escape byte (:mod:`aiocollect.transport.shm_socket`), so that the peer
   hears who failed and why even when the ring it would read is the broken one.
 
-Modules: ``shm_setup`` (the handshake upgrade), ``shm_ring`` (segments and rings, no event
-loop), ``shm_reader`` (the receiving half: parking, spinning, backpressure) and this one
-(setup, sending, closing). The classes: ``StreamLink`` (tcp.py: the socket side) <-
-``RingReader`` (receiving) <- ``ShmLink`` (sending); each uses only the declared interface
-of the one below it (listed in its docstring), never its underscored state
+Modules: ``shm_transport`` (the ``shm`` and ``auto`` transports and their listener),
+``shm_setup`` (the handshake upgrade), ``shm_ring`` (segments and rings, no event loop),
+``shm_reader`` (the receiving half: parking, spinning, backpressure) with ``shm_socket``
+(the socket's bytes, sans-IO) and ``shm_pulls`` (the pull queue), ``shm_ledger`` (what
+sent payloads wait for, sans-IO), ``stream_queue`` (held bulk frames, shared with TCP) and
+this one (the link: setup, sending, closing). The classes: ``StreamLink`` (tcp.py: the
+socket side) <- ``RingReader`` (receiving) <- ``ShmLink`` (sending); each uses only the
+declared interface of the one below it (listed in its docstring), never its underscored state
 (docs/design.md, "Stream links and the shared-memory link"). docs/shm.md has the design
 and the measurements.
 """
@@ -68,17 +71,12 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable
 
-from aiocollect.errors import PeerDisconnected, ProtocolError, RendezvousError
-from aiocollect.transport import cma, host, onesided, shm_ring, unix
+from aiocollect.errors import PeerDisconnected, ProtocolError
+from aiocollect.transport import cma
 from aiocollect.transport.base import DRAIN, Handshaker, LinkCaps, LinkEvents, SendMark
-from aiocollect.transport.interface import LinkSetup, Listener, Record, Transport
+from aiocollect.transport.shm_ledger import SendLedger
 from aiocollect.transport.shm_reader import (
-    ESCAPE,
-    INLINE,
-    INLINE_AHEAD,
-    INLINE_MAX,
     PUBLISH_EVERY,
     SPIN_ENV,
     SPIN_SECONDS,
@@ -88,15 +86,18 @@ from aiocollect.transport.shm_reader import (
 )
 from aiocollect.transport.shm_ring import REF_DESC, REF_MAGIC_BYTES, Ring, Segment, fence
 from aiocollect.transport.shm_setup import ShmSetup
+from aiocollect.transport.shm_socket import (
+    ESCAPE,
+    SOCKET_FRAME,
+    SOCKET_FRAME_MAX,
+    SOCKET_FRAMES_AHEAD,
+)
+from aiocollect.transport.stream_queue import StreamQueue
 from aiocollect.transport.tcp import (
     BULK_MIN,
     JOIN_MAX,
-    SocketListener,
-    StreamLink,
-    TcpLink,
-    stream_of,
 )
-from aiocollect.transport.wire import ABORT
+from aiocollect.transport.wire import ABORT, KIND_AT, stream_of
 
 log = logging.getLogger("aiocollect.transport.shm")
 
@@ -136,20 +137,17 @@ class ShmLink(RingReader):
         self._caps_final: LinkCaps | None = None  # caps once pulls work both ways
         self._queue: deque[memoryview] = deque()
         self._queued = 0
-        self._queue_in = 0  # bytes ever queued for the ring
-        self._queue_out = 0  # of those, bytes ever written into the ring
         self._mark: SendMark = None  # what the last send's payload waits for
-        self._mark_waits: list[SendMark] = []  # the marks wait_released waits for now
         self._wgen = 0
         self._rung_reader = 0  # the peer reader's generation we last rang for
-        self._inline_sent = 0  # frames ever sent on the socket (see _send_frame)
+        self._socket_sent = 0  # frames ever sent on the socket (see _send_frame)
         self._close_pending = False
-        self._refs: deque[tuple[memoryview, int]] = deque()  # sent by reference, not pulled
-        self._ref_bytes = 0
-        self._refs_sent = 0
-        self._held: deque[tuple[bytes, memoryview | bytes, bytes]] = deque()  # bulk waiting
-        self._held_bytes = 0
-        self._held_streams: dict[bytes, int] = {}
+        #: Send marks and references not pulled yet: what sent payloads wait for.
+        self._ledger = SendLedger()
+        #: Bulk frames waiting for the ring (head-of-line blocking), and its frames (tested
+        #: per frame sent, without a call).
+        self._hold_queue = StreamQueue()
+        self._held = self._hold_queue.frames
         self._bulk_cap = bulk_cap()
         #: Resolved when what ``drained`` waits for may have happened (the stream's flow
         #: control has its own, for TCP fallback).
@@ -169,7 +167,7 @@ class ShmLink(RingReader):
         if self.shm:
             self._queue.clear()
             self._queued = 0
-            self._drop_refs()
+            self._ledger.drop()
             self._drop_held()
         drain = self._ring_drain
         if drain is not None and not drain.done():
@@ -214,7 +212,7 @@ class ShmLink(RingReader):
             tried = True
         if not self.shm:
             return super().send(header, payload)
-        if self.ring_broken and header[2] == ABORT and not (self.lost or self.closed):
+        if self.ring_broken and header[KIND_AT] == ABORT and not (self.lost or self.closed):
             self._send_escaped(header, payload)
             self.bytes_sent += len(payload)
             self.frames_sent += 1
@@ -232,7 +230,7 @@ class ShmLink(RingReader):
                 return DRAIN
         elif self._held:
             stream = stream_of(header)
-            if stream in self._held_streams:  # behind its stream's waiting frames
+            if stream in self._hold_queue.streams:  # behind its stream's waiting frames
                 self._hold(header, payload, stream)
                 self._mark = DRAIN
                 return DRAIN
@@ -248,7 +246,7 @@ class ShmLink(RingReader):
             return 0
         try:
             self._reap()
-            return tx.cap - tx.free() + self._queued + self._ref_bytes
+            return tx.cap - tx.free() + self._queued + self._ledger.ref_bytes
         except ProtocolError as exc:
             self._tx_failed(exc)
             return 0
@@ -261,9 +259,7 @@ class ShmLink(RingReader):
 
     def _hold(self, header: bytes, payload: memoryview | bytes, stream: bytes) -> None:
         first = not self._held
-        self._held.append((header, payload, stream))
-        self._held_bytes += len(header) + len(payload)
-        self._held_streams[stream] = self._held_streams.get(stream, 0) + 1
+        self._hold_queue.push(header, payload, stream)
         if first:
             self._arm_for_held()
 
@@ -283,18 +279,7 @@ class ShmLink(RingReader):
         held = self._held
         if not held or self._tx_dead or self.lost or self._tx is None:
             return
-        while held:
-            header, payload, stream = held[0]
-            n = len(payload)
-            if n >= BULK_MIN and self._must_hold(n):
-                break
-            held.popleft()
-            self._held_bytes -= len(header) + n
-            left = self._held_streams[stream] - 1
-            if left:
-                self._held_streams[stream] = left
-            else:
-                del self._held_streams[stream]
+        for header, payload in self._hold_queue.release(self._may_release):
             self._send_frame(header, payload)
             if self._tx_dead or self._tx is None:
                 return
@@ -304,20 +289,19 @@ class ShmLink(RingReader):
         if drain is not None and not drain.done():
             drain.set_result(None)
 
+    def _may_release(self, n: int) -> bool:
+        """Whether a held frame of ``n`` payload bytes may enter the ring now."""
+        return n < BULK_MIN or not self._must_hold(n)
+
     def _flush_held(self) -> None:
         """Send every held frame regardless of the cap (closing)."""
-        held, self._held = self._held, deque()
-        self._held_bytes = 0
-        self._held_streams.clear()
-        for header, payload, _ in held:
+        for header, payload, _ in self._hold_queue.take_all():
             if self._tx_dead or self.lost or self._tx is None:
                 break
             self._send_frame(header, payload)
 
     def _drop_held(self) -> None:
-        self._held.clear()
-        self._held_bytes = 0
-        self._held_streams.clear()
+        self._hold_queue.clear()
 
     def _socket_frame(self, header: bytes, payload: memoryview | bytes, tx: Ring) -> bool:
         """Write a small frame (below the by-reference threshold) on the socket if it may go
@@ -331,17 +315,19 @@ class ShmLink(RingReader):
         n = len(payload)
         pull_min = self.policy.pull_min
         if (
-            n <= INLINE_MAX
+            n <= SOCKET_FRAME_MAX
             and (n < pull_min or pull_min <= 0)
             and self.shm
             and not self._queue
             and not (self.ring_broken or self.lost or self.closed or self._tx_dead)
             and (transport := self.transport) is not None
             and not transport.is_closing()
-            and tx.socket_turn(self._inline_sent, self._refs_sent, self._rung_reader, INLINE_AHEAD)
-        ):  # behind an INLINE byte, as on TCP
-            transport.write(INLINE + header + payload if n else INLINE + header)
-            self._inline_sent += 1
+            and tx.socket_turn(
+                self._socket_sent, self._ledger.refs_sent, self._rung_reader, SOCKET_FRAMES_AHEAD
+            )
+        ):  # behind a SOCKET_FRAME byte
+            transport.write(SOCKET_FRAME + header + payload if n else SOCKET_FRAME + header)
+            self._socket_sent += 1
             self.bytes_sent += n
             self.frames_sent += 1
             self._mark = None
@@ -362,7 +348,7 @@ class ShmLink(RingReader):
             if not socket_tried and self._socket_frame(header, payload, tx):
                 return
             try:
-                if not self._inline_ahead(tx) and tx.free() >= len(header) + n:
+                if not self._socket_ahead(tx) and tx.free() >= len(header) + n:
                     tx.write(memoryview(header + payload if n else header))
                     self.bytes_sent += n
                     self.frames_sent += 1
@@ -383,16 +369,13 @@ class ShmLink(RingReader):
         ref = 0
         if self._by_reference(tx, n):
             # by reference: the reader copies the payload out of this process's memory
-            header = REF_MAGIC_BYTES + header[2:] + REF_DESC.pack(cma.address(view), n)
-            self._refs.append((view, n))
-            self._ref_bytes += n
-            self._refs_sent += 1
-            ref = self._refs_sent
+            header = REF_MAGIC_BYTES + header[KIND_AT:] + REF_DESC.pack(cma.address(view), n)
+            ref = self._ledger.by_reference(view, n)
             n = 0
         idle = not self._queue  # else the queue waits for space: the doorbell resumes it
         if idle:
             try:
-                if not self._inline_ahead(tx) and (
+                if not self._socket_ahead(tx) and (
                     tx.free() >= len(header) + n  # the common case: straight in
                 ):
                     tx.write(memoryview(header))
@@ -402,7 +385,7 @@ class ShmLink(RingReader):
                     self._mark = (0, ref) if ref else None
                     return
             except ProtocolError as exc:
-                if header[2] == ABORT:  # the group is failing: this must still reach the peer
+                if header[KIND_AT] == ABORT:  # the group is failing: this must still reach the peer
                     self.ring_broken = True
                     self._send_escaped(header, payload)
                 self._tx_failed(exc)
@@ -411,21 +394,20 @@ class ShmLink(RingReader):
         if n:
             self._queue.append(view)
         self._queued += len(header) + n
-        self._queue_in += len(header) + n
-        self._mark = (self._queue_in, ref)
+        self._mark = self._ledger.queued(len(header) + n, ref)
         if idle:
             self._pump()
 
     # -- small frames on the socket ---------------------------------------------------------
 
-    def _inline_ahead(self, tx: Ring) -> int:
+    def _socket_ahead(self, tx: Ring) -> int:
         """Frames sent on the socket that the reader has not taken yet: while there are
         any, a frame may not enter the ring (the reader could read it first)."""
-        sent = self._inline_sent
+        sent = self._socket_sent
         if not sent:
             return 0
-        ahead = sent - tx.inlined()
-        if not 0 <= ahead <= INLINE_AHEAD:
+        ahead = sent - tx.socket_taken()
+        if not 0 <= ahead <= SOCKET_FRAMES_AHEAD:
             raise ProtocolError(
                 f"corrupt shared-memory ring: the reader took {sent - ahead} socket "
                 f"frames of {sent}"
@@ -445,12 +427,12 @@ class ShmLink(RingReader):
     def frames_on_socket(self) -> int:
         """Small frames this link has sent on its socket instead of through the ring
         (the reader slept with everything read)."""
-        return self._inline_sent
+        return self._socket_sent
 
     @property
     def frames_by_reference(self) -> int:
         """Frames this link has sent by reference (the peer pulled their payloads)."""
-        return self._refs_sent
+        return self._ledger.refs_sent
 
     def _by_reference(self, ring: Ring | None, nbytes: int) -> bool:
         """Whether a payload of ``nbytes`` through ``ring`` goes as a reference record."""
@@ -493,15 +475,15 @@ class ShmLink(RingReader):
 
     def _pump(self) -> None:
         """Copy queued pieces into the outgoing ring while it has space."""
-        tx, queue = self._tx, self._queue
+        tx, queue, ledger = self._tx, self._queue, self._ledger
         if tx is None or self._tx_dead:
             return
         try:
-            if queue and self._inline_ahead(tx):
+            if queue and self._socket_ahead(tx):
                 # After the socket's frames: the reader rings as it takes them.
                 self._arm_writer(tx)
-                if self._inline_ahead(tx):
-                    if self._mark_waits and self._marks_released():
+                if self._socket_ahead(tx):
+                    if self._ledger.waits and self._marks_released():
                         self._wake_drain()
                     return
             free = tx.free()
@@ -514,7 +496,7 @@ class ShmLink(RingReader):
                     self._arm_writer(tx)
                     free = tx.free()
                     if not free:
-                        if self._mark_waits and self._marks_released():
+                        if self._ledger.waits and self._marks_released():
                             self._wake_drain()
                         return
                     continue
@@ -529,7 +511,7 @@ class ShmLink(RingReader):
                     queue[0] = piece[n:]
                 free -= n
                 self._queued -= n
-                self._queue_out += n
+                ledger.queue_out += n
                 wrote = True
                 if n >= PUBLISH_EVERY:
                     self._publish(tx)
@@ -555,7 +537,7 @@ class ShmLink(RingReader):
         if (
             drain is not None
             and not drain.done()
-            and (self._marks_released() if self._mark_waits else self._all_pulled())
+            and (self._marks_released() if self._ledger.waits else self._all_pulled())
             and not drain.done()
         ):
             drain.set_result(None)
@@ -574,19 +556,7 @@ class ShmLink(RingReader):
         tx = self._tx
         if tx is None:
             return
-        refs = self._refs
-        before = self._refs_let_go
-        done = tx.pulled()
-        if done == before:
-            return
-        if not before < done <= self._refs_sent:
-            raise ProtocolError(
-                f"corrupt shared-memory ring: {done} pulls reported after "
-                f"{before}, with {self._refs_sent} references sent"
-            )
-        for _ in range(done - before):
-            self._ref_bytes -= refs.popleft()[1]
-        if not refs and not self._queue:
+        if self._ledger.let_go(tx.pulled()) and not self._queue:
             # Whoever reaps the last reference wakes the drain: another in-flight operation
             # may reap here (write_buffer_size) before the doorbell that the drain awaits.
             drain = self._ring_drain
@@ -600,30 +570,21 @@ class ShmLink(RingReader):
         tx.arm_writer(self._wgen)
         fence()
 
-    @property
-    def _refs_let_go(self) -> int:
-        """References sent whose payloads the reader has pulled (counted in order)."""
-        return self._refs_sent - len(self._refs)
-
     def _all_pulled(self) -> bool:
         """Whether every payload sent by reference has been pulled; if not, the writer's
         flag is armed (a new generation) so that the reader rings once it pulls more."""
-        tx = self._tx
-        if not self._refs or tx is None or self._tx_dead:
+        tx, refs = self._tx, self._ledger.refs
+        if not refs or tx is None or self._tx_dead:
             return True
         try:
             self._reap()
-            if self._refs:
+            if refs:
                 self._arm_writer(tx)
                 self._reap()
         except ProtocolError as exc:
             self._tx_failed(exc)
             return True
-        return not self._refs
-
-    def _drop_refs(self) -> None:
-        self._refs.clear()
-        self._ref_bytes = 0
+        return not refs
 
     def _tx_failed(self, exc: ProtocolError) -> None:
         """The outgoing ring is corrupt (the reader's counters are implausible): write
@@ -634,7 +595,7 @@ class ShmLink(RingReader):
         self.ring_broken = True
         self._queue.clear()
         self._queued = 0
-        self._drop_refs()
+        self._ledger.drop()
         self._drop_held()
         if self._ring_drain is not None and not self._ring_drain.done():
             self._ring_drain.set_exception(exc)
@@ -654,12 +615,12 @@ class ShmLink(RingReader):
         """Bytes queued for the ring plus bytes sent by reference and not yet pulled."""
         if not self.shm:
             return super().write_buffer_size()
-        if self._refs:
+        if self._ledger.refs:
             try:
                 self._reap()
             except ProtocolError as exc:
                 self._tx_failed(exc)
-        return self._queued + self._ref_bytes + self._held_bytes
+        return self._queued + self._ledger.ref_bytes + self._hold_queue.nbytes
 
     def _spin_step(self, until: float | None) -> tuple[float | None, bool]:
         """One look of a busy-wait for the reader's pulls: the wait's deadline (set at the
@@ -680,7 +641,7 @@ class ShmLink(RingReader):
             await super().drained()
             return
         spin_until = None
-        while self._queue or self._refs or self._held:
+        while self._queue or self._ledger.refs or self._held:
             if self.lost or self._tx_dead:
                 raise self.failure or PeerDisconnected(
                     f"link to {self.describe()} closed", self.peer
@@ -716,11 +677,7 @@ class ShmLink(RingReader):
         mark = self._mark
         if prev is None or mark == prev:
             return mark
-        if mark is None:
-            return prev
-        if mark == DRAIN or prev == DRAIN:
-            return DRAIN
-        return (max(mark[0], prev[0]), max(mark[1], prev[1]))
+        return SendLedger.merge(mark, prev)
 
     def released(self, mark: SendMark) -> bool:
         if mark is None:
@@ -729,17 +686,17 @@ class ShmLink(RingReader):
             return super().released(mark)
         if self.lost or self._tx_dead:
             return False  # (wait_released raises the failure)
-        queued, ref = mark
-        if self._queue_out < queued:
+        ledger = self._ledger
+        if ledger.released(mark):
+            return True
+        if not ledger.in_ring(mark):
             return False
-        if ref > self._refs_let_go:
-            try:
-                self._reap()
-            except ProtocolError as exc:
-                self._tx_failed(exc)
-                return False
-            return ref <= self._refs_let_go
-        return True
+        try:
+            self._reap()  # (its reference may have been pulled since)
+        except ProtocolError as exc:
+            self._tx_failed(exc)
+            return False
+        return ledger.released(mark)
 
     async def wait_released(self, mark: SendMark) -> None:
         """Wait for ``mark`` alone (other frames on the link may stay queued): like
@@ -751,14 +708,15 @@ class ShmLink(RingReader):
             await super().wait_released(mark)
             return
         spin_until = None
-        self._mark_waits.append(mark)
+        waits = self._ledger.waits
+        waits.append(mark)
         try:
             while not self.released(mark):
                 if self.lost or self._tx_dead or self._tx is None:
                     raise self.failure or PeerDisconnected(
                         f"link to {self.describe()} closed", self.peer
                     )
-                if self._queue_out >= mark[0]:  # only its pull is outstanding
+                if self._ledger.in_ring(mark):  # only its pull is outstanding
                     spin_until, spinning = self._spin_step(spin_until)
                     if spinning:
                         await asyncio.sleep(0)
@@ -770,17 +728,17 @@ class ShmLink(RingReader):
                     self._ring_drain = asyncio.get_running_loop().create_future()
                 await asyncio.shield(self._ring_drain)
         finally:
-            self._mark_waits.remove(mark)
+            waits.remove(mark)
 
     def _marks_released(self) -> bool:
         """Whether the mark of a waiter (``wait_released``) is released now; if none is
         and payloads are still to be pulled, the writer's flag is armed again (a new
         generation) so that the reader rings once it pulls more (as ``_all_pulled``)."""
-        waits = self._mark_waits
+        waits = self._ledger.waits
         if any(self.released(m) for m in waits):
             return True
         tx = self._tx
-        if tx is None or self._tx_dead or not self._refs:
+        if tx is None or self._tx_dead or not self._ledger.refs:
             return False
         self._arm_writer(tx)
         return any(self.released(m) for m in waits)
@@ -827,7 +785,7 @@ class ShmLink(RingReader):
             self.discarding = True  # nothing more is read, as on a reset TCP connection
             self._queue.clear()
             self._queued = 0
-            self._drop_refs()
+            self._ledger.drop()
             self._drop_held()
         super().abort()
 
@@ -844,147 +802,10 @@ def bulk_cap() -> int:
         return 0
 
 
-class ShmListener(SocketListener):
-    """A TCP listener whose links move to shared memory during their handshake.
-
-    ``mode`` (published as the record's ``shm``): ``force`` (``transport="shm"``: every
-    link, or the group fails to form), ``auto`` (links to ranks on this host whose mode is
-    not ``off``; the others, and any whose upgrade fails, stay on TCP) or ``off`` (shared
-    memory does not work here: plain TCP links, and peers do not ask for it)."""
-
-    def __init__(self, setup: LinkSetup, mode: str) -> None:
-        super().__init__(setup, "tcp")
-        self.mode = mode
-        self._unix_server: asyncio.Server | None = None
-        self.policy = ShmPolicy()
-        self.record["shm"] = mode
-        #: Whether this rank's links to the ranks on its host read one-sided: the group's
-        #: default chunk size and algorithms depend on every rank's (transport.onesided).
-        pulls = mode != "off" and self.policy.pull_min > 0
-        self.record.update(onesided.fields(onesided.HOST if pulls else None))
-
-    async def serve(self, factory: Callable[[], StreamLink]) -> asyncio.Server:
-        """TCP as any socket listener, and an abstract Unix socket for the ranks on this
-        host (its name in the record's ``unix``; :mod:`aiocollect.transport.unix`)."""
-        server = await super().serve(factory)
-        if unix.enabled():
-            try:
-                self._unix_server, self.record["unix"] = await unix.serve(factory)
-            except OSError as exc:  # (no Unix sockets here: TCP it is)
-                log.debug("no Unix socket for rank %d: %s", self.setup.rank, exc)
-        return server
-
-    async def dial(self, record: Record, link: StreamLink) -> None:
-        """Over the peer's Unix socket when it runs on this host and offers one (and this
-        rank may use them), else, or when that fails, over TCP.
-
-        Raises:
-            OSError: the TCP connection failed too.
-        """
-        name = record.get("unix")
-        if unix.valid_name(name) and unix.enabled() and host.same_host(record):
-            assert isinstance(name, str)
-            try:
-                await unix.dial(name, lambda: link)
-                return
-            except OSError as exc:  # e.g. another network namespace: TCP instead
-                log.debug(
-                    "rank %d: no Unix socket to rank %s (%s), using TCP",
-                    self.setup.rank,
-                    record.get("rank"),
-                    exc,
-                )
-        await super().dial(record, link)
-
-    def close(self) -> None:
-        server, self._unix_server = self._unix_server, None
-        if server is not None:
-            server.close()
-        super().close()
-
-    def make_link(self, handshaker: Handshaker, record: Record | None) -> StreamLink:
-        setup, mode = self.setup, self.mode
-        if mode == "off" or (record is not None and not SHM.accepts(record)):
-            return TcpLink(setup.events, setup.max_frame, handshaker)
-        return ShmLink(
-            setup.events,
-            setup.max_frame,
-            handshaker,
-            role="acceptor" if record is None else "connector",
-            required=mode == "force",
-            policy=self.policy,
-        )
-
-    def prepare(self, peers: dict[int, Record]) -> None:
-        if self.mode == "force":
-            self._check_peers(peers)
-        local = sum(1 for rec in peers.values() if host.same_host(rec))
-        self.policy.spin = spin_budget(local)
-        self.policy.capacity = shm_ring.configured_capacity(local)
-
-    def _check_peers(self, peers: dict[int, Record]) -> None:
-        rank = self.setup.rank
-        reason = shm_ring.unavailable()
-        if reason is not None:
-            raise RendezvousError(f"rank {rank}: transport='shm' is unavailable: {reason}")
-        me = host.identity()
-        for r, rec in peers.items():
-            if r == rank:
-                continue
-            if not host.same_host(rec):
-                raise RendezvousError(
-                    f"transport='shm' needs every rank on one host: rank {r} runs on "
-                    f"{rec.get('hostname')!r} (boot id {rec.get('boot_id')!r}), rank {rank} "
-                    f"on {me['hostname']!r} (boot id {me['boot_id']!r}); use "
-                    "transport='auto'"
-                )
-            if rec.get("shm", "off") == "off":
-                raise RendezvousError(
-                    f"rank {r} does not use shared memory but rank {rank} has "
-                    f"transport='shm'; give every rank the same transport"
-                )
-
-
-class ShmTransport(Transport):
-    """``shm`` (``required``): shared memory for every link. ``auto``: shared memory to the
-    ranks this transport accepts (same host, shared memory on there too) where it works
-    here, TCP to the others and where the upgrade fails; one group may mix both."""
-
-    def __init__(self, name: str, required: bool) -> None:
-        self.name = name
-        self.required = required
-
-    def unavailable(self) -> str | None:
-        return shm_ring.unavailable() if self.required else None
-
-    def details(self) -> str | None:
-        socket = unix.describe()
-        if not self.required:
-            why = shm_ring.unavailable()
-            return "tcp only: " + why if why else f"shm on one host (over {socket}), else tcp"
-        return f"single-copy pulls {cma.status()}; over {socket}"
-
-    def accepts(self, record: Record) -> bool:
-        return host.same_host(record) and record.get("shm", "off") != "off"
-
-    async def listen(self, setup: LinkSetup) -> Listener:
-        mode = "auto" if shm_ring.unavailable() is None else "off"
-        listener = ShmListener(setup, "force" if self.required else mode)
-        await listener.start()
-        return listener
-
-
-SHM = ShmTransport("shm", required=True)
-AUTO = ShmTransport("auto", required=False)
-
-
 __all__ = [
-    "AUTO",
-    "SHM",
     "SPIN_ENV",
     "SPIN_SECONDS",
     "ShmLink",
     "ShmPolicy",
-    "ShmTransport",
     "spin_budget",
 ]

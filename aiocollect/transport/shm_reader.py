@@ -1,17 +1,11 @@
 """The receiving half of a shared-memory link: doorbells, reading frames out of the
 incoming ring, parking, spinning and backpressure (see :mod:`aiocollect.transport.shm`).
 
-The socket carries doorbell bytes (``0x01``), small frames (``0x03`` followed by the frame
-as on TCP, header and payload of at most ``INLINE_MAX`` bytes: sent instead of a doorbell
-when the reader sleeps with its ring empty, see :mod:`aiocollect.transport.shm`) and, once,
-possibly an *escape*: a rank that found the link's rings corrupt sends ``0x02`` followed
-by one ABORT frame (header and payload, as on TCP) on the socket, since the rings can no
-longer be trusted to carry it, and closes. The receiving side then stops reading its ring
-and takes the ABORT from the socket; any other frame after an escape, any other byte
-between frames, a socket frame larger than ``INLINE_MAX`` or one that arrives while a
+The socket carries doorbell bytes, small frames and possibly an escaped ABORT
+(:mod:`aiocollect.transport.shm_socket` parses them); a socket frame that arrives while a
 frame from the ring is half read is a ProtocolError.
 
-The reader counts the socket's frames in its ring (``inlined``) as it takes them; the
+The reader counts the socket's frames in its ring (``socket_taken``) as it takes them; the
 writer puts nothing into the ring while any it sent are not counted, so frames reach the
 mailbox in the order they were sent whichever way each went.
 
@@ -26,12 +20,12 @@ import asyncio
 import logging
 import os
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from aiocollect.errors import PeerDisconnected, ProtocolError
 from aiocollect.transport import cma
-from aiocollect.transport.base import Aside, Fingerprint, Handshaker, LinkEvents, Receiver, land
+from aiocollect.transport.base import Fingerprint, Handshaker, LinkEvents, Receiver, land
+from aiocollect.transport.shm_pulls import PULL_STEP, PullQueue
 from aiocollect.transport.shm_ring import (
     REF_DESC,
     REF_MAGIC_BYTES,
@@ -39,13 +33,24 @@ from aiocollect.transport.shm_ring import (
     configured_capacity,
     fence,
 )
+from aiocollect.transport.shm_socket import (
+    BELL,
+    ESCAPED,
+    FRAME,
+    RANG,
+    SOCKET_FRAME_BYTE,
+    SOCKET_FRAME_MAX,
+    SocketParser,
+)
 from aiocollect.transport.tcp import StreamLink
 from aiocollect.transport.wire import (
     ABORT,
     DATA,
     HEADER,
     HEADER_SIZE,
+    KIND_AT,
     MAGIC,
+    MAGIC_BYTES,
     P2P,
     Header,
     Key,
@@ -59,23 +64,6 @@ _new_header = tuple.__new__  # (a Header from fields already checked, without _m
 
 _BELL_BYTES = bytearray(64 * 1024)
 _BELLS = memoryview(_BELL_BYTES)
-_BELL = b"\x01"
-#: On the socket of a link in shared-memory mode: what follows is one frame (module's
-#: docstring).
-INLINE = b"\x03"
-_INLINE_BYTE = INLINE[0]
-_BELL_BYTE = _BELL[0]
-#: The largest payload a frame on the socket may carry.
-INLINE_MAX = 16 * 1024
-#: Most frames a writer sends on the socket before the reader has counted them taken; a
-#: writer at the limit queues its frames for the ring until the reader catches up (a
-#: reader whose staging is full counts none, so this bounds what it stages beyond it).
-INLINE_AHEAD = 64
-#: On the socket of a link in shared-memory mode: what follows is one ABORT frame (the
-#: rings are corrupt, see the module's docstring).
-ESCAPE = b"\x02"
-#: The largest ABORT payload taken after an escape (its message and origin).
-MAX_ESCAPED = 64 * 1024
 #: A write at least this large is published (and the reader woken) before the next one, so
 #: the reader copies out while the writer copies in.
 PUBLISH_EVERY = 64 * 1024
@@ -90,16 +78,7 @@ PARK_MIN = 64 * 1024
 #: AIOCOLLECT_SHM_SPIN_US overrides it, 0 = off). Measured in docs/shm.md.
 SPIN_SECONDS = 200e-6
 SPIN_ENV = "AIOCOLLECT_SHM_SPIN_US"
-#: Most bytes pulled out of the peer's memory in one go; a larger payload is pulled in
-#: steps, and every step (and every pulled frame) ends with a turn of the event loop, so
-#: that the operation waiting for the frame reduces it and sends on before the next pull.
-#: Reference records are taken out of the ring as they come (the pulls queue up, in
-#: order), so a small frame behind them is read at once instead of after their pulls,
-#: unless it belongs to the stream (kind, group, seq, slot) of a queued pull: frames of one
-#: stream land in order, so the ring then waits for that stream's pulls.
-PULL_STEP = 1024 * 1024
 REF_SIZE = HEADER_SIZE + REF_DESC.size
-_MAGIC_BYTES = MAGIC.to_bytes(2, "little")
 
 
 @dataclass
@@ -171,33 +150,25 @@ class RingReader(StreamLink):
         self._rgen = 1  # our reader's sleep generation; a new segment starts armed at 1
         self._rung_writer = 0  # the peer writer's generation we last rang for
         self._peer_pid = 0  # whose memory reference records point into
-        #: Reference records taken out of the ring, to pull in order: header, address and
-        #: stream (kind, group, seq, slot).
-        self._pulls: deque[tuple[Header, int, tuple[int, ...]]] = deque()
-        #: The pull under way: where it goes, its token (Link._begin_aside), its address
-        #: and stream.
-        self._pulling: tuple[memoryview, Aside, int, tuple[int, ...]] | None = None
-        self._pgot = 0  # bytes of it pulled so far
-        #: Streams (kind, group, seq, slot) with queued or underway pulls: how many each.
-        self._pull_streams: dict[tuple[int, ...], int] = {}
-        self._pulled = 0  # reference records completed
+        #: Reference records taken out of the ring, to pull in order, and the pull under
+        #: way; its streams (kind, group, seq, slot) with queued or underway pulls, bound
+        #: (tested per frame read).
+        self._pulls = PullQueue()
+        self._pull_streams = self._pulls.streams
         self._resume: asyncio.Handle | None = None  # the next pull step, at the loop's next turn
         self._desc = bytearray(REF_DESC.size)
         self._desc_view = memoryview(self._desc)
         #: A ring failed: an ABORT goes on the socket (escaped).
         self.ring_broken = False
-        self._escaped: bytearray | None = None  # the peer's escaped ABORT, as it arrives
         # The frame being read out of the ring (the stream's parser has its own).
         self._rhdr = bytearray(HEADER_SIZE)
         self._rhdr_view = memoryview(self._rhdr)
         self._rpayload: memoryview | None = None  # where its payload goes
         self._rgot = 0  # payload bytes of it read so far
-        #: The frame arriving on the socket (INLINE), as far as it has come, and its
-        #: header once that is in.
-        self._inline: bytearray | None = None
-        self._inline_head: Header | None = None
-        self._inlined = 0  # socket frames taken
-        self._inline_unacked = False  # taken, not yet counted in the ring (staging full)
+        #: The bytes on the socket: a frame or an escaped ABORT as far as it has come.
+        self._socket_parser = SocketParser(max_frame)
+        self._socket_taken = 0  # socket frames taken
+        self._socket_unacked = False  # taken, not yet counted in the ring (staging full)
         self._bells_off = False  # the socket's stream is ending (stop_bells)
 
     def attach(self, rx: Ring, peer_pid: int) -> None:
@@ -205,6 +176,7 @@ class RingReader(StreamLink):
         into the memory of process ``peer_pid``."""
         self.rx = rx
         self._peer_pid = peer_pid
+        self._pulls.peer_pid = peer_pid
         self.shm = True
 
     def expose(self, buf: memoryview) -> bytes:
@@ -277,7 +249,7 @@ class RingReader(StreamLink):
             and not self._bells_off
             and not transport.is_closing()
         ):
-            transport.write(_BELL)
+            transport.write(BELL)
 
     def stop_bells(self) -> None:
         """Ring no more doorbells (the sending half is about to end the socket's stream)."""
@@ -291,19 +263,17 @@ class RingReader(StreamLink):
     def buffer_updated(self, nbytes: int) -> None:
         if not self.shm:
             super().buffer_updated(nbytes)
-        elif self._escaped is not None:
-            self._escaped_bytes(_BELLS[:nbytes])
-        elif self._inline is not None:
+        elif self._socket_parser.busy:
             self._socket_bytes(nbytes)
-        elif _BELL_BYTES[0] == _INLINE_BYTE and not self.discarding:
-            if not self._inline_fast(nbytes):
+        elif _BELL_BYTES[0] == SOCKET_FRAME_BYTE and not self.discarding:
+            if not self._socket_frame_fast(nbytes):
                 self._socket_bytes(nbytes)
-        elif self.discarding or _BELL_BYTES.count(_BELL, 0, nbytes) == nbytes:
+        elif self.discarding or _BELL_BYTES.count(BELL, 0, nbytes) == nbytes:
             self._service()  # doorbells only, or nothing more is taken
         else:
             self._socket_bytes(nbytes)
 
-    def _inline_fast(self, nbytes: int) -> bool:
+    def _socket_frame_fast(self, nbytes: int) -> bool:
         """The common case of a frame on the socket, in one step: the read is exactly one
         DATA or P2P frame whose receive is posted with its fingerprint and length (as
         ``_consume``'s fast path). False, having done nothing, for anything else."""
@@ -316,97 +286,71 @@ class RingReader(StreamLink):
             nbytes != 1 + HEADER_SIZE + n
             or magic != MAGIC
             or kind not in (DATA, P2P)
-            or n > INLINE_MAX
+            or n > SOCKET_FRAME_MAX
             or self._ring_frame_open()
             or self._rx_dead
         ):
-            return False  # (_take_inline reports what is wrong)
+            return False  # (_take_socket_frame reports what is wrong)
         key = _new_key(Key, (kind, gid, seq, slot, chunk))
         recv = self._take_posted(key, n, (coll, dtype, elems, rop, root))
         if recv is None:
             h = _new_header(Header, (kind, coll, rop, dtype, gid, chunk, seq, slot, root, elems, n))
-            return self._inline_early(nbytes, h, key)
-        self._inlined += 1
-        self._count_inlined()
+            return self._socket_frame_early(nbytes, h, key)
+        self._socket_taken += 1
+        self._count_socket_frames()
         land(recv, _BELLS[1 + HEADER_SIZE : nbytes])
         return True
 
-    def _inline_early(self, nbytes: int, h: Header, key: Key) -> bool:
-        """The read is exactly one DATA or P2P frame ``h`` (``key``; ``_inline_fast``
+    def _socket_frame_early(self, nbytes: int, h: Header, key: Key) -> bool:
+        """The read is exactly one DATA or P2P frame ``h`` (``key``; ``_socket_frame_fast``
         checked its magic, kind and length, and made ``h`` from its fields as
         ``parse_header`` would) whose receive is not posted as it says: into the mailbox as
-        ``_take_inline`` would put it (staged early, or a mismatch reported), without
+        ``_take_socket_frame`` would put it (staged early, or a mismatch reported), without
         collecting it byte by byte first. The star's root takes most of its leaves' frames
         this way. False, having done nothing, when the frame is longer than this link
         takes (``_socket_bytes`` reports it)."""
         if h.length > self.max_frame:
             return False
-        self._inlined += 1
+        self._socket_taken += 1
         self.take_whole(h, _BELLS[1 + HEADER_SIZE : nbytes], key)
-        self._count_inlined()
+        self._count_socket_frames()
         return True
 
     def _socket_bytes(self, nbytes: int) -> None:
-        """Doorbells, frames and an escape on the socket, in order (module docstring)."""
-        data = _BELLS
-        pos = 0
+        """Doorbells, frames and an escape on the socket, in order
+        (:mod:`aiocollect.transport.shm_socket`)."""
+        parser = self._socket_parser
+        escaping = parser.escaped is not None  # (then only the escaped ABORT comes)
+        if escaping and (self.discarding or self.lost):
+            return
+        taken = self._socket_taken
         bell = False
-        taken = self._inlined
-        while pos < nbytes:
-            buf = self._inline
-            if buf is not None:
-                h = self._inline_head
-                want = HEADER_SIZE + (h.length if h is not None else 0) - len(buf)
-                take = min(want, nbytes - pos)
-                buf += data[pos : pos + take]
-                pos += take
-                if take < want:
-                    break
-                if h is None:
-                    try:
-                        h = parse_header(buf, self.max_frame)
-                        if h.length > INLINE_MAX:
-                            raise ProtocolError(
-                                f"{h.length} bytes in a frame on the socket (at most {INLINE_MAX})"
-                            )
-                    except ProtocolError as exc:
-                        self._inline = None
-                        self._raise_error(
-                            ProtocolError(
-                                f"{self.describe()} sent a malformed frame on its socket: {exc}"
-                            )
-                        )
+        try:
+            for kind, h, data in parser.feed(_BELLS[:nbytes]):
+                if kind == FRAME and h is not None:
+                    if not self._take_socket_frame(h, data):
                         return
-                    self._inline_head = h
-                    if h.length:
-                        continue
-                self._inline = self._inline_head = None
-                if not self._take_inline(h, buf):
-                    return
-                continue
-            byte = data[pos]
-            pos += 1
-            if byte == _BELL_BYTE:
-                bell = True
-            elif byte == _INLINE_BYTE:
-                self._inline = bytearray()
-            elif byte == ESCAPE[0]:
-                self._escaped = bytearray()
-                self._rx_dead = True  # the peer says the rings are broken: never read them
-                self._spin_until = None
-                self._unpark()
-                self._escaped_bytes(data[pos:nbytes])
-                return
-            else:
-                self._raise_error(
-                    ProtocolError(
-                        f"{self.describe()} sent byte {byte:#04x} on its socket in "
-                        "shared-memory mode (a doorbell, a frame or an escape expected)"
-                    )
-                )
-                return
-        if self._inlined != taken:
-            self._count_inlined()
+                elif kind == RANG:
+                    bell = True
+                elif kind == ESCAPED:
+                    escaping = True
+                    self._rx_dead = True  # the peer says the rings are broken: never read them
+                    self._spin_until = None
+                    self._unpark()
+                    if self.discarding or self.lost:
+                        return
+                else:  # ABORTED
+                    self.discarding = True  # nothing may follow the ABORT
+                    self.frames_received += 1
+                    self.bytes_received += len(data)
+                    self.events.on_control(self, ABORT, bytes(data))
+        except ProtocolError as exc:
+            self._raise_error(ProtocolError(f"{self.describe()} sent {exc}"))
+            return
+        if escaping:
+            return  # (the ring is not read again)
+        if self._socket_taken != taken:
+            self._count_socket_frames()
         if bell:
             self._service()
 
@@ -414,13 +358,13 @@ class RingReader(StreamLink):
         """Whether a frame from the ring is half read or pulls are queued: then no frame
         may come on the socket (the writer sends one only with everything before it read
         and pulled)."""
-        return self._rpayload is not None or self._pulling is not None or bool(self._pulls)
+        return self._rpayload is not None or bool(self._pull_streams)  # (queued or underway)
 
-    def _take_inline(self, h: Header, buf: bytearray) -> bool:
+    def _take_socket_frame(self, h: Header, buf: bytes | bytearray) -> bool:
         """Hand the frame ``h`` (``buf``: its header and payload) from the socket to the
         mailbox, as if read from the ring; False when the link stops reading (an error
         reported)."""
-        self._inlined += 1
+        self._socket_taken += 1
         if self.discarding or self.lost or self._rx_dead:
             return True
         if self._ring_frame_open():
@@ -445,45 +389,16 @@ class RingReader(StreamLink):
             self._end_frame()
         return not self.discarding
 
-    def _count_inlined(self) -> None:
+    def _count_socket_frames(self) -> None:
         """Tell the writer how many socket frames this side has taken (so that it may
         write into the ring again), unless staging is full: then the writer soon stops at
-        INLINE_AHEAD, as it would at a full ring."""
+        SOCKET_FRAMES_AHEAD, as it would at a full ring."""
         rx = self.rx
         if self._rx_paused or rx is None or self._rx_dead:
-            self._inline_unacked = True
+            self._socket_unacked = True
             return
-        self._inline_unacked = False
-        self._ring_writer(rx.publish_inlined(self._inlined))
-
-    def _escaped_bytes(self, data: memoryview) -> None:
-        """Collect the ABORT frame that follows an escape; hand it up once complete."""
-        buf = self._escaped
-        if buf is None or self.discarding or self.lost:
-            return
-        buf += data
-        if len(buf) < HEADER_SIZE:
-            return
-        try:
-            h = parse_header(buf, self.max_frame)
-            if h.kind != ABORT or h.length > MAX_ESCAPED:
-                raise ProtocolError(
-                    f"a frame of kind {h.kind} and {h.length} bytes after "
-                    "an escape (only an ABORT may follow)"
-                )
-        except ProtocolError as exc:
-            self._escaped = None
-            self._raise_error(
-                ProtocolError(f"{self.describe()} sent a malformed frame on its socket: {exc}")
-            )
-            return
-        if len(buf) < HEADER_SIZE + h.length:
-            return
-        self._escaped = None
-        self.discarding = True  # nothing may follow the ABORT
-        self.frames_received += 1
-        self.bytes_received += h.length
-        self.events.on_control(self, ABORT, bytes(buf[HEADER_SIZE : HEADER_SIZE + h.length]))
+        self._socket_unacked = False
+        self._ring_writer(rx.publish_socket_taken(self._socket_taken))
 
     def _service(self, spin: bool = True) -> None:
         """A doorbell rang (or reading may resume, or a spin ended): read what arrived,
@@ -638,11 +553,11 @@ class RingReader(StreamLink):
                             land(recv)
                             continue
                 rx.peek(self._rhdr_view)
-                ref = self._rhdr[:2] == REF_MAGIC_BYTES
+                ref = self._rhdr[:KIND_AT] == REF_MAGIC_BYTES
                 if ref:
                     if avail < REF_SIZE and (avail := rx.available()) < REF_SIZE:
                         return True  # the writer publishes the rest on its own, as above
-                    self._rhdr[:2] = _MAGIC_BYTES
+                    self._rhdr[:KIND_AT] = MAGIC_BYTES
                 h = parse_header(self._rhdr, self.max_frame)
                 if not ref and self._pull_streams and h.key[:4] in self._pull_streams:
                     if not final:
@@ -669,8 +584,7 @@ class RingReader(StreamLink):
                             f"at {addr:#x} for a frame of {h.length}"
                         )
                     stream = h.key[:4]
-                    self._pulls.append((h, addr, stream))  # pulled in turn (_pull_step)
-                    self._pull_streams[stream] = self._pull_streams.get(stream, 0) + 1
+                    self._pulls.add(h, addr, stream)  # pulled in turn (_pull_step)
                     continue
                 if (dest := self.open_frame(h)) is not None:
                     self._rpayload = dest
@@ -688,8 +602,8 @@ class RingReader(StreamLink):
         if self._rx_paused or self._parked is not None:
             self._rx_paused = False
             self._unpark()
-            if self._inline_unacked:
-                self._count_inlined()
+            if self._socket_unacked:
+                self._count_socket_frames()
             self._loop.call_soon(self._service)
 
     # -- pulls: payloads copied straight out of the peer's memory ----------------------------
@@ -700,17 +614,15 @@ class RingReader(StreamLink):
         loop's next turn. A frame whose receive is not posted yet waits for it as the
         ring's frames do (parking, then staging), and while staging is full; the ring is
         read on meanwhile."""
+        pulls = self._pulls
         while True:
             if self.discarding or self.failure is not None:
-                self._pulls.clear()  # (the link is failing: its receives fail with it)
-                self._pull_streams.clear()
-                self._pulling = None
+                pulls.clear()  # (the link is failing: its receives fail with it)
                 return
-            cur = self._pulling
-            if cur is None:
-                if not self._pulls:
+            if pulls.current is None:
+                if not pulls.pending:
                     return
-                h, addr, stream = self._pulls[0]
+                h = pulls.pending[0][0]
                 if not final:
                     if self._parked is not None and not self._parked_in_ring:
                         return  # waits for its receive (post_recv) or the park's end
@@ -719,19 +631,13 @@ class RingReader(StreamLink):
                             return  # staging is full: wait until it is relieved
                         if h.kind == DATA and h.length >= PARK_MIN and self._park(h, in_ring=False):
                             return
-                self._pulls.popleft()
-                begun = self._begin_aside(h)
-                if begun is None:  # refused (the link is failing): nothing to copy
+                if not pulls.begin(self._begin_aside(h)):
+                    # refused (the link is failing): nothing to copy, the pull is over
                     self.discarding = True
-                    self._pulled_one(rx, stream)
+                    self._count_pull(rx)
                     continue
-                cur = self._pulling = (begun[0], begun[1], addr, stream)
-                self._pgot = 0
-            dest, token, addr, stream = cur
-            got = self._pgot
-            n = min(PULL_STEP, len(dest) - got)
             try:
-                cma.pull(self._peer_pid, dest[got : got + n], addr + got)
+                token = pulls.copy(PULL_STEP)
             except ProcessLookupError:
                 # the peer is gone: its socket's end reports that; nothing more can be read
                 self._rx_dead = True
@@ -740,11 +646,8 @@ class RingReader(StreamLink):
                 raise ProtocolError(
                     f"{self.describe()} sent a reference its memory does not back ({exc})"
                 ) from None
-            self._pgot = got = got + n
-            if got == len(dest):
-                self._pulling = None
-                self._pgot = 0
-                self._pulled_one(rx, stream)
+            if token is not None:  # the payload is complete
+                self._count_pull(rx)
                 self._end_aside(token)
             if final:
                 continue  # nothing else runs before the end is reported
@@ -756,19 +659,9 @@ class RingReader(StreamLink):
         self._resume = None
         self._service()
 
-    def _pulled_one(self, rx: Ring, stream: tuple[int, ...]) -> None:
-        """A pull of ``stream`` is over: count it, and let that stream's frames on."""
-        left = self._pull_streams.get(stream, 1) - 1
-        if left:
-            self._pull_streams[stream] = left
-        else:
-            self._pull_streams.pop(stream, None)
-        self._count_pull(rx)
-
     def _count_pull(self, rx: Ring) -> None:
         """Tell the writer that one more reference record is done with."""
-        self._pulled += 1
-        rx.publish_pulled(self._pulled)
+        rx.publish_pulled(self._pulls.pulled)
         self._wake_writer(rx)
 
     # -- parking: a frame whose receive is not posted yet stays in the ring ----------------
@@ -835,8 +728,8 @@ class RingReader(StreamLink):
             return
         if self._rx_paused:
             self._rx_paused = False
-            if self._inline_unacked:
-                self._count_inlined()
+            if self._socket_unacked:
+                self._count_socket_frames()
             # called from post_recv: read on the loop's next turn, not inside the caller
             asyncio.get_running_loop().call_soon(self._service)
 

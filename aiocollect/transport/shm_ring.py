@@ -27,7 +27,7 @@ the writer is waiting for space or pulls, in generation g) and, 256 bytes on, th
 line (``tail``: bytes ever consumed; ``rsleep``: the reader is waiting for data, in
 generation g; ``pulled``: reference records completed; ``pulls``: 1 once the reader has
 checked that it can read the writer's memory, see :mod:`aiocollect.transport.cma`;
-``inlined``: frames the reader has taken from the socket instead of the ring, see
+``socket_taken``: frames the reader has taken from the socket instead of the ring, see
 :mod:`aiocollect.transport.shm`).
 Positions only grow; ``head - tail`` is the fill. Everything read from the other side is
 bounds-checked: a position out of range raises ProtocolError, never an IndexError or crash.
@@ -62,6 +62,7 @@ import threading
 
 from aiocollect.errors import ProtocolError
 from aiocollect.transport import cma
+from aiocollect.transport.wire import MAGIC_BYTES
 
 PREFIX = "aiocollect-"
 MAGIC = b"AIOCSHM1"
@@ -83,11 +84,11 @@ PROBE_BYTES = _SEG_HEADER.size
 _CTL_OFFSET = (1024, 1536)
 _CTL_BYTES = 512
 # u64 word indexes inside a control block
-_HEAD, _WSLEEP, _TAIL, _RSLEEP, _PULLED, _PULLS, _INLINED = 0, 1, 32, 33, 34, 35, 36
+_HEAD, _WSLEEP, _TAIL, _RSLEEP, _PULLED, _PULLS, _SOCKET_TAKEN = 0, 1, 32, 33, 34, 35, 36
 
 #: Magic of a reference record's header (a frame header otherwise; wire.MAGIC is 0xAC01).
 REF_MAGIC = 0xAC02
-REF_MAGIC_BYTES = REF_MAGIC.to_bytes(2, "little")
+REF_MAGIC_BYTES = REF_MAGIC.to_bytes(len(MAGIC_BYTES), "little")
 #: What follows a reference record's header: payload address and length in the writer.
 REF_DESC = struct.Struct("<QQ")
 
@@ -231,22 +232,22 @@ class Ring:
         """Reference records the reader has completed (copied out of our memory)."""
         return int(self.ctl[_PULLED])
 
-    def inlined(self) -> int:
+    def socket_taken(self) -> int:
         """Frames sent on the socket (not through the ring) that the reader has taken."""
-        return int(self.ctl[_INLINED])
+        return int(self.ctl[_SOCKET_TAKEN])
 
-    def socket_turn(self, inline_sent: int, refs_sent: int, rung: int, limit: int) -> bool:
+    def socket_turn(self, socket_sent: int, refs_sent: int, rung: int, limit: int) -> bool:
         """The small-frame check of the sending half in one step (the common case only):
-        True when a small frame may go on the socket now, because ``inline_sent`` socket
+        True when a small frame may go on the socket now, because ``socket_sent`` socket
         frames are more than the reader has taken but fewer than ``limit`` ahead, or none
         is ahead and the reader sleeps (a generation other than 0 and ``rung``, the one we
         last rang for) with everything written read and all ``refs_sent`` references
-        pulled. False also where a counter is implausible: this never raises (``inlined``
+        pulled. False also where a counter is implausible: this never raises (``socket_taken``
         and :meth:`free`, asked next, report it).
         """
         ctl = self.ctl
-        if inline_sent:
-            ahead = inline_sent - ctl[_INLINED]
+        if socket_sent:
+            ahead = socket_sent - ctl[_SOCKET_TAKEN]
             if ahead:
                 return 0 < ahead < limit
         gen = ctl[_RSLEEP]
@@ -305,11 +306,11 @@ class Ring:
     def publish_pulled(self, count: int) -> None:
         self.ctl[_PULLED] = count
 
-    def publish_inlined(self, count: int) -> int:
+    def publish_socket_taken(self, count: int) -> int:
         """Publish ``count`` socket frames taken, then, after a full fence, the writer's
         sleep generation (:meth:`writer_sleep`: 0 while it is awake), in one call."""
         ctl = self.ctl
-        ctl[_INLINED] = count
+        ctl[_SOCKET_TAKEN] = count
         fence()
         return int(ctl[_WSLEEP])
 

@@ -26,10 +26,8 @@ transport encrypts what it is given at once and passes it on) the pieces alone, 
 transport's buffer size, pace the bulk queue.
 
 What lies in the kernel's socket buffers is ahead of a small frame too, and user space
-cannot reorder it: plain TCP links to processes on this host ask for
-``LOCAL_SOCKET_BUFFER`` (1 MiB) per buffer, TLS links and links to other hosts for
-``SOCKET_BUFFER`` (4 MiB), and
-``AIOCOLLECT_SOCKET_BUFFER`` overrides both (:func:`socket_buffer`).
+cannot reorder it: :mod:`aiocollect.transport.sockets` sizes them. The listener and the
+``tcp``/``tls`` transports are in :mod:`aiocollect.transport.tcp_listener`.
 """
 
 from __future__ import annotations
@@ -37,17 +35,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
-import ssl as ssl_module
-import struct
-from collections import Counter, deque
-from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import cast
 
 import msgpack
 
-from aiocollect.errors import PeerDisconnected, ProtocolError, RendezvousError
+from aiocollect.errors import PeerDisconnected, ProtocolError
 from aiocollect.transport.base import (
     COPIES,
     DRAIN,
@@ -59,7 +52,9 @@ from aiocollect.transport.base import (
     land,
 )
 from aiocollect.transport.handshake_stream import HandshakeStream
-from aiocollect.transport.interface import LinkSetup, Listener, Record, Screen, Transport
+from aiocollect.transport.interface import Screen
+from aiocollect.transport.sockets import Screened, is_local, socket_buffer, unix_peer_pid
+from aiocollect.transport.stream_queue import StreamQueue
 from aiocollect.transport.wire import (
     DATA,
     HEADER,
@@ -69,6 +64,7 @@ from aiocollect.transport.wire import (
     Header,
     Key,
     parse_header,
+    stream_of,
 )
 
 log = logging.getLogger("aiocollect.transport.tcp")
@@ -76,22 +72,6 @@ log = logging.getLogger("aiocollect.transport.tcp")
 #: Frame kinds whose payload, when wholly read, enters the mailbox in one step.
 WHOLE = (DATA, P2P)
 
-#: Kernel socket buffer (SO_SNDBUF and SO_RCVBUF, which Linux doubles) of a link to another
-#: host: enough bytes in flight for a LAN's round trip.
-SOCKET_BUFFER = 4 * 1024 * 1024
-#: The same for a plain TCP link to a process on this host (loopback, or this host's own
-#: address; TLS links keep ``SOCKET_BUFFER``). Everything in these buffers lies ahead of a
-#: small frame sent behind bulk frames and drains at the receiver's pace, so they are kept
-#: small: 1 MiB measured no slower than 4 MiB for bulk and took the round trip behind
-#: 64 MiB allreduces from 9-13 ms to 6 ms at p99 (docs/benchmarks.md, "Thirteenth
-#: session").
-LOCAL_SOCKET_BUFFER = 1024 * 1024
-#: Overrides both (bytes; 0 leaves the buffers to the kernel's autotuning).
-SOCKET_BUFFER_ENV = "AIOCOLLECT_SOCKET_BUFFER"
-#: The smallest override taken as given: with 4 and 8 KiB, several operations in flight
-#: over loopback stopped for good (the receive window, against a 64 KiB MSS, never
-#: reopened; docs/benchmarks.md, "Nineteenth session"); 16 KiB and up did not.
-MIN_SOCKET_BUFFER = 64 * 1024
 #: Seconds a closing link waits for the peer's FIN before resetting the connection.
 LINGER = 5.0
 _SCRATCH = memoryview(bytearray(64 * 1024))
@@ -124,10 +104,6 @@ PIECE = 256 * 1024
 
 _new_key = tuple.__new__
 _unpack_header = HEADER.unpack_from
-
-
-class _Screened(Exception):
-    """An accepted connection refused by the listener's screen (which logged it)."""
 
 
 class StreamLink(Link, asyncio.BufferedProtocol):
@@ -185,12 +161,14 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         self._linger: asyncio.TimerHandle | None = None
         self.screen: Screen | None = None
         self._caps = COPIES  # local is known once connected
-        #: Bulk frames waiting for the transport's buffer to drain below BULK_CAP:
-        #: (header, payload, stream), with the bytes and the streams they hold.
-        self._bulk: deque[tuple[bytes, memoryview | bytes, bytes]] = deque()
-        self._bulk_bytes = 0
+        #: Bulk frames waiting for the transport's buffer to drain below BULK_CAP, and
+        #: its frames (tested per frame sent, without a call).
+        self._bulk_queue = StreamQueue()
+        self._bulk = self._bulk_queue.frames
+        #: Bytes of the frame being written in pieces not handed to the transport yet,
+        #: and of the frames behind it.
+        self._piece_bytes = 0
         self._copied = False  # the last send's payload was copied (joined to its header)
-        self._bulk_streams: Counter[bytes] = Counter()
         #: Payloads larger than this go out in pieces (see PIECE; 0: whole, see
         #: pace_writes).
         self._piece = PIECE
@@ -220,7 +198,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         peername = transport.get_extra_info("peername")
         sockname = transport.get_extra_info("sockname")
         if sock is not None and sock.family == socket.AF_UNIX:
-            self.peer_pid = _unix_peer_pid(sock)
+            self.peer_pid = unix_peer_pid(sock)
             self.address = (
                 "unix socket" if self.peer_pid is None else f"unix socket, pid {self.peer_pid}"
             )
@@ -234,7 +212,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
             if reply is not None:  # refused before a byte is read from it
                 assert self.handshake is not None
                 self.handshake.send(reply)
-                self.handshake_failed(_Screened(str(reply.get("error", "refused"))))
+                self.handshake_failed(Screened(str(reply.get("error", "refused"))))
                 return
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -495,24 +473,24 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         self._copied = False
         if self._partial is not None:  # after the frame being written in pieces
             stream = stream_of(header)
-            if n >= BULK_MIN or stream in self._bulk_streams:  # (order within a stream)
-                self._queue_bulk(header, payload, stream)
+            if n >= BULK_MIN or stream in self._bulk_queue.streams:  # (order in a stream)
+                self._bulk_queue.push(header, payload, stream)
                 return DRAIN
             self._behind.append(header + bytes(payload))
-            self._bulk_bytes += len(header) + n
+            self._piece_bytes += len(header) + n
             self._copied = True
             return None
         if n >= BULK_MIN:
             if self._bulk or self._must_wait(transport, n):
-                self._queue_bulk(header, payload, stream_of(header))
+                self._bulk_queue.push(header, payload, stream_of(header))
                 return DRAIN
             if self._piece and n > self._piece:
                 self._write_in_pieces(transport, header, payload)
                 return DRAIN
         elif self._bulk:
             stream = stream_of(header)
-            if stream in self._bulk_streams:  # behind its stream's queued frames
-                self._queue_bulk(header, payload, stream)
+            if stream in self._bulk_queue.streams:  # behind its stream's queued frames
+                self._bulk_queue.push(header, payload, stream)
                 return DRAIN
         if n > JOIN_MAX:
             transport.writelines((header, payload))
@@ -521,11 +499,6 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         transport.write(header + payload if n else header)
         self._copied = True
         return None
-
-    def _queue_bulk(self, header: bytes, payload: memoryview | bytes, stream: bytes) -> None:
-        self._bulk.append((header, payload, stream))
-        self._bulk_bytes += len(header) + len(payload)
-        self._bulk_streams[stream] += 1
 
     def pace_writes(self, pieces: bool) -> None:
         """Plain TCP: payloads over ``PIECE`` in pieces (``pieces``) or whole; TLS links
@@ -548,7 +521,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         view = memoryview(payload).cast("B")
         # set first: the transport may call resume_writing (and so _pump_bulk) from write
         self._partial = view[self._piece :]
-        self._bulk_bytes += len(self._partial)
+        self._piece_bytes += len(self._partial)
         self._piece_handle = asyncio.get_running_loop().call_soon(self._next_piece)
         transport.writelines((header, view[: self._piece]))
 
@@ -564,7 +537,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
             self._piece_waits = True
             return
         piece = rest[: self._piece or len(rest)]  # (pieces turned off meanwhile: the rest)
-        self._bulk_bytes -= len(piece)
+        self._piece_bytes -= len(piece)
         if len(rest) > len(piece):  # (state first, as in _write_in_pieces)
             self._partial = rest[len(piece) :]
             self._piece_handle = asyncio.get_running_loop().call_soon(self._next_piece)
@@ -572,7 +545,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
             return
         self._partial = None
         behind, self._behind = self._behind, []
-        self._bulk_bytes -= sum(len(b) for b in behind)
+        self._piece_bytes -= sum(len(b) for b in behind)
         transport.writelines([piece, *behind])  # the frame's end and the frames behind it
         self._pump_bulk()
         drain = self._drain  # (resume_writing need not come: the transport may hold nothing)
@@ -583,22 +556,16 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         """Hand queued bulk frames to the transport while its buffer allows. Afterwards
         the queue is empty or the transport holds bytes (so ``resume_writing`` comes), or
         a frame is being written in pieces (TLS; its end pumps again)."""
-        transport, bulk = self.transport, self._bulk
+        transport = self.transport
         if transport is None or self.lost:
             return
-        # (re-checked each time: a write may call resume_writing, which pumps too)
-        while bulk and self._partial is None:
-            header, payload, stream = bulk[0]
+
+        def may_go(n: int) -> bool:
+            # (re-checked each time: a write may call resume_writing, which pumps too)
+            return self._partial is None and not self._must_wait(transport, n)
+
+        for header, payload in self._bulk_queue.release(may_go):
             n = len(payload)
-            if self._must_wait(transport, n):
-                return
-            bulk.popleft()
-            self._bulk_bytes -= len(header) + n
-            left = self._bulk_streams[stream] - 1
-            if left:
-                self._bulk_streams[stream] = left
-            else:
-                del self._bulk_streams[stream]
             if self._piece and n > self._piece:
                 self._write_in_pieces(transport, header, payload)
                 return
@@ -610,19 +577,19 @@ class StreamLink(Link, asyncio.BufferedProtocol):
     def _flush_bulk(self) -> None:
         """Hand every queued bulk frame to the transport (closing: they go before EOF),
         after the rest of a frame being written in pieces."""
-        transport, bulk = self.transport, self._bulk
+        transport = self.transport
+        held = self._bulk_queue.take_all()
         if transport is not None and not self.lost and not transport.is_closing():
             if self._partial is not None:
                 rest, self._partial = self._partial, None
                 transport.writelines([rest, *self._behind])
-            for header, payload, _ in bulk:
+            for header, payload, _ in held:
                 transport.writelines((header, payload))
         self._drop_bulk()
 
     def _drop_bulk(self) -> None:
-        self._bulk.clear()
-        self._bulk_bytes = 0
-        self._bulk_streams.clear()
+        self._bulk_queue.clear()
+        self._piece_bytes = 0
         self._partial = None
         self._behind = []
         self._piece_waits = False
@@ -640,7 +607,7 @@ class StreamLink(Link, asyncio.BufferedProtocol):
     def write_buffer_size(self) -> int:
         if self.transport is None:
             return 0
-        return self.transport.get_write_buffer_size() + self._bulk_bytes
+        return self.transport.get_write_buffer_size() + self._bulk_queue.nbytes + self._piece_bytes
 
     async def drained(self) -> None:
         while self.write_buffer_size() > 0:
@@ -713,252 +680,5 @@ class StreamLink(Link, asyncio.BufferedProtocol):
         return f"rank {self.peer} ({self.address})" if self.peer >= 0 else self.address
 
 
-#: AIOCOLLECT_SOCKET_BUFFER values already warned about (:func:`socket_buffer`).
-_WARNED: set[str] = set()
-
-
-def socket_buffer(
-    local: bool | None, tls: bool = False, env: Mapping[str, str] | None = None
-) -> int:
-    """Bytes to ask the kernel for as each socket buffer of a TCP link (0: leave them to
-    its autotuning): ``AIOCOLLECT_SOCKET_BUFFER`` (in ``env``, default ``os.environ``) if
-    set, else :data:`LOCAL_SOCKET_BUFFER` for a plain TCP link to this host (``local``)
-    and :data:`SOCKET_BUFFER` otherwise. TLS links keep the larger buffers: their bytes
-    drain at the receiver's decryption rate whatever the buffer holds, and the smaller one
-    measured no better for a small frame there (docs/benchmarks.md, "Thirteenth
-    session"). A value that is not a non-negative integer is ignored, with a warning the
-    first time."""
-    raw = (os.environ if env is None else env).get(SOCKET_BUFFER_ENV, "").strip()
-    if not raw.isdecimal():
-        if raw:
-            _warn_once(raw, f"ignoring {SOCKET_BUFFER_ENV}={raw!r}: not a number of bytes")
-        return LOCAL_SOCKET_BUFFER if local and not tls else SOCKET_BUFFER
-    size = int(raw)
-    if 0 < size < MIN_SOCKET_BUFFER:
-        _warn_once(
-            raw,
-            f"{SOCKET_BUFFER_ENV}={raw} raised to {MIN_SOCKET_BUFFER} bytes: smaller socket "
-            "buffers can stall TCP on this host for good (loopback's receive window does "
-            "not reopen)",
-        )
-        return MIN_SOCKET_BUFFER
-    return size
-
-
-def _warn_once(raw: str, message: str) -> None:
-    """Log ``message`` the first time ``raw`` (an AIOCOLLECT_SOCKET_BUFFER value) comes:
-    every link asks, one warning per value is enough."""
-    if raw not in _WARNED:
-        _WARNED.add(raw)
-        log.warning("%s", message)
-
-
-def _unix_peer_pid(sock: socket.socket) -> int | None:
-    """The process id of a Unix socket's peer, where the kernel says (``SO_PEERCRED``;
-    None where it does not)."""
-    try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid = int(struct.unpack("3i", creds)[0])
-    except (OSError, struct.error, AttributeError):
-        return None
-    return pid if pid > 0 else None
-
-
-def is_local(peername: object, sockname: object) -> bool | None:
-    """Whether the peer at ``peername`` of a socket bound to ``sockname`` is a process on
-    this host: True when the two ends have the same address (loopback included), False
-    for another host's; None when they are not IP addresses (the link is not a network
-    socket)."""
-    if not isinstance(peername, tuple) or not isinstance(sockname, tuple):
-        return None
-    peer = peername[0]
-    return bool(peer == sockname[0] or str(peer).startswith("127.") or peer == "::1")
-
-
 class TcpLink(StreamLink):
     """A peer link over one TCP (or TLS) connection: frames on the socket."""
-
-
-def stream_of(header: bytes) -> bytes:
-    """The ``(kind, gid, seq, slot)`` bytes of a frame header (see wire.HEADER): frames of
-    one stream keep their order."""
-    return header[2:3] + header[6:10] + header[14:30]
-
-
-async def listen(
-    host: str,
-    port: int,
-    make_link: Callable[[], StreamLink],
-    on_link: Callable[[StreamLink], None],
-    ssl: ssl_module.SSLContext | None = None,
-    screen: Screen | None = None,
-) -> asyncio.Server:
-    """Accept peer connections; ``on_link`` gets each link whose handshake succeeded.
-    Failed handshakes are logged and closed; they never disturb the listener. ``screen``,
-    when given, sees each connection first and may refuse it (its reply is sent, then the
-    connection closed; the screen does its own logging)."""
-    loop = asyncio.get_running_loop()
-    return await loop.create_server(
-        accepting(make_link, on_link, screen), host, port, ssl=ssl, reuse_address=True
-    )
-
-
-def accepting(
-    make_link: Callable[[], StreamLink],
-    on_link: Callable[[StreamLink], None],
-    screen: Screen | None = None,
-) -> Callable[[], StreamLink]:
-    """The protocol factory of a listener of stream links (any ``loop.create_*_server``):
-    see :func:`listen`."""
-
-    def factory() -> StreamLink:
-        link = make_link()
-        link.screen = screen
-        link.ready.add_done_callback(_accepted)
-        return link
-
-    def _accepted(fut: asyncio.Future[StreamLink]) -> None:
-        if fut.cancelled():
-            return
-        exc = fut.exception()
-        if isinstance(exc, _Screened):
-            return
-        if exc is not None:
-            log.warning("rejected an incoming connection: %s", exc)
-            return
-        on_link(fut.result())
-
-    return factory
-
-
-async def connect(
-    host: str,
-    port: int,
-    link: StreamLink,
-    ssl: ssl_module.SSLContext | None = None,
-    server_hostname: str | None = None,
-) -> StreamLink:
-    """Connect ``link`` to ``host:port`` and run its handshake.
-
-    Raises:
-        OSError: the connection was refused. Handshake errors as raised by the handshaker.
-    """
-    loop = asyncio.get_running_loop()
-    kwargs: dict[str, Any] = {}
-    if ssl is not None:
-        kwargs = {"ssl": ssl, "server_hostname": server_hostname or host}
-    await loop.create_connection(lambda: link, host, port, **kwargs)
-    return await link.ready
-
-
-class SocketListener(Listener):
-    """A rank's listener of stream links: TCP (or TLS) as it stands; a subclass may make
-    other links on the same connections (:meth:`make_link`: shared memory) or use other
-    sockets (:meth:`serve` and :meth:`dial`: a Unix socket, say)."""
-
-    def __init__(
-        self,
-        setup: LinkSetup,
-        family: str,
-        server_ssl: ssl_module.SSLContext | None = None,
-        client_ssl: ssl_module.SSLContext | None = None,
-    ) -> None:
-        self.setup = setup
-        self.server_ssl, self.client_ssl = server_ssl, client_ssl
-        self.record: Record = {"transport": family}
-        self._server: asyncio.Server | None = None
-        #: Accepted connections still in their handshake (strangers, once rendezvous
-        #: is over).
-        self._handshaking: set[StreamLink] = set()
-
-    def make_link(self, handshaker: Handshaker, record: Record | None) -> StreamLink:
-        """The link for one connection: ``record`` is the peer's when connecting to it,
-        None for an accepted connection."""
-        del record
-        return TcpLink(self.setup.events, self.setup.max_frame, handshaker)
-
-    async def serve(self, factory: Callable[[], StreamLink]) -> asyncio.Server:
-        """Start the server whose connections ``factory`` makes links for, and add its
-        address to ``self.record``."""
-        server = await asyncio.get_running_loop().create_server(
-            factory, self.setup.host, 0, ssl=self.server_ssl, reuse_address=True
-        )
-        self.record.update(address=self.setup.host, port=server.sockets[0].getsockname()[1])
-        return server
-
-    async def dial(self, record: Record, link: StreamLink) -> None:
-        """Open the connection to the server that ``record`` names, for ``link``.
-
-        Raises:
-            OSError: the connection failed.
-        """
-        host, port = str(record["address"]), int(record["port"])
-        kwargs: dict[str, Any] = {}
-        if self.client_ssl is not None:
-            kwargs = {"ssl": self.client_ssl, "server_hostname": host}
-        await asyncio.get_running_loop().create_connection(lambda: link, host, port, **kwargs)
-
-    def where(self, record: Record) -> str:
-        """The address ``record`` names, for messages."""
-        return f"{record.get('address')}:{record.get('port')}"
-
-    async def start(self) -> None:
-        setup = self.setup
-
-        def accepted() -> StreamLink:
-            link = self.make_link(setup.acceptor(), None)
-            self._handshaking.add(link)
-            link.ready.add_done_callback(lambda _: self._handshaking.discard(link))
-            return link
-
-        self._server = await self.serve(accepting(accepted, setup.on_link, setup.screen))
-
-    async def connect(self, record: Record, handshaker: Handshaker) -> Link:
-        rank, peer = self.setup.rank, int(record["rank"])
-        link = self.make_link(handshaker, record)
-        try:
-            await self.dial(record, link)
-            return await link.ready
-        except OSError as exc:
-            raise RendezvousError(
-                f"rank {rank} could not connect to rank {peer} at {self.where(record)}: {exc}"
-            ) from None
-        except PeerDisconnected as exc:  # closed before the handshake completed
-            hint = (
-                f" (rank {peer} may have rejected this rank's TLS certificate)"
-                if self.client_ssl is not None
-                else ""
-            )
-            raise RendezvousError(
-                f"rank {rank} could not link to rank {peer} at {self.where(record)}: {exc}{hint}"
-            ) from None
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for link in list(self._handshaking):  # asyncio.Server.close() leaves them open
-            link.abort()
-        self._handshaking.clear()
-
-
-class TcpTransport(Transport):
-    """``tcp``: one TCP connection per link; ``tls`` (``tls=True``): mutual TLS on it."""
-
-    def __init__(self, tls: bool = False) -> None:
-        self.name = "tls" if tls else "tcp"
-        self.needs_tls = tls
-
-    def details(self) -> str | None:
-        return ssl_module.OPENSSL_VERSION if self.needs_tls else None
-
-    async def listen(self, setup: LinkSetup) -> Listener:
-        tls = setup.tls if self.needs_tls else None
-        listener = SocketListener(
-            setup, self.name, tls.server if tls else None, tls.client if tls else None
-        )
-        await listener.start()
-        return listener
-
-
-TCP = TcpTransport()
-TLS = TcpTransport(tls=True)

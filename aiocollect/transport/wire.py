@@ -30,6 +30,16 @@ from aiocollect.errors import ProtocolError
 MAGIC = 0xAC01
 HEADER = struct.Struct("<HBBBBIIQQiQQ")
 HEADER_SIZE = HEADER.size
+#: The magic as it starts every header (the shared-memory ring's reference records put
+#: their own magic in its place).
+MAGIC_BYTES = MAGIC.to_bytes(2, "little")
+#: Byte offsets into a packed header: the kind (right after the magic), the group id and
+#: the sequence number (followed by the slot).
+KIND_AT = len(MAGIC_BYTES)
+GID_AT = 6
+SEQ_AT = 14
+#: The sequence number's field, packed on its own (a header is patched with it in place).
+SEQ = struct.Struct("<Q")
 LENGTH_PREFIX = struct.Struct("<I")
 MAX_HANDSHAKE = 64 * 1024
 MAX_CONTROL = 1 << 20
@@ -89,6 +99,14 @@ class Header(NamedTuple):
     @property
     def fingerprint(self) -> tuple[int, int, int, int, int]:
         return (self.coll, self.dtype, self.elems, self.op, self.root)
+
+
+def stream_of(header: bytes) -> bytes:
+    """The ``(kind, gid, seq, slot)`` bytes of a packed frame header: frames of one stream
+    keep their order."""
+    return (
+        header[KIND_AT : KIND_AT + 1] + header[GID_AT : GID_AT + 4] + header[SEQ_AT : SEQ_AT + 16]
+    )
 
 
 def pack_header(h: Header) -> bytes:

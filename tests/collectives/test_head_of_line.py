@@ -13,7 +13,7 @@ import pytest
 
 import aiocollect as ac
 from aiocollect.testing import run_ranks
-from aiocollect.transport import tcp
+from aiocollect.transport import sockets, tcp
 from aiocollect.transport.base import SendMark
 from aiocollect.transport.wire import HEADER, MAGIC, P2P
 
@@ -86,7 +86,7 @@ async def test_small_send_recv_completes_while_a_large_allreduce_is_in_flight(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Small kernel buffers, so that the sender queues in user space at once.
-    monkeypatch.setattr(tcp, "LOCAL_SOCKET_BUFFER", 256 * 1024)
+    monkeypatch.setattr(sockets, "LOCAL_SOCKET_BUFFER", 256 * 1024)
     res = await run_ranks(2, _pings_during_allreduce, transport="tcp", timeout=100)
     for r in res:
         # bulk bytes in the transport: at most the cap plus one frame (header, 1 MiB chunk)
@@ -144,7 +144,7 @@ async def _stream_order(g: ac.Group) -> list[str]:
 async def test_frames_of_one_stream_keep_their_order_others_overtake(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(tcp, "LOCAL_SOCKET_BUFFER", 256 * 1024)
+    monkeypatch.setattr(sockets, "LOCAL_SOCKET_BUFFER", 256 * 1024)
     res = await run_ranks(2, _stream_order, transport="tcp", timeout=60)
     order = res[1]
     assert not any(o.endswith("!") for o in order), order

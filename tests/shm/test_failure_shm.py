@@ -14,7 +14,7 @@ import pytest
 import aiocollect as ac
 from aiocollect.testing import abort_payload, run_ranks, spawn_ranks
 from aiocollect.transport.shm import ShmLink
-from aiocollect.transport.shm_reader import ESCAPE, MAX_ESCAPED
+from aiocollect.transport.shm_socket import ESCAPE, MAX_ESCAPED
 from aiocollect.transport.wire import (
     ABORT,
     HEADER_SIZE,

@@ -252,7 +252,7 @@ async def _corrupt_pull_count(g: ac.Group, count: int) -> str:
     if g.rank == 1:  # this reader claims pulls nobody sent
         link = g._fabric.links[0]
         assert isinstance(link, ShmLink)
-        link._pulled = 1 << 40  # what it publishes after its next real pull
+        link._pulls.pulled = 1 << 40  # what it publishes after its next real pull
     await g.barrier()
     return await _bad_reference(g, count)
 

@@ -156,10 +156,10 @@ def test_spin_only_when_every_local_rank_has_a_core(monkeypatch: pytest.MonkeyPa
     assert spin_budget(1) == SPIN_SECONDS
 
 
-def _single_checks(ring: Ring, inline_sent: int, refs_sent: int, rung: int, limit: int) -> bool:
+def _single_checks(ring: Ring, socket_sent: int, refs_sent: int, rung: int, limit: int) -> bool:
     """The sending half's socket decision from the ring's single counters, checked one
     by one as they used to be: raises ProtocolError on implausible ones."""
-    ahead = inline_sent - ring.inlined() if inline_sent else 0
+    ahead = socket_sent - ring.socket_taken() if socket_sent else 0
     if not 0 <= ahead <= limit:
         raise ProtocolError("implausible")
     if ahead:
@@ -185,13 +185,13 @@ def test_socket_turn_agrees_with_the_single_checks(segment: Segment) -> None:
             reader.arm_reader(rng.choice([0, 1, 2, 3]))
             refs = rng.choice([0, 2, 5])
             reader.publish_pulled(max(0, refs + rng.choice([0, 0, -1, 1])))
-            inline_sent = rng.choice([0, 0, 3, 10, 20])
-            taken = inline_sent - rng.choice([0, 0, 1, limit - 1, limit, 30])
-            reader.publish_inlined(max(0, taken))
+            socket_sent = rng.choice([0, 0, 3, 10, 20])
+            taken = socket_sent - rng.choice([0, 0, 1, limit - 1, limit, 30])
+            reader.publish_socket_taken(max(0, taken))
             rung = rng.choice([0, 1, 2])
-            fast = writer.socket_turn(inline_sent, refs, rung, limit)
+            fast = writer.socket_turn(socket_sent, refs, rung, limit)
             try:
-                expected = _single_checks(writer, inline_sent, refs, rung, limit)
+                expected = _single_checks(writer, socket_sent, refs, rung, limit)
             except ProtocolError:
                 assert not fast
                 seen["error"] += 1

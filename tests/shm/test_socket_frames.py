@@ -19,7 +19,7 @@ from aiocollect.testing import run_ranks, spawn_ranks
 from aiocollect.testing.link_suite import Recorder, frame, payload, shm_pair, within
 from aiocollect.transport import base
 from aiocollect.transport.shm import ShmLink
-from aiocollect.transport.shm_reader import INLINE, INLINE_AHEAD, INLINE_MAX
+from aiocollect.transport.shm_socket import SOCKET_FRAME, SOCKET_FRAME_MAX, SOCKET_FRAMES_AHEAD
 from aiocollect.transport.wire import DATA, HEADER_SIZE, Header, Key, pack_header
 from tests.support.targets import shm as targets
 
@@ -85,21 +85,21 @@ async def _until(what: str, condition: Callable[[], bool]) -> None:
 @pytest.mark.timeout(60)
 async def test_a_small_frame_to_a_sleeping_reader_goes_on_the_socket() -> None:
     """The reader sleeps with its ring empty: the frame goes on the socket and the ring
-    stays untouched (its head does not move); an empty frame and a frame of INLINE_MAX bytes go
-    the same way, one byte more goes through the ring."""
+    stays untouched (its head does not move); an empty frame and a frame of
+    SOCKET_FRAME_MAX bytes go the same way, one byte more goes through the ring."""
     async with shm_pair()(Recorder(), Recorder(), 1 << 20) as (a, b):
         assert isinstance(a, ShmLink)
         assert isinstance(b, ShmLink)
         _sleeping(b)
         assert a._tx is not None
         head = a._tx.pos
-        for slot, n in enumerate([4, 0, INLINE_MAX]):
+        for slot, n in enumerate([4, 0, SOCKET_FRAME_MAX]):
             await _one_frame(a, b, slot, payload(n, slot))
         assert a.frames_on_socket == 3
         assert a._tx.pos == head, "a frame on the socket went into the ring too"
-        if a.caps.reference_min and a.caps.reference_min <= INLINE_MAX + 1:
+        if a.caps.reference_min and a.caps.reference_min <= SOCKET_FRAME_MAX + 1:
             return  # (that size goes by reference: no ring frame to see)
-        await _one_frame(a, b, 9, payload(INLINE_MAX + 1, 7))
+        await _one_frame(a, b, 9, payload(SOCKET_FRAME_MAX + 1, 7))
         assert a.frames_on_socket == 3
         assert a._tx.pos > head
 
@@ -117,11 +117,11 @@ async def test_a_socket_frame_in_pieces() -> None:
         key, header = frame(DATA, 3, data)
         buf = bytearray(len(data))
         fut = b.post_recv(key, memoryview(buf))
-        wire = INLINE + header + data
+        wire = SOCKET_FRAME + header + data
         a.transport.write(wire[:10])
-        await _until("the frame begun", lambda: b._inline is not None)
+        await _until("the frame begun", lambda: b._socket_parser.frame is not None)
         a.transport.write(wire[10 : HEADER_SIZE + 1 + 100])
-        await _until("its header read", lambda: b._inline_head is not None)
+        await _until("its header read", lambda: b._socket_parser.head is not None)
         assert not fut.done()
         a.transport.write(wire[HEADER_SIZE + 1 + 100 :])
         await within("the frame", fut)
@@ -162,20 +162,20 @@ async def test_frames_after_socket_frames_keep_their_order(posted: bool) -> None
 
 @pytest.mark.timeout(60)
 async def test_a_burst_goes_on_the_socket_up_to_the_limit_then_the_ring() -> None:
-    """A burst of small frames before the reader takes any: the first INLINE_AHEAD go on
+    """A burst of small frames before the reader takes any: the first SOCKET_FRAMES_AHEAD go on
     the socket, the rest wait for the ring until the reader has counted those taken; all
     land, in order, with the right bytes."""
     async with shm_pair()(Recorder(), Recorder(), 1 << 20) as (a, b):
         assert isinstance(a, ShmLink)
         assert isinstance(b, ShmLink)
         _sleeping(b)
-        count = INLINE_AHEAD + 36
+        count = SOCKET_FRAMES_AHEAD + 36
         chunks = _chunks([40 + i for i in range(count)])
         landed: list[int] = []
         recvs = _post_all(b, chunks, landed)
         for _, header, data in chunks:
             a.send(header, memoryview(data))
-        assert a.frames_on_socket == INLINE_AHEAD
+        assert a.frames_on_socket == SOCKET_FRAMES_AHEAD
         assert a.write_buffer_size() > 0, "the frames after the limit wait for the ring"
         await within("every frame", asyncio.gather(*(fut for fut, _ in recvs)))
         for (_, buf), (_, _, data) in zip(recvs, chunks, strict=True):
@@ -189,7 +189,7 @@ async def test_a_reader_with_full_staging_stops_the_socket_frames(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Frames nobody has posted receives for: once staging is full the reader counts no
-    more socket frames taken, so the writer stops at INLINE_AHEAD and queues the rest for
+    more socket frames taken, so the writer stops at SOCKET_FRAMES_AHEAD and queues the rest for
     the ring (where the paused reader leaves them) instead of piling them into staging;
     posting the receives lets everything through, whole and in order. (The staging limit
     is lowered so that a few frames fill it.)"""
@@ -198,15 +198,17 @@ async def test_a_reader_with_full_staging_stops_the_socket_frames(
         assert isinstance(a, ShmLink)
         assert isinstance(b, ShmLink)
         _sleeping(b)
-        chunks = _chunks([1000] * (3 * INLINE_AHEAD))
+        chunks = _chunks([1000] * (3 * SOCKET_FRAMES_AHEAD))
         for _, header, data in chunks[:8]:  # fills staging (4 KiB) on the socket
             a.send(header, memoryview(data))
         await _until("the first frames staged", lambda: b.early_bytes == 8 * 1000)
         for _, header, data in chunks[8:]:
             a.send(header, memoryview(data))
-        assert a.frames_on_socket == INLINE_AHEAD  # (the reader counted none of them)
-        await _until("the socket's frames staged", lambda: b.early_bytes >= INLINE_AHEAD * 1000)
-        assert b.early_bytes == INLINE_AHEAD * 1000, "frames went on after staging was full"
+        assert a.frames_on_socket == SOCKET_FRAMES_AHEAD  # (the reader counted none of them)
+        await _until(
+            "the socket's frames staged", lambda: b.early_bytes >= SOCKET_FRAMES_AHEAD * 1000
+        )
+        assert b.early_bytes == SOCKET_FRAMES_AHEAD * 1000, "frames went on after staging was full"
         assert a.write_buffer_size() > 0
         landed: list[int] = []
         recvs = _post_all(b, chunks, landed)
@@ -217,23 +219,23 @@ async def test_a_reader_with_full_staging_stops_the_socket_frames(
 
 
 def _malformed(how: str) -> bytes:
-    """A byte that is no doorbell, frame or escape; or a socket frame above INLINE_MAX."""
+    """A byte that is no doorbell, frame or escape; or a socket frame above SOCKET_FRAME_MAX."""
     if how == "byte":
         return b"\x07"
-    h = Header(DATA, 1, 0, 1, 99, 0, 0, 0, -1, INLINE_MAX + 1, INLINE_MAX + 1)
-    return INLINE + pack_header(h) + bytes(INLINE_MAX + 1)
+    h = Header(DATA, 1, 0, 1, 99, 0, 0, 0, -1, SOCKET_FRAME_MAX + 1, SOCKET_FRAME_MAX + 1)
+    return SOCKET_FRAME + pack_header(h) + bytes(SOCKET_FRAME_MAX + 1)
 
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("how", "says"),
-    [("byte", "sent byte 0x07 on its socket"), ("huge", f"(at most {INLINE_MAX})")],
+    [("byte", "sent byte 0x07 on its socket"), ("huge", f"(at most {SOCKET_FRAME_MAX})")],
 )
 async def test_malformed_socket_bytes_break_the_group(
     how: str, says: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A byte that is neither a doorbell, a frame nor an escape, or a socket frame larger
-    than INLINE_MAX, is a ProtocolError naming the link: the group breaks on both ranks,
+    than SOCKET_FRAME_MAX, is a ProtocolError naming the link: the group breaks on both ranks,
     and no exception escapes into the event loop."""
     cuts = (1, HEADER_SIZE // 2)  # (the frame arrives in pieces)
     res = await run_ranks(

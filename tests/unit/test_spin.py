@@ -20,7 +20,7 @@ import pytest
 import aiocollect as ac
 from aiocollect.engine import spin
 from aiocollect.testing import run_ranks
-from aiocollect.transport import shm_ring, tcp
+from aiocollect.transport import shm_ring, sockets
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -140,7 +140,7 @@ async def test_a_group_counts_its_same_host_peers(
 def test_a_stream_link_is_local_when_its_two_ends_share_an_address(
     peer: object, here: object, local: bool | None
 ) -> None:
-    assert tcp.is_local(peer, here) is local
+    assert sockets.is_local(peer, here) is local
 
 
 async def _stopped(s: spin.Spinner) -> None:

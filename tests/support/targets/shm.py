@@ -100,7 +100,7 @@ async def corrupt_pull_count(g: ac.Group, count: int) -> dict[str, Any]:
         link = g._fabric.links[0]
         assert isinstance(link, ShmLink)
         assert link.shm
-        link._pulled = 1 << 40
+        link._pulls.pulled = 1 << 40
     await g.barrier()
     buf = np.ones(count, np.float32)
     try:
