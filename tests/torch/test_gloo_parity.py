@@ -22,13 +22,10 @@ torch = pytest.importorskip(
 dist = pytest.importorskip("torch.distributed")
 
 import aiocollect  # noqa: E402
-from aiocollect.torch import _ops  # noqa: E402
+from aiocollect.torch import _plan, _reductions  # noqa: E402
 from aiocollect.torch._checks import ArgumentError  # noqa: E402
-from aiocollect.torch.backend import (  # noqa: E402
-    AiocollectProcessGroup,
-    CollectiveTimeout,
-    MonitoredBarrierError,
-)
+from aiocollect.torch.errors import CollectiveTimeout, MonitoredBarrierError  # noqa: E402
+from aiocollect.torch.process_group import AiocollectProcessGroup  # noqa: E402
 from tests.torch.local import close, make_groups, run_ranks  # noqa: E402
 
 PG = AiocollectProcessGroup
@@ -240,9 +237,9 @@ def test_inference_mode_outputs_are_written() -> None:
 
 @pytest.mark.timeout(60)
 def test_a_failed_copy_back_fails_the_work_and_its_future(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = _ops.allreduce
+    real = _reductions.allreduce
 
-    def failing(*args: Any) -> _ops.Plan:  # fault injection: the copy-back raises
+    def failing(*args: Any) -> _plan.Plan:  # fault injection: the copy-back raises
         plan = real(*args)
 
         def finish(results: list[Any]) -> None:
@@ -251,7 +248,7 @@ def test_a_failed_copy_back_fails_the_work_and_its_future(monkeypatch: pytest.Mo
         plan.finish = finish  # type: ignore[assignment]
         return plan
 
-    monkeypatch.setattr(_ops, "allreduce", failing)
+    monkeypatch.setattr(_reductions, "allreduce", failing)
 
     def body(pg: PG, r: int) -> None:
         work = pg.allreduce([torch.ones(2)])

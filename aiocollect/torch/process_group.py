@@ -1,0 +1,378 @@
+"""``AiocollectProcessGroup``: the collective methods of the c10d process group that torch
+creates for the ``"aiocollect"`` backend.
+
+Each method reads its tensors and options, checks them as gloo does (raising on the
+caller's thread, before anything is sent), builds a plan (``_reductions``, ``_movement``,
+``_alltoall``) and launches it (``_runner``), returning its Work at once.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from aiocollect.torch import _alltoall, _checks, _movement, _plan, _reductions, monitored
+from aiocollect.torch._runner import PlanRunner, opt
+from aiocollect.torch._tensors import timeout_seconds
+from aiocollect.torch.work import Work
+
+
+def _tensor_list(value: Any) -> list[torch.Tensor]:
+    return [value] if isinstance(value, torch.Tensor) else list(value)
+
+
+def _is_op(value: Any) -> bool:
+    return isinstance(value, (dist.ReduceOp, dist.ReduceOp.RedOpType))
+
+
+class AiocollectProcessGroup(PlanRunner):
+    """A c10d process group over an aiocollect :class:`~aiocollect.Group`.
+
+    Created by torch through the registered backend (``init_process_group("aiocollect")``,
+    ``new_group(...)``); see :func:`~aiocollect.torch.create_process_group`. Tensors must
+    be on the CPU.
+
+    Args:
+        group: the formed aiocollect group (it lives on ``thread``'s loop).
+        thread: the loop thread.
+        store: the c10d store the group was formed on.
+    """
+
+    # -- reductions ------------------------------------------------------------------------
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> Work:  # type: ignore[override]
+        """All-reduce in place (``opts``: AllreduceOptions or a ReduceOp). Several tensors are
+        several inputs, as with gloo: the reduction runs across all of them, and every one
+        receives it. Sparse COO tensors: SUM only."""
+        op = opts if _is_op(opts) else opt(opts, "reduceOp", dist.ReduceOp.SUM)
+        timeout = self._timeout(None if _is_op(opts) else opts)
+        return self._launch(
+            _reductions.allreduce(_tensor_list(tensors), op, timeout), timeout, "all_reduce"
+        )
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> Work:
+        """All-reduce each tensor of ``tensors`` (one dtype), as one flat buffer."""
+        op = opts if _is_op(opts) else opt(opts, "reduceOp", dist.ReduceOp.SUM)
+        timeout = self._timeout(None if _is_op(opts) else opts)
+        return self._launch(
+            _reductions.allreduce_coalesced(_tensor_list(tensors), op, timeout),
+            timeout,
+            "allreduce_coalesced",
+        )
+
+    def reduce(self, tensors: Any, opts: Any = None) -> Work:  # type: ignore[override]
+        """Reduce into ``opts.rootRank``'s tensor; other ranks' tensors are unchanged."""
+        timeout = self._timeout(opts)
+        plan = _reductions.reduce(
+            _tensor_list(tensors),
+            opt(opts, "rootRank", 0),
+            opt(opts, "reduceOp", dist.ReduceOp.SUM),
+            self._rank,
+            timeout,
+            world=self._world,
+            root_tensor=opt(opts, "rootTensor", 0),
+        )
+        return self._launch(plan, timeout, "reduce")
+
+    def reduce_scatter(  # type: ignore[override]
+        self,
+        output_tensors: Any,
+        input_tensors: Any,
+        opts: Any = None,
+    ) -> Work:
+        """Reduce the inputs (one list of world-size tensors per output), scatter blocks;
+        ``inputs[i]`` may be shaped like rank i's output when ranks' outputs differ."""
+        outputs = _tensor_list(output_tensors)
+        inputs = [_tensor_list(x) for x in input_tensors]
+        if inputs and isinstance(input_tensors[0], torch.Tensor):
+            inputs = [list(input_tensors)]
+        _checks.non_empty("reduce_scatter", outputs)
+        if len(outputs) != len(inputs):
+            raise _checks.fail(
+                "reduce_scatter", "requires input/output tensor lists to have the same length"
+            )
+        op = opt(opts, "reduceOp", dist.ReduceOp.SUM)
+        timeout = self._timeout(opts)
+        plans = [
+            _reductions.reduce_scatter(o, i, op, self._world, timeout, self._rank)
+            for o, i in zip(outputs, inputs, strict=True)
+        ]
+        return self._launch(_plan.combine("reduce_scatter", plans), timeout, "reduce_scatter")
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> Work:
+        """Reduce ``input`` (world-size blocks) across ranks; this rank's block to ``output``."""
+        op = opt(opts, "reduceOp", dist.ReduceOp.SUM)
+        timeout = self._timeout(opts)
+        return self._launch(
+            _reductions.reduce_scatter_single(output, input, op, self._world, timeout),
+            timeout,
+            "_reduce_scatter_base",
+        )
+
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work:
+        op = opt(opts, "reduceOp", dist.ReduceOp.SUM)
+        timeout = self._timeout(opts)
+        plans = [
+            _reductions.reduce_scatter_single(o, i, op, self._world, timeout)
+            for o, i in zip(outputs, inputs, strict=True)
+        ]
+        return self._launch(
+            _plan.combine("reduce_scatter", plans), timeout, "reduce_scatter_tensor_coalesced"
+        )
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
+
+    # -- data movement ---------------------------------------------------------------------
+
+    def broadcast(  # type: ignore[override]
+        self,
+        tensors: Any,
+        opts: Any = None,
+        root: int | None = None,
+    ) -> Work:
+        """Copy ``opts.rootRank``'s ``tensors[opts.rootTensor]`` into every tensor of every
+        rank (``broadcast(tensor, root=r)`` works too)."""
+        if root is None:
+            root = opts if isinstance(opts, int) else opt(opts, "rootRank", 0)
+        root_tensor = 0 if isinstance(opts, int) else opt(opts, "rootTensor", 0)
+        timeout = self._timeout(None if isinstance(opts, int) else opts)
+        return self._launch(
+            _movement.broadcast(
+                _tensor_list(tensors),
+                root,
+                timeout,
+                world=self._world,
+                rank=self._rank,
+                root_tensor=root_tensor,
+            ),
+            timeout,
+            "broadcast",
+        )
+
+    def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Work:
+        """Gather every rank's inputs: ``output_tensors[i][r * N + k]`` receives rank r's
+        input k (N inputs per rank, as with gloo)."""
+        inputs = _tensor_list(input_tensors)
+        outputs = [_tensor_list(x) for x in output_tensors]
+        if output_tensors and isinstance(output_tensors[0], torch.Tensor):
+            outputs = [list(output_tensors)]
+        timeout = self._timeout(opts)
+        return self._launch(
+            _movement.allgather_multi(outputs, inputs, self._world, timeout),
+            timeout,
+            "all_gather",
+            inputs,
+        )
+
+    def allgather_coalesced(
+        self,
+        output_lists: list[list[torch.Tensor]],
+        input_list: list[torch.Tensor],
+        opts: Any = None,
+    ) -> Work:
+        """``output_lists[r][i]`` receives rank r's ``input_list[i]``."""
+        timeout = self._timeout(opts)
+        plan = _movement.allgather_coalesced(
+            [list(o) for o in output_lists], list(input_list), self._world, timeout
+        )
+        return self._launch(plan, timeout, "allgather_coalesced", list(input_list))
+
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> Work:
+        """Gather every rank's ``input`` into consecutive blocks of ``output``."""
+        timeout = self._timeout(opts)
+        return self._launch(
+            _movement.all_gather_single(output, input, self._world, timeout),
+            timeout,
+            "_allgather_base",
+            [input],
+        )
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work:
+        timeout = self._timeout(opts)
+        plans = [
+            _movement.all_gather_single(o, i, self._world, timeout)
+            for o, i in zip(outputs, inputs, strict=True)
+        ]
+        return self._launch(
+            _plan.combine("allgather", plans),
+            timeout,
+            "allgather_into_tensor_coalesced",
+            list(inputs),
+        )
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
+
+    def gather(  # type: ignore[override]
+        self,
+        output_tensors: Any,
+        input_tensors: Any,
+        opts: Any = None,
+    ) -> Work:
+        """Gather every rank's input on ``opts.rootRank`` (``output_tensors[0]`` there)."""
+        root = opt(opts, "rootRank", 0)
+        _checks.root_rank("gather", root, self._world)
+        inputs = _tensor_list(input_tensors)
+        _checks.single("gather", inputs, "input tensor list")
+        outputs = self._root_tensors("gather", output_tensors, root, "output")
+        timeout = self._timeout(opts)
+        return self._launch(
+            _movement.gather(outputs, inputs[0], root, self._rank, self._world, timeout),
+            timeout,
+            "gather",
+            inputs,
+        )
+
+    def _root_tensors(self, name: str, nested: Any, root: int, what: str) -> list[Any]:
+        """The root's list of per-rank tensors of gather/scatter (``[[t0, t1, ...]]``, or
+        the flat list itself); empty elsewhere, where anything else is gloo's error."""
+        outer = list(nested)
+        if self._rank != root:
+            if outer:
+                raise _checks.fail(name, f"requires empty {what} on non-root")
+            return []
+        if outer and isinstance(outer[0], torch.Tensor):
+            outer = [outer]  # a flat list: the root's tensors themselves
+        _checks.single(name, outer, f"{what} list")
+        return list(outer[0])
+
+    def scatter(  # type: ignore[override]
+        self,
+        output_tensors: Any,
+        input_tensors: Any,
+        opts: Any = None,
+    ) -> Work:
+        """Scatter ``input_tensors[0]`` of ``opts.rootRank``, block i to rank i."""
+        root = opt(opts, "rootRank", 0)
+        _checks.root_rank("scatter", root, self._world)
+        outputs = _tensor_list(output_tensors)
+        _checks.single("scatter", outputs, "output tensor list")
+        inputs = self._root_tensors("scatter", input_tensors, root, "input")
+        timeout = self._timeout(opts)
+        return self._launch(
+            _movement.scatter(outputs[0], inputs, root, self._rank, self._world, timeout),
+            timeout,
+            "scatter",
+            inputs,
+        )
+
+    def alltoall(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> Work:
+        """Send ``input_tensors[i]`` to rank i; receive rank j's into ``output_tensors[j]``."""
+        timeout = self._timeout(opts)
+        return self._launch(
+            _alltoall.alltoall(
+                list(output_tensors), list(input_tensors), self._rank, self._world, timeout
+            ),
+            timeout,
+            "all_to_all",
+            list(input_tensors),
+        )
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> Work:
+        """All-to-all along dim 0, evenly or with the given split sizes (rows per rank).
+        Both tensors must be contiguous (as with gloo)."""
+        _checks.contiguous("alltoall_base", input)
+        _checks.contiguous("alltoall_base", output)
+        timeout = self._timeout(opts)
+        return self._launch(
+            _alltoall.all_to_all_single(
+                output,
+                input,
+                list(output_split_sizes),
+                list(input_split_sizes),
+                self._rank,
+                self._world,
+                timeout,
+            ),
+            timeout,
+            "all_to_all",
+            [input],
+        )
+
+    alltoall_base = all_to_all_single  # type: ignore[assignment]
+
+    def barrier(self, opts: Any = None) -> Work:
+        """Complete once every rank has entered and every operation this rank issued on the
+        group before it has completed (``opts``: BarrierOptions or a timedelta)."""
+        timeout = opts if isinstance(opts, timedelta) else opt(opts, "timeout", None)
+        seconds = timeout_seconds(timeout)
+        if seconds is None:
+            seconds = self._default_timeout
+        return self._launch(_plan.barrier(seconds), seconds, "barrier", [], after=0)
+
+    def monitored_barrier(
+        self, timeout: timedelta | None = None, wait_all_ranks: bool = False
+    ) -> None:
+        """A barrier that names the ranks that did not arrive (gloo's monitored_barrier).
+
+        See :func:`aiocollect.torch.monitored.monitored_barrier`.
+
+        Args:
+            timeout: how long to wait (None: the group's default timeout).
+            wait_all_ranks: rank 0 names every rank that did not arrive.
+
+        Raises:
+            MonitoredBarrierError: some ranks did not arrive (or were not released) in time.
+        """
+        monitored.monitored_barrier(self, timeout, wait_all_ranks)
+
+    # -- point to point --------------------------------------------------------------------
+
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Work:
+        """Send to group rank ``dstRank``; matched by (source, tag) in order."""
+        tensors = _tensor_list(tensors)
+        return self._launch(
+            _movement.send(tensors, dstRank, tag, self._default_timeout),
+            self._default_timeout,
+            "send",
+            tensors,
+        )
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work:
+        """Receive from group rank ``srcRank``."""
+        tensors = _tensor_list(tensors)
+        return self._launch(
+            _movement.recv(tensors, srcRank, tag, self._default_timeout),
+            self._default_timeout,
+            "recv",
+            tensors,
+        )
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Work:
+        """Receive from any rank; ``work._source_rank()`` tells which."""
+        tensors = _tensor_list(tensors)
+        return self._launch(
+            _movement.recv(tensors, None, tag, self._default_timeout),
+            self._default_timeout,
+            "recvAnySource",
+            tensors,
+        )
+
+
+__all__ = ["AiocollectProcessGroup"]
