@@ -47,7 +47,16 @@ _SHUTDOWN_TIMEOUT = 30.0
 
 
 def opt(opts: Any, name: str, default: Any) -> Any:
-    """Field ``name`` of a c10d options object, or ``default`` (also when ``opts`` is None)."""
+    """Field ``name`` of a c10d options object, or ``default``.
+
+    Args:
+        opts: the options object, or None.
+        name: the field.
+        default: the value when ``opts`` is None or lacks the field.
+
+    Returns:
+        The field's value or ``default``.
+    """
     return getattr(opts, name, default) if opts is not None else default
 
 
@@ -108,25 +117,50 @@ class PlanRunner(dist.ProcessGroup):
     # -- identity --------------------------------------------------------------------------
 
     def getBackendName(self) -> str:
+        """Returns:
+        ``"aiocollect"``.
+        """
         return BACKEND_NAME
 
     def getRank(self) -> int:
+        """Returns:
+        This process's rank in the group.
+        """
         return self._rank
 
     def getSize(self) -> int:
+        """Returns:
+        The group's size.
+        """
         return self._world
 
-    # The base class keeps names in its backends, and this group has none.
     def setGroupName(self, name: str) -> None:
+        """Record the group's name (the base class keeps names in its backends, and this
+        group has none).
+
+        Args:
+            name: the name torch gives the group.
+        """
         self._group_name = name
 
     def getGroupName(self) -> str:
+        """Returns:
+        The name set by :meth:`setGroupName` (empty before).
+        """
         return self._group_name
 
     def setGroupDesc(self, desc: str) -> None:
+        """Record the group's description.
+
+        Args:
+            desc: the description torch gives the group.
+        """
         self._group_desc = desc
 
     def getGroupDesc(self) -> str:
+        """Returns:
+        The description set by :meth:`setGroupDesc` (empty before).
+        """
         return self._group_desc
 
     @property
@@ -277,8 +311,16 @@ class PlanRunner(dist.ProcessGroup):
         self._default_timeout = timeout_seconds(timeout)
 
     def barrier_local(self, timeout: float | None = None) -> None:
-        """Block until every operation issued on this group before the call has completed
-        (on this rank only; no message is sent)."""
+        """Block until every operation issued on this group before the call has completed.
+
+        On this rank only; no message is sent.
+
+        Args:
+            timeout: seconds to wait (None: no limit).
+
+        Raises:
+            GroupBrokenError: an earlier collective of the group failed.
+        """
         work = self._launch(_plan.nothing(), timeout, "wait_prior", [], after=0)
         work.wait()
 

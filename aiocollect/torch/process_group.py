@@ -15,20 +15,17 @@ import torch
 import torch.distributed as dist
 
 from aiocollect.torch import _alltoall, _checks, _movement, _plan, _reductions, monitored
-from aiocollect.torch._runner import PlanRunner, opt
+from aiocollect.torch._point_to_point import PointToPoint, tensor_list
+from aiocollect.torch._runner import opt
 from aiocollect.torch._tensors import timeout_seconds
 from aiocollect.torch.work import Work
-
-
-def _tensor_list(value: Any) -> list[torch.Tensor]:
-    return [value] if isinstance(value, torch.Tensor) else list(value)
 
 
 def _is_op(value: Any) -> bool:
     return isinstance(value, (dist.ReduceOp, dist.ReduceOp.RedOpType))
 
 
-class AiocollectProcessGroup(PlanRunner):
+class AiocollectProcessGroup(PointToPoint):
     """A c10d process group over an aiocollect :class:`~aiocollect.Group`.
 
     Created by torch through the registered backend (``init_process_group("aiocollect")``,
@@ -44,30 +41,70 @@ class AiocollectProcessGroup(PlanRunner):
     # -- reductions ------------------------------------------------------------------------
 
     def allreduce(self, tensors: Any, opts: Any = None) -> Work:  # type: ignore[override]
-        """All-reduce in place (``opts``: AllreduceOptions or a ReduceOp). Several tensors are
-        several inputs, as with gloo: the reduction runs across all of them, and every one
-        receives it. Sparse COO tensors: SUM only."""
+        """All-reduce in place.
+
+        Several tensors are several inputs, as with gloo: the reduction runs across all of them,
+        and every one receives it. Sparse COO tensors: SUM only.
+
+        Args:
+            tensors: a tensor or a list of tensors of one dtype and shape.
+            opts: AllreduceOptions (``reduceOp``, ``timeout``) or a ReduceOp; None: SUM.
+
+        Returns:
+            Its :class:`~aiocollect.torch.work.Work`, at once.
+
+        Raises:
+            GroupBrokenError: an earlier collective of the group failed.
+            ArgumentError: the arguments fail gloo's checks (a RuntimeError and a UsageError;
+                nothing is sent).
+        """
         op = opts if _is_op(opts) else opt(opts, "reduceOp", dist.ReduceOp.SUM)
         timeout = self._timeout(None if _is_op(opts) else opts)
         return self._launch(
-            _reductions.allreduce(_tensor_list(tensors), op, timeout), timeout, "all_reduce"
+            _reductions.allreduce(tensor_list(tensors), op, timeout), timeout, "all_reduce"
         )
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> Work:
-        """All-reduce each tensor of ``tensors`` (one dtype), as one flat buffer."""
+        """All-reduce each tensor of ``tensors`` (one dtype), as one flat buffer.
+
+        Args:
+            tensors: the tensors, reduced in place.
+            opts: AllreduceCoalescedOptions or a ReduceOp; None: SUM.
+
+        Returns:
+            Its :class:`~aiocollect.torch.work.Work`, at once.
+
+        Raises:
+            GroupBrokenError: an earlier collective of the group failed.
+            ArgumentError: the arguments fail gloo's checks (a RuntimeError and a UsageError;
+                nothing is sent).
+        """
         op = opts if _is_op(opts) else opt(opts, "reduceOp", dist.ReduceOp.SUM)
         timeout = self._timeout(None if _is_op(opts) else opts)
         return self._launch(
-            _reductions.allreduce_coalesced(_tensor_list(tensors), op, timeout),
+            _reductions.allreduce_coalesced(tensor_list(tensors), op, timeout),
             timeout,
             "allreduce_coalesced",
         )
 
     def reduce(self, tensors: Any, opts: Any = None) -> Work:  # type: ignore[override]
-        """Reduce into ``opts.rootRank``'s tensor; other ranks' tensors are unchanged."""
+        """Reduce into ``opts.rootRank``'s tensor; other ranks' tensors are unchanged.
+
+        Args:
+            tensors: a single-element list (or one tensor).
+            opts: ReduceOptions (``rootRank``, ``rootTensor``, ``reduceOp``, ``timeout``).
+
+        Returns:
+            Its :class:`~aiocollect.torch.work.Work`, at once.
+
+        Raises:
+            GroupBrokenError: an earlier collective of the group failed.
+            ArgumentError: the arguments fail gloo's checks (a RuntimeError and a UsageError;
+                nothing is sent).
+        """
         timeout = self._timeout(opts)
         plan = _reductions.reduce(
-            _tensor_list(tensors),
+            tensor_list(tensors),
             opt(opts, "rootRank", 0),
             opt(opts, "reduceOp", dist.ReduceOp.SUM),
             self._rank,
@@ -83,10 +120,24 @@ class AiocollectProcessGroup(PlanRunner):
         input_tensors: Any,
         opts: Any = None,
     ) -> Work:
-        """Reduce the inputs (one list of world-size tensors per output), scatter blocks;
-        ``inputs[i]`` may be shaped like rank i's output when ranks' outputs differ."""
-        outputs = _tensor_list(output_tensors)
-        inputs = [_tensor_list(x) for x in input_tensors]
+        """Reduce the inputs across ranks and scatter the blocks: rank i's output receives block i.
+
+        Args:
+            output_tensors: this rank's output tensor (or a list of them).
+            input_tensors: per output, a list of world-size tensors; ``inputs[i]`` may be shaped
+                like rank i's output when ranks' outputs differ in size.
+            opts: its c10d options object (None: the defaults).
+
+        Returns:
+            Its :class:`~aiocollect.torch.work.Work`, at once.
+
+        Raises:
+            GroupBrokenError: an earlier collective of the group failed.
+            ArgumentError: the arguments fail gloo's checks (a RuntimeError and a UsageError;
+                nothing is sent).
+        """
+        outputs = tensor_list(output_tensors)
+        inputs = [tensor_list(x) for x in input_tensors]
         if inputs and isinstance(input_tensors[0], torch.Tensor):
             inputs = [list(input_tensors)]
         _checks.non_empty("reduce_scatter", outputs)
@@ -105,7 +156,20 @@ class AiocollectProcessGroup(PlanRunner):
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> Work:
-        """Reduce ``input`` (world-size blocks) across ranks; this rank's block to ``output``."""
+        """Reduce ``input`` (world-size blocks) across ranks; this rank's block to ``output``.
+
+        Args:
+            output: this rank's block.
+            input: world-size blocks, concatenated.
+            opts: its c10d options object (None: the defaults).
+
+        Returns:
+            Its :class:`~aiocollect.torch.work.Work`, at once.
+
+        Raises:
+            UsageError: the sizes or dtypes do not fit.
+            GroupBrokenError: an earlier collective of the group failed.
+        """
         op = opt(opts, "reduceOp", dist.ReduceOp.SUM)
         timeout = self._timeout(opts)
         return self._launch(
@@ -119,6 +183,20 @@ class AiocollectProcessGroup(PlanRunner):
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work:
+        """``reduce_scatter_single`` of each ``(outputs[i], inputs[i])`` pair, as one call.
+
+        Args:
+            outputs: this rank's blocks.
+            inputs: the inputs, world-size blocks each.
+            opts: its c10d options object (None: the defaults).
+
+        Returns:
+            Its :class:`~aiocollect.torch.work.Work`, at once.
+
+        Raises:
+            UsageError: the sizes or dtypes do not fit.
+            GroupBrokenError: an earlier collective of the group failed.
+        """
         op = opt(opts, "reduceOp", dist.ReduceOp.SUM)
         timeout = self._timeout(opts)
         plans = [
@@ -139,15 +217,28 @@ class AiocollectProcessGroup(PlanRunner):
         opts: Any = None,
         root: int | None = None,
     ) -> Work:
-        """Copy ``opts.rootRank``'s ``tensors[opts.rootTensor]`` into every tensor of every
-        rank (``broadcast(tensor, root=r)`` works too)."""
+        """Copy ``opts.rootRank``'s ``tensors[opts.rootTensor]`` into every tensor of every rank.
+
+        Args:
+            tensors: a tensor or a list of tensors of one dtype and shape.
+            opts: BroadcastOptions, or the root rank as an int.
+            root: the root rank, overriding ``opts`` (``broadcast(tensor, root=r)``).
+
+        Returns:
+            Its :class:`~aiocollect.torch.work.Work`, at once.
+
+        Raises:
+            GroupBrokenError: an earlier collective of the group failed.
+            ArgumentError: the arguments fail gloo's checks (a RuntimeError and a UsageError;
+                nothing is sent).
+        """
         if root is None:
             root = opts if isinstance(opts, int) else opt(opts, "rootRank", 0)
         root_tensor = 0 if isinstance(opts, int) else opt(opts, "rootTensor", 0)
         timeout = self._timeout(None if isinstance(opts, int) else opts)
         return self._launch(
             _movement.broadcast(
-                _tensor_list(tensors),
+                tensor_list(tensors),
                 root,
                 timeout,
                 world=self._world,
@@ -159,10 +250,25 @@ class AiocollectProcessGroup(PlanRunner):
         )
 
     def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Work:
-        """Gather every rank's inputs: ``output_tensors[i][r * N + k]`` receives rank r's
-        input k (N inputs per rank, as with gloo)."""
-        inputs = _tensor_list(input_tensors)
-        outputs = [_tensor_list(x) for x in output_tensors]
+        """Gather every rank's inputs: ``output_tensors[i][r * N + k]`` receives rank r's input k.
+
+        N inputs per rank, as with gloo; every output has the input's size.
+
+        Args:
+            output_tensors: one list of N x world tensors per input (or that list alone).
+            input_tensors: this rank's N inputs (or one tensor).
+            opts: its c10d options object (None: the defaults).
+
+        Returns:
+            Its :class:`~aiocollect.torch.work.Work`, at once.
+
+        Raises:
+            GroupBrokenError: an earlier collective of the group failed.
+            ArgumentError: the arguments fail gloo's checks (a RuntimeError and a UsageError;
+                nothing is sent).
+        """
+        inputs = tensor_list(input_tensors)
+        outputs = [tensor_list(x) for x in output_tensors]
         if output_tensors and isinstance(output_tensors[0], torch.Tensor):
             outputs = [list(output_tensors)]
         timeout = self._timeout(opts)
@@ -179,7 +285,21 @@ class AiocollectProcessGroup(PlanRunner):
         input_list: list[torch.Tensor],
         opts: Any = None,
     ) -> Work:
-        """``output_lists[r][i]`` receives rank r's ``input_list[i]``."""
+        """``output_lists[r][i]`` receives rank r's ``input_list[i]``.
+
+        Args:
+            output_lists: world-size lists, each shaped like ``input_list``.
+            input_list: this rank's inputs (one dtype; sizes may differ).
+            opts: its c10d options object (None: the defaults).
+
+        Returns:
+            Its :class:`~aiocollect.torch.work.Work`, at once.
+
+        Raises:
+            GroupBrokenError: an earlier collective of the group failed.
+            ArgumentError: the arguments fail gloo's checks (a RuntimeError and a UsageError;
+                nothing is sent).
+        """
         timeout = self._timeout(opts)
         plan = _movement.allgather_coalesced(
             [list(o) for o in output_lists], list(input_list), self._world, timeout
@@ -189,7 +309,20 @@ class AiocollectProcessGroup(PlanRunner):
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> Work:
-        """Gather every rank's ``input`` into consecutive blocks of ``output``."""
+        """Gather every rank's ``input`` into consecutive blocks of ``output``.
+
+        Args:
+            output: world-size blocks of ``input``'s size (concatenated or stacked).
+            input: this rank's block (it may be ``output``'s own block).
+            opts: its c10d options object (None: the defaults).
+
+        Returns:
+            Its :class:`~aiocollect.torch.work.Work`, at once.
+
+        Raises:
+            UsageError: the sizes or dtypes do not fit.
+            GroupBrokenError: an earlier collective of the group failed.
+        """
         timeout = self._timeout(opts)
         return self._launch(
             _movement.all_gather_single(output, input, self._world, timeout),
@@ -203,6 +336,20 @@ class AiocollectProcessGroup(PlanRunner):
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work:
+        """``all_gather_single`` of each ``(outputs[i], inputs[i])`` pair, as one call.
+
+        Args:
+            outputs: the outputs, world-size blocks each.
+            inputs: this rank's blocks.
+            opts: its c10d options object (None: the defaults).
+
+        Returns:
+            Its :class:`~aiocollect.torch.work.Work`, at once.
+
+        Raises:
+            UsageError: the sizes or dtypes do not fit.
+            GroupBrokenError: an earlier collective of the group failed.
+        """
         timeout = self._timeout(opts)
         plans = [
             _movement.all_gather_single(o, i, self._world, timeout)
@@ -223,10 +370,24 @@ class AiocollectProcessGroup(PlanRunner):
         input_tensors: Any,
         opts: Any = None,
     ) -> Work:
-        """Gather every rank's input on ``opts.rootRank`` (``output_tensors[0]`` there)."""
+        """Gather every rank's input on ``opts.rootRank`` (into ``output_tensors[0]`` there).
+
+        Args:
+            output_tensors: on the root, ``[outputs]`` with world-size tensors; elsewhere empty.
+            input_tensors: a single-element list (or one tensor).
+            opts: GatherOptions (``rootRank``, ``timeout``).
+
+        Returns:
+            Its :class:`~aiocollect.torch.work.Work`, at once.
+
+        Raises:
+            GroupBrokenError: an earlier collective of the group failed.
+            ArgumentError: the arguments fail gloo's checks (a RuntimeError and a UsageError;
+                nothing is sent).
+        """
         root = opt(opts, "rootRank", 0)
         _checks.root_rank("gather", root, self._world)
-        inputs = _tensor_list(input_tensors)
+        inputs = tensor_list(input_tensors)
         _checks.single("gather", inputs, "input tensor list")
         outputs = self._root_tensors("gather", output_tensors, root, "output")
         timeout = self._timeout(opts)
@@ -256,10 +417,24 @@ class AiocollectProcessGroup(PlanRunner):
         input_tensors: Any,
         opts: Any = None,
     ) -> Work:
-        """Scatter ``input_tensors[0]`` of ``opts.rootRank``, block i to rank i."""
+        """Scatter ``input_tensors[0]`` of ``opts.rootRank``, block i to rank i.
+
+        Args:
+            output_tensors: a single-element list (or one tensor) receiving this rank's block.
+            input_tensors: on the root, ``[inputs]`` with world-size tensors; elsewhere empty.
+            opts: ScatterOptions (``rootRank``, ``timeout``).
+
+        Returns:
+            Its :class:`~aiocollect.torch.work.Work`, at once.
+
+        Raises:
+            GroupBrokenError: an earlier collective of the group failed.
+            ArgumentError: the arguments fail gloo's checks (a RuntimeError and a UsageError;
+                nothing is sent).
+        """
         root = opt(opts, "rootRank", 0)
         _checks.root_rank("scatter", root, self._world)
-        outputs = _tensor_list(output_tensors)
+        outputs = tensor_list(output_tensors)
         _checks.single("scatter", outputs, "output tensor list")
         inputs = self._root_tensors("scatter", input_tensors, root, "input")
         timeout = self._timeout(opts)
@@ -276,7 +451,20 @@ class AiocollectProcessGroup(PlanRunner):
         input_tensors: list[torch.Tensor],
         opts: Any = None,
     ) -> Work:
-        """Send ``input_tensors[i]`` to rank i; receive rank j's into ``output_tensors[j]``."""
+        """Send ``input_tensors[i]`` to rank i; receive rank j's into ``output_tensors[j]``.
+
+        Args:
+            output_tensors: world-size tensors.
+            input_tensors: world-size tensors.
+            opts: its c10d options object (None: the defaults).
+
+        Returns:
+            Its :class:`~aiocollect.torch.work.Work`, at once.
+
+        Raises:
+            UsageError: the sizes or dtypes do not fit.
+            GroupBrokenError: an earlier collective of the group failed.
+        """
         timeout = self._timeout(opts)
         return self._launch(
             _alltoall.alltoall(
@@ -296,7 +484,24 @@ class AiocollectProcessGroup(PlanRunner):
         opts: Any = None,
     ) -> Work:
         """All-to-all along dim 0, evenly or with the given split sizes (rows per rank).
-        Both tensors must be contiguous (as with gloo)."""
+
+        Both tensors must be contiguous (as with gloo).
+
+        Args:
+            output: receives rank j's rows in block j.
+            input: block i goes to rank i.
+            output_split_sizes: rows received from each rank (empty: even).
+            input_split_sizes: rows sent to each rank (empty: even).
+            opts: its c10d options object (None: the defaults).
+
+        Returns:
+            Its :class:`~aiocollect.torch.work.Work`, at once.
+
+        Raises:
+            GroupBrokenError: an earlier collective of the group failed.
+            ArgumentError: the arguments fail gloo's checks (a RuntimeError and a UsageError;
+                nothing is sent).
+        """
         _checks.contiguous("alltoall_base", input)
         _checks.contiguous("alltoall_base", output)
         timeout = self._timeout(opts)
@@ -318,8 +523,18 @@ class AiocollectProcessGroup(PlanRunner):
     alltoall_base = all_to_all_single  # type: ignore[assignment]
 
     def barrier(self, opts: Any = None) -> Work:
-        """Complete once every rank has entered and every operation this rank issued on the
-        group before it has completed (``opts``: BarrierOptions or a timedelta)."""
+        """Complete once every rank has entered and every earlier operation of this rank on
+        the group has completed.
+
+        Args:
+            opts: BarrierOptions (``timeout``) or a timedelta; None: the default timeout.
+
+        Returns:
+            Its :class:`~aiocollect.torch.work.Work`, at once.
+
+        Raises:
+            GroupBrokenError: an earlier collective of the group failed.
+        """
         timeout = opts if isinstance(opts, timedelta) else opt(opts, "timeout", None)
         seconds = timeout_seconds(timeout)
         if seconds is None:
@@ -341,38 +556,6 @@ class AiocollectProcessGroup(PlanRunner):
             MonitoredBarrierError: some ranks did not arrive (or were not released) in time.
         """
         monitored.monitored_barrier(self, timeout, wait_all_ranks)
-
-    # -- point to point --------------------------------------------------------------------
-
-    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Work:
-        """Send to group rank ``dstRank``; matched by (source, tag) in order."""
-        tensors = _tensor_list(tensors)
-        return self._launch(
-            _movement.send(tensors, dstRank, tag, self._default_timeout),
-            self._default_timeout,
-            "send",
-            tensors,
-        )
-
-    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work:
-        """Receive from group rank ``srcRank``."""
-        tensors = _tensor_list(tensors)
-        return self._launch(
-            _movement.recv(tensors, srcRank, tag, self._default_timeout),
-            self._default_timeout,
-            "recv",
-            tensors,
-        )
-
-    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Work:
-        """Receive from any rank; ``work._source_rank()`` tells which."""
-        tensors = _tensor_list(tensors)
-        return self._launch(
-            _movement.recv(tensors, None, tag, self._default_timeout),
-            self._default_timeout,
-            "recvAnySource",
-            tensors,
-        )
 
 
 __all__ = ["AiocollectProcessGroup"]

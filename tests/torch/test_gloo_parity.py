@@ -216,6 +216,31 @@ def test_bad_arguments_raise_runtime_errors_before_anything_runs() -> None:
     assert run_ranks(W, body) == [3.0 * W] * W
 
 
+@pytest.mark.timeout(60)
+def test_checks_run_in_gloos_order_with_torchs_own_inputs() -> None:
+    """torch's test_allreduce_coalesced_checks and test_allgather_checks (test_c10d_gloo.py):
+    a sparse tensor of another dtype is a layout error, not a type error; an all_gather
+    output of another size than the input is refused on every rank."""
+
+    def body(pg: PG, r: int) -> None:
+        t1, t2, t3 = torch.zeros(1), torch.zeros(1, dtype=torch.float64), torch.zeros(2)
+        isparse = torch.sparse_coo_tensor([[0]], [1], size=(1,))  # int64, t1 is float32
+        cases: list[tuple[str, Any]] = [
+            ("invalid tensor layout at index", lambda: pg.allreduce_coalesced([t1, isparse])),
+            ("unsupported layout", lambda: pg.allreduce_coalesced([isparse, isparse.clone()])),
+            ("invalid tensor type", lambda: pg.allgather([([t1, t2] * W)[:W]], [t1])),
+            ("invalid tensor size", lambda: pg.allgather([([t1, t3] * W)[:W]], [t1])),
+            ("invalid tensor size", lambda: pg.allgather([[t3] * W], [t1])),
+        ]
+        for pattern, call in cases:
+            with pytest.raises(RuntimeError, match=re.escape(pattern)) as info:
+                call()
+            assert isinstance(info.value, ArgumentError)
+        assert pg._get_sequence_number_for_group() == 0  # nothing was issued
+
+    run_ranks(W, body)
+
+
 # -- 5. failures reach the Work and its future ------------------------------------------------
 
 
