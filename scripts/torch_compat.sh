@@ -17,7 +17,7 @@ WORK=${TORCH_COMPAT_DIR:-/tmp/aiocollect-torch-compat}
 OLDEST=$(sed -n 's/^torch = \["torch>=\([0-9.]*\),.*/\1/p' "$ROOT/pyproject.toml")
 [ -n "$OLDEST" ] || { echo "torch-compat: no 'torch>=X,<Y' extra in pyproject.toml"; exit 2; }
 SPECS=${TORCH_COMPAT_VERSIONS:-"torch<3 torch==$OLDEST.*"}
-DEPS="numpy msgpack uvloop pytest pytest-timeout pytest-asyncio pytest-xdist"
+DEPS="numpy msgpack uvloop ml_dtypes pytest pytest-timeout pytest-asyncio pytest-xdist"
 summary=()
 failed=0
 for spec in $SPECS; do

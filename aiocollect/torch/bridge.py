@@ -80,9 +80,9 @@ def create_process_group(
         world_size: the group's size.
         timeout: the rendezvous deadline and the default deadline of the group's
             collectives (``timedelta(0)`` or less: none).
-        *args: what torch passes beyond these (ignored).
-        **kwargs: what torch passes beyond these, by name (ignored; torch releases that
-            hand a custom backend's creator ``backend=`` or ``pg_options=`` pass them so).
+        *args: anything a torch release passes beyond these (ignored).
+        **kwargs: anything a torch release passes beyond these by name (ignored; the
+            releases run, 2.9 to 2.15, pass the four above only).
 
     Returns:
         The process group, formed on every rank.

@@ -224,7 +224,7 @@ def test_checks_run_in_gloos_order_with_torchs_own_inputs() -> None:
 
     def body(pg: PG, r: int) -> None:
         t1, t2, t3 = torch.zeros(1), torch.zeros(1, dtype=torch.float64), torch.zeros(2)
-        isparse = torch.sparse_coo_tensor([[0]], [1], size=(1,))  # int64, t1 is float32
+        isparse = torch.sparse_coo_tensor([[0]], [1], size=(1,), check_invariants=True)  # int64
         cases: list[tuple[str, Any]] = [
             ("invalid tensor layout at index", lambda: pg.allreduce_coalesced([t1, isparse])),
             ("unsupported layout", lambda: pg.allreduce_coalesced([isparse, isparse.clone()])),
@@ -396,8 +396,25 @@ def test_barrier_timeout_is_worded_as_torch_expects() -> None:
 # -- 10. profiling ----------------------------------------------------------------------------
 
 
+def _profiler_keeps_records_ended_elsewhere() -> bool:
+    """Whether this torch's profiler keeps a record ended on another thread than the one
+    that began it (the backend ends a call's record on its loop thread): torch 2.9's
+    drops it."""
+    prof = torch.autograd.profiler.profile()
+    with prof:
+        handle = torch.autograd._record_function_with_args_enter("aiocollect:probe")
+        ender = threading.Thread(
+            target=torch.autograd._record_function_with_args_exit, args=(handle,)
+        )
+        ender.start()
+        ender.join()
+    return any(e.name == "aiocollect:probe" for e in prof.function_events)
+
+
 @pytest.mark.timeout(60)
 def test_collectives_record_profiler_events() -> None:
+    if not _profiler_keeps_records_ended_elsewhere():
+        pytest.skip("this torch's profiler drops records ended on another thread")
     pgs = make_groups(2)
     prof = torch.autograd.profiler.profile(record_shapes=True)
 
