@@ -25,8 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import torch_ddp
 
 # Older torch releases have these only as all_gather_into_tensor and reduce_scatter_tensor.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single_fn = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
 
 
 Tensors = list[torch.Tensor]
@@ -215,13 +217,13 @@ def reductions() -> None:
 
     same("reduce_scatter", reduce_scatter)
 
-    def reduce_scatter_single(g: dist.ProcessGroup) -> Tensors:
+    def rs_single(g: dist.ProcessGroup) -> Tensors:
         inp = inputs((WORLD * 5, 2), torch.float32)
         out = torch.empty(5, 2)
-        reduce_scatter_single(out, inp, group=g)
+        reduce_scatter_single_fn(out, inp, group=g)
         return [out]
 
-    same("reduce_scatter_single", reduce_scatter_single)
+    same("reduce_scatter_single", rs_single)
 
     inp = inputs((WORLD, 5, 2), torch.float32)
     out = torch.empty(5, 2)
@@ -229,7 +231,7 @@ def reductions() -> None:
         warnings.simplefilter("ignore")  # the deprecated name of reduce_scatter_single
         dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.AVG)
     ref = torch.empty(5, 2)
-    reduce_scatter_single(ref, inp.reshape(-1, 2), group=GLOO)
+    reduce_scatter_single_fn(ref, inp.reshape(-1, 2), group=GLOO)
     check("reduce_scatter_tensor stacked avg", torch.allclose(out, ref / WORLD))
 
 
@@ -268,7 +270,7 @@ def movement() -> None:
 
     def single(g: dist.ProcessGroup) -> Tensors:
         out = torch.empty(WORLD * 3, 5)
-        all_gather_single(out, inputs((3, 5), torch.float32), group=g)
+        all_gather_single_fn(out, inputs((3, 5), torch.float32), group=g)
         return [out]
 
     same("all_gather_single", single)
@@ -281,7 +283,7 @@ def movement() -> None:
 
     out = torch.zeros(WORLD * 4)
     out[RANK * 4 : (RANK + 1) * 4] = RANK + 1.0
-    all_gather_single(out, out[RANK * 4 : (RANK + 1) * 4])
+    all_gather_single_fn(out, out[RANK * 4 : (RANK + 1) * 4])
     check(
         "all_gather_single in place",
         torch.equal(out, torch.arange(1, WORLD + 1.0).repeat_interleave(4)),

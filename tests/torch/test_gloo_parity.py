@@ -1,4 +1,4 @@
-"""The torch backend behaves as gloo does where torch's own tests look (issue 18).
+"""The torch backend behaves as gloo does where torch's own tests look.
 
 In-process ranks (one AiocollectProcessGroup per rank, each on its own thread, real sockets),
 calling the process group's c10d methods as torch's test_c10d_gloo.py and DistributedTest
