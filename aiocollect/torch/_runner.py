@@ -324,6 +324,22 @@ class PlanRunner(dist.ProcessGroup):
         work = self._launch(_plan.nothing(), timeout, "wait_prior", [], after=0)
         work.wait()
 
+    #: Read by torch releases whose ``batch_isend_irecv`` asks every group's backend (2.15):
+    #: False, so it issues each operation on its own, as older releases do for this group.
+    supports_coalescing = False
+
+    def _get_backend(self, device: torch.device) -> PlanRunner:  # type: ignore[override]
+        """This group is its own backend, for every device (it has no c10d backends).
+
+        Args:
+            device: the device asked about (any).
+
+        Returns:
+            The process group itself.
+        """
+        del device
+        return self
+
     # -- coalescing ------------------------------------------------------------------------
 
     def _start_coalescing(self, device: torch.device) -> None:
