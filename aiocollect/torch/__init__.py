@@ -8,10 +8,10 @@ collective runs on aiocollect and DistributedDataParallel trains with it (CPU te
 Registration never breaks ``import torch``: a failure is reported as a warning.
 
 Modules: ``bridge`` (registration, the creator torch calls, options), ``process_group``
-(the collective methods), ``_runner`` (running them on the loop thread), ``monitored`` (the
-monitored barrier), ``errors``, ``store`` (a c10d store as aiocollect's), ``work`` (the
-Work objects); the plans of the calls in ``_plan``, ``_reductions``, ``_movement`` and
-``_alltoall``.
+(the collective methods), ``_point_to_point`` (send, recv, all_to_all), ``_runner``
+(running them on the loop thread), ``monitored`` (the monitored barrier), ``errors``,
+``store`` (a c10d store as aiocollect's), ``work`` (the Work objects); the plans of the
+calls in ``_plan``, ``_reductions``, ``_movement`` and ``_alltoall``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,33 @@
-"""The point-to-point methods of the aiocollect process group (send, recv, recv from any
-source): messages are matched by (source, tag) in order, on the group's links."""
+"""The point-to-point and all-to-all methods of the aiocollect process group (send, recv,
+recv from any source, all_to_all): messages are matched by (source, tag) in order, on the
+group's links; an uneven all_to_all travels as such messages on a reserved tag."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from aiocollect.torch import _movement
+from aiocollect.torch import _alltoall, _checks, _movement
 from aiocollect.torch._runner import PlanRunner
 from aiocollect.torch.work import Work
 
 
 def tensor_list(value: object) -> list[torch.Tensor]:
-    """``value`` as a list of tensors (a tensor alone, or a sequence of them)."""
+    """``value`` as a list of tensors.
+
+    Args:
+        value: a tensor alone, or a sequence of them.
+
+    Returns:
+        The list.
+    """
     return [value] if isinstance(value, torch.Tensor) else list(value)  # type: ignore[call-overload]
 
 
 class PointToPoint(PlanRunner):
     """The base of :class:`~aiocollect.torch.AiocollectProcessGroup` that adds
-    point-to-point messages to :class:`~aiocollect.torch._runner.PlanRunner`.
+    point-to-point messages and all-to-all to :class:`~aiocollect.torch._runner.PlanRunner`.
 
     Args:
         group: the formed aiocollect group (it lives on ``thread``'s loop).
@@ -92,6 +102,83 @@ class PointToPoint(PlanRunner):
             "recvAnySource",
             tensors,
         )
+
+    def alltoall(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> Work:
+        """Send ``input_tensors[i]`` to rank i; receive rank j's into ``output_tensors[j]``.
+
+        Args:
+            output_tensors: world-size tensors.
+            input_tensors: world-size tensors.
+            opts: its c10d options object (None: the defaults).
+
+        Returns:
+            Its :class:`~aiocollect.torch.work.Work`, at once.
+
+        Raises:
+            UsageError: the sizes or dtypes do not fit.
+            GroupBrokenError: an earlier collective of the group failed.
+        """
+        timeout = self._timeout(opts)
+        return self._launch(
+            _alltoall.alltoall(
+                list(output_tensors), list(input_tensors), self._rank, self._world, timeout
+            ),
+            timeout,
+            "all_to_all",
+            list(input_tensors),
+        )
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> Work:
+        """All-to-all along dim 0, evenly or with the given split sizes (rows per rank).
+
+        Both tensors must be contiguous (as with gloo).
+
+        Args:
+            output: receives rank j's rows in block j.
+            input: block i goes to rank i.
+            output_split_sizes: rows received from each rank (empty: even).
+            input_split_sizes: rows sent to each rank (empty: even).
+            opts: its c10d options object (None: the defaults).
+
+        Returns:
+            Its :class:`~aiocollect.torch.work.Work`, at once.
+
+        Raises:
+            GroupBrokenError: an earlier collective of the group failed.
+            ArgumentError: the arguments fail gloo's checks (a RuntimeError and a UsageError;
+                nothing is sent).
+        """
+        _checks.contiguous("alltoall_base", input)
+        _checks.contiguous("alltoall_base", output)
+        timeout = self._timeout(opts)
+        return self._launch(
+            _alltoall.all_to_all_single(
+                output,
+                input,
+                list(output_split_sizes),
+                list(input_split_sizes),
+                self._rank,
+                self._world,
+                timeout,
+            ),
+            timeout,
+            "all_to_all",
+            [input],
+        )
+
+    alltoall_base = all_to_all_single  # type: ignore[assignment]
 
 
 __all__ = ["PointToPoint"]

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from aiocollect.torch import _alltoall, _checks, _movement, _plan, _reductions, monitored
+from aiocollect.torch import _checks, _movement, _plan, _reductions, monitored
 from aiocollect.torch._point_to_point import PointToPoint, tensor_list
 from aiocollect.torch._runner import opt
 from aiocollect.torch._tensors import timeout_seconds
@@ -444,83 +444,6 @@ class AiocollectProcessGroup(PointToPoint):
             "scatter",
             inputs,
         )
-
-    def alltoall(
-        self,
-        output_tensors: list[torch.Tensor],
-        input_tensors: list[torch.Tensor],
-        opts: Any = None,
-    ) -> Work:
-        """Send ``input_tensors[i]`` to rank i; receive rank j's into ``output_tensors[j]``.
-
-        Args:
-            output_tensors: world-size tensors.
-            input_tensors: world-size tensors.
-            opts: its c10d options object (None: the defaults).
-
-        Returns:
-            Its :class:`~aiocollect.torch.work.Work`, at once.
-
-        Raises:
-            UsageError: the sizes or dtypes do not fit.
-            GroupBrokenError: an earlier collective of the group failed.
-        """
-        timeout = self._timeout(opts)
-        return self._launch(
-            _alltoall.alltoall(
-                list(output_tensors), list(input_tensors), self._rank, self._world, timeout
-            ),
-            timeout,
-            "all_to_all",
-            list(input_tensors),
-        )
-
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: list[int],
-        input_split_sizes: list[int],
-        opts: Any = None,
-    ) -> Work:
-        """All-to-all along dim 0, evenly or with the given split sizes (rows per rank).
-
-        Both tensors must be contiguous (as with gloo).
-
-        Args:
-            output: receives rank j's rows in block j.
-            input: block i goes to rank i.
-            output_split_sizes: rows received from each rank (empty: even).
-            input_split_sizes: rows sent to each rank (empty: even).
-            opts: its c10d options object (None: the defaults).
-
-        Returns:
-            Its :class:`~aiocollect.torch.work.Work`, at once.
-
-        Raises:
-            GroupBrokenError: an earlier collective of the group failed.
-            ArgumentError: the arguments fail gloo's checks (a RuntimeError and a UsageError;
-                nothing is sent).
-        """
-        _checks.contiguous("alltoall_base", input)
-        _checks.contiguous("alltoall_base", output)
-        timeout = self._timeout(opts)
-        return self._launch(
-            _alltoall.all_to_all_single(
-                output,
-                input,
-                list(output_split_sizes),
-                list(input_split_sizes),
-                self._rank,
-                self._world,
-                timeout,
-            ),
-            timeout,
-            "all_to_all",
-            [input],
-        )
-
-    alltoall_base = all_to_all_single  # type: ignore[assignment]
 
     def barrier(self, opts: Any = None) -> Work:
         """Complete once every rank has entered and every earlier operation of this rank on
