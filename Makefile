@@ -19,9 +19,11 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-# Everything: what make test, demo and bench need (torch included).
+# Everything: what make test, demo and bench need (torch included). The torch extra is a
+# range (docs/torch.md); make test runs on TORCH_SPEC, the CPU build of 2.13.0.
+TORCH_SPEC ?= torch==2.13.0
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e '.[test,lint,redis,torch,plot]'
+	$(PY) -m pip install -q -e '.[test,lint,redis,torch,plot]' '$(TORCH_SPEC)'
 	touch $(STAMP) $(LINT_STAMP)
 
 # What make lint needs: the core, the lint tools and the libraries whose types mypy reads
@@ -78,6 +80,14 @@ TORCH_SUITE_LOGS ?= /tmp/aiocollect-torch-suite
 torch-suite: install
 	$(PY) -c "import expecttest" 2>/dev/null || $(PY) -m pip install -q expecttest
 	$(PY) tools/torch_dist_suite.py --log-dir $(TORCH_SUITE_LOGS) $(TORCH_SUITE_ARGS)
+
+# The torch backend across the torch releases it supports: tests/torch and the DDP example in
+# scratch venvs, with the newest torch the registry serves and with the oldest in
+# pyproject's torch extra; prints each version with pass/fail (docs/torch.md). Downloads
+# several GB; PIP_CONFIG_FILE=/dev/null ignores a pip configuration that caps torch.
+.PHONY: torch-compat
+torch-compat:
+	bash tools/torch_compat.sh
 
 # Elastic groups: SIGKILL a random member 20 times, a replacement joins each time; prints
 # regroup time p50/p99 (docs/failures.md, "Elastic groups"). Not part of make test (~1 min).

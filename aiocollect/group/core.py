@@ -190,7 +190,7 @@ class GroupCore:
         seconds (or None)."""
         fabric = self._fabric
         # One copy of each check: the two calls cost ~14 opcodes and 2 Python calls per
-        # operation over inlined tests (scripts/op_opcodes.py), about 1 % of a small one.
+        # operation over inlined tests (tools/opcodes.py), about 1 % of a small one.
         self._check_usable()
         timeout = self._timeout_arg(timeout)
         if p2p is None:

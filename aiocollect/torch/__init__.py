@@ -6,55 +6,40 @@
 collective runs on aiocollect and DistributedDataParallel trains with it (CPU tensors).
 
 Registration never breaks ``import torch``: a failure is reported as a warning.
+
+Modules: ``bridge`` (registration, the creator torch calls, options), ``process_group``
+(the collective methods), ``_point_to_point`` (send, recv, all_to_all), ``_runner``
+(running them on the loop thread), ``monitored`` (the monitored barrier), ``errors``,
+``store`` (a c10d store as aiocollect's), ``work`` (the Work objects); the plans of the
+calls in ``_plan``, ``_reductions``, ``_movement`` and ``_alltoall``.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import threading
 import warnings
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+if importlib.util.find_spec("torch") is None:
+    raise ImportError("aiocollect.torch needs PyTorch: pip install 'aiocollect[torch]'")
+
+from aiocollect.torch.bridge import BACKEND_NAME, create_process_group, register
+
 if TYPE_CHECKING:
-    from aiocollect.torch.backend import AiocollectProcessGroup, create_process_group
+    from aiocollect.torch.errors import CollectiveTimeout, MonitoredBarrierError
+    from aiocollect.torch.process_group import AiocollectProcessGroup
     from aiocollect.torch.store import TorchStore
     from aiocollect.torch.work import Work
 
-BACKEND_NAME = "aiocollect"
-
-_lock = threading.Lock()
+# Imported on first use, so that `import torch` (which imports this package) stays cheap.
 _LAZY = {
-    "AiocollectProcessGroup": "aiocollect.torch.backend",
-    "create_process_group": "aiocollect.torch.backend",
+    "AiocollectProcessGroup": "aiocollect.torch.process_group",
+    "CollectiveTimeout": "aiocollect.torch.errors",
+    "MonitoredBarrierError": "aiocollect.torch.errors",
     "TorchStore": "aiocollect.torch.store",
     "Work": "aiocollect.torch.work",
 }
-
-
-def register() -> None:
-    """Register the ``"aiocollect"`` backend with ``torch.distributed`` (CPU devices).
-
-    Idempotent. It does not make aiocollect the default CPU backend: pass
-    ``backend="aiocollect"`` to ``init_process_group`` or ``new_group``.
-
-    Raises:
-        ImportError: torch or torch.distributed is not available.
-    """
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        raise ImportError("torch.distributed is not available in this torch build")
-    with _lock:
-        if BACKEND_NAME.upper() in dist.Backend._plugins:
-            return
-        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
-
-
-def _create(store: Any, rank: int, world_size: int, timeout: Any) -> Any:
-    # Imported on first use, so that `import torch` stays cheap.
-    from aiocollect.torch.backend import create_process_group
-
-    return create_process_group(store, rank, world_size, timeout)
 
 
 def _autoload() -> None:
@@ -71,7 +56,13 @@ def _autoload() -> None:
 
 
 def get_process_group(group: Any = None) -> AiocollectProcessGroup:
-    """The :class:`AiocollectProcessGroup` behind a torch group (default: the world).
+    """The :class:`AiocollectProcessGroup` behind a torch group.
+
+    Args:
+        group: a ``torch.distributed`` process group; None: the default (world) group.
+
+    Returns:
+        The aiocollect process group.
 
     Raises:
         UsageError: ``group`` is not served by the aiocollect backend.
@@ -79,7 +70,7 @@ def get_process_group(group: Any = None) -> AiocollectProcessGroup:
     import torch.distributed as dist
 
     from aiocollect.errors import UsageError
-    from aiocollect.torch.backend import AiocollectProcessGroup
+    from aiocollect.torch.process_group import AiocollectProcessGroup
 
     pg = dist.distributed_c10d._get_default_group() if group is None else group
     if not isinstance(pg, AiocollectProcessGroup):
@@ -88,21 +79,31 @@ def get_process_group(group: Any = None) -> AiocollectProcessGroup:
 
 
 def check(group: Any = None) -> None:
-    """Raise GroupBrokenError if a collective of ``group`` (default: the world) failed.
+    """Raise if a collective of ``group`` failed.
 
-    Futures of failed collectives complete normally (DistributedDataParallel would
-    otherwise terminate the process); call this after ``optimizer.step()`` to stop at the
-    first bad step rather than at the next collective.
+    Futures of failed collectives made by DistributedDataParallel complete normally (torch's
+    reducer would otherwise terminate the process); call this after ``backward()`` to stop
+    at the first bad step rather than at the next collective.
+
+    Args:
+        group: a ``torch.distributed`` process group; None: the default (world) group.
+
+    Raises:
+        GroupBrokenError: a collective of the group failed (``__cause__``: its error).
+        UsageError: ``group`` is not served by the aiocollect backend.
     """
     get_process_group(group).check()
 
 
-def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
-    """gloo's ``monitored_barrier`` for an aiocollect group (default: the world), which
+def monitored_barrier(
+    group: Any = None, timeout: timedelta | None = None, wait_all_ranks: bool = False
+) -> None:
+    """gloo's ``monitored_barrier`` for an aiocollect group, which
     ``torch.distributed.monitored_barrier`` refuses for any backend but gloo.
 
     Args:
-        timeout: a ``timedelta`` (default: the group's default timeout).
+        group: a ``torch.distributed`` process group; None: the default (world) group.
+        timeout: how long to wait; None: the group's default timeout.
         wait_all_ranks: rank 0 names every rank that did not arrive, not only the first.
 
     Raises:
@@ -113,23 +114,30 @@ def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bo
 
 
 def __getattr__(name: str) -> Any:
+    """The lazily imported public names (``AiocollectProcessGroup``, ``TorchStore``...).
+
+    Args:
+        name: the attribute asked for.
+
+    Returns:
+        The class named ``name``.
+
+    Raises:
+        AttributeError: ``name`` is not a public name of this package.
+    """
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'aiocollect.torch' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
 
 
-def _register_on_import() -> None:
-    if importlib.util.find_spec("torch") is None:
-        raise ImportError("aiocollect.torch needs PyTorch: pip install 'aiocollect[torch]'")
-    _autoload()
-
-
-_register_on_import()
+_autoload()
 
 __all__ = [
     "BACKEND_NAME",
     "AiocollectProcessGroup",
+    "CollectiveTimeout",
+    "MonitoredBarrierError",
     "TorchStore",
     "Work",
     "check",

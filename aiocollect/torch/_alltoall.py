@@ -12,7 +12,7 @@ import torch
 from aiocollect._buffers import Array
 from aiocollect.errors import UsageError
 from aiocollect.group import Group
-from aiocollect.torch._ops import Handles, Plan, flushing
+from aiocollect.torch._plan import Handles, Plan, flushing
 from aiocollect.torch._tensors import Staging, numel
 
 #: Tag of the point-to-point messages that carry uneven all-to-all exchanges; user tags are

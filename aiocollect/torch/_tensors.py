@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from aiocollect._buffers import Array
 from aiocollect.errors import UsageError
@@ -139,6 +140,12 @@ def reduce_op(op: Any) -> tuple[ReduceOp, float | None]:
     name = getattr(kind, "name", str(kind)).upper()
     if name == "PREMUL_SUM":
         factor = getattr(op, "factor", None)
+        if factor is None and isinstance(op, dist.ReduceOp):
+            # torch releases whose ReduceOp has no ``factor`` attribute (2.9) still pickle
+            # it: the state is (op type, factor)
+            state = op.__getstate__()
+            if isinstance(state, tuple) and len(state) == 2:
+                factor = state[1]
         if isinstance(factor, torch.Tensor):
             factor = float(factor.item())
         if not isinstance(factor, (int, float)):

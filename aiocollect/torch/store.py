@@ -75,6 +75,10 @@ class TorchStore(Store):
     async def set(self, key: str, value: bytes) -> None:
         """Publish ``value`` under ``key``.
 
+        Args:
+            key: the key.
+            value: the bytes to store.
+
         Raises:
             UsageError: ``key`` is not a str or ``value`` not bytes-like.
             StoreError: the c10d store failed, or this adapter is closed.
@@ -92,9 +96,17 @@ class TorchStore(Store):
     async def get(self, key: str, *, timeout: float | None = None) -> bytes:
         """The value of ``key``, waiting up to ``timeout`` seconds for it.
 
+        Args:
+            key: the key.
+            timeout: seconds to wait (None: the adapter's timeout).
+
+        Returns:
+            The value.
+
         Raises:
-            StoreTimeout: the key did not appear in time. StoreError: the store failed or
-            this adapter was closed (also while waiting). UsageError: ``key`` is not a str.
+            StoreTimeout: the key did not appear in time.
+            StoreError: the store failed or this adapter was closed (also while waiting).
+            UsageError: ``key`` is not a str.
         """
         name = check_key(key)
         await self.wait([name], timeout=timeout)
@@ -102,7 +114,14 @@ class TorchStore(Store):
         return bytes(value)
 
     async def add(self, key: str, amount: int) -> int:
-        """Atomically add ``amount`` to the counter ``key``; return the new value.
+        """Atomically add ``amount`` to the counter ``key``.
+
+        Args:
+            key: the counter's key (created at 0).
+            amount: what to add.
+
+        Returns:
+            The new value.
 
         Raises:
             UsageError: ``key`` is not a str or ``amount`` not an int.
@@ -116,6 +135,10 @@ class TorchStore(Store):
     async def wait(self, keys: Sequence[str], *, timeout: float | None = None) -> None:
         """Wait until every key exists, checking with a backoff of POLL_MIN to POLL_MAX
         seconds between looks.
+
+        Args:
+            keys: the keys.
+            timeout: seconds to wait (None: the adapter's timeout).
 
         Raises:
             StoreTimeout: some keys were not set in time (``.keys`` lists them).
@@ -140,17 +163,31 @@ class TorchStore(Store):
     async def check(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key exists now.
 
+        Args:
+            keys: the keys.
+
+        Returns:
+            One bool per key.
+
         Raises:
-            UsageError: ``keys`` is a str or holds a non-str. StoreError: as for ``set``.
+            UsageError: ``keys`` is a str or holds a non-str.
+            StoreError: as for ``set``.
         """
         names = check_keys(keys)
         return await self._call(lambda: [self._exists(k) for k in names])
 
     async def delete(self, key: str) -> bool:
-        """Remove ``key``; return whether it existed.
+        """Remove ``key``.
+
+        Args:
+            key: the key.
+
+        Returns:
+            Whether it existed.
 
         Raises:
-            UsageError: ``key`` is not a str. StoreError: as for ``set``.
+            UsageError: ``key`` is not a str.
+            StoreError: as for ``set``.
         """
         return bool(await self._call(self.torch_store.delete_key, check_key(key)))
 

@@ -80,16 +80,22 @@ class Work(dist.Work):
     # -- the torch Work interface ----------------------------------------------------------
 
     def wait(self, timeout: timedelta = _FOREVER) -> bool:
-        """Block until the collective has finished; ``timeout`` 0 waits as long as it takes
-        (the collective's own deadline still applies).
+        """Block until the collective has finished.
+
+        Args:
+            timeout: how long to wait; 0 waits as long as it takes (the collective's own
+                deadline still applies).
 
         Returns:
             True.
 
         Raises:
-            The collective's error (an aiocollect error such as MismatchError, PeerError,
-            GroupBrokenError, or UsageError for a bad argument). TimeoutError: not finished
-            within a non-zero ``timeout`` (the collective keeps running).
+            MismatchError: ranks called different collectives (other aiocollect errors:
+                PeerError, GroupBrokenError, CollectiveTimeout...; the collective's error is
+                raised as it is).
+            UsageError: a bad argument found while running.
+            TimeoutError: not finished within a non-zero ``timeout`` (the collective keeps
+                running).
             RuntimeError: called on the event-loop thread before completion (a deadlock).
         """
         if self._thread.in_thread():
@@ -113,31 +119,54 @@ class Work(dist.Work):
         self.wait()
 
     def is_completed(self) -> bool:
-        """Whether the collective has finished (successfully or not)."""
+        """Whether the collective has finished (successfully or not).
+
+        Returns:
+            True once it has finished.
+        """
         return self._finished
 
     def is_success(self) -> bool:
-        """Whether the collective has finished without error."""
+        """Whether the collective has finished without error.
+
+        Returns:
+            True once it has finished without error.
+        """
         return self._finished and self._exc is None
 
     def exception(self) -> BaseException | None:
-        """The collective's error, or None."""
+        """The collective's error.
+
+        Returns:
+            The error, or None (not finished, or finished without error).
+        """
         return self._exc
 
     def get_future(self) -> torch.futures.Future[list[Any]]:
-        """A future completed with the output tensors when the collective finishes, or
-        with its error when it fails (for DistributedDataParallel's calls: always with the
-        tensors; see the module docstring).
+        """The collective's torch future.
+
+        Returns:
+            A future completed with the output tensors when the collective finishes, or with its
+            error when it fails (for DistributedDataParallel's calls: always with the tensors;
+            see the module docstring).
         """
         return self._future
 
     def result(self) -> list[Any]:
-        """The output tensors (for an allgather of several inputs per rank, one list per
-        input, as gloo gives them)."""
+        """The collective's outputs.
+
+        Returns:
+            The output tensors (for an allgather of several inputs per rank, one list per
+            input, as gloo gives them).
+        """
         return self._result
 
     def source_rank(self) -> int:
-        """For a receive from any source: the sender's group rank (-1 before completion)."""
+        """For a receive from any source: the sender.
+
+        Returns:
+            The sender's group rank (-1 before completion).
+        """
         return self._source
 
     def _source_rank(self) -> int:
@@ -145,7 +174,16 @@ class Work(dist.Work):
 
 
 def completed_work(result: list[torch.Tensor], thread: LoopThread, kind: str) -> Work:
-    """A Work that is already finished (for calls with nothing to communicate)."""
+    """A Work that is already finished (for calls with nothing to communicate).
+
+    Args:
+        result: its output tensors.
+        thread: the loop thread.
+        kind: the call's name.
+
+    Returns:
+        The finished Work.
+    """
     work = Work(result, thread, kind)
     work._complete(None)
     return work

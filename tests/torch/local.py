@@ -11,7 +11,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from aiocollect.torch.backend import AiocollectProcessGroup, create_process_group
+from aiocollect.torch import create_process_group
+from aiocollect.torch.process_group import AiocollectProcessGroup
 
 T = TypeVar("T")
 

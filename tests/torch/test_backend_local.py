@@ -23,6 +23,13 @@ from aiocollect.torch.store import TorchStore  # noqa: E402
 from aiocollect.torch.work import Work  # noqa: E402
 from tests.torch.launch import ROOT  # noqa: E402
 
+# Older torch releases have these only as all_gather_into_tensor and reduce_scatter_tensor.
+all_gather_single_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single_fn = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
+
+
 # -- registration -----------------------------------------------------------------------------
 
 
@@ -159,10 +166,10 @@ def test_world_of_one(world: dist.ProcessGroup) -> None:  # type: ignore[name-de
     dist.all_gather(out, t)
     assert torch.equal(out[0], t)
     single = torch.empty(2, 3)
-    dist.all_gather_single(single, t)
+    all_gather_single_fn(single, t)
     assert torch.equal(single, t)
     rs = torch.empty(2, 3)
-    dist.reduce_scatter_single(rs, t)
+    reduce_scatter_single_fn(rs, t)
     assert torch.equal(rs, t)
     a2a = torch.empty(2, 3)
     dist.all_to_all_single(a2a, t)
@@ -182,7 +189,7 @@ def test_world_of_one(world: dist.ProcessGroup) -> None:  # type: ignore[name-de
 @pytest.mark.timeout(60)
 def test_bad_arguments_raise_at_the_call(world: dist.ProcessGroup) -> None:  # type: ignore[name-defined]
     with pytest.raises(ValueError, match="all_gather"):
-        dist.all_gather_single(torch.empty(5), torch.ones(2))
+        all_gather_single_fn(torch.empty(5), torch.ones(2))
     with pytest.raises(ValueError, match="split sizes"):
         dist.all_to_all_single(torch.empty(4), torch.ones(4), [3], [4])
     with pytest.raises(ValueError, match="CPU tensors"):
