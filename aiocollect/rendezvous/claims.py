@@ -101,6 +101,8 @@ OWNER_GRACE = 10.0
 SLICES = (1.0, 16.0)
 #: Bound on the store calls of a release (it runs while closing, maybe during an abort).
 RELEASE_TIMEOUT = 5.0
+#: Longest wait of a rank 0 giving up for the job's other ranks (:meth:`Claim.linger`).
+REFUSAL_GRACE = 2.0
 #: Where the rank 0 that hosts the embedded TCP store records itself (an Owner).
 HOST_KEY = "aiocollect/store-host"
 
@@ -179,7 +181,19 @@ class Claim:
         """
         why = await self._await(self.keys.job_wide(self.job, "ready"), deadline)
         if why:
+            if self.rank == 0:
+                await self.linger(deadline)
             raise RendezvousError(why.decode(errors="replace"))
+
+    async def linger(self, deadline: Deadline) -> None:
+        """(Rank 0, giving up because a rank's settings differ) Let the job's other ranks
+        arrive, up to REFUSAL_GRACE, before the job ends: they then fail with the reason,
+        where one that claimed later would wait for a new job (a restart) instead."""
+        keys = [self.keys.job(self.job, "here", r) for r in range(self.world_size)]
+        with contextlib.suppress(errors.StoreTimeout):
+            await self.store.wait(
+                keys, timeout=min(REFUSAL_GRACE, deadline.remaining() or REFUSAL_GRACE)
+            )
 
     async def _await(self, key: str, deadline: Deadline) -> bytes:
         """The value of the job's ``key``, waiting in slices (growing from the first to the

@@ -18,13 +18,12 @@ things cannot link) and makes the links (docs/design.md, "Transports").
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiocollect import _protect, errors
+from aiocollect import _protect
 from aiocollect._deadline import Deadline
 from aiocollect.errors import RendezvousError, RendezvousTimeout
 from aiocollect.rendezvous import chunking, claims
@@ -185,12 +184,6 @@ async def rendezvous(
     return endpoint, links
 
 
-#: How long rank 0, refusing a rank whose settings differ, waits for the other ranks to
-#: arrive before it ends the job: ranks of this job then fail with the reason, instead of
-#: waiting for a new job (a restart) after rank 0 has gone.
-REFUSAL_GRACE = 2.0
-
-
 async def _check_first(claim: claims.Claim, cfg: RendezvousConfig, mine: Record) -> None:
     """(Ranks >= 1) Compare this rank's settings with rank 0's record, before the wait for
     every record: a rank whose settings differ (world size above all) then fails every rank
@@ -211,17 +204,6 @@ async def _check_first(claim: claims.Claim, cfg: RendezvousConfig, mine: Record)
         if isinstance(theirs, int) and cfg.rank < theirs:  # rank 0's group waits for us
             await claim.refuse(f"rank {cfg.rank} of group {cfg.name!r} refused to join: {exc}")
         raise
-
-
-async def _linger(claim: claims.Claim, cfg: RendezvousConfig) -> None:
-    """(Rank 0, refusing) Let the other ranks of the job arrive (up to REFUSAL_GRACE) before
-    the job ends: one that claims later would wait for a new job instead."""
-    keys = claim.keys
-    with contextlib.suppress(errors.StoreTimeout):
-        await claim.store.wait(
-            [keys.job(claim.job, "here", q) for q in range(cfg.world_size)],
-            timeout=min(REFUSAL_GRACE, cfg.deadline.remaining() or REFUSAL_GRACE),
-        )
 
 
 def _check_settings(cfg: RendezvousConfig, r: int, rec: dict[str, Any]) -> None:
@@ -262,17 +244,17 @@ async def _read_records(
         RendezvousError: a rank's settings differ, or a record is malformed or of another
             job.
     """
+    if cfg.rank != 0:
+        await _check_first(claim, cfg, mine)
+    await claim.wait_records(cfg.deadline)
+    peers: dict[int, Record] = await claim.read_records(cfg.deadline)
     try:
-        if cfg.rank != 0:
-            await _check_first(claim, cfg, mine)
-        await claim.wait_records(cfg.deadline)
-        peers: dict[int, Record] = await claim.read_records(cfg.deadline)
         for r, rec in peers.items():
             _check_settings(cfg, r, rec)
             _check_transport(cfg, r, rec, mine)
-    except RendezvousError as exc:
-        if cfg.rank == 0 and not isinstance(exc, RendezvousTimeout):
-            await _linger(claim, cfg)
+    except RendezvousError:
+        if cfg.rank == 0:
+            await claim.linger(cfg.deadline)
         raise
     return peers
 
