@@ -10,6 +10,7 @@ The time the 4,096 take is printed (docs/multinode.md, "Forming large groups")::
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import re
 import resource
@@ -18,7 +19,6 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import pytest
 from store_helpers import child_env
@@ -30,35 +30,49 @@ CLIENTS = 4096
 LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
 
 
-@dataclass
 class StoreProcess:
-    proc: asyncio.subprocess.Process
-    port: int
-    #: stderr lines read so far.
-    lines: list[str] = field(default_factory=list)
+    """A running store process whose stderr is read as it comes (so that its log never
+    fills the pipe and stops it)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, port: int) -> None:
+        self.proc = proc
+        self.port = port
+        #: stderr lines read so far.
+        self.lines: list[str] = []
+        self._new = asyncio.Event()
+        self._reader = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        while raw := await self.proc.stderr.readline():
+            self.lines.append(raw.decode(errors="replace"))
+            self._new.set()
+        self._new.set()
 
     async def line_matching(self, pattern: str, timeout: float) -> str:
-        """The next stderr line containing ``pattern``.
+        """The first stderr line containing ``pattern``, waiting for it.
 
         Raises:
             TimeoutError: none within ``timeout`` seconds.
         """
-        assert self.proc.stderr is not None
+        seen = 0
         async with asyncio.timeout(timeout):
             while True:
-                raw = await self.proc.stderr.readline()
-                if not raw:
+                for line in self.lines[seen:]:
+                    if pattern in line:
+                        return line
+                seen = len(self.lines)
+                if self._reader.done():
                     raise AssertionError(f"the store exited; stderr: {self.lines}")
-                self.lines.append(raw.decode(errors="replace"))
-                if pattern in self.lines[-1]:
-                    return self.lines[-1]
+                self._new.clear()
+                await self._new.wait()
 
     async def stop(self) -> str:
-        """SIGTERM the store; return the rest of its stderr."""
+        """SIGTERM the store; return its stderr."""
         if self.proc.returncode is None:
             self.proc.send_signal(signal.SIGTERM)
-        _, err = await asyncio.wait_for(self.proc.communicate(), 30)
-        self.lines.append(err.decode(errors="replace"))
+        await asyncio.wait_for(self.proc.wait(), 30)
+        await asyncio.wait_for(self._reader, 30)
         return "".join(self.lines)
 
 
@@ -93,11 +107,17 @@ async def store_process(
             await proc.wait()
 
 
-async def _one_client(port: int, i: int) -> TCPStore:
+async def _one_client(port: int, i: int, done: collections.Counter[str]) -> TCPStore:
     store = TCPStore("127.0.0.1", port, timeout=120)
-    await store.connect()
-    await store.set(f"client/{i}", str(i).encode())
-    assert await store.get(f"client/{i}") == str(i).encode()
+    try:
+        await store.connect()
+        done["connected"] += 1
+        await store.set(f"client/{i}", str(i).encode())
+        assert await store.get(f"client/{i}") == str(i).encode()
+        done["set and got"] += 1
+    except BaseException:
+        await store.close()
+        raise
     return store
 
 
@@ -107,16 +127,19 @@ async def test_4096_clients_connect_at_once_and_none_is_refused() -> None:
     if soft is not None and soft != resource.RLIM_INFINITY and soft < 2 * CLIENTS + 256:
         pytest.skip(f"this process may open {soft} files, too few for {CLIENTS} clients")
     async with store_process() as store:
+        done: collections.Counter[str] = collections.Counter()
         start = time.monotonic()
-        async with asyncio.timeout(200):
-            results = await asyncio.gather(
-                *(_one_client(store.port, i) for i in range(CLIENTS)), return_exceptions=True
-            )
+        results = await asyncio.gather(
+            *(_one_client(store.port, i, done) for i in range(CLIENTS)), return_exceptions=True
+        )
         elapsed = time.monotonic() - start
         clients = [r for r in results if isinstance(r, TCPStore)]
         failures = [r for r in results if not isinstance(r, TCPStore)]
         try:
-            assert not failures, f"{len(failures)} of {CLIENTS} clients failed: {failures[:3]}"
+            assert not failures, (
+                f"{len(failures)} of {CLIENTS} clients failed ({dict(done)} in {elapsed:.1f} s):"
+                f" {failures[:3]}; the store said: {store.lines[-5:]}"
+            )
             check = clients[0]
             keys = [f"client/{i}" for i in range(CLIENTS)]
             assert await check.multi_get(keys) == [str(i).encode() for i in range(CLIENTS)]
