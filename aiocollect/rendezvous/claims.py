@@ -190,10 +190,11 @@ class Claim:
         arrive, up to REFUSAL_GRACE, before the job ends: they then fail with the reason,
         where one that claimed later would wait for a new job (a restart) instead."""
         keys = [self.keys.job(self.job, "here", r) for r in range(self.world_size)]
+        grace = Deadline.after(min(REFUSAL_GRACE, deadline.remaining() or REFUSAL_GRACE))
         with contextlib.suppress(errors.StoreTimeout):
-            await self.store.wait(
-                keys, timeout=min(REFUSAL_GRACE, deadline.remaining() or REFUSAL_GRACE)
-            )
+            for i in range(0, len(keys), records.RECORD_BATCH):
+                batch = keys[i : i + records.RECORD_BATCH]
+                await self.store.wait(batch, timeout=grace.remaining())
 
     async def _await(self, key: str, deadline: Deadline) -> bytes:
         """The value of the job's ``key``, waiting in slices (growing from the first to the

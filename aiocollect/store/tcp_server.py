@@ -52,7 +52,10 @@ MAX_CONNECTIONS = 16384
 #: large group at once) waits in the backlog instead of being dropped.
 BACKLOG_DEFAULT = 4096
 BACKLOG_MAX = 65535
-HANDSHAKE_TIMEOUT = 10.0
+#: 30 s, not 10: with 4,096 clients connecting at once from one process on a 2-core
+#: machine under load, 1,218 of them answered the greeting later than 10 s after it was
+#: sent (tests/store/test_many_clients.py under ``pytest -n 2``).
+HANDSHAKE_TIMEOUT = 30.0
 IDLE_TIMEOUT = 10.0
 #: Frames up to this size are read without reserving from ``max_inflight`` (rendezvous
 #: traffic, so big transfers can never hold it up).
@@ -328,8 +331,19 @@ class TCPStoreServer:
         empty one); False if it failed (already logged)."""
         nonce_s = _auth.new_nonce() if self._secret is not None else None
         await conn.send(_wire.hello(nonce_s))
-        async with asyncio.timeout(self._handshake_timeout):
-            msg = await _wire.read_frame(conn.reader, _wire.MAX_HANDSHAKE_FRAME)
+        # Not asyncio.timeout: when the server is late (a burst of thousands of connects),
+        # the client's frame and the deadline come in one turn of the loop, and the frame,
+        # which arrived in time, must win.
+        read = asyncio.ensure_future(_wire.read_frame(conn.reader, _wire.MAX_HANDSHAKE_FRAME))
+        try:
+            await asyncio.wait([read], timeout=self._handshake_timeout)
+        finally:
+            if not read.done():
+                read.cancel()
+                await asyncio.gather(read, return_exceptions=True)
+        if read.cancelled():
+            raise TimeoutError
+        msg = read.result()
         if self._secret is None or nonce_s is None:
             if msg != _wire.NO_PROOF:
                 raise ProtocolError("malformed store handshake")
