@@ -15,6 +15,10 @@ from aiocollect.store.base import Store
 #: Most records one ``multi_get`` reads. A record is about 300 bytes, so a batch is about
 #: 300 KiB, far below a TCP store frame (64 MiB).
 RECORD_BATCH = 1024
+#: How long a read waits for a record whose marker says it is there: an answer from a
+#: store busy with thousands of ranks may take seconds, and a read with no wait at all
+#: would then report the record missing.
+RECORD_GRACE = 10.0
 
 
 class Keys:
@@ -47,13 +51,14 @@ class Keys:
 
 
 async def read_one(store: Store, keys: Keys, name: str, job: bytes, rank: int) -> dict[str, Any]:
-    """Rank ``rank``'s record of job ``job``, which must be there now.
+    """Rank ``rank``'s record of job ``job``, which must be there (waiting up to
+    RECORD_GRACE for it).
 
     Raises:
         RendezvousError: malformed, missing, or of another job.
     """
     try:
-        raw = await store.get(keys.record(rank), timeout=0)
+        raw = await store.get(keys.record(rank), timeout=RECORD_GRACE)
     except errors.StoreTimeout:
         raise _disappeared(name, rank) from None
     return parse(name, job, rank, raw)
