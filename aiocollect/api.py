@@ -10,7 +10,7 @@ from collections.abc import Callable, Coroutine, Generator
 from types import TracebackType
 from typing import Any
 
-from aiocollect import _auth
+from aiocollect import _auth, _fdlimit
 from aiocollect import elastic as _elastic
 from aiocollect._deadline import Deadline
 from aiocollect._protect import insecure_from_env
@@ -241,6 +241,7 @@ async def _open(
         raise UsageError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
     chosen = chunk_bytes is None and not elastic
     max_frame = DEFAULT_MAX_FRAME if chosen else chunk
+    _fdlimit.raise_soft_limit()  # a descriptor per peer link and store connection
     if secret is None:
         secret = os.environ.get("AIOCOLLECT_SECRET") or None
     key = _auth.as_secret(secret)

@@ -16,6 +16,15 @@ Keys, under ``P = aiocollect/<name>``::
     P/job/<nonce>/claim/<r> counter: rank r's claim in that job (r >= 1)
     P/job/<nonce>/owner/<r> who holds it
     P/job/<nonce>/here/<r>  rank r's record ``P/rank/<r>`` is published for that job
+    P/job/<nonce>/arrived   counter: ranks that published their record in that job
+    P/job/<nonce>/ready     set by the rank whose ``add`` made ``arrived`` the world size
+                            (empty), or by a rank whose settings differ from rank 0's (why)
+    P/rank/<r>              rank r's rendezvous record (written once per job, read in
+                            batches with ``multi_get`` once ``ready`` is set)
+
+Store requests per rank do not grow with the world size: a rank writes its record, its
+``here`` marker and one ``add``, waits for one key, and reads the records in batches of
+:data:`~aiocollect.rendezvous.records.RECORD_BATCH` (rank 0 deletes three keys per rank at close).
 
 Rules:
 
@@ -75,7 +84,9 @@ import msgpack
 from aiocollect import errors
 from aiocollect._deadline import Deadline
 from aiocollect.errors import RendezvousError, RendezvousTimeout
+from aiocollect.rendezvous import records
 from aiocollect.rendezvous.owner import JOB_ID_ENV, Owner, job_id
+from aiocollect.rendezvous.records import Keys
 from aiocollect.store.base import Store
 
 __all__ = ["JOB_ID_ENV", "Claim", "Owner", "claim", "job_id"]
@@ -90,6 +101,8 @@ OWNER_GRACE = 10.0
 SLICES = (1.0, 16.0)
 #: Bound on the store calls of a release (it runs while closing, maybe during an abort).
 RELEASE_TIMEOUT = 5.0
+#: Longest wait of a rank 0 giving up for the job's other ranks (:meth:`Claim.linger`).
+REFUSAL_GRACE = 2.0
 #: Where the rank 0 that hosts the embedded TCP store records itself (an Owner).
 HOST_KEY = "aiocollect/store-host"
 
@@ -112,30 +125,6 @@ async def _check_host(store: Store, mine: str) -> None:
         )
 
 
-class _Keys:
-    def __init__(self, name: str) -> None:
-        self.prefix = f"aiocollect/{name}"
-        self.epoch = f"{self.prefix}/epoch"
-
-    def claim(self, e: int) -> str:
-        return f"{self.prefix}/claim/{e}"
-
-    def owner(self, e: int) -> str:
-        return f"{self.prefix}/owner/{e}"
-
-    def done(self, e: int) -> str:
-        return f"{self.prefix}/done/{e}"
-
-    def conflict(self, e: int) -> str:
-        return f"{self.prefix}/conflict/{e}"
-
-    def job(self, job: bytes, what: str, rank: int) -> str:
-        return f"{self.prefix}/job/{job.hex()}/{what}/{rank}"
-
-    def record(self, rank: int) -> str:
-        return f"{self.prefix}/rank/{rank}"
-
-
 @dataclass
 class Claim:
     """This rank's claim in group ``name``: ``job`` is the nonce every record and handshake
@@ -151,63 +140,119 @@ class Claim:
     released: bool = False
 
     @property
-    def keys(self) -> _Keys:
-        return _Keys(self.name)
+    def keys(self) -> Keys:
+        return Keys(self.name)
 
     async def publish(self, record: dict[str, Any]) -> None:
-        """Publish this rank's rendezvous record (with the job nonce) and mark it present."""
+        """Publish this rank's rendezvous record (with the job nonce), mark it present and
+        count it; the rank that makes the count the world size sets ``ready``."""
         k = self.keys
         await self.store.set(
             k.record(self.rank),
             bytes(msgpack.packb({**record, "job": self.job}, use_bin_type=True)),
         )
         await self.store.set(k.job(self.job, "here", self.rank), b"1")
+        if await self.store.add(k.job_wide(self.job, "arrived"), 1) == self.world_size:
+            await self.store.set(k.job_wide(self.job, "ready"), b"")
+
+    async def refuse(self, why: str) -> None:
+        """End the wait of every rank of this job with RendezvousError(``why``): this rank's
+        settings differ from rank 0's, and the job cannot form."""
+        await self.store.set(self.keys.job_wide(self.job, "ready"), why.encode())
+
+    async def first_record(self, deadline: Deadline) -> dict[str, Any]:
+        """Rank 0's record of this job, waiting for it.
+
+        Raises:
+            RendezvousTimeout: it was not published in time, or rank 0 ended the job.
+            RendezvousError: malformed, or (ranks >= 1) rank 0 ended the job before the
+                group formed.
+        """
+        await self._await(self.keys.job(self.job, "here", 0), deadline)
+        return await self.read_record(0)
 
     async def wait_records(self, deadline: Deadline) -> None:
-        """Wait until every rank of this job has published its record.
+        """Wait until every rank of this job has published its record (``ready``).
 
         Raises:
             RendezvousTimeout: some ranks did not publish in time (``missing`` names them).
-            RendezvousError: (ranks >= 1) rank 0 ended the job before the group formed.
+            RendezvousError: a rank's settings differ from rank 0's (its message), or
+                (ranks >= 1) rank 0 ended the job before the group formed.
+        """
+        why = await self._await(self.keys.job_wide(self.job, "ready"), deadline)
+        if why:
+            if self.rank == 0:
+                await self.linger(deadline)
+            raise RendezvousError(why.decode(errors="replace"))
+
+    async def linger(self, deadline: Deadline) -> None:
+        """(Rank 0, giving up because a rank's settings differ) Let the job's other ranks
+        arrive, up to REFUSAL_GRACE, before the job ends: they then fail with the reason,
+        where one that claimed later would wait for a new job (a restart) instead."""
+        keys = [self.keys.job(self.job, "here", r) for r in range(self.world_size)]
+        grace = Deadline.after(min(REFUSAL_GRACE, deadline.remaining() or REFUSAL_GRACE))
+        with contextlib.suppress(errors.StoreTimeout):
+            for i in range(0, len(keys), records.RECORD_BATCH):
+                batch = keys[i : i + records.RECORD_BATCH]
+                await self.store.wait(batch, timeout=grace.remaining())
+
+    async def _await(self, key: str, deadline: Deadline) -> bytes:
+        """The value of the job's ``key``, waiting in slices (growing from the first to the
+        last of SLICES) to notice a job that ended meanwhile.
+
+        Raises:
+            RendezvousTimeout, RendezvousError: as :meth:`wait_records`.
         """
         k = self.keys
-        world_size = self.world_size
-        keys = [k.job(self.job, "here", r) for r in range(world_size)]
         step = SLICES[0]
         while True:
             remaining = deadline.remaining()
-            slice_ = step if remaining is None else min(step, remaining)
+            slice_ = step if remaining is None else min(step, max(remaining, 0.0))
             step = min(2 * step, SLICES[1])
             try:
-                await self.store.wait(keys, timeout=slice_)
-                return
+                return await self.store.get(key, timeout=slice_)
             except errors.StoreTimeout:
                 pass
             ended = await _exists(self.store, k.done(self.epoch))
             if not ended and not deadline.expired():
                 await _check_host(self.store, job_id())
                 continue
-            present = await self.store.check(keys)
-            present[self.rank] = True
-            if ended:  # rank 0 was there; at its deadline (ours too) it deleted the keys
-                present[0] = True
-            missing = [r for r, ok in enumerate(present) if not ok]
-            msg = (
-                f"rank {self.rank}: ranks {missing} of group {self.name!r} never arrived "
-                f"(world size {world_size})"
-            )
-            if ended:
-                why = (await self.store.get(k.done(self.epoch), timeout=0)).decode(errors="replace")
-                if self.rank == 0:
-                    raise RendezvousError(
-                        f"rank 0 of group {self.name!r}: its claim was "
-                        f"ended before the group formed: {why}"
-                    )
-                msg += (
-                    f"; rank 0 ({self.holder.describe()}) ended the job before the group "
-                    f"formed: {why}"
+            raise await self._never_formed(ended)
+
+    async def _never_formed(self, ended: bool) -> RendezvousTimeout:
+        """The error of a wait that ended: the ranks missing (from their ``here``
+        markers), and why the job ended when rank 0 ended it.
+
+        Raises:
+            RendezvousError: (rank 0) its own claim was ended by another rank 0.
+        """
+        k = self.keys
+        world_size = self.world_size
+        keys = [k.job(self.job, "here", r) for r in range(world_size)]
+        present = [
+            ok
+            for i in range(0, world_size, records.RECORD_BATCH)
+            for ok in await self.store.check(keys[i : i + records.RECORD_BATCH])
+        ]
+        present[self.rank] = True
+        if ended:  # rank 0 was there; at its deadline (ours too) it deleted the keys
+            present[0] = True
+        missing = [r for r, ok in enumerate(present) if not ok]
+        msg = (
+            f"rank {self.rank}: ranks {missing} of group {self.name!r} never arrived "
+            f"(world size {world_size})"
+        )
+        if ended:
+            why = (await self.store.get(k.done(self.epoch), timeout=0)).decode(errors="replace")
+            if self.rank == 0:
+                raise RendezvousError(
+                    f"rank 0 of group {self.name!r}: its claim was "
+                    f"ended before the group formed: {why}"
                 )
-            raise RendezvousTimeout(msg, missing)
+            msg += (
+                f"; rank 0 ({self.holder.describe()}) ended the job before the group formed: {why}"
+            )
+        return RendezvousTimeout(msg, missing)
 
     async def check_conflict(self) -> None:
         """At the end of rendezvous: fail if a rank of another job found its rank of this
@@ -232,28 +277,21 @@ class Claim:
         """Rank ``rank``'s record of this job.
 
         Raises:
-            RendezvousError: malformed, or it belongs to another job (the store's key was
-                overwritten by a rank of another job).
+            RendezvousError: malformed, missing, or it belongs to another job (the store's
+                key was overwritten by a rank of another job).
         """
-        key = self.keys.record(rank)
-        try:
-            rec = msgpack.unpackb(await self.store.get(key, timeout=0), raw=False)
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
-            raise RendezvousError(f"malformed rendezvous record for rank {rank}: {exc}") from None
-        except errors.StoreTimeout:
-            raise RendezvousError(
-                f"the rendezvous record of rank {rank} of group "
-                f"{self.name!r} disappeared from the store"
-            ) from None
-        if not isinstance(rec, dict):
-            raise RendezvousError(f"malformed rendezvous record for rank {rank}")
-        if rec.get("job") != self.job:
-            raise RendezvousError(
-                f"the rendezvous record of rank {rank} of group {self.name!r} belongs to "
-                f"another job (pid {rec.get('pid')} on host {rec.get('hostname')}): "
-                "another job on the same store?"
-            )
-        return rec
+        return await records.read_one(self.store, self.keys, self.name, self.job, rank)
+
+    async def read_records(self, deadline: Deadline) -> dict[int, dict[str, Any]]:
+        """Every rank's record of this job (after :meth:`wait_records`), read in batches.
+
+        Raises:
+            RendezvousError: a record is malformed, belongs to another job, or is not
+                there before the deadline.
+        """
+        return await records.read_all(
+            self.store, self.keys, self.name, self.job, self.world_size, deadline
+        )
 
     async def release(self, reason: str = "closed") -> None:
         """Give the claim back (rank 0: mark the epoch done with ``reason`` and delete the
@@ -278,7 +316,8 @@ class Claim:
                 self.store.delete(k.job(self.job, what, r))
                 for r in range(self.world_size)
                 for what in ("claim", "owner", "here")
-            )
+            ),
+            *(self.store.delete(k.job_wide(self.job, what)) for what in ("arrived", "ready")),
         )
 
 
@@ -286,7 +325,7 @@ async def _exists(store: Store, key: str) -> bool:
     return (await store.check([key]))[0]
 
 
-async def _latest(store: Store, k: _Keys) -> int:
+async def _latest(store: Store, k: Keys) -> int:
     """The latest epoch that has a claim (0 when none has)."""
     e = 0
     if await _exists(store, k.epoch):
@@ -330,7 +369,7 @@ async def _wait_key(
         ) from None
 
 
-async def _mark_conflict(store: Store, k: _Keys, e: int, rank: int, holder: Owner) -> None:
+async def _mark_conflict(store: Store, k: Keys, e: int, rank: int, holder: Owner) -> None:
     """Without a job id, rank ``rank`` of epoch ``e`` found taken means ranks of another
     job may be joining that epoch's group: write the marker that fails it (best effort).
     A taken rank 0 is marked too: that loser is usually the first to know (its claim is the
@@ -370,7 +409,7 @@ async def claim(store: Store, name: str, rank: int, world_size: int, deadline: D
 
     Cancellation may leave a claim taken; it stays until its pid is seen dead.
     """
-    k = _Keys(name)
+    k = Keys(name)
     if rank == 0 and _hosts(store):
         await store.set(HOST_KEY, Owner.me(b"").pack())
     await _check_host(store, job_id())
@@ -426,7 +465,7 @@ async def claim(store: Store, name: str, rank: int, world_size: int, deadline: D
 
 
 async def _claim_first(
-    store: Store, k: _Keys, name: str, world_size: int, deadline: Deadline
+    store: Store, k: Keys, name: str, world_size: int, deadline: Deadline
 ) -> Claim:
     me = Owner.me(os.urandom(JOB_BYTES))
     e = await _latest(store, k)
@@ -466,7 +505,7 @@ async def _claim_first(
 
 
 async def _current_job(
-    store: Store, k: _Keys, name: str, rank: int, deadline: Deadline, after: int
+    store: Store, k: Keys, name: str, rank: int, deadline: Deadline, after: int
 ) -> tuple[int, Owner]:
     """The latest epoch after ``after`` that is not done, and its holder; waits for rank 0
     to claim one.
@@ -488,7 +527,7 @@ async def _current_job(
 
 
 async def _next_job(
-    store: Store, k: _Keys, name: str, rank: int, deadline: Deadline, after: int, ended: list[str]
+    store: Store, k: Keys, name: str, rank: int, deadline: Deadline, after: int, ended: list[str]
 ) -> tuple[int, Owner]:
     e = max(await _latest(store, k), after + 1)
     mine = job_id()

@@ -2,9 +2,12 @@
 
 Every rank first claims its rank (:mod:`aiocollect.rendezvous.claims`: atomic claims and a
 per-job nonce, so two jobs on one store never mix), starts a listener, publishes a record
-(address, host identity, settings, job nonce) under ``aiocollect/<name>/rank/<r>``, waits for
-every other record of its job, connects to every lower rank and accepts every higher one.
-Handshakes check version, group name, ranks, job nonce and the secret.
+(address, host identity, settings, job nonce) under ``aiocollect/<name>/rank/<r>``, compares
+its settings with rank 0's record, waits until every rank of its job has published (one
+key, set by the last to arrive), reads the records in batches with ``multi_get``, connects
+to every lower rank and accepts every higher one. Handshakes check version, group name,
+ranks, job nonce and the secret. A rank makes a fixed number of store requests however
+large the group (docs/multinode.md, "Forming large groups").
 
 Rendezvous never names a transport: ``cfg.transport`` is looked up in
 :mod:`aiocollect.transport.registry`, whose listener publishes its part of the record
@@ -15,13 +18,12 @@ things cannot link) and makes the links (docs/design.md, "Transports").
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiocollect import _protect, errors
+from aiocollect import _protect
 from aiocollect._deadline import Deadline
 from aiocollect.errors import RendezvousError, RendezvousTimeout
 from aiocollect.rendezvous import chunking, claims
@@ -182,47 +184,26 @@ async def rendezvous(
     return endpoint, links
 
 
-#: Records are checked one by one as they arrive, in rank order (waits cut in slices of this
-#: many seconds to notice a job rank 0 ended), before the wait for all of them: a rank whose
-#: settings differ (world size above all) then fails every rank at once, instead of leaving
-#: a rank waiting for a rank number that will never come.
-EARLY_CHECK_SLICE = 1.0
+async def _check_first(claim: claims.Claim, cfg: RendezvousConfig, mine: Record) -> None:
+    """(Ranks >= 1) Compare this rank's settings with rank 0's record, before the wait for
+    every record: a rank whose settings differ (world size above all) then fails every rank
+    of the job at once (``claim.refuse``), instead of leaving ranks waiting for a rank that
+    will never come.
 
-
-async def _check_early(claim: claims.Claim, cfg: RendezvousConfig) -> None:
-    """Check the other ranks' records as they arrive, lowest rank first. Returns early
-    when the job ended (rank 0 gave up) or at the deadline: ``claim.wait_records`` then
-    raises saying so."""
-    store, keys = claim.store, claim.keys
-    for r in range(cfg.world_size):
-        if r == cfg.rank:
-            continue
-        while True:
-            remaining = cfg.deadline.remaining()
-            if remaining is not None and remaining <= 0:
-                return
-            slice_ = EARLY_CHECK_SLICE if remaining is None else min(EARLY_CHECK_SLICE, remaining)
-            try:
-                await store.wait([keys.job(claim.job, "here", r)], timeout=slice_)
-                break
-            except errors.StoreTimeout:
-                if (await store.check([keys.done(claim.epoch)]))[0]:
-                    return
-        rec = await claim.read_record(r)
-        try:
-            _check_settings(cfg, r, rec)
-        except RendezvousError:
-            if cfg.rank == 0:
-                # Giving up ends the job for the ranks that claimed; one that claims later
-                # waits for a new job instead (a restart): let the others arrive first.
-                theirs = rec.get("world_size") if isinstance(rec, dict) else None
-                n = max(cfg.world_size, theirs if isinstance(theirs, int) else 0)
-                with contextlib.suppress(errors.StoreTimeout):
-                    await store.wait(
-                        [keys.job(claim.job, "here", q) for q in range(n)],
-                        timeout=min(EARLY_CHECK_SLICE * 2, cfg.deadline.remaining() or 2.0),
-                    )
-            raise
+    Raises:
+        RendezvousError: the settings differ (also raised on every rank waiting in
+            ``claim.wait_records``), or rank 0's record is malformed.
+        RendezvousTimeout: rank 0's record never came.
+    """
+    first = await claim.first_record(cfg.deadline)
+    try:
+        _check_settings(cfg, 0, first)
+        _check_transport(cfg, 0, first, mine)
+    except RendezvousError as exc:
+        theirs = first.get("world_size")
+        if isinstance(theirs, int) and cfg.rank < theirs:  # rank 0's group waits for us
+            await claim.refuse(f"rank {cfg.rank} of group {cfg.name!r} refused to join: {exc}")
+        raise
 
 
 def _check_settings(cfg: RendezvousConfig, r: int, rec: dict[str, Any]) -> None:
@@ -256,19 +237,35 @@ def _shown(key: str, value: Any) -> str:
 async def _read_records(
     claim: claims.Claim, cfg: RendezvousConfig, mine: Record
 ) -> dict[int, Record]:
-    await _check_early(claim, cfg)
+    """Every rank's record, once all are published, checked against this rank's settings.
+
+    Raises:
+        RendezvousTimeout: some ranks never published (named).
+        RendezvousError: a rank's settings differ, or a record is malformed or of another
+            job.
+    """
+    if cfg.rank != 0:
+        await _check_first(claim, cfg, mine)
     await claim.wait_records(cfg.deadline)
-    peers: dict[int, Record] = {}
-    for r in range(cfg.world_size):
-        rec = await claim.read_record(r)
-        peers[r] = rec
-        _check_settings(cfg, r, rec)
-        if rec["transport"] != mine["transport"]:
-            raise RendezvousError(
-                f"rank {r} uses transport {rec['transport']!r}, rank {cfg.rank} uses "
-                f"{mine['transport']!r}"
-            )
+    peers: dict[int, Record] = await claim.read_records(cfg.deadline)
+    try:
+        for r, rec in peers.items():
+            _check_settings(cfg, r, rec)
+            _check_transport(cfg, r, rec, mine)
+    except RendezvousError:
+        if cfg.rank == 0:
+            await claim.linger(cfg.deadline)
+        raise
     return peers
+
+
+def _check_transport(cfg: RendezvousConfig, r: int, rec: Record, mine: Record) -> None:
+    """Raises: RendezvousError: rank ``r`` listens with another transport."""
+    if rec.get("transport") != mine["transport"]:
+        raise RendezvousError(
+            f"rank {r} uses transport {rec.get('transport')!r}, rank {cfg.rank} uses "
+            f"{mine['transport']!r}"
+        )
 
 
 def _protected_screen(cfg: RendezvousConfig) -> Screen | None:

@@ -18,12 +18,18 @@ Then the client sends requests ``[rid, op, *args]`` and the server answers
     [rid, "get", key, timeout]       -> OK value | TIMEOUT [key]
     [rid, "add", key, amount]        -> OK new_value
     [rid, "wait", [keys], timeout]   -> OK None | TIMEOUT [missing keys]
+    [rid, "multi_get", [keys], timeout] -> OK [value, ...] | TIMEOUT [missing keys]
+                                        | ERROR reason (the answer would exceed max_frame)
     [rid, "check", [keys]]           -> OK [bool, ...]
     [rid, "delete", key]             -> OK existed
     [rid, "cancel", target_rid]      (no answer; abandons a pending get/wait)
 
-``timeout`` is seconds (float) or None for no deadline. Any failure to decode or validate
-closes the connection; a refused ``set``/``add`` (quota) answers ``ERROR reason``.
+``timeout`` is seconds (float) or None for no deadline. ``multi_get`` came with protocol
+version 3: a client finding a version 2 server (which would close the connection on an
+unknown op) reads many keys with ``wait`` and one ``get`` each instead; a version 2
+client refuses a version 3 server at the handshake, saying which versions met. Any
+failure to decode or validate closes the connection; a refused ``set``/``add`` (quota)
+answers ``ERROR reason``.
 
 Decoding is bounded (:func:`decode`): a message is an array whose items are scalars or
 arrays of scalars (no maps, no extension types, no deeper nesting), with at most
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -44,12 +51,16 @@ from aiocollect import _auth
 from aiocollect.errors import ProtocolError
 
 MAGIC = "aiocollect-store"
-VERSION = 2
+VERSION = 3
+#: Server versions a client accepts (2: without ``multi_get``).
+ACCEPTED_VERSIONS = (2, 3)
+#: The first version whose server answers ``multi_get``.
+MULTI_GET_VERSION = 3
 MAX_FRAME = 64 * 1024 * 1024
 #: Bodies (and ``bin`` values) above this size are decoded to views, not copies.
 VIEW_MIN = 64 * 1024
 MAX_HANDSHAKE_FRAME = 1024
-#: Most keys one ``wait``/``check`` may name (and one answer may list).
+#: Most keys one ``wait``/``check``/``multi_get`` may name (and one answer may list).
 MAX_KEYS = 16384
 #: Most values in one decoded message: the keys of a wait plus its few other fields.
 MAX_ITEMS = MAX_KEYS + 16
@@ -67,7 +78,11 @@ OK = 0
 TIMEOUT = 1
 ERROR = 2
 
-OPS = frozenset({"set", "get", "add", "wait", "check", "delete", "cancel"})
+OPS = frozenset({"set", "get", "add", "wait", "multi_get", "check", "delete", "cancel"})
+#: Bytes an answer to ``multi_get`` adds to the values it carries: per value (its ``bin``
+#: header) and in all (the answer's frame header, array headers, request id, status).
+MULTI_GET_PER_VALUE = 5
+MULTI_GET_OVERHEAD = 32
 _MAX_RID = 2**63
 
 
@@ -312,7 +327,7 @@ def parse_request(msg: Any) -> Request:
     _want(isinstance(op, str) and op in OPS, f"unknown op {op!r}")
     arity = {"check": 1, "delete": 1, "cancel": 1}.get(op, 2)
     _want(len(args) == arity, f"{op} takes {arity} arguments")
-    if op in ("check", "wait"):
+    if op in ("check", "wait", "multi_get"):
         keys = args[0]
         _want(isinstance(keys, list) and all(isinstance(k, str) for k in keys), "bad keys")
         if op == "check":
@@ -370,8 +385,14 @@ class Refused(Exception):
     """The server refused this connection before the handshake; ``str()`` is its reason."""
 
 
-def parse_hello(msg: Any) -> bytes | None:
-    """The server's nonce from its hello (None: the server has no secret).
+def multi_get_size(values: Sequence[Buffer]) -> int:
+    """An upper bound on the body of the answer to a ``multi_get`` carrying ``values``."""
+    return MULTI_GET_OVERHEAD + sum(len(v) + MULTI_GET_PER_VALUE for v in values)
+
+
+def parse_hello(msg: Any) -> tuple[int, bytes | None]:
+    """The server's protocol version and nonce from its hello (nonce None: the server has
+    no secret).
 
     Raises:
         Refused: the server refused the connection (its message says why and what to do).
@@ -387,12 +408,15 @@ def parse_hello(msg: Any) -> bytes | None:
         raise Refused(msg[3])
     if not (isinstance(msg, list) and len(msg) == 3 and msg[0] == MAGIC):
         raise ProtocolError("the peer is not an aiocollect TCP store")
-    if msg[1] != VERSION:
-        raise ProtocolError(f"store protocol version {msg[1]!r}, expected {VERSION}")
+    version = msg[1]
+    if version not in ACCEPTED_VERSIONS or isinstance(version, bool):
+        raise ProtocolError(
+            f"store protocol version {version!r}, expected one of {list(ACCEPTED_VERSIONS)}"
+        )
     nonce = msg[2]
     if nonce is not None and not (isinstance(nonce, bytes) and len(nonce) == _auth.NONCE_BYTES):
         raise ProtocolError("bad store challenge")
-    return nonce
+    return version, nonce
 
 
 def client_proof(secret: bytes, nonce_c: bytes, nonce_s: bytes) -> list[object]:

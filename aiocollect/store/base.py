@@ -9,6 +9,8 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
+from aiocollect.store._util import check_keys
+
 DEFAULT_TIMEOUT = 300.0
 """Seconds a store operation waits when neither the call nor the store names a timeout."""
 
@@ -23,6 +25,9 @@ class Store(abc.ABC):
     - ``add`` atomically adds to an integer counter (missing key counts as 0) and returns
       the new value; the counter's value is readable with ``get`` as ASCII decimal.
     - ``wait`` returns once every key exists.
+    - ``multi_get`` waits until every key exists and returns their values in order: one
+      request for many keys on backends that have a batched read (memory, file, tcp,
+      redis, prefix); the default here, for any other store, is ``wait`` then ``get``.
     - ``delete`` removes a key and says whether it existed.
     - Timeouts raise :class:`~aiocollect.errors.StoreTimeout` naming the missing keys;
       backend failures raise :class:`~aiocollect.errors.StoreError`.
@@ -86,6 +91,24 @@ class Store(abc.ABC):
         Raises:
             StoreTimeout: some keys did not appear in time (``.keys`` lists them).
         """
+
+    async def multi_get(self, keys: Sequence[str], *, timeout: float | None = None) -> list[bytes]:
+        """The values of ``keys``, in order, once every one exists (waiting up to
+        ``timeout``); a key named twice gets its value twice, no keys get ``[]``.
+
+        This default (``wait``, then one ``get`` per key) keeps every store working; the
+        backends of this package override it with one batched request.
+
+        Raises:
+            StoreTimeout: some keys did not appear in time (``.keys`` lists them).
+            StoreError: the backend failed.
+            UsageError: ``keys`` is a ``str`` or holds a non-``str`` item.
+        """
+        names = check_keys(keys)
+        if not names:
+            return []
+        await self.wait(names, timeout=timeout)
+        return [await self.get(key, timeout=timeout) for key in names]
 
     @abc.abstractmethod
     async def check(self, keys: Sequence[str]) -> list[bool]:

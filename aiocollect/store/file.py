@@ -183,6 +183,37 @@ class FileStore(Store):
                 raise timeout_error(repr(self), missing, t)
             delay = backoff(delay)
 
+    async def multi_get(self, keys: Sequence[str], *, timeout: float | None = None) -> list[bytes]:
+        """The values of ``keys`` in order, polling until every one exists (each file is
+        read once it is there; the ones still missing are polled again).
+
+        Raises:
+            StoreTimeout: some keys did not appear in time (``.keys`` lists them).
+            StoreError: I/O error, or the store is closed (also while waiting).
+            UsageError: ``keys`` is a ``str`` or holds a non-``str`` item.
+        """
+        self._life.ensure_open()
+        names = check_keys(keys)
+        t = self._timeout(timeout)
+        deadline = Deadline.after(t)
+        found: dict[str, bytes] = {}
+        missing = unique(names)
+        delay = POLL_MIN
+        while True:
+            still = []
+            for key in missing:
+                value = self._read(key)
+                if value is None:
+                    still.append(key)
+                else:
+                    found[key] = value
+            missing = still
+            if not missing:
+                return [found[k] for k in names]
+            if not await self._pause(deadline, delay):
+                raise timeout_error(repr(self), missing, t)
+            delay = backoff(delay)
+
     async def check(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key exists now."""
         self._life.ensure_open()

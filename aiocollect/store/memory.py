@@ -83,6 +83,18 @@ class KeyTable:
         """Whether each key is set now."""
         return [k in self._values for k in keys]
 
+    def values(self, keys: Sequence[str]) -> list[Value] | None:
+        """The values of ``keys`` now, in order, or None if any is not set."""
+        values = self._values
+        found: list[Value] = []
+        with self._lock:
+            for key in keys:
+                value = values.get(key)
+                if value is None:
+                    return None
+                found.append(value)
+        return found
+
     def missing(self, keys: Sequence[str]) -> list[str]:
         """The keys of ``keys`` not set now, without duplicates, in order."""
         return [k for k in unique(keys) if k not in self._values]
@@ -143,6 +155,25 @@ class KeyTable:
                 return value
             if await self.wait([key], deadline, lifecycle):
                 return None
+
+    async def get_many(
+        self, keys: Sequence[str], deadline: Deadline, lifecycle: Lifecycle | None = None
+    ) -> tuple[list[Value], list[str]]:
+        """The values of ``keys``, waiting until every one is set.
+
+        Returns:
+            ``(values, [])``, or ``([], missing)`` when the deadline passed first.
+
+        Raises:
+            StoreError: ``lifecycle`` was closed while waiting.
+        """
+        while True:
+            found = self.values(keys)
+            if found is not None:
+                return found, []
+            missing = await self.wait(keys, deadline, lifecycle)
+            if missing:
+                return [], missing
 
     def _forget(self, fut: asyncio.Future[None], keys: Sequence[str]) -> None:
         with self._lock:
@@ -237,6 +268,21 @@ class MemoryStore(Store):
         missing = await self._table.wait(check_keys(keys), Deadline.after(t), self._life)
         if missing:
             raise timeout_error(repr(self), missing, t)
+
+    async def multi_get(self, keys: Sequence[str], *, timeout: float | None = None) -> list[bytes]:
+        """The values of ``keys`` in order, waiting up to ``timeout`` for every one.
+
+        Raises:
+            StoreTimeout: some keys were not set in time (``.keys`` lists them).
+            StoreError: the store is closed (also while waiting).
+            UsageError: ``keys`` is a ``str`` or holds a non-``str`` item.
+        """
+        self._life.ensure_open()
+        t = self._timeout(timeout)
+        found, missing = await self._table.get_many(check_keys(keys), Deadline.after(t), self._life)
+        if missing:
+            raise timeout_error(repr(self), missing, t)
+        return [v if isinstance(v, bytes) else bytes(v) for v in found]
 
     async def check(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key exists now."""

@@ -86,6 +86,21 @@ class PrefixStore(Store):
         except StoreTimeout as exc:
             raise self._strip(exc) from exc.__cause__
 
+    async def multi_get(self, keys: Sequence[str], *, timeout: float | None = None) -> list[bytes]:
+        """The values of the prefixed ``keys`` in order (one ``multi_get`` of the
+        underlying store).
+
+        Raises:
+            StoreTimeout: some keys were not set in time (``.keys`` without the prefix).
+            StoreError: the view or the underlying store is closed or failed.
+        """
+        self._life.ensure_open()
+        names = [self._key(k) for k in check_keys(keys)]
+        try:
+            return await self._life.guard(self.store.multi_get(names, timeout=timeout))
+        except StoreTimeout as exc:
+            raise self._strip(exc) from exc.__cause__
+
     async def check(self, keys: Sequence[str]) -> list[bool]:
         """Whether each prefixed key exists now."""
         self._life.ensure_open()

@@ -143,6 +143,34 @@ class RedisStore(Store):
                 raise timeout_error(repr(self), missing, t)
             delay = backoff(delay)
 
+    async def multi_get(self, keys: Sequence[str], *, timeout: float | None = None) -> list[bytes]:
+        """The values of ``keys`` in order (``MGET``), polling for the ones still missing.
+
+        Raises:
+            StoreTimeout: some keys did not appear in time (``.keys`` lists them).
+            StoreError: Redis failed or the store is closed (also while waiting).
+            UsageError: ``keys`` is a ``str`` or holds a non-``str`` item.
+        """
+        names = check_keys(keys)
+        self._life.ensure_open()
+        t = self._timeout(timeout)
+        deadline = Deadline.after(t)
+        found: dict[str, bytes] = {}
+        missing = unique(names)
+        delay = POLL_MIN
+        while missing:
+            values = await self._call(f"multi_get({len(missing)} keys)", "MGET", *missing)
+            for key, value in zip(missing, values, strict=True):
+                if value is not None:
+                    found[key] = bytes(value)
+            missing = [k for k in missing if k not in found]
+            if not missing:
+                break
+            if not await self._pause(deadline, delay):
+                raise timeout_error(repr(self), missing, t)
+            delay = backoff(delay)
+        return [found[k] for k in names]
+
     async def check(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key exists now."""
         return await self._exists(check_keys(keys))

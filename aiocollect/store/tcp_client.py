@@ -85,6 +85,8 @@ class TCPStore(Store):
         self._pending: dict[int, asyncio.Future[tuple[int, Any]]] = {}
         self._next_rid = 1
         self._failure: StoreError | None = None
+        #: The server's protocol version (known once connected).
+        self._version = _wire.VERSION
 
     @property
     def address(self) -> str:
@@ -142,7 +144,8 @@ class TCPStore(Store):
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            nonce_s = _wire.parse_hello(await _wire.read_frame(reader, _wire.MAX_HANDSHAKE_FRAME))
+            hello = await _wire.read_frame(reader, _wire.MAX_HANDSHAKE_FRAME)
+            self._version, nonce_s = _wire.parse_hello(hello)
         except _wire.Refused as exc:
             raise StoreError(
                 f"the TCP store at {self.address} refused this connection: {exc}"
@@ -342,6 +345,34 @@ class TCPStore(Store):
         names = check_keys(keys)
         t = self._timeout(timeout)
         await self._request("wait", names, t, keys=names, wait=t)
+
+    async def multi_get(self, keys: Sequence[str], *, timeout: float | None = None) -> list[bytes]:
+        """The values of ``keys`` in order, in one request; the server waits until every
+        one exists (no polling). A server of protocol version 2 (without ``multi_get``) is
+        asked with ``wait`` and one ``get`` per key instead.
+
+        Raises:
+            StoreTimeout: some keys were not set in time (``.keys`` lists them).
+            StoreError: the connection failed or closed (also while waiting), or the
+                values are too large for one answer (over the server's ``max_frame``:
+                ask for fewer keys at a time).
+            UsageError: ``keys`` is a ``str``, holds a non-``str`` item, or names more than
+                16384 keys.
+        """
+        names = check_keys(keys)
+        if not names:
+            self._life.ensure_open()
+            return []
+        if self._writer is None:
+            await self.connect()
+        if self._version < _wire.MULTI_GET_VERSION:
+            return await super().multi_get(names, timeout=timeout)
+        t = self._timeout(timeout)
+        payload = await self._request("multi_get", names, t, keys=names, wait=t)
+        values: list[Any] = self._expect(payload, list, "multi_get")
+        if len(values) != len(names) or not all(isinstance(v, bytes | memoryview) for v in values):
+            self._expect(None, list, "multi_get")
+        return [v if isinstance(v, bytes) else bytes(v) for v in values]
 
     async def check(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key exists now."""

@@ -13,8 +13,15 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from aiocollect import _auth, _protect
-from aiocollect.store.tcp_server import DEFAULT_PORT, MAX_BYTES, MAX_KEYS, TCPStoreServer
+from aiocollect import _auth, _fdlimit, _protect
+from aiocollect.store.tcp_server import (
+    BACKLOG_DEFAULT,
+    DEFAULT_PORT,
+    MAX_BYTES,
+    MAX_KEYS,
+    TCPStoreServer,
+    listen_backlog,
+)
 
 
 async def serve_store(
@@ -91,6 +98,9 @@ def _store_parser() -> argparse.ArgumentParser:
 def store_main(argv: list[str]) -> int:
     """``aiocollect store``: run a standalone TCP store until SIGINT/SIGTERM.
 
+    The process's soft limit on open files is raised to its hard limit first (one
+    descriptor per client: :mod:`aiocollect._fdlimit`).
+
     Prints ``aiocollect store listening on HOST:PORT`` once ready. The secret comes from
     ``--secret``, else ``AIOCOLLECT_SECRET``; with neither, and neither ``--insecure`` nor
     ``AIOCOLLECT_INSECURE=1``, one is generated and the next line printed is
@@ -109,6 +119,14 @@ def store_main(argv: list[str]) -> int:
     if not secret and not insecure:
         generated = secret = secrets.token_urlsafe(32)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    _fdlimit.raise_soft_limit()
+    if listen_backlog() < BACKLOG_DEFAULT:
+        logging.getLogger("aiocollect.store.tcp").warning(
+            "listen backlog %d (net.core.somaxconn): a burst of more connects than that is "
+            "slowed by retries; raise it with `sysctl -w net.core.somaxconn=%d`",
+            listen_backlog(),
+            BACKLOG_DEFAULT,
+        )
 
     def ready(srv: TCPStoreServer) -> None:
         mode = "secret required" if secret else "INSECURE: no secret, any host may connect"

@@ -9,10 +9,10 @@ parametrizes over them.
 
 The contract checked is that of :class:`~aiocollect.store.base.Store`: set/get round trips
 (binary values, tricky key names), a ``get`` that waits for a later ``set``, timeouts that
-raise StoreTimeout naming the missing keys, atomic ``add``, ``wait``/``check``/``delete``,
-UsageError for bad arguments, and ``close`` failing pending and later calls with
-StoreError while other store objects go on working. Each check raises AssertionError on a
-violation; no check waits longer than a few seconds.
+raise StoreTimeout naming the missing keys, atomic ``add``,
+``wait``/``multi_get``/``check``/``delete``, UsageError for bad arguments, and ``close``
+failing pending and later calls with StoreError while other store objects go on working.
+Each check raises AssertionError on a violation; no check waits longer than a few seconds.
 """
 
 from __future__ import annotations
@@ -178,6 +178,60 @@ async def check_check_and_delete(make: StoreFactory) -> None:
         assert await b.get("gone") == b"again"
 
 
+async def check_multi_get(make: StoreFactory) -> None:
+    """``multi_get`` returns the values in the order asked (a key asked twice, twice; no
+    keys, ``[]``), waits for keys set later, and its StoreTimeout names the missing keys
+    only, once each; a ``str`` as keys is a UsageError."""
+    async with _stores(make) as one:
+        a, b = await one(), await one()
+        await a.set("m/one", b"1")
+        await a.add("m/two", 2)
+        await a.set("m/empty", b"")
+        got = await b.multi_get(["m/two", "m/one", "m/empty", "m/one"])
+        assert got == [b"2", b"1", b"", b"1"], got
+        assert await b.multi_get([]) == []
+        waiter = asyncio.ensure_future(b.multi_get(["m/late-1", "m/one", "m/late-2"], timeout=20))
+        try:
+            await settle(b)
+            await a.set("m/late-1", b"x")
+            await settle(b)
+            assert not waiter.done(), "multi_get returned with a key missing"
+            await a.set("m/late-2", b"y")
+            assert await asyncio.wait_for(waiter, 10) == [b"x", b"1", b"y"]
+        finally:
+            waiter.cancel()
+        exc = await _raises(
+            StoreTimeout,
+            b.multi_get(["m/one", "gone-1", "gone-2", "gone-1"], timeout=0.2),
+            "multi_get timeout",
+        )
+        assert isinstance(exc, StoreTimeout), exc
+        assert exc.keys == ["gone-1", "gone-2"], exc
+        assert "gone-1" in str(exc), exc
+        assert "gone-2" in str(exc), exc
+        assert "m/one" not in str(exc), exc
+        await _raises(StoreTimeout, b.multi_get(["gone-1"], timeout=0), "multi_get timeout=0")
+        await _raises(UsageError, b.multi_get("ab"), "a str as keys of multi_get")
+
+
+async def check_multi_get_large(make: StoreFactory) -> None:
+    """``multi_get`` carries large values (several of 1 MiB, next to small ones) and many
+    keys (a thousand) unchanged."""
+    async with _stores(make) as one:
+        a, b = await one(), await one()
+        big = [os.urandom(1 << 20) for _ in range(3)]
+        for i, value in enumerate(big):
+            await a.set(f"big/{i}", value)
+        await a.set("big/small", b"s")
+        got = await b.multi_get(["big/0", "big/small", "big/1", "big/2"])
+        assert got == [big[0], b"s", big[1], big[2]], "a large value changed"
+        names = [f"many/{i}" for i in range(1000)]
+        for i, key in enumerate(names):
+            await a.set(key, str(i).encode())
+        got = await b.multi_get(names)
+        assert got == [str(i).encode() for i in range(1000)], "a value of many changed"
+
+
 async def check_binary_values(make: StoreFactory) -> None:
     """Values are bytes, any bytes (empty, NUL, every byte value, 1 MiB), and a
     memoryview is accepted as a value."""
@@ -262,6 +316,8 @@ STORE_CHECKS: tuple[Callable[[StoreFactory], Awaitable[None]], ...] = (
     check_timeouts,
     check_add,
     check_wait,
+    check_multi_get,
+    check_multi_get_large,
     check_check_and_delete,
     check_binary_values,
     check_key_names,

@@ -203,3 +203,37 @@ async def test_not_a_store() -> None:
     await store.close()
     server.close()
     await server.wait_closed()
+
+
+async def test_multi_get_answer_is_bounded_by_the_frame_limit() -> None:
+    async with TCPStoreServer("127.0.0.1", 0, max_frame=256 * 1024) as server:
+        store = await _client(server)
+        try:
+            for i in range(3):
+                await store.set(f"v{i}", bytes(100 * 1024))
+            assert await store.multi_get(["v0", "v1"]) == [bytes(100 * 1024)] * 2
+            with pytest.raises(StoreError, match="ask for fewer keys"):
+                await store.multi_get(["v0", "v1", "v2"])
+            assert await store.get("v2") == bytes(100 * 1024)  # the connection goes on
+        finally:
+            await store.close()
+
+
+async def test_multi_get_from_a_version_2_server_uses_wait_and_get(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_wire, "VERSION", 2)  # the server's hello says 2
+    async with TCPStoreServer("127.0.0.1", 0) as server:
+        store = await _client(server)
+        monkeypatch.setattr(_wire, "OPS", _wire.OPS - {"multi_get"})  # and it lacks the op
+        try:
+            waiter = asyncio.ensure_future(store.multi_get(["a", "b"], timeout=10))
+            await settle(store)
+            await store.set("a", b"1")
+            await store.set("b", b"2")
+            assert await waiter == [b"1", b"2"]
+            with pytest.raises(StoreTimeout) as err:
+                await store.multi_get(["a", "never"], timeout=0.1)
+            assert err.value.keys == ["never"]
+        finally:
+            await store.close()

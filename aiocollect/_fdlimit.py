@@ -1,0 +1,69 @@
+"""The process's limit on open file descriptors: raising the soft limit towards the hard one,
+and the message to give when it is reached anyway.
+
+Every peer link and every store connection holds a descriptor, and a common soft limit is
+1024 (while the hard limit is often far higher): a store serving thousands of ranks, or a
+process running many ranks, needs more. :func:`raise_soft_limit` is called once by
+``aiocollect store`` and by ``open_group``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+try:
+    import resource
+except ImportError:  # not on this platform
+    resource = None  # type: ignore[assignment]
+
+log = logging.getLogger("aiocollect.fdlimit")
+
+#: The soft limit asked for when the hard limit is unlimited.
+UNLIMITED_TARGET = 1 << 20
+
+_raised = False
+
+
+def limits() -> tuple[int, int] | None:
+    """``(soft, hard)`` RLIMIT_NOFILE of this process (``-1``: unlimited), or None where
+    there is no such limit."""
+    if resource is None:
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft, hard
+
+
+def raise_soft_limit() -> int | None:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (the first call only;
+    later calls just return the limit). Never raises: where the system refuses, the limit
+    stays (logged at debug level).
+
+    Returns:
+        The soft limit now, or None where there is no such limit.
+    """
+    global _raised
+    now = limits()
+    if now is None or _raised:
+        return None if now is None else now[0]
+    _raised = True
+    soft, hard = now
+    target = UNLIMITED_TARGET if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:  # e.g. above fs.nr_open
+            log.debug("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
+    return soft
+
+
+def exhausted(what: str) -> str:
+    """The message for running out of file descriptors in ``what``: the limit and what to
+    do about it."""
+    now = limits()
+    shown = "unknown" if now is None else f"soft {now[0]}, hard {now[1]}"
+    return (
+        f"{what} ran out of file descriptors (RLIMIT_NOFILE: {shown}; one per connection): "
+        "raise the hard limit where the process starts (`ulimit -Hn`, `ulimit -n`, "
+        "systemd's LimitNOFILE=, /etc/security/limits.conf), or connect fewer clients"
+    )
