@@ -64,7 +64,8 @@ def main(argv: list[str]) -> int:
         print(f"{procs} x {per} ranks: exit codes {codes}, {time.monotonic() - start:.1f} s")
         return max(codes)
     finally:
-        for proc in [*kids, store]:
+        procs_left: list[subprocess.Popen[bytes] | subprocess.Popen[str]] = [*kids, store]
+        for proc in procs_left:
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait()

@@ -21,10 +21,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
-from store_helpers import child_env
 
 from aiocollect import _fdlimit
 from aiocollect.store import TCPStore
+from tests.support.store import child_env
 
 CLIENTS = 4096
 LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
