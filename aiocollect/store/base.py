@@ -99,6 +99,13 @@ class Store(abc.ABC):
         This default (``wait``, then one ``get`` per key) keeps every store working; the
         backends of this package override it with one batched request.
 
+        Args:
+            keys: the keys to read (a sequence of ``str``, not one ``str``).
+            timeout: seconds to wait for the keys to exist; None: the store's default.
+
+        Returns:
+            Each key's value, in the order of ``keys``.
+
         Raises:
             StoreTimeout: some keys did not appear in time (``.keys`` lists them).
             StoreError: the backend failed.

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from aiocollect.torch.process_group import AiocollectProcessGroup
 
 BACKEND_NAME = "aiocollect"
+"""The name the backend is registered under: ``dist.init_process_group(backend="aiocollect")``."""
 
 _lock = threading.Lock()
 
