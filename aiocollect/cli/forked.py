@@ -12,7 +12,8 @@ ranks refills the caches with the other's memory. Forked ranks share the pages o
 interpreter state they inherited (the imported modules), so a switch refills less: at
 four ranks on two cores a 4-byte allreduce's p50 per rank was 0.66x that of ranks started
 by ``exec`` over twelve paired rounds (0.8-0.9x of each iteration's slowest rank in the
-bench; docs/benchmarks.md, *Twenty-first session*); with a core per rank there was no
+bench; ``tools/alternate.py`` over ``aiocollect run -n 4 --start-method fork`` (and ``exec``)
+``tools/op_cpu.py``; docs/design.md, *Ranks forked from the launcher*); with a core per rank there was no
 difference. The ranks also start sooner (a four-rank job that only imports: 0.49-0.55
 against 0.75-0.81 s) and hold less memory together (35 against 105 MB of proportional
 set size for four ranks).

@@ -23,9 +23,9 @@ Policy (:func:`spin_budget`), decided once per group from real numbers:
   spinning rank takes the very core its peer needs to produce the awaited frame, so
   spinning is off (0) and ranks sleep as before. Other processes' load does not turn it
   off: the back-off below stops spins that keep missing, and the load average that used
-  to (at least the cores when the group formed: off) counts the job's own ranks, so a
-  job busy on every core turned spinning off for every group it formed later, and each
-  benchmark round for the next (docs/benchmarks.md, *Eighteenth session*).
+  would (at least the cores when the group formed: off) counts the job's own ranks, so a
+  job busy on every core would turn spinning off for every group it formed later, and
+  each benchmark round for the next.
 - a group whose links are all in-process (the memory transport) never spins: its peers
   run on this thread and cannot make progress while it spins.
 

@@ -6,8 +6,9 @@ decides who runs next. ``await asyncio.sleep(0)`` puts the collective's next ste
 the end of the loop's ready queue *before* the loop polls for I/O, so the callbacks
 that I/O brings (a small frame that landed, the task it wakes) queue behind that step,
 and the next piece runs first: a reply to a small message waited a whole piece on each
-side (docs/benchmarks.md, *Twentieth session*: 0.2-0.6 ms per hop during 64 MiB
-allreduces, against 0.08-0.11 ms with :func:`give_way`).
+side (0.2-0.6 ms per hop during 64 MiB allreduces, against 0.08-0.11 ms with
+:func:`give_way`: ``python -m aiocollect.bench.hol -n 2 --size 64M``; docs/design.md, *Long
+local work gives the loop way*).
 
 :func:`give_way` resumes the caller two loop turns later instead: everything the next
 poll delivers, and the tasks it wakes, run before the next piece. It costs one more

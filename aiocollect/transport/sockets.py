@@ -24,14 +24,14 @@ SOCKET_BUFFER = 4 * 1024 * 1024
 #: address; TLS links keep ``SOCKET_BUFFER``). Everything in these buffers lies ahead of a
 #: small frame sent behind bulk frames and drains at the receiver's pace, so they are kept
 #: small: 1 MiB measured no slower than 4 MiB for bulk and took the round trip behind
-#: 64 MiB allreduces from 9-13 ms to 6 ms at p99 (docs/benchmarks.md, "Thirteenth
-#: session").
+#: 64 MiB allreduces from 9-13 ms to 6 ms at p99 (``python -m aiocollect.bench.hol -n 2
+#: --transport tcp --size 64M`` with ``AIOCOLLECT_SOCKET_BUFFER`` set to each size).
 LOCAL_SOCKET_BUFFER = 1024 * 1024
 #: Overrides both (bytes; 0 leaves the buffers to the kernel's autotuning).
 SOCKET_BUFFER_ENV = "AIOCOLLECT_SOCKET_BUFFER"
 #: The smallest override taken as given: with 4 and 8 KiB, several operations in flight
 #: over loopback stopped for good (the receive window, against a 64 KiB MSS, never
-#: reopened; docs/benchmarks.md, "Nineteenth session"); 16 KiB and up did not.
+#: reopened: ``tests/transport/test_socket_buffer.py``); 16 KiB and up did not.
 MIN_SOCKET_BUFFER = 64 * 1024
 
 
@@ -51,8 +51,8 @@ def socket_buffer(
     set, else :data:`LOCAL_SOCKET_BUFFER` for a plain TCP link to this host (``local``)
     and :data:`SOCKET_BUFFER` otherwise. TLS links keep the larger buffers: their bytes
     drain at the receiver's decryption rate whatever the buffer holds, and the smaller one
-    measured no better for a small frame there (docs/benchmarks.md, "Thirteenth
-    session"). A value that is not a non-negative integer is ignored, with a warning the
+    measured no better for a small frame there (``python -m aiocollect.bench.hol -n 2
+    --transport tls``). A value that is not a non-negative integer is ignored, with a warning the
     first time."""
     raw = (os.environ if env is None else env).get(SOCKET_BUFFER_ENV, "").strip()
     if not raw.isdecimal():

@@ -7,7 +7,8 @@ liveness (the kernel closes it when the process dies). Over TCP loopback every s
 runs the whole TCP stack on both ends (segments, acknowledgements, timers); a Unix-domain
 socket hands the bytes straight to the peer's queue. Four ranks on two cores, a minimal
 4-byte star: 71 µs per allreduce over Unix sockets against 92 µs over TCP loopback, 24 %
-less CPU (docs/benchmarks.md, *Twenty-second session*).
+less CPU (``tools/op_cpu.py -n 4`` with ``AIOCOLLECT_UNIX_SOCKET=0`` and without; docs/design.md,
+*Same-host links on a Unix socket*).
 
 The listener binds a socket in Linux's *abstract* namespace (``\\0aiocollect-<pid>-<random>``:
 no file to create, clean up or leak, gone with the process) and publishes the name in its

@@ -1,4 +1,4 @@
-"""A member flooding zero-length frames for operations nobody calls (issue 14.3).
+"""A member flooding zero-length frames for operations nobody calls.
 
 The staging cap (``MAX_EARLY_BYTES``) must count what staging really costs — payload and
 every byte of bookkeeping, in the link and in the fabric — so the ProtocolError comes before

@@ -235,11 +235,11 @@ async def _small_passes_queued_pulls(g: ac.Group, count: int) -> int:
 
 @pytest.mark.timeout(30)
 async def test_small_frame_passes_queued_pulls() -> None:
-    """Head-of-line blocking, issue 17: reference records are taken out of the ring ahead
-    of their pulls, so a small frame behind 8 MiB of them (whose receive is not posted:
-    each is staged, one pull per loop turn) is read at the next turn after it enters the
-    ring, not after every pull ahead of it. Before, it landed only once all 8 MiB were
-    staged (this test then saw 8388608)."""
+    """Head-of-line blocking: reference records are taken out of the ring ahead of their
+    pulls, so a small frame behind 8 MiB of them (whose receive is not posted: each is
+    staged, one pull per loop turn) is read at the next turn after it enters the ring, not
+    after every pull ahead of it (a reader that pulled in ring order would show 8388608
+    bytes staged here)."""
     count = 1 << 20
     res = await run_ranks(
         2, _small_passes_queued_pulls, count, transport="shm", chunk_bytes=1 << 20
