@@ -13,8 +13,9 @@ interpreter state they inherited (the imported modules), so a switch refills les
 four ranks on two cores a 4-byte allreduce's p50 per rank was 0.66x that of ranks started
 by ``exec`` over twelve paired rounds (0.8-0.9x of each iteration's slowest rank in the
 bench; ``tools/alternate.py`` over ``aiocollect run -n 4 --start-method fork`` (and ``exec``)
-``tools/op_cpu.py``; docs/design.md, *Ranks forked from the launcher*); with a core per rank there was no
-difference. The ranks also start sooner (a four-rank job that only imports: 0.49-0.55
+``tools/op_cpu.py``; docs/design.md, *Ranks forked from the launcher*); with a core per rank
+there was no difference. The ranks also start sooner (a four-rank job that only imports:
+0.49-0.55
 against 0.75-0.81 s) and hold less memory together (35 against 105 MB of proportional
 set size for four ranks).
 

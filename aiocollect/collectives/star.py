@@ -11,8 +11,9 @@ folds a rank in and out: 4 steps), but 2(n-1) messages in all against n log2(n) 
 8 at four ranks), and each non-root rank sends, receives and wakes once per operation
 instead of log2(n) times. Where the ranks share fewer cores than they are, that CPU is
 the operation's time (``aiocollect bench allreduce -n 4 --small --algorithm star``
-against ``--algorithm doubling``; docs/benchmarks.md, *Small operations, four ranks*). Rank 0 handles n-1
-receives and n-1 sends one after the other, and on the coroutine path keeps n-1 copies of
+against ``--algorithm doubling``; docs/benchmarks.md, *Small operations, four ranks*). Rank
+0 handles n-1 receives and n-1 sends one after the other, and on the coroutine path keeps
+n-1 copies of
 the buffer, so the star is for small buffers and few ranks: the automatic choice takes it
 at three and four ranks up to ``select.ALLREDUCE_DOUBLING_MAX`` (select.py).
 """

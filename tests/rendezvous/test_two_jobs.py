@@ -2,8 +2,9 @@
 
 Without the job nonce, ranks of two jobs started together would form mixed groups (both
 jobs "succeeding" with 301 instead of 201 and 401), and one started 2 s later would fail
-with a misleading "could not connect to rank 0" (reading the first job's address). Here real launchers with
-real rank processes race, many times: every job either succeeds with its own sum or fails
+with a misleading "could not connect to rank 0" (reading the first job's address). Here real
+launchers with real rank processes race, many times: every job either succeeds with its own
+sum or fails
 with a RendezvousError naming the other job, and no rank ever computes a mixed sum. A job
 started while another runs fails at once saying so, and the running one is unaffected; a
 standalone store serves one job after another under the same group name.

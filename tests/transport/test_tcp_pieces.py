@@ -1,8 +1,9 @@
 """Plain TCP links write large payloads in pieces, one per loop turn, each once the
 transport has handed the previous one to the kernel (transport/tcp.py, ``PIECE``): a
 1-2 MiB write on loopback held the event loop for milliseconds (the loop lag column of
-``aiocollect bench allreduce -n 2 --transport tcp --sizes 16M``). Where ranks share cores the fabric turns the pieces off for plain
-TCP (``Link.pace_writes``; engine/fabric.py). Real loopback connections throughout; the
+``aiocollect bench allreduce -n 2 --transport tcp --sizes 16M``). Where ranks share cores
+the fabric turns the pieces off for plain TCP (``Link.pace_writes``; engine/fabric.py). Real
+loopback connections throughout; the
 only thing held back is the receiving side's reading, so that the kernel's buffers fill.
 """
 

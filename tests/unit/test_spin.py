@@ -39,8 +39,9 @@ def test_the_load_average_does_not_turn_it_off(monkeypatch: pytest.MonkeyPatch) 
     """The 1-minute load average counts the job's own ranks (and a job that just ended):
     two ranks busy on two cores read 2.0-3.6 here, and a gate on it turned spinning off
     for every group formed after them, small TCP operations 2-3x slower
-    (``aiocollect bench allreduce -n 2 --transport tcp --small`` after a busy job). The host's load, however high, leaves the rule to the ranks and
-    the cores; spins that keep missing back off by themselves (the spinner's test)."""
+    (``aiocollect bench allreduce -n 2 --transport tcp --small`` after a busy job). The
+    host's load, however high, leaves the rule to the ranks and the cores; spins that keep
+    missing back off by themselves (the spinner's test)."""
     monkeypatch.delenv(spin.SPIN_ENV, raising=False)
     monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))
     assert spin.spin_budget(2, cores=2) == spin.SPIN_SECONDS
