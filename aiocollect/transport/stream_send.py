@@ -40,12 +40,13 @@ BULK_CAP = 1024 * 1024
 #: A payload larger than this is handed to the transport in pieces of this size, one per
 #: loop turn; frames sent meanwhile wait for the end of the frame being written. Over TLS
 #: the transport encrypts what it is given at once, so a whole 1 MiB chunk would hold the
-#: loop (and every small frame behind it) for milliseconds (docs/benchmarks.md). Over plain TCP a write is one system call that copies as
-#: much as the kernel takes, and on loopback, with the peer reading meanwhile, a 1-2 MiB
-#: write held the loop 2-9 ms: there the next piece also waits until the transport has
-#: handed the previous one to the kernel (docs/benchmarks.md, docs/design.md). The
-#: extra system calls cost four ranks on two cores about 8 % of their CPU, so plain TCP
-#: links write whole payloads where ranks share cores (``pace_writes``).
+#: loop (and every small frame behind it) for milliseconds (docs/benchmarks.md). Over
+#: plain TCP a write is one system call that copies as much as the kernel takes, and on
+#: loopback, with the peer reading meanwhile, a 1-2 MiB write held the loop 2-9 ms: there
+#: the next piece also waits until the transport has handed the previous one to the
+#: kernel (docs/design.md, "Bytes ahead of a small frame on a TCP link"). The extra system
+#: calls cost four ranks on two cores about 8 % of their CPU, so plain TCP links write
+#: whole payloads where ranks share cores (``pace_writes``).
 PIECE = 256 * 1024
 
 

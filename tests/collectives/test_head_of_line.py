@@ -13,7 +13,7 @@ import pytest
 
 import aiocollect as ac
 from aiocollect.testing import run_ranks
-from aiocollect.transport import sockets, stream_send, tcp
+from aiocollect.transport import sockets, stream_send
 from aiocollect.transport.base import SendMark
 from aiocollect.transport.wire import HEADER, MAGIC, P2P
 
