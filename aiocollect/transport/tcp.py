@@ -27,15 +27,10 @@ from typing import cast
 import msgpack
 
 from aiocollect.errors import PeerDisconnected, ProtocolError
-from aiocollect.transport.base import (
-    COPIES,
-    Handshaker,
-    LinkCaps,
-    LinkEvents,
-    land,
-)
+from aiocollect.transport.base import COPIES, Handshaker, LinkCaps, LinkEvents
 from aiocollect.transport.handshake_stream import HandshakeStream
 from aiocollect.transport.interface import Screen
+from aiocollect.transport.mailbox import land
 from aiocollect.transport.sockets import Screened, is_local, socket_buffer, unix_peer_pid
 from aiocollect.transport.stream_send import SendSide
 from aiocollect.transport.wire import (
