@@ -5,7 +5,10 @@ Concrete transports (tcp, memory, shm, ...; made by a
 :meth:`Link._begin_frame` and :meth:`Link._end_frame` and implement the sending half.
 Everything above the transport talks to a link through ``post_recv``, ``send``,
 ``drained``, ``close`` and ``caps`` (:class:`LinkCaps`, the one thing algorithms may ask a
-link about itself). :mod:`aiocollect.testing.link_suite` checks all of what follows.
+link about itself). :mod:`aiocollect.testing.link_suite` checks all of what follows. The
+mailbox itself, with its staging limits, is Link's base class
+(:mod:`aiocollect.transport.mailbox`); this module holds the contract, the protocols and
+types of the seam, and Link's sending half and one-sided reads.
 
 The receive-side contract, what a transport must keep to:
 
@@ -66,15 +69,12 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiocollect.errors import InternalError
 from aiocollect.transport.mailbox import Mailbox
 from aiocollect.transport.wire import Header
-
-log = logging.getLogger("aiocollect.transport")
 
 
 class LinkEvents(Protocol):
