@@ -11,9 +11,9 @@ from types import TracebackType
 from typing import Any
 
 from aiocollect import _auth, _fdlimit
-from aiocollect import elastic as _elastic
 from aiocollect._deadline import Deadline
 from aiocollect._protect import insecure_from_env
+from aiocollect.elastic import generations as _elastic
 from aiocollect.engine.fabric import Fabric
 from aiocollect.errors import UsageError
 from aiocollect.group import Group

@@ -41,7 +41,7 @@ class OpRegistry:
         #: (gid, seq) -> {peer: fingerprint} of frames that came before this rank's call:
         #: one entry per peer however many frames it sends (every frame of an op carries
         #: its fingerprint), counted in the link's staging cap
-        #: (transport.base.STAGED_FRAME_COST)
+        #: (transport.mailbox.STAGED_FRAME_COST)
         self.early: dict[tuple[int, int], dict[int, Fingerprint]] = {}
         #: running digest of the fingerprints registered per group, in sequence order: the
         #: close handshake compares them (a mismatch no frame revealed)

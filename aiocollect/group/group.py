@@ -36,7 +36,7 @@ class Group(InPlace, Blocks, ObjectCollectives, PointToPoint):
         store: the store the group formed through (None for a sub-group).
     """
 
-    #: The elastic settings (``aiocollect.elastic.ElasticState``) of an elastic group.
+    #: The elastic settings (``aiocollect.elastic.generations.ElasticState``) of an elastic group.
     _elastic: Any = None
 
     # -- elastic groups (aiocollect.elastic) -----------------------------------------------
@@ -46,7 +46,7 @@ class Group(InPlace, Blocks, ObjectCollectives, PointToPoint):
         ``aiocollect.elastic``, never by users).
 
         Args:
-            state: its ``aiocollect.elastic.ElasticState``, which ``regroup`` and
+            state: its ``aiocollect.elastic.generations.ElasticState``, which ``regroup`` and
                 ``joiners`` delegate to.
         """
         self._elastic = state

@@ -93,10 +93,7 @@ from aiocollect.transport.shm_socket import (
     SOCKET_FRAMES_AHEAD,
 )
 from aiocollect.transport.stream_queue import StreamQueue
-from aiocollect.transport.tcp import (
-    BULK_MIN,
-    JOIN_MAX,
-)
+from aiocollect.transport.stream_send import BULK_MIN, JOIN_MAX
 from aiocollect.transport.wire import ABORT, KIND_AT, stream_of
 
 log = logging.getLogger("aiocollect.transport.shm")

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 from aiocollect.errors import PeerDisconnected, ProtocolError
 from aiocollect.transport import cma
-from aiocollect.transport.base import Fingerprint, Handshaker, LinkEvents, Receiver, land
+from aiocollect.transport.base import Fingerprint, Handshaker, LinkEvents, Receiver
+from aiocollect.transport.mailbox import land
 from aiocollect.transport.shm_pulls import PULL_STEP, PullQueue
 from aiocollect.transport.shm_ring import (
     REF_DESC,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from aiocollect.transport import base
+from aiocollect.transport import mailbox
 from tests.support.collectives import send_past_staging
 from tests.support.transports import Axis
 
@@ -25,6 +25,6 @@ async def test_staging_is_bounded_and_nothing_is_lost(
     """``size`` int64 elements: 8x the staging limit in bytes. (Over shared memory the link
     leaves the frames beyond the bound in the ring, and the writer waits for space.)"""
     limit = 4 * 1024 * 1024
-    monkeypatch.setattr(base, "STAGING_LIMIT", limit)
+    monkeypatch.setattr(mailbox, "STAGING_LIMIT", limit)
     res = await axis.run(2, send_past_staging, limit, size, chunk_bytes=256 * 1024)
     assert limit < res[0] <= limit + 256 * 1024

@@ -1,5 +1,5 @@
 """Small frames overtake queued bulk frames on a TCP link (head-of-line blocking), bulk
-bytes handed to the transport stay near ``tcp.BULK_CAP``, and the frames of one stream
+bytes handed to the transport stay near ``stream_send.BULK_CAP``, and the frames of one stream
 keep their order. Real links over loopback (``run_ranks`` with ``transport="tcp"``)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 import aiocollect as ac
 from aiocollect.testing import run_ranks
-from aiocollect.transport import sockets, tcp
+from aiocollect.transport import sockets, stream_send
 from aiocollect.transport.base import SendMark
 from aiocollect.transport.wire import HEADER, MAGIC, P2P
 
@@ -32,7 +32,7 @@ def _watch(link: Any) -> dict[str, Any]:
         queued = bool(link._bulk)
         before = len(link._bulk)
         mark = real(header, payload)
-        if len(payload) < tcp.BULK_MIN and queued and len(link._bulk) == before:
+        if len(payload) < stream_send.BULK_MIN and queued and len(link._bulk) == before:
             seen["overtook"] += 1
         seen["max_transport"] = max(seen["max_transport"], link.transport.get_write_buffer_size())
         return mark  # type: ignore[no-any-return]
@@ -90,7 +90,7 @@ async def test_small_send_recv_completes_while_a_large_allreduce_is_in_flight(
     res = await run_ranks(2, _pings_during_allreduce, transport="tcp", timeout=100)
     for r in res:
         # bulk bytes in the transport: at most the cap plus one frame (header, 1 MiB chunk)
-        assert r["max_transport"] <= tcp.BULK_CAP + (1 << 20) + 4096, r
+        assert r["max_transport"] <= stream_send.BULK_CAP + (1 << 20) + 4096, r
     assert res[0]["pings"] >= 1, res
     assert res[1]["pings"] == res[0]["pings"], res
     assert any(r["overtook"] for r in res), res
@@ -183,7 +183,7 @@ def _watch_shm(link: Any, holds: asyncio.Event) -> dict[str, Any]:
         seen["held"] = max(seen["held"], len(link._held))
         if link._held:
             holds.set()
-        if len(payload) < tcp.BULK_MIN and held and len(link._held) == held:
+        if len(payload) < stream_send.BULK_MIN and held and len(link._held) == held:
             seen["overtook"] += 1
         seen["max_ahead"] = max(seen["max_ahead"], link._bulk_ahead())
         return mark  # type: ignore[no-any-return]
@@ -230,10 +230,10 @@ async def test_shm_bulk_ahead_is_capped_and_small_frames_overtake(
     most the cap plus one frame ahead in the ring, holds the rest while the peer is behind
     (made so: ``_shm_pings``), and the pings go ahead of it."""
     monkeypatch.setenv("AIOCOLLECT_SHM_PULL", pull)
-    monkeypatch.setenv("AIOCOLLECT_SHM_BULK_CAP", str(tcp.BULK_CAP))  # off by default
+    monkeypatch.setenv("AIOCOLLECT_SHM_BULK_CAP", str(stream_send.BULK_CAP))  # off by default
     res = await run_ranks(2, _shm_pings, _Behind(), transport="shm", timeout=100)
     for r in res:
-        assert r["max_ahead"] <= tcp.BULK_CAP + (1 << 20) + 4096, repr(r)
+        assert r["max_ahead"] <= stream_send.BULK_CAP + (1 << 20) + 4096, repr(r)
     assert res[0]["held"], res  # (a rank whose peer keeps up holds nothing)
     assert res[0]["pings"] >= 1, res
     assert res[1]["pings"] == res[0]["pings"], res

@@ -20,7 +20,7 @@ import pytest
 import aiocollect as ac
 from aiocollect import errors
 from aiocollect.store import MemoryStore
-from aiocollect.transport import base as link_base
+from aiocollect.transport import mailbox
 from aiocollect.transport.wire import DATA, P2P
 from tests.support.fakepeer import FakePeer, header
 
@@ -65,7 +65,7 @@ async def test_empty_frame_flood_is_capped_and_released(
     monkeypatch: pytest.MonkeyPatch,
     loop_errors: list[Any],
 ) -> None:
-    monkeypatch.setattr(link_base, "MAX_EARLY_BYTES", LIMIT)
+    monkeypatch.setattr(mailbox, "MAX_EARLY_BYTES", LIMIT)
     fake = fake_peer(memory_store, unique_name, chunk_bytes=CHUNK)
     opening = asyncio.ensure_future(
         ac.open_group(

@@ -37,7 +37,7 @@ from aiocollect.rendezvous.handshake import (
 )
 from aiocollect.store import MemoryStore
 from aiocollect.testing import run_ranks
-from aiocollect.transport import base as link_base
+from aiocollect.transport import mailbox
 from aiocollect.transport.base import Rejection
 from aiocollect.transport.tcp import TcpLink
 from aiocollect.transport.wire import (
@@ -675,7 +675,7 @@ async def test_unmatched_frames_are_staged_up_to_a_bound(
     keeps sending frames nobody receives hits the staging limit (ProtocolError naming it)
     instead of exhausting memory."""
     limit = 256 * 1024
-    monkeypatch.setattr(link_base, "MAX_EARLY_BYTES", limit)
+    monkeypatch.setattr(mailbox, "MAX_EARLY_BYTES", limit)
     g, fake = await linked(memory_store, unique_name, fake_peer)
     handle = g.allreduce(np.ones(64, np.float32))
     await fake.read_frame()

@@ -17,7 +17,7 @@ import pytest
 
 from aiocollect.testing import run_ranks, spawn_ranks
 from aiocollect.testing.link_suite import Recorder, frame, payload, shm_pair, within
-from aiocollect.transport import base
+from aiocollect.transport import mailbox
 from aiocollect.transport.shm import ShmLink
 from aiocollect.transport.shm_socket import SOCKET_FRAME, SOCKET_FRAME_MAX, SOCKET_FRAMES_AHEAD
 from aiocollect.transport.wire import DATA, HEADER_SIZE, Header, Key, pack_header
@@ -193,7 +193,7 @@ async def test_a_reader_with_full_staging_stops_the_socket_frames(
     the ring (where the paused reader leaves them) instead of piling them into staging;
     posting the receives lets everything through, whole and in order. (The staging limit
     is lowered so that a few frames fill it.)"""
-    monkeypatch.setattr(base, "STAGING_LIMIT", 4096)
+    monkeypatch.setattr(mailbox, "STAGING_LIMIT", 4096)
     async with shm_pair()(Recorder(), Recorder(), 1 << 20) as (a, b):
         assert isinstance(a, ShmLink)
         assert isinstance(b, ShmLink)

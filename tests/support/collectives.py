@@ -169,7 +169,7 @@ async def send_past_staging(g: ac.Group, limit: int, size: int) -> int:
     waits until its link reports staging full (``_staging_full``, spied on), checks that
     the staged bytes stayed within ``limit`` plus a chunk, then receives and checks the
     data. Returns the most bytes rank 0 saw staged (0 on rank 1). The caller lowers
-    ``transport.base.STAGING_LIMIT`` to ``limit``."""
+    ``transport.mailbox.STAGING_LIMIT`` to ``limit``."""
     if g.rank == 1:
         data = np.arange(size, dtype=np.int64)
         await g.send(data, 0, tag=5)

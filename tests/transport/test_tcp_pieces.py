@@ -1,6 +1,6 @@
 """Plain TCP links write large payloads in pieces, one per loop turn, each once the
-transport has handed the previous one to the kernel (transport/tcp.py, ``PIECE``): a
-1-2 MiB write on loopback held the event loop for milliseconds (the loop lag column of
+transport has handed the previous one to the kernel (transport/stream_send.py, ``PIECE``):
+a 1-2 MiB write on loopback held the event loop for milliseconds (the loop lag column of
 ``aiocollect bench allreduce -n 2 --transport tcp --sizes 16M``). Where ranks share cores
 the fabric turns the pieces off for plain TCP (``Link.pace_writes``; engine/fabric.py). Real
 loopback connections throughout; the
@@ -20,7 +20,7 @@ from aiocollect.group import Group
 from aiocollect.testing import run_ranks
 from aiocollect.testing.certs import make_certs
 from aiocollect.testing.link_suite import Recorder, frame, payload, tcp_pair, within
-from aiocollect.transport import tcp
+from aiocollect.transport import stream_send, tcp
 from aiocollect.transport.wire import DATA, HEADER_SIZE
 
 pytestmark = pytest.mark.timeout(60)
@@ -45,7 +45,7 @@ async def test_a_piece_waits_until_the_transport_has_handed_the_last_to_the_kern
         for _ in range(200):  # loop turns (the sender's pieces are due one per turn)
             await asyncio.sleep(0)
         assert a._piece_waits, "the next piece did not wait for the transport"
-        assert a.transport.get_write_buffer_size() <= tcp.PIECE + HEADER_SIZE
+        assert a.transport.get_write_buffer_size() <= stream_send.PIECE + HEADER_SIZE
         assert a.write_buffer_size() > len(data) // 2  # the rest is held by the link
         b.transport.resume_reading()
         await within("the 32 MiB frame", fut)
@@ -110,6 +110,6 @@ async def test_a_group_paces_its_tcp_links_by_cores(n: int) -> None:
     """Real TCP groups in this process: with a core per rank their links write in pieces,
     with more ranks than cores whole, and the allreduce over them is right either way."""
     results = await run_ranks(n, _pieces, transport="tcp")
-    want = tcp.PIECE if n <= usable_cores() else 0
+    want = stream_send.PIECE if n <= usable_cores() else 0
     assert all(piece == want for pieces, _ in results for piece in pieces), results
     assert all(ok for _, ok in results)

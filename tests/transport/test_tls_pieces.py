@@ -1,5 +1,5 @@
 """TLS links (and plain TCP links, test_tcp_pieces.py) write large payloads in pieces, one
-per loop turn (transport/tcp.py, ``PIECE``): over a real connection on
+per loop turn (transport/stream_send.py, ``PIECE``): over a real connection on
 loopback, TLS or plain, a small frame sent while a large frame is being written goes right
 after that frame, ahead of the bulk frames queued behind it, and every frame lands
 whole."""
@@ -12,7 +12,7 @@ import pytest
 
 from aiocollect.testing.certs import make_certs
 from aiocollect.testing.link_suite import Recorder, frame, payload, tcp_pair, within
-from aiocollect.transport import tcp
+from aiocollect.transport import stream_send, tcp
 from aiocollect.transport.wire import DATA
 
 pytestmark = pytest.mark.timeout(60)
@@ -38,7 +38,7 @@ async def test_small_frame_follows_the_frame_being_written(tmp_path: Path, tls: 
             a.send(frame(DATA, slot, data, chunk)[1], data)
             if slot == 1 and chunk == 0:
                 assert a._partial is not None, "the 3 MiB frame was written at once"
-        assert a.write_buffer_size() >= len(big) - tcp.PIECE
+        assert a.write_buffer_size() >= len(big) - stream_send.PIECE
         for fut in futs:
             await within("a frame", fut)
         for buf, data in bufs.values():

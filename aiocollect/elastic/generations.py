@@ -1,35 +1,11 @@
-"""Elastic groups: survivors regroup and go on, new processes join, nobody restarts.
-
-A generation is an ordinary group formed by an ordinary rendezvous; ``regroup()`` ends the
-current one and forms the next under its own name on the store
-(``<name>/gen/<k>/a<attempt>``: its own claims, job nonce and handshake name, so a late
-frame or record of generation k can never reach generation k+1). Membership is agreed
-through the store, under ``E = aiocollect/<name>/elastic``::
-
-    E/g<k>/owner/<r>          who is rank r of generation k (pid and host: liveness)
-    E/g<k>/a<a>/member/<id>   participant <id> (``m<old rank>`` or ``j<ticket>``) called in
-    E/g<k>/a<a>/decided       counter: the first proposer writes the decision
-    E/g<k>/a<a>/decision      the participants of attempt a, in new-rank order
-    E/tickets                 counter: join tickets taken
-    E/ticket/<t>              who holds ticket t
-    E/admit/<t>               (k, a): the attempt that admits ticket t
-    E/served                  tickets below this have been admitted or skipped
-
-Rules: a caller of ``regroup()`` registers first, then aborts its old generation (the
-peers' in-flight handles fail with GroupBrokenError and they see an ABORT, not a death).
-Each participant waits until every candidate has registered or is known dead (the old
-generation's PeerDisconnected names it, or its pid is gone on this host), or the timeout
-passes; then it proposes the registered ones (old-rank order) plus the live waiting
-joiners (ticket order); the first proposal written wins and every participant follows it.
-If forming that generation fails (a participant died meanwhile), the same participants
-try again as attempt a+1; the generation number stays k.
-"""
+"""Generations of an elastic group: the settings a member keeps across them, opening its
+store, ``regroup()`` and ``join_group``'s work, forming a generation (the protocol:
+:mod:`aiocollect.elastic`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -37,6 +13,7 @@ from typing import Any
 
 from aiocollect import errors
 from aiocollect._deadline import Deadline
+from aiocollect.elastic.agreement import DECISION_GRACE, POLL, Retry, decide
 from aiocollect.engine.fabric import Fabric
 from aiocollect.errors import GroupBrokenError, RendezvousError, RendezvousTimeout, UsageError
 from aiocollect.group import Group
@@ -47,19 +24,8 @@ from aiocollect.store import Store, open_store
 from aiocollect.tls import TLSConfig
 from aiocollect.transport.wire import WORLD_GID
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("aiocollect.elastic")
 
-#: Store waits are cut into slices this long, to look again at who is known dead.
-POLL = 0.05
-#: How long a proposer waits for the record of a ticket already counted.
-TICKET_GRACE = 0.5
-#: Longest wait for the decision once a proposer has claimed to write it.
-DECISION_GRACE = 5.0
-#: A healthy old generation is aborted once the decision is known, so that the last
-#: operation before a scheduled regroup() completes on every rank; or when a participant is
-#: still missing after this many seconds (it may be stuck in an operation of the old
-#: generation that its peers will not join). A broken one is aborted at once.
-ABORT_GRACE = 2.0
 #: Seconds at most to reach a TCP store (it must already run: nobody hosts one).
 STORE_CONNECT = 10.0
 _ALTERNATIVES = (
@@ -229,7 +195,7 @@ async def _form(
     deadline: Deadline,
     watch: dict[str, Owner],
 ) -> Group:
-    """Rendezvous of one attempt; cancelled (``_Retry``) as soon as a participant is seen
+    """Rendezvous of one attempt; cancelled (``Retry``) as soon as a participant is seen
     dead."""
     store = state.shared.store
     fabric = Fabric(rank, size, max_frame=state.chunk_bytes)
@@ -251,7 +217,7 @@ async def _form(
             await asyncio.wait([task], timeout=POLL * 2)
             dead = [i for i, o in watch.items() if membership.dead(o)]
             if dead and not task.done():
-                raise _Retry(f"participants {dead} died while generation {gen} formed")
+                raise Retry(f"participants {dead} died while generation {gen} formed")
         endpoint, links = task.result()
     finally:
         if not task.done():
@@ -273,132 +239,6 @@ async def _form(
     return await start(group, replace(state, generation=gen, owners={}, end_old=_nothing))
 
 
-class _Retry(Exception):
-    """This attempt cannot form; the same participants try the next one."""
-
-
-async def _propose(
-    state: ElasticState,
-    base: str,
-    candidates: list[str],
-    dead: set[str],
-    old: dict[str, str],
-    deadline: Deadline,
-    admit_joiners: bool,
-) -> dict[str, Any]:
-    """Wait for the candidates (registered, known dead, or the deadline), then read the
-    joiners and return this participant's proposal."""
-    store = state.shared.store
-    keys = {i: f"{base}/member/{i}" for i in candidates}
-    grace = Deadline.after(ABORT_GRACE)
-    while True:
-        present = await store.check(list(keys.values()))
-        missing = [i for i, ok in zip(keys, present, strict=True) if not ok and i not in dead]
-        for i in missing:
-            owner = await membership.owner_at(store, old[i]) if i in old else None
-            if owner is not None and membership.dead(owner):
-                dead.add(i)
-        missing = [i for i in missing if i not in dead]
-        if not missing or deadline.expired():
-            break
-        if grace.expired():
-            state.end_old()
-        remaining = deadline.remaining()
-        with contextlib.suppress(errors.StoreTimeout):
-            await store.wait(
-                [keys[i] for i in missing],
-                timeout=POLL if remaining is None else min(POLL, remaining),
-            )
-    present = await store.check(list(keys.values()))
-    members = [i for i, ok in zip(keys, present, strict=True) if ok]
-    served = int(await membership.counter(store, f"{state.prefix}/served"))
-    tickets = served
-    if admit_joiners:
-        tickets = int(await membership.counter(store, f"{state.prefix}/tickets"))
-        for t in range(served, tickets):
-            key = f"{state.prefix}/ticket/{t}"
-            with contextlib.suppress(errors.StoreTimeout):
-                await store.wait([key], timeout=TICKET_GRACE)
-            owner = await membership.owner_at(store, key)
-            if owner is not None and not membership.dead(owner) and await _proven(state, t):
-                members.append(f"j{t}")
-    return {
-        "members": members,
-        "served": tickets,
-        "chunk_bytes": state.chunk_bytes,
-        "timeout": state.timeout,
-    }
-
-
-async def _proven(state: ElasticState, t: int) -> bool:
-    """Whether joiner ``t`` proved the group's secret (always, in a group without one): a
-    process without it is never admitted."""
-    if state.secret is None:
-        return True
-    store, key = state.shared.store, f"{state.prefix}/ticket/{t}"
-    owner = await store.get(key, timeout=0)
-    if not (await store.check([f"{key}/mac"]))[0]:
-        ok = False
-    else:
-        mac = await store.get(f"{key}/mac", timeout=0)
-        ok = hmac.compare_digest(mac, membership.ticket_mac(state.secret, state.name, t, owner))
-    if not ok:
-        log.warning(
-            "elastic group %r: joiner #%d did not prove the group's secret; not admitted",
-            state.name,
-            t,
-        )
-    return ok
-
-
-async def _decide(
-    state: ElasticState,
-    gen: int,
-    attempt: int,
-    me: str,
-    candidates: list[str],
-    dead: set[str],
-    old: dict[str, str],
-    deadline: Deadline,
-    min_size: int,
-) -> tuple[dict[str, Any], dict[str, str]]:
-    """Register ``me`` in attempt ``attempt`` of generation ``gen`` (if not registered)
-    and return the agreed decision, and where each participant's owner record lies."""
-    store = state.shared.store
-    base = f"{state.prefix}/g{gen}/a{attempt}"
-    if me in candidates:
-        await store.set(f"{base}/member/{me}", Owner.me(b"").pack())
-    decision_key = f"{base}/decision"
-    if not (await store.check([decision_key]))[0]:
-        proposal = await _propose(
-            state, base, candidates, dead, old, deadline, admit_joiners=attempt == 0
-        )
-        proposal["ok"] = len(proposal["members"]) >= min_size
-        if not proposal["ok"]:  # joiners stay waiting for a generation that forms
-            proposal["members"] = [
-                i for i in proposal["members"] if not i.startswith("j") or i in candidates
-            ]
-        if await store.add(f"{base}/decided", 1) == 1:
-            await store.set(decision_key, membership.pack(proposal))
-    rem = deadline.remaining()
-    try:
-        raw = await store.get(decision_key, timeout=DECISION_GRACE + (rem or 0.0))
-    except errors.StoreTimeout:
-        raise _Retry(f"no decision for attempt {attempt} of generation {gen}") from None
-    state.end_old()
-    decision = membership.unpack(raw, decision_key)
-    if not isinstance(decision, dict) or not isinstance(decision.get("members"), list):
-        raise RendezvousError(f"malformed elastic record {decision_key!r} in the store")
-    where = {i: f"{base}/member/{i}" for i in decision["members"]}
-    if decision.get("ok"):
-        for i in decision["members"]:  # any participant may write these (same values)
-            if i.startswith("j") and i not in candidates:
-                where[i] = f"{state.prefix}/ticket/{i[1:]}"
-                await store.set(f"{state.prefix}/admit/{i[1:]}", membership.pack([gen, attempt]))
-        await store.set(f"{state.prefix}/served", str(int(decision["served"])).encode())
-    return decision, where
-
-
 async def _generation(
     state: ElasticState,
     gen: int,
@@ -417,10 +257,10 @@ async def _generation(
         decision: dict[str, Any] | None = None
         where: dict[str, str] = {}
         try:
-            decision, where = await _decide(
+            decision, where = await decide(
                 state, gen, attempt, me, candidates, dead, old, deadline, min_size
             )
-        except _Retry as exc:
+        except Retry as exc:
             last = exc
         else:
             members: list[str] = [str(i) for i in decision["members"]]
@@ -453,7 +293,7 @@ async def _generation(
                     Deadline.after(timeout),
                     watch,
                 )
-            except (_Retry, RendezvousError, errors.PeerError, errors.GroupBrokenError) as exc:
+            except (Retry, RendezvousError, errors.PeerError, errors.GroupBrokenError) as exc:
                 last = exc
         log.info(
             "elastic group %r: attempt %d of generation %d failed (%s); trying again",
@@ -620,6 +460,6 @@ async def join(state: ElasticState, timeout: float | None) -> Group:
         return await _form(
             state, gen, attempt, members.index(me), len(members), Deadline.after(timeout), watch
         )
-    except (_Retry, RendezvousError, errors.PeerError, errors.GroupBrokenError) as exc:
+    except (Retry, RendezvousError, errors.PeerError, errors.GroupBrokenError) as exc:
         log.info("joiner #%d: generation %d attempt %d failed (%s)", t, gen, attempt, exc)
     return await _generation(state, gen, me, members, set(), old, 1, timeout, attempt=attempt + 1)
