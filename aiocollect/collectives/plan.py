@@ -6,9 +6,11 @@ the automatic choice of the collective's registry for this group's size and link
 packs the fingerprint and, where the message fits in one frame, binds the algorithm's
 one-frame program to the group's links (engine/small.py). The result is a :class:`Plan`,
 which the group remembers per call shape, so that a repeated call is one dict lookup
-(``aiocollect.group``, ``_plan``/``_remember``). Every collective has one method here;
-what changes from call to call with the same shape (the buffers themselves, an ``out``
-buffer, alltoallv's counts) is checked per call by the group's method (checks.py).
+(``aiocollect.group``, ``_plan``/``_remember``). Every collective over buffers, and
+send/recv, has one method here (the object collectives, whose payload is serialised per
+call, check their root in group/objects.py); what changes from call to call with the same
+shape (the buffers themselves, an ``out`` buffer, scatter's ``send``, alltoallv's counts)
+is checked per call by the group's method (checks.py).
 """
 
 from __future__ import annotations
