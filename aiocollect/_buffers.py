@@ -42,8 +42,8 @@ def as_array(buf: Any, name: str, *, writable: bool, dtype: bool = True) -> Arra
     """View ``buf`` as a C-contiguous numpy array sharing its memory.
 
     Accepts numpy arrays, objects with the buffer protocol (bytearray, memoryview,
-    array.array) and CPU torch tensors. ``dtype=False``: a plain numpy array's dtype is
-    not checked here (the caller's plan for its dtype did, see ``Group._plans``).
+    array.array) and CPU torch tensors. ``dtype=False``: the dtype is not checked here
+    (the caller's plan for its dtype does, remembered per dtype: see ``Group._plans``).
 
     Raises:
         UsageError: ``buf`` is not a buffer, is not C-contiguous, is read-only while the
@@ -78,7 +78,8 @@ def as_array(buf: Any, name: str, *, writable: bool, dtype: bool = True) -> Arra
         raise UsageError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
     if writable and not arr.flags.writeable:
         raise UsageError(f"{name} is read-only but the collective writes into it")
-    dtype_code(arr.dtype)
+    if dtype:
+        dtype_code(arr.dtype)
     return arr
 
 

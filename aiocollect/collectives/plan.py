@@ -6,7 +6,11 @@ the automatic choice of the collective's registry for this group's size and link
 packs the fingerprint and, where the message fits in one frame, binds the algorithm's
 one-frame program to the group's links (engine/small.py). The result is a :class:`Plan`,
 which the group remembers per call shape, so that a repeated call is one dict lookup
-(``aiocollect.group``, ``_plan``/``_remember``).
+(``aiocollect.group``, ``_plan``/``_remember``). Every collective over buffers, and
+send/recv, has one method here (the object collectives, whose payload is serialised per
+call, check their root in group/objects.py); what changes from call to call with the same
+shape (the buffers themselves, an ``out`` buffer, scatter's ``send``, alltoallv's counts)
+is checked per call by the group's method (checks.py).
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from typing import Any, NamedTuple
 
 from aiocollect._buffers import Array
 from aiocollect.collectives import registry
-from aiocollect.collectives.checks import check_rank, reduction
+from aiocollect.collectives.checks import check_rank, divisible, reduction
 from aiocollect.engine.fabric import Fabric
 from aiocollect.engine.small import Program, Small, one_way
+from aiocollect.errors import UsageError
 from aiocollect.fingerprint import Fingerprint, pack
 from aiocollect.transport.wire import DATA, P2P
 from aiocollect.types import Collective, ReduceOp, dtype_code
@@ -32,14 +37,14 @@ class Plan(NamedTuple):
     fp: Fingerprint
     #: The one-frame operation bound to the group's links, or None.
     small: Small | None
-    #: The algorithm (a coroutine function over the Op and the call's flat arrays), or
-    #: None where only the fingerprint is planned (send and recv).
+    #: The algorithm (a coroutine function over the Op and the call's flat arrays or
+    #: blocks), or None where only the fingerprint is planned (send and recv).
     run: Any = None
-    #: The reduction's ufunc (reductions).
+    #: The reduction's ufunc (allreduce, reduce, reduce_scatter).
     ufunc: Any = None
     #: Whether the reduction averages (``ReduceOp.AVG``).
     average: bool = False
-    #: The root's group rank (rooted collectives).
+    #: The root's group rank, checked (broadcast, reduce, gather, scatter).
     root: int = 0
 
 
@@ -81,6 +86,20 @@ class Planner:
             UsageError: ``algorithm`` is not one of the collective's.
         """
         return reg.choose(algorithm, nbytes, self.world_size, self.one_thread, self.fabric.pulls)
+
+    def chosen(self, collective: str, nbytes: int) -> str:
+        """The algorithm the automatic choice runs for ``collective`` on a message of
+        ``nbytes`` in this group (``Group.chosen_algorithm``).
+
+        Raises:
+            UsageError: no collective of that name takes ``algorithm=``.
+        """
+        reg = registry.REGISTRIES.get(collective) if isinstance(collective, str) else None
+        if reg is None:
+            raise UsageError(
+                f"no collective {collective!r}; one of {', '.join(registry.REGISTRIES)}"
+            )
+        return self.choose(reg, None, nbytes).name
 
     def bind(
         self,
@@ -172,6 +191,113 @@ class Planner:
         if prog is not None and alg.one_frame(arr.nbytes, n, self.chunk_bytes):
             small = self.bind("allreduce", prog(n, self.rank, average), fp, arr.nbytes, arr.dtype)
         return Plan(fp, small, alg.run, ufunc, average)
+
+    def reduce(self, arr: Array, root: Any, op: Any, algorithm: Any) -> Plan:
+        """reduce's checks and plan for ``arr`` (its dtype and size) into ``root`` by
+        ``op`` (a Task: no one-frame program).
+
+        Raises:
+            UsageError: a dtype aiocollect does not carry, a root out of range or not an
+                int, an op the dtype cannot take, an unknown ``algorithm``.
+        """
+        dtype_code(arr.dtype)
+        root = check_rank(root, self.world_size, "root")
+        rop, ufunc = reduction(op, arr)
+        alg = self.choose(registry.REDUCE, algorithm, 0)
+        fp = pack(Collective.REDUCE, arr, op=rop, root=root, algorithm=alg.name)
+        return Plan(fp, None, alg.run, ufunc, rop is ReduceOp.AVG, root)
+
+    # The block collectives run as Tasks: their plans have no one-frame program. The
+    # group's method checks the buffers that change per call (``out``, scatter's ``send``,
+    # alltoallv's counts; checks.py).
+
+    def allgather(self, arr: Array, algorithm: Any) -> Plan:
+        """allgather's plan for ``arr`` (its dtype and size: its dtype checked by the
+        caller's ``as_array``), the automatic choice going by the gathered total.
+
+        Raises:
+            UsageError: an unknown ``algorithm``; a dtype aiocollect does not carry.
+        """
+        alg = self.choose(registry.ALLGATHER, algorithm, arr.nbytes * self.world_size)
+        fp = pack(Collective.ALLGATHER, arr, algorithm=alg.name)
+        return Plan(fp, None, alg.run)
+
+    def gather(self, arr: Array, root: Any, algorithm: Any) -> Plan:
+        """gather's checks and plan for ``arr`` (its dtype and size) to ``root``.
+
+        Raises:
+            UsageError: a dtype aiocollect does not carry, a root out of range or not an
+                int, an unknown ``algorithm``.
+        """
+        dtype_code(arr.dtype)
+        root = check_rank(root, self.world_size, "root")
+        alg = self.choose(registry.GATHER, algorithm, 0)
+        fp = pack(Collective.GATHER, arr, root=root, algorithm=alg.name)
+        return Plan(fp, None, alg.run, root=root)
+
+    def scatter(self, out: Array, root: Any, algorithm: Any) -> Plan:
+        """scatter's checks and plan for the received block ``out`` (its dtype and size)
+        from ``root`` (the root's ``send`` is checked per call: checks.scatter_source).
+
+        Raises:
+            UsageError: a dtype aiocollect does not carry, a root out of range or not an
+                int, an unknown ``algorithm``.
+        """
+        dtype_code(out.dtype)
+        root = check_rank(root, self.world_size, "root")
+        alg = self.choose(registry.SCATTER, algorithm, 0)
+        fp = pack(Collective.SCATTER, out, root=root, algorithm=alg.name)
+        return Plan(fp, None, alg.run, root=root)
+
+    def reduce_scatter(self, arr: Array, op: Any, algorithm: Any) -> Plan:
+        """reduce_scatter's checks and plan for ``arr`` (its dtype and shape) by ``op``.
+
+        Raises:
+            UsageError: a dtype aiocollect does not carry, a first axis not divisible by
+                the world size, an op the dtype cannot take, an unknown ``algorithm``.
+        """
+        dtype_code(arr.dtype)
+        divisible(arr, self.world_size, "send")
+        rop, ufunc = reduction(op, arr)
+        alg = self.choose(registry.REDUCE_SCATTER, algorithm, arr.nbytes)
+        fp = pack(Collective.REDUCE_SCATTER, arr, op=rop, algorithm=alg.name)
+        return Plan(fp, None, alg.run, ufunc, rop is ReduceOp.AVG)
+
+    def alltoall(self, arr: Array, algorithm: Any) -> Plan:
+        """alltoall's checks and plan for ``arr`` (its dtype and shape).
+
+        Raises:
+            UsageError: a dtype aiocollect does not carry, a first axis not divisible by
+                the world size, an unknown ``algorithm``.
+        """
+        dtype_code(arr.dtype)
+        divisible(arr, self.world_size, "send")
+        alg = self.choose(registry.ALLTOALL, algorithm, 0)
+        fp = pack(Collective.ALLTOALL, arr, algorithm=alg.name)
+        return Plan(fp, None, alg.run)
+
+    def allgatherv(self, arr: Array, algorithm: Any) -> Plan:
+        """allgatherv's checks and plan for rows of ``arr``'s dtype (the row counts are
+        exchanged, not planned: the fingerprint's count is 0).
+
+        Raises:
+            UsageError: a dtype aiocollect does not carry, an unknown ``algorithm``.
+        """
+        dtype_code(arr.dtype)
+        alg = self.choose(registry.ALLGATHERV, algorithm, 0)
+        fp = pack(Collective.ALLGATHERV, arr, count=0, algorithm=alg.name)
+        return Plan(fp, None, alg.run)
+
+    def alltoallv(self, arr: Array, algorithm: Any) -> Plan:
+        """alltoallv's plan for rows of ``arr``'s dtype (its dtype checked by the caller's
+        ``as_array``; the counts are checked per call: checks.row_counts).
+
+        Raises:
+            UsageError: an unknown ``algorithm``; a dtype aiocollect does not carry.
+        """
+        alg = self.choose(registry.ALLTOALLV, algorithm, 0)
+        fp = pack(Collective.ALLTOALLV, arr, count=0, algorithm=alg.name)
+        return Plan(fp, None, alg.run)
 
     def p2p(self, kind: str, arr: Array, dst: int, src: int, tag: int) -> Plan:
         """send's (``dst``) or recv's (``src``) plan for ``arr``: its fingerprint and, for

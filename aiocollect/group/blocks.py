@@ -1,9 +1,12 @@
 """The collectives over blocks of a group: ``allgather``, ``gather``, ``scatter``,
 ``reduce_scatter``, ``alltoall`` and the variable-size ``allgatherv`` and ``alltoallv``.
 
-Each checks its arguments (UsageError before anything is sent), allocates or checks the
-output, chooses the algorithm from the collective's registry and starts a Task running it
-over the flat arrays, split into one block per rank.
+Each takes the plan of its call's shape (collectives/plan.py: the checks, raising
+UsageError before anything is sent, the algorithm and the fingerprint), remembered per
+shape so that a repeated call is one dict lookup; checks the buffers that change per call
+(``out``, scatter's ``send``, alltoallv's counts: collectives/checks.py), allocating a
+missing ``out``; and starts a Task running the algorithm over the flat arrays, split into
+one block per rank.
 """
 
 from __future__ import annotations
@@ -12,16 +15,11 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, overload
 
-import numpy as np
-
 from aiocollect._buffers import Array, B, Buffer, as_array
-from aiocollect.collectives import registry
-from aiocollect.collectives.checks import check_rank, divisible, output, reduction
+from aiocollect.collectives.checks import output, row_counts, rows_output, scatter_source
 from aiocollect.engine.op import Op, split_even
-from aiocollect.errors import UsageError
-from aiocollect.fingerprint import pack
 from aiocollect.group.core import GroupCore
-from aiocollect.types import Collective, OpLike, ReduceOp
+from aiocollect.types import OpLike, ReduceOp
 
 #: alltoallv's send_counts: one non-negative count per rank.
 Counts = Sequence[int] | Array
@@ -82,9 +80,9 @@ class Blocks(GroupCore):
         arr = as_array(send, "send", writable=False)
         n = self.world_size
         res = output(out, (n, *arr.shape), arr.dtype)
-        alg = self._planner.choose(registry.ALLGATHER, algorithm, arr.nbytes * n)
-        fp = pack(Collective.ALLGATHER, arr, algorithm=alg.name)
-        run = alg.run
+        key = ("allgather", arr.dtype, arr.size, algorithm)
+        plan = self._plan(key) or self._remember(key, self._planner.allgather(arr, algorithm))
+        fp, _, run, _, _, _ = plan
 
         async def body(o: Op) -> Buffer:
             await run(o, _flat(arr), split_even(_flat(res), n))
@@ -144,13 +142,12 @@ class Blocks(GroupCore):
             PeerTimeout: (the handle) no progress before the deadline.
             PeerDisconnected: (the handle) a peer's connection was lost.
         """
-        arr = as_array(send, "send", writable=False)
+        arr = as_array(send, "send", writable=False, dtype=False)  # (the plan checks it)
         n = self.world_size
-        root = check_rank(root, n, "root")
+        key = ("gather", arr.dtype, arr.size, type(root), root, algorithm)
+        plan = self._plan(key) or self._remember(key, self._planner.gather(arr, root, algorithm))
+        fp, _, run, _, _, root = plan
         res = output(out, (n, *arr.shape), arr.dtype) if self.rank == root else None
-        alg = registry.GATHER.choose(algorithm, 0, n)
-        fp = pack(Collective.GATHER, arr, root=root, algorithm=alg.name)
-        run = alg.run
 
         async def body(o: Op) -> Buffer | None:
             blocks = None if res is None else split_even(_flat(res), n)
@@ -195,21 +192,11 @@ class Blocks(GroupCore):
             PeerDisconnected: (the handle) a peer's connection was lost.
         """
         n = self.world_size
-        root = check_rank(root, n, "root")
-        res = as_array(out, "out", writable=True)
-        src: Array | None = None
-        if self.rank == root:
-            if send is None:
-                raise UsageError("scatter: the root must pass send")
-            src = as_array(send, "send", writable=False)
-            if src.dtype != res.dtype or src.size != n * res.size:
-                raise UsageError(
-                    f"scatter: send has shape {src.shape} and dtype {src.dtype}; expected "
-                    f"{(n, *res.shape)} of {res.dtype}"
-                )
-        alg = registry.SCATTER.choose(algorithm, 0, n)
-        fp = pack(Collective.SCATTER, res, root=root, algorithm=alg.name)
-        run = alg.run
+        res = as_array(out, "out", writable=True, dtype=False)  # (the plan checks it)
+        key = ("scatter", res.dtype, res.size, type(root), root, algorithm)
+        plan = self._plan(key) or self._remember(key, self._planner.scatter(res, root, algorithm))
+        fp, _, run, _, _, root = plan
+        src = scatter_source(send, res, n) if self.rank == root else None
 
         async def body(o: Op) -> B:
             blocks = None if src is None else split_even(_flat(src), n)
@@ -272,17 +259,17 @@ class Blocks(GroupCore):
             PeerTimeout: (the handle) no progress before the deadline.
             PeerDisconnected: (the handle) a peer's connection was lost.
         """
-        arr = as_array(send, "send", writable=False)
+        arr = as_array(send, "send", writable=False, dtype=False)  # (the plan checks it)
         n = self.world_size
-        divisible(arr, n, "send")
-        rop, ufunc = reduction(op, arr)
+        key = ("reduce_scatter", arr.dtype, arr.shape, type(op), op, algorithm)
+        plan = self._plan(key) or self._remember(
+            key, self._planner.reduce_scatter(arr, op, algorithm)
+        )
+        fp, _, run, ufunc, average, _ = plan
         res = output(out, (arr.shape[0] // n, *arr.shape[1:]), arr.dtype)
-        alg = self._planner.choose(registry.REDUCE_SCATTER, algorithm, arr.nbytes)
-        fp = pack(Collective.REDUCE_SCATTER, arr, op=rop, algorithm=alg.name)
-        run = alg.run
 
         async def body(o: Op) -> Buffer:
-            await run(o, _flat(arr), _flat(res), ufunc, rop is ReduceOp.AVG)
+            await run(o, _flat(arr), _flat(res), ufunc, average)
             return res if out is None else out
 
         return self._start("reduce_scatter", fp, body, timeout)
@@ -333,13 +320,12 @@ class Blocks(GroupCore):
             PeerTimeout: (the handle) no progress before the deadline.
             PeerDisconnected: (the handle) a peer's connection was lost.
         """
-        arr = as_array(send, "send", writable=False)
+        arr = as_array(send, "send", writable=False, dtype=False)  # (the plan checks it)
         n = self.world_size
-        divisible(arr, n, "send")
+        key = ("alltoall", arr.dtype, arr.shape, algorithm)
+        plan = self._plan(key) or self._remember(key, self._planner.alltoall(arr, algorithm))
+        fp, _, run, _, _, _ = plan
         res = output(out, arr.shape, arr.dtype)
-        alg = registry.ALLTOALL.choose(algorithm, 0, n)
-        fp = pack(Collective.ALLTOALL, arr, algorithm=alg.name)
-        run = alg.run
 
         async def body(o: Op) -> Buffer:
             await run(o, split_even(_flat(arr), n), split_even(_flat(res), n))
@@ -371,15 +357,16 @@ class Blocks(GroupCore):
             PeerTimeout: (the handle) no progress before the deadline.
             PeerDisconnected: (the handle) a peer's connection was lost.
         """
-        arr = as_array(send, "send", writable=False)
+        arr = as_array(send, "send", writable=False, dtype=False)  # (the plan checks it)
         if arr.ndim == 0:
             arr = arr.reshape(1)
-        alg = registry.ALLGATHERV.choose(algorithm, 0, self.world_size)
-        fp = pack(Collective.ALLGATHERV, arr, count=0, algorithm=alg.name)
-        run = alg.run
+        key = ("allgatherv", arr.dtype, algorithm)
+        plan = self._plan(key) or self._remember(key, self._planner.allgatherv(arr, algorithm))
+        fp, _, run, _, _, _ = plan
 
         async def body(o: Op) -> list[Array]:
-            return await run(o, arr)
+            blocks: list[Array] = await run(o, arr)
+            return blocks
 
         return self._start("allgatherv", fp, body, timeout)
 
@@ -441,21 +428,11 @@ class Blocks(GroupCore):
             PeerDisconnected: (the handle) a peer's connection was lost.
         """
         arr = as_array(send, "send", writable=False)
-        n = self.world_size
-        counts = [int(c) for c in np.asarray(send_counts).reshape(-1)]
-        if len(counts) != n or min(counts, default=0) < 0:
-            raise UsageError(f"send_counts must hold {n} non-negative counts, got {counts}")
-        if arr.ndim == 0 or sum(counts) != arr.shape[0]:
-            raise UsageError(f"send_counts sum to {sum(counts)} but send has shape {arr.shape}")
-        res = None if out is None else as_array(out, "out", writable=True)
-        if res is not None and (res.dtype != arr.dtype or res.shape[1:] != arr.shape[1:]):
-            raise UsageError(
-                f"out must have dtype {arr.dtype} and rows of shape "
-                f"{arr.shape[1:]}, got {res.dtype} {res.shape}"
-            )
-        alg = registry.ALLTOALLV.choose(algorithm, 0, n)
-        fp = pack(Collective.ALLTOALLV, arr, count=0, algorithm=alg.name)
-        run = alg.run
+        counts = row_counts(send_counts, arr, self.world_size)
+        res = rows_output(out, arr)
+        key = ("alltoallv", arr.dtype, algorithm)
+        plan = self._plan(key) or self._remember(key, self._planner.alltoallv(arr, algorithm))
+        fp, _, run, _, _, _ = plan
 
         async def body(o: Op) -> list[Array] | Buffer:
             blocks = await run(o, arr, counts, res)

@@ -14,13 +14,9 @@ import asyncio
 import numpy as np
 
 from aiocollect._buffers import B, as_array
-from aiocollect.collectives import registry
-from aiocollect.collectives.checks import check_rank, reduction
 from aiocollect.engine.op import Op
-from aiocollect.errors import UsageError
-from aiocollect.fingerprint import pack
 from aiocollect.group.core import GroupCore
-from aiocollect.types import Collective, OpLike, ReduceOp
+from aiocollect.types import OpLike, ReduceOp
 
 #: The buffer of a one-frame barrier (its frames are empty).
 _EMPTY = np.empty(0, dtype=np.uint8)
@@ -46,12 +42,7 @@ class InPlace(GroupCore):
         Raises:
             UsageError: no collective of that name takes ``algorithm=``.
         """
-        reg = registry.REGISTRIES.get(collective) if isinstance(collective, str) else None
-        if reg is None:
-            raise UsageError(
-                f"no collective {collective!r}; one of {', '.join(registry.REGISTRIES)}"
-            )
-        return self._planner.choose(reg, None, nbytes).name
+        return self._planner.chosen(collective, nbytes)
 
     def barrier(
         self, *, timeout: float | None = None, algorithm: str | None = None
@@ -213,15 +204,15 @@ class InPlace(GroupCore):
             PeerTimeout: (the handle) no progress before the deadline.
             PeerDisconnected: (the handle) a peer's connection was lost.
         """
-        arr = as_array(buf, "buf", writable=True)
-        root = check_rank(root, self.world_size, "root")
-        rop, ufunc = reduction(op, arr)
-        alg = registry.REDUCE.choose(algorithm, 0, self.world_size)
-        fp = pack(Collective.REDUCE, arr, op=rop, root=root, algorithm=alg.name)
-        run = alg.run
+        arr = as_array(buf, "buf", writable=True, dtype=False)  # (the plan checks it)
+        key = ("reduce", arr.dtype, arr.size, type(root), root, type(op), op, algorithm)
+        plan = self._plan(key) or self._remember(
+            key, self._planner.reduce(arr, root, op, algorithm)
+        )
+        fp, _, run, ufunc, average, root = plan
 
         async def body(o: Op) -> B:
-            await run(o, arr.reshape(-1), root, ufunc, rop is ReduceOp.AVG)
+            await run(o, arr.reshape(-1), root, ufunc, average)
             return buf
 
         return self._start("reduce", fp, body, timeout)

@@ -92,8 +92,9 @@ class GroupCore:
         self._sync_closers: list[Callable[[], None]] = list(sync_closers)
         #: A call's checks and choices (collectives/plan.py).
         self._planner = Planner(fabric, gid, ranks, chunk_bytes)
-        #: What a collective's argument checks concluded, per (collective, dtype, size,
-        #: op or root, algorithm): a repeated call is one dict lookup.
+        #: What a call's checks concluded, per call shape (collective, dtype, size or
+        #: shape, op or root, algorithm; peer and tag for send/recv): a repeated call is
+        #: one dict lookup.
         self._plans: dict[tuple[Any, ...], Plan] = {}
 
     def add_closer(self, closer: Callable[[], Coroutine[Any, Any, None]]) -> None:

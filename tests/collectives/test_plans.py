@@ -149,3 +149,93 @@ async def test_send_recv_and_barrier_plans() -> None:
         return "no error"
 
     assert await run_ranks(2, body, transport="tcp", timeout=20) == ["MismatchError"] * 2
+
+
+async def test_block_collective_plans() -> None:
+    """reduce and the block collectives remember a plan per call shape: warm ones give the
+    same results for other shapes, roots and ops, and bad arguments raise every time,
+    warm or not, without being remembered."""
+
+    async def body(g: ac.Group) -> tuple[list[Any], int]:
+        n, r = g.world_size, g.rank
+        out: list[Any] = []
+        for _ in range(3):  # the later rounds run on warm plans
+            for rows in (2, 4):
+                send = np.arange(rows * n, dtype=np.float32) + r
+                buf = send.copy()
+                await g.reduce(buf, root=1, op=ac.ReduceOp.MAX)
+                out.append(buf.tolist())
+                out.append((await g.allgather(send)).tolist())
+                res = await g.gather(send, root=1)
+                out.append(None if res is None else res.tolist())
+                blk = np.zeros(rows, np.float32)
+                await g.scatter(send if r == 0 else None, blk, root=0)
+                out.append(blk.tolist())
+                out.append((await g.reduce_scatter(send, op=ac.ReduceOp.AVG)).tolist())
+                out.append((await g.alltoall(send.reshape(n, rows))).tolist())
+                out.append([a.tolist() for a in await g.allgatherv(send[: rows + r])])
+                counts = [rows * n - 1, 1] if r == 0 else [1, rows * n - 1]
+                out.append([a.tolist() for a in await g.alltoallv(send, counts)])
+            f32 = np.zeros(4, np.float32)
+            with pytest.raises(ac.UsageError, match="out has shape"):
+                g.allgather(f32, np.zeros(3, np.float32))
+            with pytest.raises(ac.UsageError, match="root=5 is out of range"):
+                g.gather(f32, root=5)
+            with pytest.raises(ac.UsageError, match="the root must pass send"):
+                g.scatter(None, f32, root=r)
+            with pytest.raises(ac.UsageError, match="divisible"):
+                g.reduce_scatter(np.zeros(2 * n + 1, np.float32))
+            with pytest.raises(ac.UsageError, match="AVG needs a float"):
+                g.reduce(np.zeros(4, np.int32), op=ac.ReduceOp.AVG)
+            with pytest.raises(ac.UsageError, match="no algorithm"):
+                g.alltoall(f32, algorithm="nope")
+            with pytest.raises(ac.UsageError, match="send_counts sum to"):
+                g.alltoallv(f32, [1] * n)
+            with pytest.raises(ac.UsageError, match="unsupported dtype"):
+                g.allgatherv(np.array([object()]))
+        return out, len(g._plans)
+
+    res = await run_ranks(2, body, transport="tcp")
+    (first, plans0), (second, plans1) = res
+    per_round = len(first) // 3
+    for out in (first, second):
+        assert out[:per_round] == out[per_round : 2 * per_round] == out[2 * per_round :]
+    # per rows: reduce, allgather, gather, scatter, reduce_scatter, alltoall; one each for
+    # allgatherv and alltoallv (planned per dtype); and on rank 1 its bad scatter's (root
+    # 1 and a block of 4: a valid shape, kept, whose missing send is checked per call)
+    assert (plans0, plans1) == (2 * 6 + 2, 2 * 6 + 3)
+    assert (first[0], second[0]) == ([0.0, 1, 2, 3], [1.0, 2, 3, 4])  # MAX into rank 1
+    assert (first[2], second[2]) == (None, [[0.0, 1, 2, 3], [1.0, 2, 3, 4]])
+    assert (first[3], second[3]) == ([0.0, 1], [2.0, 3])
+    assert (first[4], second[4]) == ([0.5, 1.5], [2.5, 3.5])
+
+
+@pytest.mark.parametrize("case", ["gather root", "reduce op", "alltoall shape"])
+async def test_block_mismatch_on_warm_plans_raises_on_every_rank(case: str) -> None:
+    async def body(g: ac.Group) -> str:
+        n = g.world_size
+        buf = np.ones(2 * n, np.float32)
+        for _ in range(3):  # both ranks' plans warm for both variants
+            for root in range(n):
+                await g.gather(buf, root=root)
+                await g.reduce(buf.copy(), op=ac.ReduceOp.MAX, root=root)
+            await g.reduce(buf.copy())
+            await g.alltoall(buf)
+            await g.alltoall(buf.reshape(n, 2))
+            await g.alltoall(np.ones(4 * n, np.float32))
+        try:
+            if case == "gather root":
+                await g.gather(buf, root=g.rank)
+                await g.barrier()
+            elif case == "reduce op":
+                await g.reduce(buf.copy(), op=ac.ReduceOp.MAX if g.rank else ac.ReduceOp.SUM)
+                await g.barrier()
+            else:
+                await g.alltoall(np.ones((4 if g.rank else 2) * n, np.float32))
+        except ac.MismatchError:
+            return "MismatchError"
+        except ac.GroupBrokenError as exc:
+            return type(exc.__cause__).__name__
+        return "no error"
+
+    assert await run_ranks(2, body, transport="tcp", timeout=20) == ["MismatchError"] * 2
