@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -227,6 +228,6 @@ async def test_close_handshake_finds_an_operation_only_one_rank_called(transport
     for failed in info.value.exceptions:
         cause = failed.__cause__
         assert isinstance(cause, ac.MismatchError), repr(cause)
-        assert "called 2 collective operations" in str(
-            cause
-        ) or "called 1 collective operations" in str(cause), str(cause)
+        # the close's comparison, or (rank 1 calling its broadcast after a peer closed)
+        # the peer's GOODBYE checked when the call registers
+        assert re.search(r"call(ed|ing) [12] collective operations", str(cause)), str(cause)
