@@ -1,17 +1,12 @@
-"""The receiving half of a shared-memory link: doorbells, reading frames out of the
-incoming ring, parking, spinning and backpressure (see :mod:`aiocollect.transport.shm`).
+"""The receiving half of a shared-memory link, inside the ring: reading frames out of the
+incoming ring, pulling referenced payloads, parking, spinning, backpressure and waking the
+peer's writer (see :mod:`aiocollect.transport.shm`).
 
-The socket carries doorbell bytes, small frames and possibly an escaped ABORT
-(:mod:`aiocollect.transport.shm_socket` parses them); a socket frame that arrives while a
-frame from the ring is half read is a ProtocolError.
-
-The reader counts the socket's frames in its ring (``socket_taken``) as it takes them; the
-writer puts nothing into the ring while any it sent are not counted, so frames reach the
-mailbox in the order they were sent whichever way each went.
-
-:class:`RingReader` is the base of :class:`~aiocollect.transport.shm.ShmLink`, which adds
-the link's setup, its sending half (the :meth:`~RingReader.write_pending` hook) and its
-closing; it is itself a :class:`~aiocollect.transport.tcp.StreamLink` (the socket side).
+:class:`RingReader` is a :class:`~aiocollect.transport.tcp.StreamLink` (the socket side);
+:class:`~aiocollect.transport.shm_doorbell.DoorbellReader` completes it with what reaches
+the half from the socket and the mailbox, and the link's sending half
+(:mod:`aiocollect.transport.shm_writer`) and setup (:mod:`aiocollect.transport.shm`) build
+on that.
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ from dataclasses import dataclass, field
 
 from aiocollect.errors import PeerDisconnected, ProtocolError
 from aiocollect.transport import cma
-from aiocollect.transport.base import Fingerprint, Handshaker, LinkEvents, Receiver
+from aiocollect.transport.base import Handshaker, LinkEvents
 from aiocollect.transport.mailbox import land
 from aiocollect.transport.shm_pulls import PULL_STEP, PullQueue
 from aiocollect.transport.shm_ring import (
@@ -36,16 +31,9 @@ from aiocollect.transport.shm_ring import (
 )
 from aiocollect.transport.shm_socket import (
     BELL,
-    ESCAPED,
-    FRAME,
-    RANG,
-    SOCKET_FRAME_BYTE,
-    SOCKET_FRAME_MAX,
-    SocketParser,
 )
 from aiocollect.transport.tcp import StreamLink
 from aiocollect.transport.wire import (
-    ABORT,
     DATA,
     HEADER,
     HEADER_SIZE,
@@ -61,10 +49,6 @@ from aiocollect.transport.wire import (
 log = logging.getLogger("aiocollect.transport.shm")
 _unpack_header = HEADER.unpack_from
 _new_key = tuple.__new__
-_new_header = tuple.__new__  # (a Header from fields already checked, without _make)
-
-_BELL_BYTES = bytearray(64 * 1024)
-_BELLS = memoryview(_BELL_BYTES)
 #: A write at least this large is published (and the reader woken) before the next one, so
 #: the reader copies out while the writer copies in.
 PUBLISH_EVERY = 64 * 1024
@@ -122,13 +106,13 @@ class RingReader(StreamLink):
 
     It uses only :class:`~aiocollect.transport.tcp.StreamLink`'s declared interface (and
     Link's transport contract), and keeps its own frame state: in shared memory mode the
-    socket carries no frames, so the stream's frame parser stays idle. What a subclass
-    (the sending half) may use: ``shm`` and ``rx`` (read-only), ``policy``,
-    ``ring_broken`` (a ring failed: the ABORT goes on the socket, escaped; either half
-    sets it), :meth:`attach`/:meth:`detach`, :meth:`ring_bell`/:meth:`stop_bells`,
-    :meth:`read_final`,
-    :meth:`stop_holding`, and the hook :meth:`write_pending`, which every doorbell ends
-    with.
+    socket carries no frames, so the stream's frame parser stays idle. Its state is the
+    receiving half's, shared with :class:`~aiocollect.transport.shm_doorbell.DoorbellReader`
+    (the socket's bytes and the mailbox's events). What the sending half may use: ``shm``
+    and ``rx`` (read-only), ``policy``, ``ring_broken`` (a ring failed: the ABORT goes on
+    the socket, escaped; either half sets it), :meth:`attach`/:meth:`detach`,
+    :meth:`ring_bell`/:meth:`stop_bells`, :meth:`read_final`, :meth:`stop_holding`, and the
+    hook :meth:`write_pending`, which every doorbell ends with.
     """
 
     def __init__(
@@ -166,8 +150,6 @@ class RingReader(StreamLink):
         self._rhdr_view = memoryview(self._rhdr)
         self._rpayload: memoryview | None = None  # where its payload goes
         self._rgot = 0  # payload bytes of it read so far
-        #: The bytes on the socket: a frame or an escaped ABORT as far as it has come.
-        self._socket_parser = SocketParser(max_frame)
         self._socket_taken = 0  # socket frames taken
         self._socket_unacked = False  # taken, not yet counted in the ring (staging full)
         self._bells_off = False  # the socket's stream is ending (stop_bells)
@@ -221,19 +203,6 @@ class RingReader(StreamLink):
             self._rx_failed(err)
             raise err from None
 
-    def expect(self) -> None:
-        """Start spinning on the ring for a receive that has to wait (one just posted, or
-        one posted earlier and now awaited: :meth:`Link.expect`), unless a spin is on
-        already, the policy does not spin or the ring is gone."""
-        if (
-            self.policy.spin > 0
-            and self._spin_until is None
-            and self.rx is not None
-            and not self._rx_dead
-            and not self.lost
-        ):
-            self._start_spin(self.rx)
-
     def detach(self) -> None:
         """Let go of the incoming ring (its segment is being closed)."""
         self.rx = None
@@ -255,140 +224,6 @@ class RingReader(StreamLink):
     def stop_bells(self) -> None:
         """Ring no more doorbells (the sending half is about to end the socket's stream)."""
         self._bells_off = True
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self.shm:
-            return _BELLS
-        return super().get_buffer(sizehint)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if not self.shm:
-            super().buffer_updated(nbytes)
-        elif self._socket_parser.busy:
-            self._socket_bytes(nbytes)
-        elif _BELL_BYTES[0] == SOCKET_FRAME_BYTE and not self.discarding:
-            if not self._socket_frame_fast(nbytes):
-                self._socket_bytes(nbytes)
-        elif self.discarding or _BELL_BYTES.count(BELL, 0, nbytes) == nbytes:
-            self._service()  # doorbells only, or nothing more is taken
-        else:
-            self._socket_bytes(nbytes)
-
-    def _socket_frame_fast(self, nbytes: int) -> bool:
-        """The common case of a frame on the socket, in one step: the read is exactly one
-        DATA or P2P frame whose receive is posted with its fingerprint and length (as
-        ``_consume``'s fast path). False, having done nothing, for anything else."""
-        if nbytes < 1 + HEADER_SIZE or self.discarding:
-            return False
-        magic, kind, coll, rop, dtype, gid, chunk, seq, slot, root, elems, n = _unpack_header(
-            _BELL_BYTES, 1
-        )
-        if (
-            nbytes != 1 + HEADER_SIZE + n
-            or magic != MAGIC
-            or kind not in (DATA, P2P)
-            or n > SOCKET_FRAME_MAX
-            or self._ring_frame_open()
-            or self._rx_dead
-        ):
-            return False  # (_take_socket_frame reports what is wrong)
-        key = _new_key(Key, (kind, gid, seq, slot, chunk))
-        recv = self._take_posted(key, n, (coll, dtype, elems, rop, root))
-        if recv is None:
-            h = _new_header(Header, (kind, coll, rop, dtype, gid, chunk, seq, slot, root, elems, n))
-            return self._socket_frame_early(nbytes, h, key)
-        self._socket_taken += 1
-        self._count_socket_frames()
-        land(recv, _BELLS[1 + HEADER_SIZE : nbytes])
-        return True
-
-    def _socket_frame_early(self, nbytes: int, h: Header, key: Key) -> bool:
-        """The read is exactly one DATA or P2P frame ``h`` (``key``; ``_socket_frame_fast``
-        checked its magic, kind and length, and made ``h`` from its fields as
-        ``parse_header`` would) whose receive is not posted as it says: into the mailbox as
-        ``_take_socket_frame`` would put it (staged early, or a mismatch reported), without
-        collecting it byte by byte first. The star's root takes most of its leaves' frames
-        this way. False, having done nothing, when the frame is longer than this link
-        takes (``_socket_bytes`` reports it)."""
-        if h.length > self.max_frame:
-            return False
-        self._socket_taken += 1
-        self.take_whole(h, _BELLS[1 + HEADER_SIZE : nbytes], key)
-        self._count_socket_frames()
-        return True
-
-    def _socket_bytes(self, nbytes: int) -> None:
-        """Doorbells, frames and an escape on the socket, in order
-        (:mod:`aiocollect.transport.shm_socket`)."""
-        parser = self._socket_parser
-        escaping = parser.escaped is not None  # (then only the escaped ABORT comes)
-        if escaping and (self.discarding or self.lost):
-            return
-        taken = self._socket_taken
-        bell = False
-        try:
-            for kind, h, data in parser.feed(_BELLS[:nbytes]):
-                if kind == FRAME and h is not None:
-                    if not self._take_socket_frame(h, data):
-                        return
-                elif kind == RANG:
-                    bell = True
-                elif kind == ESCAPED:
-                    escaping = True
-                    self._rx_dead = True  # the peer says the rings are broken: never read them
-                    self._spin_until = None
-                    self._unpark()
-                    if self.discarding or self.lost:
-                        return
-                else:  # ABORTED
-                    self.discarding = True  # nothing may follow the ABORT
-                    self.frames_received += 1
-                    self.bytes_received += len(data)
-                    self.events.on_control(self, ABORT, bytes(data))
-        except ProtocolError as exc:
-            self._raise_error(ProtocolError(f"{self.describe()} sent {exc}"))
-            return
-        if escaping:
-            return  # (the ring is not read again)
-        if self._socket_taken != taken:
-            self._count_socket_frames()
-        if bell:
-            self._service()
-
-    def _ring_frame_open(self) -> bool:
-        """Whether a frame from the ring is half read or pulls are queued: then no frame
-        may come on the socket (the writer sends one only with everything before it read
-        and pulled)."""
-        return self._rpayload is not None or bool(self._pull_streams)  # (queued or underway)
-
-    def _take_socket_frame(self, h: Header, buf: bytes | bytearray) -> bool:
-        """Hand the frame ``h`` (``buf``: its header and payload) from the socket to the
-        mailbox, as if read from the ring; False when the link stops reading (an error
-        reported)."""
-        self._socket_taken += 1
-        if self.discarding or self.lost or self._rx_dead:
-            return True
-        if self._ring_frame_open():
-            self._raise_error(
-                ProtocolError(
-                    f"{self.describe()} sent a frame on its socket while one from its "
-                    "ring was half read"
-                )
-            )
-            return False
-        payload = memoryview(buf)[HEADER_SIZE:]
-        if h.kind in (DATA, P2P):
-            recv = self._take_posted(h.key, h.length, h.fingerprint)
-            if recv is not None:
-                land(recv, payload)
-            else:
-                self.take_whole(h, payload)
-            return not self.discarding
-        dest = self.open_frame(h)
-        if dest is not None:
-            dest[:] = payload
-            self._end_frame()
-        return not self.discarding
 
     def _count_socket_frames(self) -> None:
         """Tell the writer how many socket frames this side has taken (so that it may
@@ -691,48 +526,6 @@ class RingReader(StreamLink):
         if self._park_timer is not None:
             self._park_timer.cancel()
             self._park_timer = None
-
-    def post_recv(
-        self, key: Key, view: memoryview, expect: Fingerprint | None = None
-    ) -> asyncio.Future[None]:
-        fut = super().post_recv(key, view, expect)
-        self._posted_one(key, fut.done())
-        return fut
-
-    def post(self, key: Key, recv: Receiver) -> bool:
-        landed = super().post(key, recv)
-        # (_posted_one's cases, the common one first: nothing parked, no spin to start)
-        if key == self._parked or (not landed and self.policy.spin > 0):
-            self._posted_one(key, landed)
-        return landed
-
-    def _posted_one(self, key: Key, landed: bool) -> None:
-        """A receive for ``key`` was posted (``landed``: its frame was staged already)."""
-        if key == self._parked:
-            self._unpark()
-            # the caller is an algorithm posting receives: read on the loop's next turn
-            self._loop.call_soon(self._service)
-        elif not landed:
-            self.expect()  # a receive that has to wait
-
-    def _staging_full(self) -> None:
-        if not self.shm:
-            super()._staging_full()
-            return
-        # Stop taking frames out of the ring, but keep reading doorbells: they also say
-        # that our own queued writes can go on, and the socket's end is the peer's death.
-        self._rx_paused = True
-
-    def _staging_relieved(self) -> None:
-        if not self.shm:
-            super()._staging_relieved()
-            return
-        if self._rx_paused:
-            self._rx_paused = False
-            if self._socket_unacked:
-                self._count_socket_frames()
-            # called from post_recv: read on the loop's next turn, not inside the caller
-            asyncio.get_running_loop().call_soon(self._service)
 
     def _wake_writer(self, rx: Ring) -> None:
         fence()

@@ -12,7 +12,7 @@ socket; any other frame after an escape, any other byte between frames, or a soc
 larger than ``SOCKET_FRAME_MAX`` is a ProtocolError.
 
 :class:`SocketParser` turns the bytes read into events; the link
-(:class:`~aiocollect.transport.shm_reader.RingReader`) acts on them. It takes the common
+(:class:`~aiocollect.transport.shm_doorbell.DoorbellReader`) acts on them. It takes the common
 case, a read that is exactly one whole frame, without the parser (one step per frame).
 """
 

@@ -3,7 +3,7 @@
 Both stream links hold *bulk* frames back so that small frames need not wait behind them
 (head-of-line blocking): a TCP link while its transport's write buffer is full
 (:mod:`aiocollect.transport.tcp`), a shared-memory link while its ring holds enough bulk
-bytes (:mod:`aiocollect.transport.shm`). A frame that is not bulk overtakes the held ones
+bytes (:mod:`aiocollect.transport.shm_writer`). A frame that is not bulk overtakes the held ones
 unless its stream ``(kind, gid, seq, slot)`` (:func:`aiocollect.transport.wire.stream_of`)
 has a frame held: then it is held behind it, since the frames of one stream keep their
 order. The link decides when frames may go; this queue keeps the order and the counts.

@@ -189,7 +189,7 @@ async def test_bad_reference_closes_the_link_not_the_process(
     """A reference record whose address is not mapped in the sender, or whose length does
     not match its frame, is a ProtocolError on that link: both ranks get an error, the
     process goes on."""
-    import aiocollect.transport.shm as shm_mod
+    import aiocollect.transport.shm_writer as shm_mod
 
     real_pack = shm_mod.REF_DESC.pack  # type: ignore[attr-defined]
 

@@ -1,8 +1,9 @@
 """The shared-memory link's classes keep to declared interfaces (docs/design.md,
-"Stream links and the shared-memory link"): :class:`RingReader` and :class:`ShmLink` read
-and write only underscored members they define themselves, plus Link's protected
-transport interface (``base.TRANSPORT_HOOKS``); what they use of ``StreamLink`` and of
-each other is public and documented."""
+"Stream links and the shared-memory link"): its receiving half (:class:`RingReader` and
+:class:`DoorbellReader`) and its sending half (:class:`RingWriter` and :class:`ShmLink`)
+each read and write only underscored members the half defines itself, plus Link's
+protected transport interface (``base.TRANSPORT_HOOKS``); what they use of ``StreamLink``
+and of each other is public and documented."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import textwrap
 
 import pytest
 
-from aiocollect.transport import shm, shm_reader, tcp
+from aiocollect.transport import shm, shm_doorbell, shm_reader, shm_writer, tcp
 from aiocollect.transport.base import TRANSPORT_HOOKS
 
 
@@ -62,11 +63,20 @@ def _used(node: ast.ClassDef) -> set[str]:
     }
 
 
-@pytest.mark.parametrize("cls", [shm_reader.RingReader, shm.ShmLink])
-def test_uses_no_other_class_private_state(cls: type) -> None:
-    node = _class_node(cls)
-    foreign = _used(node) - _own(node) - TRANSPORT_HOOKS
-    assert not foreign, f"{cls.__name__} uses another class's private members: {foreign}"
+@pytest.mark.parametrize(
+    "half",
+    [
+        (shm_reader.RingReader, shm_doorbell.DoorbellReader),
+        (shm_writer.RingWriter, shm.ShmLink),
+    ],
+    ids=["receiving", "sending"],
+)
+def test_uses_no_other_class_private_state(half: tuple[type, ...]) -> None:
+    nodes = [_class_node(cls) for cls in half]
+    own = set().union(*(_own(node) for node in nodes))
+    for cls, node in zip(half, nodes, strict=True):
+        foreign = _used(node) - own - TRANSPORT_HOOKS
+        assert not foreign, f"{cls.__name__} uses another half's private members: {foreign}"
 
 
 def test_shm_link_is_not_a_tcp_link() -> None:
