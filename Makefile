@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # 4; PYTEST_WORKERS=0 runs it in this process, one test at a time).
 PYTEST_WORKERS ?= auto
 
-.PHONY: install demo test lint bench clean system-deps torch-suite stress soak-elastic \
+.PHONY: install demo test test-axis lint bench clean system-deps torch-suite stress soak-elastic \
 	dist test-dist docs
 
 $(PY):
@@ -57,7 +57,15 @@ test: install system-deps
 # The whole stress matrix (every transport and mode x both loops x worlds 2-4, 8 rounds);
 # make test runs a subset of it (docs/testing.md).
 stress: install
-	AIOCOLLECT_STRESS=full $(PY) -m pytest -q tests/stress $(PYTEST_ARGS)
+	AIOCOLLECT_STRESS=full AIOCOLLECT_AXIS=full $(PY) -m pytest -q tests/stress $(PYTEST_ARGS)
+
+# The transport axis's other modes (tls, shared memory without pulls, shared memory with its
+# socket on TCP): the tests on the axis (marked "transports") over those modes; make test
+# runs them over the default path and its transports (tests/support/transports.py). CI runs
+# both.
+test-axis: install system-deps
+	AIOCOLLECT_AXIS=extended $(PY) -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses 4 \
+	  -m transports $(PYTEST_ARGS)
 
 # mypy --strict (the package and the tests) reads torch's own types for aiocollect/torch and
 # tests/torch: without torch installed it checks everything else and says so (after make
