@@ -229,11 +229,7 @@ class Planner:
             UsageError: a dtype aiocollect does not carry, a root out of range or not an
                 int, an unknown ``algorithm``.
         """
-        dtype_code(arr.dtype)
-        root = check_rank(root, self.world_size, "root")
-        alg = self.choose(registry.GATHER, algorithm, 0)
-        fp = pack(Collective.GATHER, arr, root=root, algorithm=alg.name)
-        return Plan(fp, None, alg.run, root=root)
+        return self._rooted(Collective.GATHER, registry.GATHER, arr, root, algorithm)
 
     def scatter(self, out: Array, root: Any, algorithm: Any) -> Plan:
         """scatter's checks and plan for the received block ``out`` (its dtype and size)
@@ -243,10 +239,22 @@ class Planner:
             UsageError: a dtype aiocollect does not carry, a root out of range or not an
                 int, an unknown ``algorithm``.
         """
-        dtype_code(out.dtype)
+        return self._rooted(Collective.SCATTER, registry.SCATTER, out, root, algorithm)
+
+    def _rooted(
+        self,
+        collective: Collective,
+        reg: registry.Registry[Any, Any],
+        arr: Array,
+        root: Any,
+        algorithm: Any,
+    ) -> Plan:
+        """The plan of a rooted block collective (gather, scatter): ``arr``'s dtype, the
+        root and the algorithm checked in that order."""
+        dtype_code(arr.dtype)
         root = check_rank(root, self.world_size, "root")
-        alg = self.choose(registry.SCATTER, algorithm, 0)
-        fp = pack(Collective.SCATTER, out, root=root, algorithm=alg.name)
+        alg = self.choose(reg, algorithm, 0)
+        fp = pack(collective, arr, root=root, algorithm=alg.name)
         return Plan(fp, None, alg.run, root=root)
 
     def reduce_scatter(self, arr: Array, op: Any, algorithm: Any) -> Plan:
