@@ -23,8 +23,11 @@ async def test_algorithms_memory(n: int) -> None:
 
 
 #: The algorithms' code is the same over every link: the sweep of every mode is in
-#: test_sweep.py, this one over TCP and shared memory (memory: test_algorithms_memory).
-@pytest.mark.transports(argnames="n", values={"tcp": [3, 5], "shm": [3, 5]}, default=[])
+#: test_sweep.py, this one over TCP, the default path and shared memory by name (memory:
+#: test_algorithms_memory).
+@pytest.mark.transports(
+    argnames="n", values={"tcp": [3, 5], "auto": [3], "shm": [3, 5]}, default=[]
+)
 async def test_algorithms(axis: Axis, n: int) -> None:
     dtypes = [np.dtype(np.int32), np.dtype(np.float32)]
     res = await axis.run(n, sweep_algorithms, dtypes, chunk_bytes=CHUNK)
@@ -32,7 +35,7 @@ async def test_algorithms(axis: Axis, n: int) -> None:
 
 
 @pytest.mark.transports(
-    argnames="n", values={"auto": [2, 5, 8], "shm": [2]}, default=[], where="processes"
+    argnames="n", values={"auto": [2, 5], "shm": [2, 8]}, default=[], where="processes"
 )
 async def test_algorithms_in_processes(axis: Axis, n: int) -> None:
     dtypes = [np.dtype(np.bool_), np.dtype(np.int64), np.dtype(np.float64)]

@@ -32,7 +32,7 @@ LARGER_THAN_THE_RING = (2, 0, 8 << 20, None)
 
 @pytest.mark.transports(
     argnames="n, victim, size, alg",
-    values={"auto": KILLS, "shm": [*KILLS, LARGER_THAN_THE_RING]},
+    values={"auto": [*KILLS, LARGER_THAN_THE_RING], "shm": [*KILLS, LARGER_THAN_THE_RING]},
     default=[(3, 2, 4096, None)],
     where="processes",
 )
@@ -50,7 +50,8 @@ async def test_sigkill_named_on_every_survivor_within_a_second(
 
 @pytest.mark.transports(
     argnames="size",
-    values={"shm": [1 << 14, 1 << 20]},  # 1 << 20 (4 MiB): the pull allreduce
+    # 1 << 20 float32s (4 MiB): the pull allreduce
+    values={"auto": [1 << 14, 1 << 20], "shm": [1 << 14, 1 << 20]},
     default=[1 << 14],
     where="processes",
 )

@@ -44,9 +44,9 @@ SCRIPT = """\
 """
 
 BASES = (100, 200)  # 2 ranks each: 100 + 101 = 201, 200 + 201 = 401, mixed 301
-ITERATIONS = 24
+ITERATIONS = 12
 PAIRS_AT_ONCE = 2
-BUDGET_S = 40.0  # no new iteration starts after this
+BUDGET_S = 20.0  # no new iteration starts after this
 RESULT = re.compile(r"^\[rank (\d)\] result (\d+)$", re.MULTILINE)
 #: What a job that lost the race says: its rank found the other job's claims or store
 #: (RendezvousError), or it reached the embedded store of the other job just as that job
@@ -126,7 +126,7 @@ def test_two_jobs_on_one_port_never_mix(tmp_path: Path) -> None:
                         proc.kill()
                         proc.communicate()
     print(f"{done} races: {outcomes}")
-    assert done >= 8, f"only {done} races ran within {BUDGET_S} s"
+    assert done >= 6, f"only {done} races ran within {BUDGET_S} s"
     assert outcomes.get("ok", 0) >= done, outcomes  # at least one job of each race succeeds
 
 

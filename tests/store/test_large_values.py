@@ -47,16 +47,18 @@ def _set_then_get(port: int, value: bytes) -> list[object]:
 
 
 async def test_large_set_and_get_do_not_block_the_servers_loop(tcp_server: TCPStoreServer) -> None:
-    """A 64 MiB ``set`` then ``get``: the server's loop never works more than 50 ms in one
-    go. Before values were kept as views and written in chunks, the loop spent 230-470 ms
-    of CPU in one go on this (2-core machine); now 2-4 ms. The bound is on the loop thread's
-    CPU time, not wall time, so other processes on a busy machine do not count.
+    """A 64 MiB ``set`` then ``get``: the server's loop never works more than 150 ms in one
+    go. Copying the value in one go costs the loop 230-470 ms of CPU on this 2-core machine;
+    the server's loop works 4-6 ms at most in one go run alone, and up to 65 ms inside the
+    parallel suite (page faults and reclaim under the other workers' memory traffic count
+    as the thread's CPU time). The bound is on the loop thread's CPU time, not wall time,
+    so other processes' CPU on a busy machine does not count.
     """
     value = _pattern(LARGE)
     ticker = Ticker()
     answer = await asyncio.to_thread(_set_then_get, tcp_server.port, value)
     worst = await ticker.stop()
-    assert worst < 0.050, f"the server's loop was busy for {worst * 1000:.1f} ms in one go"
+    assert worst < 0.150, f"the server's loop was busy for {worst * 1000:.1f} ms in one go"
     assert answer == [2, _wire.OK, value]
     stored = tcp_server._table.get_now("large")
     assert isinstance(stored, memoryview)  # a view of the frame, no copy
