@@ -8,7 +8,7 @@ run back-to-back 16 MiB allreduces (the measurement of ``python -m aiocollect.be
 :func:`aiocollect.bench.hol_ranks.hol_rank`). The bound is on the median round trip under
 load, which a busy host moves far less than the tail.
 
-The library does not meet this bound yet: the median is 5-13 ms on this two-core host
+The library does not meet this bound yet: the median is 6-23 ms on this two-core host
 (docs/benchmarks.md, *Parameter-server responsiveness*), so ``make test`` leaves these
 cases out and ``make test-responsiveness`` (``AIOCOLLECT_RESPONSIVENESS=1``) runs them, on
 a host with nothing else running: with more runnable processes than cores the round trip
