@@ -51,6 +51,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import aiocollect
 from aiocollect._net import free_port
 from aiocollect._protect import INSECURE_ENV, insecure_from_env
 from aiocollect.cli.forked import (
@@ -495,7 +496,22 @@ def _blas_ready(argv: Sequence[str]) -> str | None:
         env[var] = "1"
     env[_REEXEC_ENV] = "1"
     flush_stdio()
-    os.execve(sys.executable, [sys.executable, "-m", "aiocollect", "run", *argv], env)
+    os.execve(sys.executable, _reexec_command(argv), env)
+
+
+def _reexec_command(argv: Sequence[str]) -> list[str]:
+    """The command that runs ``aiocollect run ARGV`` again with the aiocollect package this
+    process runs, whatever the working directory holds: ``python -m aiocollect`` would put
+    the working directory first on ``sys.path``, and from inside another checkout the ranks
+    would run that checkout's code (so would an A/B run that sets ``PYTHONPATH`` to the
+    other tree). ``-P`` keeps the working directory off the path; the package's own parent
+    directory goes first instead."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(aiocollect.__file__)))
+    code = (
+        f"import sys; sys.path.insert(0, {root!r}); "
+        "from aiocollect.cli.main import main; sys.exit(main())"
+    )
+    return [sys.executable, "-P", "-c", code, "run", *argv]
 
 
 def run_main(argv: Sequence[str]) -> int:

@@ -7,12 +7,14 @@ command line, ``sys.path[0]``, environment, exit steps and exit statuses.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
 
+import aiocollect
 from aiocollect.cli.forked import BLAS_THREADS, exit_code, fork_safe
 from aiocollect.cli.launch import _blas_ready
 from tests.support.cli import RunCli, WriteScript
@@ -138,3 +140,30 @@ def test_an_unknown_start_method_variable_is_ignored_once(
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count("ignoring AIOCOLLECT_START_METHOD='bogus'") == 1, proc.stderr
     assert proc.stdout.count("] ran\n") == 2
+
+
+def test_the_relaunch_runs_this_package_whatever_the_working_directory_holds(
+    tmp_path: Path, write_script: WriteScript, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher that re-executes itself for the BLAS settings runs the aiocollect it was
+    started with, not a package of that name in its working directory (another checkout):
+    started like the console script (``-P``: no working directory on the path), from a
+    directory holding a decoy ``aiocollect`` package, every rank runs this one."""
+    for var in BLAS_THREADS:
+        monkeypatch.delenv(var, raising=False)
+    checkout = tmp_path / "checkout"  # the working directory; the script is outside it
+    decoy = checkout / "aiocollect"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy package was imported')\n")
+    script = write_script("where.py", "import aiocollect\nprint('package', aiocollect.__file__)\n")
+    proc = subprocess.run(
+        [sys.executable, "-P", "-m", "aiocollect", "run", "-n", "2", str(script)],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count(f"package {aiocollect.__file__}\n") == 2, proc.stdout
