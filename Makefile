@@ -23,7 +23,7 @@ $(PY):
 # range (docs/torch.md); make test runs on TORCH_SPEC, the CPU build of 2.13.0.
 TORCH_SPEC ?= torch==2.13.0
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e '.[test,lint,redis,torch,plot]' '$(TORCH_SPEC)'
+	$(PY) -m pip install -q -e '.[test,lint,redis,torch,plot,mpi]' '$(TORCH_SPEC)'
 	touch $(STAMP) $(LINT_STAMP)
 
 # What make lint needs: the core, the lint tools and the libraries whose types mypy reads

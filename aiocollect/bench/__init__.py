@@ -1,4 +1,5 @@
-"""``aiocollect bench``: collective latency and bus bandwidth, optionally against gloo.
+"""``aiocollect bench``: collective latency and bus bandwidth, optionally against gloo and
+Open MPI.
 
 Modules:
 
@@ -8,7 +9,10 @@ Modules:
 - :mod:`~aiocollect.bench.sweep` — the timing method shared by every backend;
 - :mod:`~aiocollect.bench.backends` — aiocollect and torch.distributed/gloo backends;
 - :mod:`~aiocollect.bench.worker` — the entry point of one spawned rank process;
+- :mod:`~aiocollect.bench.mpi` — the Open MPI baseline: whether it runs here, ``mpirun``'s
+  command; :mod:`~aiocollect.bench.mpi_rank` — one rank under ``mpirun`` (mpi4py);
 - :mod:`~aiocollect.bench.runner` — spawning rank processes, rounds, cleanup;
 - :mod:`~aiocollect.bench.report` — medians across rounds, the table, the JSON document;
+- :mod:`~aiocollect.bench.machine` — the machine, its load while the run lasts, strict JSON;
 - :mod:`~aiocollect.bench.plot` — bandwidth and latency versus size with matplotlib.
 """

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiocollect.bench.hol_ranks import busbw, hol_rank, summary
-from aiocollect.bench.report import load_average
+from aiocollect.bench.machine import load_average
 from aiocollect.bench.spec import parse_size
 
 if TYPE_CHECKING:

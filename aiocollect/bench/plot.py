@@ -41,7 +41,7 @@ def available() -> bool:
 
 
 def footer(date: str, load: dict[str, Any]) -> str:
-    """The line printed under the figure: date and load averages (``report.LoadWatch``'s
+    """The line printed under the figure: date and load averages (``machine.LoadWatch``'s
     summary; empty means unknown)."""
 
     def fmt(key: str) -> str:

@@ -6,28 +6,22 @@ correct only if every rank of every round got the closed-form result. Ratios are
 aiocollect/gloo of those medians: bandwidth (above 1 favours aiocollect) and p50 latency
 (below 1 favours aiocollect). With ``--compare T``, aiocollect over transport T is a third
 backend (key ``"compare"``), and ``compare_bw_ratio`` / ``compare_lat_ratio`` are
-aiocollect over ``--transport`` divided by aiocollect over T, from the same medians. With
-``--floor``, an allreduce, sendrecv or barrier row run one at a time also holds the
-framework-free floor's median over rounds
-(``floor_us``) and ``floor_ratio``: aiocollect's median p50 / ``floor_us`` (1 is the
-floor; a bandwidth target of "85 % of the floor" is a ratio of at most 1/0.85), and each
-round's own ratio (``floor_ratio_rounds``).
+aiocollect over ``--transport`` divided by aiocollect over T, from the same medians.
+With ``--baseline mpi``, Open MPI over shared memory and over TCP are two more backends
+(keys ``"mpi_shm"``, ``"mpi_tcp"``: :data:`aiocollect.bench.mpi.LEGS`), each with
+``KEY_lat_ratio`` (aiocollect's median p50 / Open MPI's) and ``KEY_bw_ratio`` (busbw,
+aiocollect / Open MPI). With ``--floor``, an allreduce, sendrecv or barrier row run one at
+a time also holds the framework-free floor's median over rounds (``floor_us``) and
+``floor_ratio``: aiocollect's median p50 / ``floor_us`` (1 is the floor; a bandwidth
+target of "85 % of the floor" is a ratio of at most 1/0.85), and each round's own ratio
+(``floor_ratio_rounds``).
 """
 
 from __future__ import annotations
 
-import math
-import os
-import platform
-import threading
-from datetime import UTC, datetime
-from importlib import metadata
-from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from aiocollect import __version__
+from aiocollect.bench import mpi
 from aiocollect.bench.floor import BULK_MIN, FLOORED
 from aiocollect.bench.spec import Case, checked, format_size
 from aiocollect.bench.stats import format_number, format_time, median, summarize
@@ -85,10 +79,13 @@ def aggregate(
     ``"compare_algorithm"``, and ``"compare_bw_ratio"`` / ``"compare_lat_ratio"``:
     aiocollect's median busbw / the compared one (>1 favours ``--transport``) and median
     p50 / the compared one (<1 favours ``--transport``). Without it, rows are as before.
-    Where rounds ran the floor (``"floor"`` entries), allreduce rows run one at a time get
-    the floor's entries (:func:`_floor`).
+    Where rounds ran the Open MPI baseline, a row also holds each MPI leg's medians (its
+    key in :data:`aiocollect.bench.mpi.LEGS`, None where no round measured it) and
+    ``KEY_lat_ratio`` / ``KEY_bw_ratio``. Where rounds ran the floor (``"floor"``
+    entries), allreduce rows run one at a time get the floor's entries (:func:`_floor`).
     """
-    backends = BACKENDS if compare is None else COMPARE_BACKENDS
+    mpis = mpi_legs(rounds)
+    backends = (*(BACKENDS if compare is None else COMPARE_BACKENDS), *mpis)
     indexed = [{b: _records(entry.get(b)) for b in backends} for entry in rounds]
     floors = _floor_records(rounds)
     floored = any(f is not None for f in floors)
@@ -120,6 +117,9 @@ def aggregate(
         ac, gl = row["aiocollect"], row["gloo"]
         row["bw_ratio"] = _ratio(ac, gl, "busbw_gbps")
         row["lat_ratio"] = _ratio(ac, gl, "p50_us")
+        for leg in mpis:
+            row[f"{leg}_lat_ratio"] = _ratio(ac, row[leg], "p50_us")
+            row[f"{leg}_bw_ratio"] = _ratio(ac, row[leg], "busbw_gbps")
         if compare is not None:
             row["compare_transport"] = compare
             row["compare_bw_ratio"] = _ratio(ac, row["compare"], "busbw_gbps")
@@ -131,6 +131,16 @@ def aggregate(
 
 
 FloorKey = tuple[str, int]
+
+
+def mpi_legs(rounds: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The Open MPI legs (keys of :data:`aiocollect.bench.mpi.LEGS`) that some round ran."""
+    return tuple(leg for leg in mpi.LEGS if any(leg in entry for entry in rounds))
+
+
+def _row_mpis(row: dict[str, Any]) -> list[str]:
+    """The Open MPI legs of a row from :func:`aggregate` (measured or not)."""
+    return [leg for leg in mpi.LEGS if leg in row]
 
 
 def _floor_records(rounds: list[dict[str, Any]]) -> list[dict[FloorKey, dict[str, Any]] | None]:
@@ -217,6 +227,7 @@ def all_correct(rows: list[dict[str, Any]]) -> bool:
         and row["aiocollect"]["correct"]
         and (row["gloo"] is None or row["gloo"]["correct"])
         and (row.get("compare") is None or row["compare"]["correct"])
+        and all(row[leg] is None or row[leg]["correct"] for leg in _row_mpis(row))
         for row in rows
     )
 
@@ -242,6 +253,7 @@ def _check(row: dict[str, Any]) -> str:
     wrong = ([row["compare_transport"]] if cmp is not None and not cmp["correct"] else []) + (
         ["gloo"] if gl is not None and not gl["correct"] else []
     )
+    wrong += [mpi.LEGS[leg][0] for leg in _row_mpis(row) if row[leg] and not row[leg]["correct"]]
     if wrong:
         return f"ok ({', '.join(wrong)} WRONG)"
     return "ok"
@@ -295,6 +307,16 @@ def _line(
                 _x(row["bw_ratio"]),
                 _x(row["lat_ratio"]),
             ]
+    for leg in _row_mpis(row):
+        got = row[leg]
+        if row["concurrency"] > 1:
+            line += [_x(got["concurrent_ratio"]) if got else "-"]
+        else:
+            line += [
+                format_time(got["p50_us"]) if got else "-",
+                format_number(got["busbw_gbps"], 3) if got else "-",
+                _x(row[f"{leg}_lat_ratio"]),
+            ]
     return [*line, _check(row)]
 
 
@@ -304,6 +326,7 @@ def _headers(
     transport: str = "",
     compare: str | None = None,
     floor: bool = False,
+    mpis: tuple[str, ...] = (),
 ) -> list[str]:
     if concurrency > 1:
         head = [
@@ -330,6 +353,13 @@ def _headers(
             ["gloo conc/seq"]
             if concurrency > 1
             else ["gloo p50", "gloo GB/s", "bw ratio", "lat ratio"]
+        )
+    for leg in mpis:
+        label = mpi.LEGS[leg][0]
+        head += (
+            [f"{label} conc/seq"]
+            if concurrency > 1
+            else [f"{label} p50", f"{label} GB/s", f"x {label}"]
         )
     return [*head, "check"]
 
@@ -367,8 +397,9 @@ def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"median of {meta['rounds']} rounds"
         )
         with_floor = any("floor_us" in r for r in group)
+        mpis = tuple(_row_mpis(group[0]))
         out += _render(
-            _headers(group[0]["concurrency"], baseline, transport, compare, with_floor),
+            _headers(group[0]["concurrency"], baseline, transport, compare, with_floor, mpis),
             [_line(r, baseline, compare, with_floor) for r in group],
         )
         out.append("")
@@ -423,6 +454,12 @@ def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "aiocollect/gloo p50 (<1 favours aiocollect); conc/seq: K in flight / K "
             "in sequence."
         )
+    if any(_row_mpis(row) for row in rows):
+        out.append(
+            "mpi shm, mpi tcp: Open MPI (mpi4py under mpirun, --bind-to none, pml ob1) with "
+            "--mca btl self,vader and --mca btl self,tcp (loopback), the same timing method; "
+            "x mpi: aiocollect p50 / Open MPI p50, medians over rounds (<1 favours aiocollect)."
+        )
     synced = [r for r in rows if r["aiocollect"] and "sync_p50_us" in r["aiocollect"]]
     if synced:
         which = ", ".join(dict.fromkeys(r["name"] for r in synced))
@@ -436,150 +473,3 @@ def format_tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     if meta.get("load_warning"):
         out.append(f"WARNING: {meta['load_warning']}")
     return "\n".join(out)
-
-
-# -- JSON ---------------------------------------------------------------------------------
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
-
-
-def _version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def load_average() -> list[float] | None:
-    """The 1, 5 and 15 minute load averages (None where unknown)."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def cores() -> int:
-    """The CPUs this process may run on (its affinity mask, else ``os.cpu_count()``)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-class LoadWatch:
-    """Samples the 1-minute load average every ``period`` seconds on a daemon thread
-    while a run lasts, so that a run measured on a busy machine says so.
-
-    :meth:`summary` gives ``cores``, ``start``, ``end`` and ``max`` (1-minute load
-    averages; None where the platform has none) and ``warning``: a sentence when the
-    load average exceeded the cores at any sample, else None.
-    """
-
-    def __init__(self, period: float = 1.0, ranks: int = 0) -> None:
-        self.period = period
-        self.ranks = ranks  # rank processes this run starts on this machine
-        self.cores = cores()
-        self.start_load = load_average()
-        self.samples: list[float] = [self.start_load[0]] if self.start_load else []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-load-watch", daemon=True)
-
-    def __enter__(self) -> LoadWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period):
-            now = load_average()
-            if now:
-                self.samples.append(now[0])
-
-    def stop(self) -> None:
-        """Stop sampling (idempotent); takes a last sample."""
-        if not self._stop.is_set():
-            self._stop.set()
-            if self._thread.is_alive():
-                self._thread.join()
-            now = load_average()
-            if now:
-                self.samples.append(now[0])
-
-    def summary(self) -> dict[str, Any]:
-        end = self.samples[-1] if self.samples else None
-        peak = max(self.samples) if self.samples else None
-        return {
-            "cores": self.cores,
-            "start": self.start_load[0] if self.start_load else None,
-            "end": end,
-            "max": peak,
-            "samples": len(self.samples),
-            "warning": load_warning(peak, self.cores, self.ranks),
-        }
-
-
-def load_warning(peak: float | None, ncores: int, ranks: int = 0) -> str | None:
-    """The warning for a run whose 1-minute load average reached ``peak`` on ``ncores``
-    CPUs, or None when it stayed at or below the cores. ``ranks``: the rank processes the
-    run itself starts on this machine; when they outnumber the cores, the warning says
-    that part of the load is the run's own."""
-    if peak is None or peak <= ncores:
-        return None
-    own = (
-        f"; this run's own {ranks} ranks outnumber the cores, so up to {ranks} of that "
-        "load is the run itself"
-        if ranks > ncores
-        else ""
-    )
-    return (
-        f"the load average reached {peak:.2f} on {ncores} cores during this run: "
-        "the machine was busy, so these figures are taken under load (compare "
-        f"same-run ratios, not absolute times){own}"
-    )
-
-
-def machine_info(loop: str) -> dict[str, Any]:
-    """Where the numbers were measured: cores, CPU, Python, libraries, event loop, date,
-    load average at the end (the machine may be shared)."""
-    try:
-        affinity: int | None = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        affinity = None
-    return {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "hostname": platform.node(),
-        "platform": platform.platform(),
-        "cpu": _cpu_model(),
-        "nproc": os.cpu_count(),
-        "affinity_cpus": affinity,
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "aiocollect": __version__,
-        "numpy": np.__version__,
-        "event_loop": loop,
-        "uvloop": _version("uvloop"),
-        "torch": _version("torch"),
-        "matplotlib": _version("matplotlib"),
-        "loadavg_end": load_average(),
-    }
-
-
-def clean(value: Any) -> Any:
-    """``value`` with NaN and infinities replaced by None (strict JSON)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [clean(v) for v in value]
-    return value

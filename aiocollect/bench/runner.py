@@ -1,11 +1,13 @@
 """Running the rounds: one set of rank processes per backend and round, interleaved.
 
 Round i runs aiocollect's ranks over ``--transport``, then (with ``--compare T``)
-aiocollect's ranks over transport T, then (with a baseline) gloo's ranks, then (with
+aiocollect's ranks over transport T, then (with the gloo baseline) gloo's ranks, then
+(with the MPI baseline) Open MPI's over shared memory and over TCP, then (with
 ``--floor``) the framework-free floor of every allreduce, sendrecv and barrier case
 (``python -m aiocollect.bench.floor measure``), then round i+1, so that slow phases of a
 shared, noisy machine hit every backend alike. Every rank is a
-``python -m aiocollect.bench.worker`` subprocess; whatever happens (a failing rank, a
+``python -m aiocollect.bench.worker`` subprocess (forked from one such process, or under
+``mpirun`` for Open MPI: :mod:`aiocollect.bench.mpi`); whatever happens (a failing rank, a
 timeout, Ctrl-C), every process started here is terminated and reaped before returning.
 """
 
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from aiocollect.bench import mpi
 from aiocollect.bench.floor import FLOORED
 from aiocollect.bench.sweep import SweepConfig
 from aiocollect.bench.worker import RankOptions, encode
@@ -47,6 +50,8 @@ class Plan:
     sweep: SweepConfig
     options: RankOptions
     baseline: str | None = None
+    #: Open MPI as a baseline too, over shared memory and TCP (``mpi.LEGS``).
+    mpi: bool = False
     #: A second aiocollect transport measured in every round (``--compare``).
     compare: str | None = None
     round_timeout: float = 900.0
@@ -87,7 +92,7 @@ class _Leg:
 
 
 def _legs(plan: Plan) -> list[_Leg]:
-    """What one round runs, in order: aiocollect, the compared transport, the baseline."""
+    """What one round runs, in order: aiocollect, the compared transport, the baselines."""
     main = plan.options
     legs = [
         _Leg(
@@ -108,13 +113,16 @@ def _legs(plan: Plan) -> list[_Leg]:
         )
     if plan.baseline:
         legs.append(_Leg(plan.baseline, plan.baseline, main, plan.baseline))
+    if plan.mpi:
+        legs += [_Leg(key, key, main, label) for key, (label, _) in mpi.LEGS.items()]
     return legs
 
 
 def run_rounds(plan: Plan) -> list[dict[str, Any]]:
     """All rounds, interleaved across backends: ``[{"round": i, "aiocollect": result,
-    "compare": result, "gloo": result, "floor": {"records": [...]}}, …]``, ``"compare"``
-    only with ``plan.compare``, ``"gloo"`` only with that baseline and ``"floor"`` only with
+    "compare": result, "gloo": result, "mpi_shm": result, "mpi_tcp": result, "floor":
+    {"records": [...]}}, …]``, ``"compare"`` only with ``plan.compare``, ``"gloo"`` and
+    the ``mpi`` entries only with those baselines and ``"floor"`` only with
     ``plan.floor`` (see :func:`run_floor`; ``{"error": …}`` for a round whose floor
     failed, which the run goes on without).
 
@@ -231,6 +239,16 @@ def run_round(
     config = encode(plan.sweep, options or plan.options)
     what = name or backend
     env = rank_env(plan.env)
+    if backend in mpi.LEGS:  # one mpirun starts the ranks
+        with tempfile.TemporaryDirectory(prefix="aiocollect-bench-") as tmp:
+            result = Path(tmp) / "rank0.json"
+            args = ["--config", config, "--label", label, "--result", str(result)]
+            args += ["--name", what]
+            cmd = mpi.command(backend, plan.world_size, args)
+            mpi_rounds: list[dict[str, Any]] = _collect(
+                [cmd], mpi.environment(env), plan.round_timeout, f"{what} round {label}", result
+            )
+            return mpi_rounds[0]
     with tempfile.TemporaryDirectory(prefix="aiocollect-bench-") as tmp:
         result = Path(tmp) / "rank0.json"
         # The aiocollect store URL, or torch.distributed's init_method: the same form.

@@ -6,7 +6,7 @@ Usage::
                      [--compare T] [--iters K] [--warmup W] [--warmup-seconds S]
                      [--rounds R]
                      [--dtype float32] [--algorithm A] [--concurrent K]
-                     [--baseline gloo] [--floor] [--small] [--json F] [--plot F.png]
+                     [--baseline gloo,mpi] [--floor] [--small] [--json F] [--plot F.png]
                      [--store URL --rank R]
 
 By default N rank processes are started on this machine for each round (see
@@ -16,7 +16,11 @@ baseline, and adds T's p50 and busbw and the busbw ratio ``--transport``/T to th
 failing round over T is recorded and the run goes on, as for the baseline. ``--floor``
 measures the framework-free floor of every allreduce, sendrecv and barrier case at the end
 of every round (:mod:`aiocollect.bench.floor`) and adds its median and aiocollect's p50
-over it (``x floor``) to the table. With ``--store
+over it (``x floor``) to the table. ``--baseline`` names the baselines measured in every
+round after aiocollect: ``gloo`` (torch.distributed's gloo backend), ``mpi`` (Open MPI
+through mpi4py under ``mpirun``, over shared memory and over TCP: :mod:`aiocollect.bench.mpi`),
+both (``gloo,mpi``) or ``none``; one whose software is missing is skipped with a message.
+With ``--store
 URL --rank R`` this process is rank R of a multi-node run instead: start one such command
 per rank (rank 0 hosts the store when nothing listens at URL yet) and rank 0 prints the
 report. The timing method is described in :mod:`aiocollect.bench.sweep`, the report in
@@ -48,8 +52,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from aiocollect.bench import machine, mpi, report
 from aiocollect.bench import plot as plotting
-from aiocollect.bench import report
 from aiocollect.bench.runner import Plan, RoundFailed, run_rounds, start_method
 from aiocollect.bench.spec import (
     COLLECTIVES,
@@ -142,9 +146,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-bytes", help="aiocollect pipelining chunk size (e.g. 1M)")
     p.add_argument(
         "--baseline",
-        choices=("gloo", "none"),
         default="none",
-        help="also measure torch.distributed with gloo (needs torch)",
+        metavar="B[,B]",
+        help="also measure these, comma-separated: gloo (torch.distributed, needs torch), "
+        "mpi (Open MPI over shared memory and TCP, needs mpirun and mpi4py), or none "
+        "(default)",
     )
     p.add_argument(
         "--floor",
@@ -200,7 +206,30 @@ def _cases(ns: argparse.Namespace) -> list[Case]:
     return list(dict.fromkeys(cases))
 
 
+#: What ``--baseline`` may name.
+BASELINES = ("gloo", "mpi", "none")
+
+
+def _baselines(text: str) -> list[str]:
+    """``--baseline``'s names (``none`` alone: none).
+
+    Raises:
+        UsageFailure: an unknown name, or ``none`` with others.
+    """
+    names = list(dict.fromkeys(n.strip() for n in text.split(",")))
+    unknown = [n for n in names if n not in BASELINES]
+    if unknown:
+        raise UsageFailure(
+            f"--baseline: unknown {', '.join(map(repr, unknown))} (choose from "
+            f"{', '.join(BASELINES)}, comma-separated)"
+        )
+    if "none" in names and len(names) > 1:
+        raise UsageFailure("--baseline none cannot be combined with other baselines")
+    return [n for n in names if n != "none"]
+
+
 def _validate(ns: argparse.Namespace) -> None:
+    ns.baselines = _baselines(ns.baseline)
     if ns.nproc < 1:
         raise UsageFailure(f"-n must be at least 1, got {ns.nproc}")
     for name, value, low in (
@@ -219,7 +248,7 @@ def _validate(ns: argparse.Namespace) -> None:
         raise UsageFailure("--store and --rank go together (joining a multi-node run)")
     if ns.rank is not None and not 0 <= ns.rank < ns.nproc:
         raise UsageFailure(f"--rank must be in [0, {ns.nproc}), got {ns.rank}")
-    if ns.store is not None and ns.baseline != "none":
+    if ns.store is not None and ns.baselines:
         raise UsageFailure(
             "--baseline is only available when this command spawns the ranks "
             "(not with --store/--rank)"
@@ -253,15 +282,22 @@ def _plan(ns: argparse.Namespace) -> tuple[Plan, list[Case], str | None]:
         raise UsageFailure(
             "sendrecv needs at least 2 ranks (-n 2 or more): a rank would send to itself"
         )
-    note = None
-    baseline = None if ns.baseline == "none" else ns.baseline
+    notes = []
+    baseline = "gloo" if "gloo" in ns.baselines else None
     if baseline == "gloo" and importlib.util.find_spec("torch") is None:
-        note = (
+        notes.append(
             "baseline gloo: torch is not installed, so this run has no gloo baseline "
             "(pip install torch, or pip install 'aiocollect[torch]')"
         )
-        print(f"{PROG}: {note}", file=sys.stderr, flush=True)
         baseline = None
+    with_mpi = "mpi" in ns.baselines
+    why = mpi.missing() if with_mpi else None
+    if why is not None:
+        notes.append(f"baseline mpi: {why}, so this run has no Open MPI baseline")
+        with_mpi = False
+    for line in notes:
+        print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+    note = " ".join(notes) or None
     sweep = SweepConfig(
         cases=cases,
         dtype=ns.dtype,
@@ -283,6 +319,7 @@ def _plan(ns: argparse.Namespace) -> tuple[Plan, list[Case], str | None]:
         sweep=sweep,
         options=options,
         baseline=baseline,
+        mpi=with_mpi,
         compare=ns.compare,
         round_timeout=ns.timeout,
         floor=ns.floor,
@@ -351,7 +388,7 @@ def _publish(
         doc = {
             "tool": PROG,
             "command": shlex.join(["aiocollect", "bench", *argv]),
-            "machine": {**report.machine_info(loop), "loadavg_start": load_start},
+            "machine": {**machine.machine_info(loop), "loadavg_start": load_start},
             "config": {
                 "world_size": plan.world_size,
                 "transport": ns.transport,
@@ -369,6 +406,7 @@ def _publish(
                 "loop": loop,
                 "baseline": ns.baseline,
                 "baseline_used": plan.baseline,
+                "mpi_used": list(mpi.LEGS) if plan.mpi else [],
                 "baseline_note": note,
                 "multi_node": ns.store is not None,
                 "floor": plan.floor,
@@ -382,7 +420,7 @@ def _publish(
             "summary": rows,
             "rounds": rounds,
         }
-        ns.json.write_text(json.dumps(report.clean(doc), separators=(",", ":")))
+        ns.json.write_text(json.dumps(machine.clean(doc), separators=(",", ":")))
         print(f"{PROG}: wrote {ns.json}", file=sys.stderr)
     if ns.plot is not None:
         title = (
@@ -396,7 +434,7 @@ def _publish(
             ns.plot,
             title,
             ns.transport,
-            footer=plotting.footer(report.machine_info(loop)["date"], loads),
+            footer=plotting.footer(machine.machine_info(loop)["date"], loads),
         )
         print(f"{PROG}: wrote {ns.plot}", file=sys.stderr)
     if not ok:
@@ -447,14 +485,15 @@ def bench_main(argv: list[str]) -> int:
         f"{len(sizes)} sizes {format_size(sizes[0])}..{format_size(sizes[-1])}, "
         f"{', '.join(dict.fromkeys(c.name for c in cases))}, {plan.rounds} rounds"
         + (f", baseline {plan.baseline}" if plan.baseline else "")
+        + (", baseline Open MPI (shm, tcp)" if plan.mpi else "")
         + (", floor" if plan.floor else ""),
         file=sys.stderr,
         flush=True,
     )
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        load_start = report.load_average()
-        with report.LoadWatch(ranks=plan.world_size if ns.store is None else 1) as watch:
+        load_start = machine.load_average()
+        with machine.LoadWatch(ranks=plan.world_size if ns.store is None else 1) as watch:
             rounds = _measure(ns, plan)
         if rounds is None:
             return 0

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from aiocollect.bench import machine, report
 from aiocollect.bench import plot as plotting
-from aiocollect.bench import report
 from aiocollect.cli import bench
 from aiocollect.testing.spawn import free_port
 from tests.support.bench import CASES, META, capture_figures, needs_mpl, run_bench, synthetic_rounds
@@ -46,7 +46,7 @@ def test_plot_panels_ratio_split_axes_colours_and_footer(
             "start": 1.5,
             "max": 3.25,
             "end": 2.0,
-            "warning": report.load_warning(3.25, 2),
+            "warning": machine.load_warning(3.25, 2),
         },
     )
     plotting.plot(rows, tmp_path / "b.png", "t", "tcp", footer=text)
@@ -86,14 +86,14 @@ def test_plot_without_baseline_says_so(tmp_path: Path, monkeypatch: pytest.Monke
 
 @pytest.mark.timeout(10)
 def test_load_warning_in_table_and_summary(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert report.load_warning(2.0, 2) is None
-    assert report.load_warning(None, 2) is None
-    assert "2.50 on 2 cores" in str(report.load_warning(2.5, 2))
-    assert "own" not in str(report.load_warning(2.5, 2, ranks=2))
-    assert "this run's own 4 ranks outnumber the cores" in str(report.load_warning(3.5, 2, 4))
-    monkeypatch.setattr(report, "cores", lambda: 2)
-    monkeypatch.setattr(report, "load_average", lambda: [3.5, 1.0, 1.0])
-    with report.LoadWatch(period=0.01) as watch:
+    assert machine.load_warning(2.0, 2) is None
+    assert machine.load_warning(None, 2) is None
+    assert "2.50 on 2 cores" in str(machine.load_warning(2.5, 2))
+    assert "own" not in str(machine.load_warning(2.5, 2, ranks=2))
+    assert "this run's own 4 ranks outnumber the cores" in str(machine.load_warning(3.5, 2, 4))
+    monkeypatch.setattr(machine, "cores", lambda: 2)
+    monkeypatch.setattr(machine, "load_average", lambda: [3.5, 1.0, 1.0])
+    with machine.LoadWatch(period=0.01) as watch:
         pass
     summary = watch.summary()
     assert summary["cores"] == 2
@@ -102,8 +102,8 @@ def test_load_warning_in_table_and_summary(monkeypatch: pytest.MonkeyPatch) -> N
     rows = report.aggregate(synthetic_rounds(False), CASES, 2)
     text = report.format_tables(rows, {**META, "load_warning": summary["warning"]})
     assert text.splitlines()[-1].startswith("WARNING: the load average reached 3.50")
-    monkeypatch.setattr(report, "load_average", lambda: [0.5, 1.0, 1.0])
-    with report.LoadWatch(period=0.01) as quiet:
+    monkeypatch.setattr(machine, "load_average", lambda: [0.5, 1.0, 1.0])
+    with machine.LoadWatch(period=0.01) as quiet:
         pass
     assert quiet.summary()["warning"] is None
 
@@ -112,7 +112,7 @@ def test_load_warning_in_table_and_summary(monkeypatch: pytest.MonkeyPatch) -> N
 def test_busy_run_warns_in_table_and_json(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(report, "load_average", lambda: [64.0, 1.0, 1.0])
+    monkeypatch.setattr(machine, "load_average", lambda: [64.0, 1.0, 1.0])
     out = tmp_path / "b.json"
     status = bench.bench_main(
         [
@@ -142,7 +142,7 @@ def test_busy_run_warns_in_table_and_json(
     assert "WARNING: the load average reached 64.00" in captured.out
     doc = json.loads(out.read_text())
     assert doc["load"]["max"] == 64.0
-    assert doc["load"]["cores"] == report.cores()
+    assert doc["load"]["cores"] == machine.cores()
     assert doc["load_warning"].startswith("the load average reached 64.00")
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiocollect.bench import report, spec
+from aiocollect.bench import machine, report, spec
 from aiocollect.bench.stats import summarize
 from aiocollect.bench.sweep import MAX_ITERS, MIN_ITERS, calibrate
 
@@ -185,7 +185,7 @@ def test_aggregate_medians_ratios_and_correctness() -> None:
     )
     assert "WRONG" in table
     assert "gloo p50" in table
-    assert report.clean({"a": [float("nan"), 1.0]}) == {"a": [None, 1.0]}
+    assert machine.clean({"a": [float("nan"), 1.0]}) == {"a": [None, 1.0]}
 
 
 def test_barrier_has_nothing_to_check() -> None:
