@@ -44,6 +44,7 @@ ALGORITHM_CODES: dict[Collective, dict[str, int]] = {
         "halving_doubling": 2,
         "star": 3,
         "pull": 4,
+        "two_level": 5,
     },
     Collective.BROADCAST: {"binomial": 0, "pipeline": 1, "pull": 2},
     Collective.REDUCE: {"binomial": 0},

@@ -22,6 +22,7 @@ from aiocollect.collectives import (
     barrier,
     direct,
     doubling,
+    hierarchical,
     pipeline,
     pull,
     ring,
@@ -138,6 +139,7 @@ ALLREDUCE: Registry[[Op, Array, np.ufunc, bool], None] = Registry(
         Algorithm("halving_doubling", doubling.halving_doubling),
         Algorithm("star", star.allreduce, star.small_program, star.small_covers),
         Algorithm("pull", pull.allreduce),
+        Algorithm("two_level", hierarchical.allreduce),
     ],
     select.allreduce,
 )

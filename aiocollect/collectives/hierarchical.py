@@ -1,0 +1,136 @@
+"""Two-level allreduce: inside each host, between hosts, inside each host again.
+
+Where a group spans H hosts with several ranks on some (R_h ranks on host h; the topology
+from the rendezvous's host identity, :mod:`aiocollect.engine.topology`), each phase is an
+existing whole algorithm over a subset of the operation's ranks (a
+:class:`~aiocollect.engine.phase.Phase`), so the same-host phases run over same-host links
+(shared memory and its pulls) and only the middle phase crosses between hosts.
+
+Schedules (S bytes):
+
+- one leader (``S <= LEADERS_MAX``): binomial reduce to each host's leader (its lowest
+  rank), recursive doubling among the H leaders, binomial broadcast from the leader.
+  ceil(log2 R) + ceil(log2 H) + ceil(log2 R) steps; between hosts one message of S per
+  leader and exchange: log2(H) exchanges (plus a fold where H is not a power of two).
+- several leaders (larger): ring reduce-scatter inside each host (local rank i ends with
+  block i of R_h), a ring allreduce of each share among the ranks that hold it on every
+  host (local rank i of every host: the i-th inter-host ring; where hosts have different
+  R_h the shares are cut at every host's block bounds, and a rank takes part in the ring
+  of each piece of its block), ring allgather inside each host. Between hosts each host
+  sends 2(H-1)/H x S in all, spread over its R_h ranks' connections (a flat ring sends
+  2(n-1)/n x S per rank, so R_h times that per host in a blocked placement and up to twice
+  more in a cyclic one).
+
+A whole algorithm may leave its last receives to the operation's ``finish``; each phase
+ends with it (every receive of the phase landed, every send left), so the next phase
+reads complete data.
+
+Every element is reduced in one fixed order (the host's tree or ring, then the
+inter-host algorithm) and copied from there, so every rank gets the same bits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from functools import lru_cache
+
+import numpy as np
+
+from aiocollect._buffers import Array
+from aiocollect.collectives import doubling, ring, tree
+from aiocollect.engine.op import Op, flat_blocks
+from aiocollect.engine.phase import PHASE_SHIFT, Phase
+from aiocollect.engine.reduce import settle
+from aiocollect.engine.topology import Topology
+
+#: Allreduces up to this many bytes go through one leader per host; larger ones through
+#: every local rank (docs/algorithms.md, "Two levels").
+LEADERS_MAX = 64 * 1024
+
+# Slot bases of the phases (each phase's algorithm uses slots below 1 << PHASE_SHIFT).
+_REDUCE, _LEADERS, _BROADCAST, _SCATTER, _GATHER = (k << PHASE_SHIFT for k in range(1, 6))
+#: The inter-host rings of the pieces: piece p at ``_PIECES + p << PHASE_SHIFT``.
+_PIECES = 8 << PHASE_SHIFT
+
+
+@lru_cache(maxsize=64)
+def _topology(host_ids: tuple[int, ...], rank: int) -> Topology:
+    return Topology.of(host_ids, rank)
+
+
+def topology(op: Op) -> Topology:
+    """The topology of ``op``'s ranks, from the host index of each world rank the fabric
+    holds (unknown: every rank its own host)."""
+    hosts = op.fabric.hosts
+    ids = tuple(hosts[r] if r < len(hosts) else -1 - r for r in op.ranks)
+    return _topology(ids, op.rank)
+
+
+async def allreduce(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> None:
+    """Reduce the flat ``buf`` in place on every rank in two levels (``average``: then
+    divide by the world size)."""
+    topo = topology(op)
+    if buf.nbytes <= LEADERS_MAX:
+        await _one_leader(op, topo, buf, ufunc)
+    else:
+        await _every_leader(op, topo, buf, ufunc)
+    if average:
+        await op.finish()  # (settle rewrites buf: nothing sent from it may wait to leave)
+    settle(buf, buf, op.size if average else 1)
+
+
+async def _one_leader(op: Op, topo: Topology, buf: Array, ufunc: np.ufunc) -> None:
+    local = topo.local
+    if len(local) > 1:
+        await tree.reduce(Phase(op, local, _REDUCE), buf, 0, ufunc, False)
+    if topo.local_rank == 0 and len(topo.hosts) > 1:
+        await doubling.recursive_doubling(Phase(op, topo.leaders, _LEADERS), buf, ufunc, False)
+        await op.finish()
+    if len(local) > 1:
+        await tree.broadcast(Phase(op, local, _BROADCAST), buf, 0)
+
+
+def pieces(topo: Topology, count: int) -> list[tuple[int, int, tuple[int, ...]]]:
+    """The inter-host pieces of a ``count``-element message: ``(start, stop, ranks)``,
+    cut at every host's block bounds (``flat_blocks`` of R_h blocks), ``ranks`` the group
+    ranks that hold the piece's block on each host, in host order. Empty pieces are left
+    out."""
+    bounds = {0, count}
+    for ranks in topo.hosts:
+        bounds.update(count * i // len(ranks) for i in range(len(ranks)))
+    cuts = sorted(bounds)
+    out = []
+    for start, stop in itertools.pairwise(cuts):
+        holders = tuple(
+            ranks[max(i for i in range(len(ranks)) if count * i // len(ranks) <= start)]
+            for ranks in topo.hosts
+        )
+        out.append((start, stop, holders))
+    return out
+
+
+async def _every_leader(op: Op, topo: Topology, buf: Array, ufunc: np.ufunc) -> None:
+    local = topo.local
+    blocks = flat_blocks(buf, len(local))
+    if len(local) > 1:
+        await ring.reduce_scatter_blocks(Phase(op, local, _SCATTER), blocks, ufunc)
+        await op.finish()
+    if len(topo.hosts) > 1:
+        mine = [
+            ring.allreduce(Phase(op, ranks, _PIECES + (p << PHASE_SHIFT)), buf[a:b], ufunc, False)
+            for p, (a, b, ranks) in enumerate(pieces(topo, buf.size))
+            if op.rank in ranks
+        ]
+        if len(mine) == 1:
+            await mine[0]
+        else:  # (uneven hosts: this rank holds pieces of several rings)
+            tasks = [asyncio.ensure_future(ring_of_piece) for ring_of_piece in mine]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for task in tasks:
+                    task.cancel()
+        await op.finish()
+    if len(local) > 1:
+        await ring.allgather_blocks(Phase(op, local, _GATHER), blocks)
