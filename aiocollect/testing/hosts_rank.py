@@ -1,0 +1,144 @@
+"""One rank of a job over namespace hosts (:mod:`aiocollect.testing.hosts`), run as
+``python -m aiocollect.testing.hosts_rank MODE [ARGS]`` with the group's environment; it
+prints one JSON line with its results and exits 0, or fails with a traceback.
+
+Modes:
+
+- ``check [LOOP]``: allreduces of 4 B, 64 KiB and 4 MiB of int64 and float32 data (SUM),
+  each alone and three in flight at once, on ``asyncio`` or ``uvloop`` (LOOP). Integer
+  results must be exact; every rank reports a digest of each result, which must agree
+  on every rank. Reports the topology, the algorithm chosen per size and the digests.
+- ``bytes SIZE ALGORITHM``: one warm-up, then one allreduce of SIZE bytes of float32
+  (``auto`` or a named algorithm) between two barriers; each host's leader reports the
+  bytes that left its host's interface meanwhile (``tx_bytes``), the others 0.
+- ``bench SIZES ALGORITHMS ITERS``: per size (comma separated, bytes) and algorithm
+  (comma separated), the median time of ITERS allreduces of float32; rank 0 reports
+  them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+import aiocollect as ac
+
+SIZES = (4, 64 * 1024, 4 * 1024 * 1024)
+DTYPES = (np.int64, np.float32)
+
+
+def _data(n: int, dtype: Any, rank: int, salt: int) -> np.ndarray[Any, Any]:
+    base = (np.arange(n) * 7 + salt) % 1013
+    if np.dtype(dtype).kind == "f":
+        return (base * (rank + 1) / 3.0).astype(dtype)
+    return (base * (rank + 1)).astype(dtype)
+
+
+def _digest(arr: np.ndarray[Any, Any]) -> str:
+    return hashlib.sha256(arr.tobytes()).hexdigest()[:16]
+
+
+async def check(group: ac.Group) -> dict[str, Any]:
+    n, r = group.world_size, group.rank
+    digests: dict[str, str] = {}
+    chosen = {}
+    for nbytes in SIZES:
+        chosen[str(nbytes)] = group.chosen_algorithm("allreduce", nbytes)
+        for dtype in DTYPES:
+            count = max(1, nbytes // np.dtype(dtype).itemsize)
+            bufs = [_data(count, dtype, r, salt) for salt in range(3)]
+            await group.allreduce(bufs[0])
+            await asyncio.gather(group.allreduce(bufs[1]), group.allreduce(bufs[2]))
+            for salt, buf in enumerate(bufs):
+                if np.dtype(dtype).kind == "i":
+                    want = sum(_data(count, dtype, k, salt) for k in range(n))
+                    np.testing.assert_array_equal(buf, want)
+                else:
+                    want64 = sum(_data(count, np.float64, k, salt) for k in range(n))
+                    np.testing.assert_allclose(buf, want64, rtol=1e-5)
+                digests[f"{nbytes}/{np.dtype(dtype).name}/{salt}"] = _digest(buf)
+    stats = group.statistics()
+    return {
+        "rank": r,
+        "topology": stats.topology,
+        "chosen": chosen,
+        "digests": digests,
+        "cross_host_bytes": stats.cross_host.bytes_sent,
+        "same_host_bytes": stats.same_host.bytes_sent,
+    }
+
+
+def _tx_bytes() -> int:
+    ifname = os.environ["AIOCOLLECT_IFNAME"]
+    with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+async def count_bytes(group: ac.Group, nbytes: int, algorithm: str) -> dict[str, Any]:
+    buf = np.ones(nbytes // 4, np.float32)
+    alg = None if algorithm == "auto" else algorithm
+    await group.allreduce(buf, algorithm=alg)
+    await group.barrier()
+    leader = group.statistics().topology["local_rank"] == 0
+    before = _tx_bytes() if leader else 0
+    await group.allreduce(buf, algorithm=alg)
+    await group.barrier()
+    after = _tx_bytes() if leader else 0
+    return {
+        "rank": group.rank,
+        "tx_bytes": after - before,
+        "algorithm": group.chosen_algorithm("allreduce", nbytes) if alg is None else alg,
+    }
+
+
+async def bench(
+    group: ac.Group, sizes: list[int], algorithms: list[str], iters: int
+) -> dict[str, Any]:
+    out: dict[str, dict[str, float]] = {}
+    for nbytes in sizes:
+        buf = np.ones(max(1, nbytes // 4), np.float32)
+        row = out.setdefault(str(nbytes), {})
+        for algorithm in algorithms:
+            alg = None if algorithm == "auto" else algorithm
+            await group.allreduce(buf, algorithm=alg)
+            times = []
+            for _ in range(iters):
+                await group.barrier()
+                t0 = time.perf_counter()
+                await group.allreduce(buf, algorithm=alg)
+                times.append(time.perf_counter() - t0)
+            name = group.chosen_algorithm("allreduce", nbytes) if alg is None else alg
+            row[f"{algorithm} ({name})"] = statistics.median(times)
+    return {"rank": group.rank, "median_s": out}
+
+
+async def main(argv: list[str]) -> dict[str, Any]:
+    mode = argv[0]
+    async with ac.open_group(timeout=60.0) as group:
+        if mode == "check":
+            return await check(group)
+        if mode == "bytes":
+            return await count_bytes(group, int(argv[1]), argv[2])
+        if mode == "bench":
+            sizes = [int(s) for s in argv[1].split(",")]
+            return await bench(group, sizes, argv[2].split(","), int(argv[3]))
+    raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if args[:1] == ["check"] and args[1:2] == ["uvloop"]:
+        import uvloop
+
+        result = uvloop.run(main(args))
+    else:
+        result = asyncio.run(main(args))
+    print(json.dumps(result), flush=True)
