@@ -7,7 +7,8 @@ Modes:
 - ``check [LOOP]``: allreduces of 4 B, 64 KiB and 4 MiB of int64 and float32 data (SUM),
   each alone and three in flight at once, on ``asyncio`` or ``uvloop`` (LOOP). Integer
   results must be exact; every rank reports a digest of each result, which must agree
-  on every rank. Reports the topology, the algorithm chosen per size and the digests.
+  on every rank. Reports the topology, the algorithm chosen per size, the digests, and
+  what ``bytes 16777216 auto`` reports.
 - ``bytes SIZE ALGORITHM``: one warm-up, then one allreduce of SIZE bytes of float32
   (``auto`` or a named algorithm) between two barriers; each host's leader reports the
   bytes that left its host's interface meanwhile (``tx_bytes``), the others 0.
@@ -66,7 +67,9 @@ async def check(group: ac.Group) -> dict[str, Any]:
                     np.testing.assert_allclose(buf, want64, rtol=1e-5)
                 digests[f"{nbytes}/{np.dtype(dtype).name}/{salt}"] = _digest(buf)
     stats = group.statistics()
+    counted = await count_bytes(group, 16 * 1024 * 1024, "auto")
     return {
+        **counted,
         "rank": r,
         "topology": stats.topology,
         "chosen": chosen,
