@@ -47,13 +47,15 @@ async def test_four_hosts_of_two(placement: str, loop: str) -> None:
     results = await _check(host_of, loop)
     topo = results[0]["topology"]
     want_hosts = [[r for r in range(8) if host_of[r] == h] for h in range(4)]
-    assert topo["hosts"] == want_hosts and topo["leaders"] == [h[0] for h in want_hosts]
+    assert topo["hosts"] == want_hosts
+    assert topo["leaders"] == [h[0] for h in want_hosts]
     assert topo["two_level"]
     assert set(results[0]["chosen"].values()) == {"two_level"}
     # 2(H-1)/H x H x size = 6 x 16 MiB (a flat ring: 7x blocked, 14x cyclic)
     assert 6 * 0.9 <= _between_hosts(results) <= 6 * 1.1
     for res in results:
-        assert res["same_host_bytes"] > 0 and res["cross_host_bytes"] > 0
+        assert res["same_host_bytes"] > 0
+        assert res["cross_host_bytes"] > 0
 
 
 async def test_uneven_hosts() -> None:
