@@ -1,0 +1,71 @@
+"""The two-level allreduce (collectives/hierarchical.py) in one process: the group's
+host indices set as a rendezvous across hosts would set them, over the memory transport,
+in every placement, every size class (one leader, every leader; several chunks with a tiny
+chunk size) and with AVG; the same bits on every rank. tests/hosts runs it across real
+namespace hosts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aiocollect as ac
+from aiocollect.collectives import hierarchical
+from aiocollect.testing import run_ranks
+
+pytestmark = pytest.mark.timeout(60)
+
+PLACEMENTS = {
+    "blocked": [0, 0, 1, 1, 2, 2, 3, 3],
+    "cyclic": [0, 1, 2, 3, 0, 1, 2, 3],
+    "uneven": [0, 1, 0, 2, 1, 0, 1],
+    "one-host": [0, 0, 0],
+}
+COUNTS = [0, 1, 7, 300, hierarchical.LEADERS_MAX // 8 + 1, 70_001]
+
+
+async def _run(group: ac.Group, hosts: list[int], op: Any) -> list[np.ndarray[Any, Any]]:
+    group._fabric.hosts = list(hosts)  # what a rendezvous across these hosts learns
+    out = []
+    for count in COUNTS:
+        for dtype in (np.int64, np.float64):
+            a = ((np.arange(count) % 101) * (group.rank + 1)).astype(dtype)
+            if op is ac.AVG and dtype is np.int64:
+                continue
+            await group.allreduce(a, op=op, algorithm="two_level")
+            out.append(a)
+    return out
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("op", [ac.SUM, ac.AVG])
+async def test_two_level_allreduce(placement: str, op: Any) -> None:
+    hosts = PLACEMENTS[placement]
+    n = len(hosts)
+    results = await run_ranks(n, _run, hosts, op, chunk_bytes=4096)
+    i = 0
+    for count in COUNTS:
+        total = sum((np.arange(count) % 101) * (r + 1) for r in range(n))
+        for dtype in (np.int64, np.float64):
+            if op is ac.AVG and dtype is np.int64:
+                continue
+            want = total / n if op is ac.AVG else total
+            for r in range(n):
+                assert results[r][i].tobytes() == results[0][i].tobytes(), (count, r)
+            np.testing.assert_allclose(results[0][i], want, rtol=1e-12)
+            i += 1
+
+
+async def test_automatic_choice_follows_the_topology() -> None:
+    async def chosen(group: ac.Group, hosts: list[int]) -> list[str]:
+        group._fabric.hosts = list(hosts)
+        sub = await group.split(0 if group.rank < 2 else 1)
+        assert sub is not None
+        return [group.chosen_algorithm("allreduce", 4), sub.chosen_algorithm("allreduce", 4)]
+
+    # the world spans two hosts of two ranks; each half of the split lies on one host
+    assert await run_ranks(4, chosen, [0, 0, 1, 1]) == [["two_level", "recursive_doubling"]] * 4
+    # a split across the hosts (ranks 0, 2 and 1, 3: one rank per host) stays flat too
+    assert await run_ranks(4, chosen, [0, 1, 0, 1]) == [["two_level", "recursive_doubling"]] * 4
