@@ -38,7 +38,7 @@ def _mine(res: dict[str, Any]) -> dict[str, Any]:
 
 def _between_hosts(results: list[dict[str, Any]]) -> float:
     """Bytes that left every host during the 16 MiB allreduce, in multiples of it."""
-    return sum(res["tx_bytes"] for res in results) / MiB16
+    return float(sum(res["tx_bytes"] for res in results)) / MiB16
 
 
 @pytest.mark.parametrize(("placement", "loop"), [("blocked", "asyncio"), ("cyclic", "uvloop")])
