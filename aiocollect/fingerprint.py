@@ -46,7 +46,7 @@ ALGORITHM_CODES: dict[Collective, dict[str, int]] = {
         "pull": 4,
         "two_level": 5,
     },
-    Collective.BROADCAST: {"binomial": 0, "pipeline": 1, "pull": 2},
+    Collective.BROADCAST: {"binomial": 0, "pipeline": 1, "pull": 2, "two_level": 3},
     Collective.REDUCE: {"binomial": 0},
     Collective.ALLGATHER: {"ring": 0, "direct": 1, "pull": 2},
     Collective.ALLGATHERV: {"ring": 0},
@@ -55,7 +55,7 @@ ALGORITHM_CODES: dict[Collective, dict[str, int]] = {
     Collective.SCATTER: {"direct": 0},
     Collective.ALLTOALL: {"pairwise": 0},
     Collective.ALLTOALLV: {"pairwise": 0},
-    Collective.BARRIER: {"dissemination": 0, "star": 1},
+    Collective.BARRIER: {"dissemination": 0, "star": 1, "two_level": 2},
 }
 _ALGORITHM_NAMES: dict[Collective, dict[int, str]] = {
     coll: {code: name for name, code in codes.items()} for coll, codes in ALGORITHM_CODES.items()

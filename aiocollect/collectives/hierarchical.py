@@ -1,4 +1,5 @@
-"""Two-level allreduce: inside each host, between hosts, inside each host again.
+"""Two-level allreduce, broadcast and barrier: inside each host, between hosts, inside
+each host again.
 
 Where a group spans H hosts with several ranks on some (R_h ranks on host h; the topology
 from the rendezvous's host identity, :mod:`aiocollect.engine.topology`), each phase is an
@@ -25,6 +26,14 @@ A whole algorithm may leave its last receives to the operation's ``finish``; eac
 ends with it (every receive of the phase landed, every send left), so the next phase
 reads complete data.
 
+- broadcast: the root's host is represented by the root, every other host by its
+  leader; the flat broadcast the automatic choice takes for H ranks and S bytes (binomial
+  or pipeline) runs among those H, then inside every host from its representative. Each
+  host receives S once.
+- barrier: the ranks of a host report to its leader, the leaders run a dissemination
+  barrier (ceil(log2 H) rounds of one empty frame per leader), each leader releases its
+  host's ranks: 2 + ceil(log2 H) steps, only the leaders' frames cross between hosts.
+
 Every element is reduced in one fixed order (the host's tree or ring, then the
 inter-host algorithm) and copied from there, so every rank gets the same bits.
 """
@@ -38,7 +47,8 @@ from functools import lru_cache
 import numpy as np
 
 from aiocollect._buffers import Array
-from aiocollect.collectives import doubling, ring, tree
+from aiocollect.collectives import barrier as flat_barrier
+from aiocollect.collectives import doubling, pipeline, ring, select, tree
 from aiocollect.engine.op import Op, flat_blocks
 from aiocollect.engine.phase import PHASE_SHIFT, Phase
 from aiocollect.engine.reduce import settle
@@ -134,3 +144,48 @@ async def _every_leader(op: Op, topo: Topology, buf: Array, ufunc: np.ufunc) -> 
         await op.finish()
     if len(local) > 1:
         await ring.allgather_blocks(Phase(op, local, _GATHER), blocks)
+
+
+async def broadcast(op: Op, buf: Array, root: int) -> None:
+    """Copy ``root``'s flat ``buf`` into every rank's in two levels."""
+    topo = topology(op)
+    root_host = topo.host_of[root]
+    reps = [root if h == root_host else ranks[0] for h, ranks in enumerate(topo.hosts)]
+    if op.rank in reps and len(reps) > 1:
+        await _broadcast(Phase(op, reps, _LEADERS), buf, root_host)
+        await op.finish()
+    local = topo.local
+    if len(local) > 1:
+        await _broadcast(Phase(op, local, _BROADCAST), buf, local.index(reps[topo.host]))
+
+
+async def _broadcast(op: Op, buf: Array, root: int) -> None:
+    """The flat broadcast the automatic choice takes for ``op.size`` ranks (neither
+    level is known to read the peers' memory: no ``pull``)."""
+    if select.broadcast(buf.nbytes, op.size) == "pipeline":
+        await pipeline.broadcast(op, buf, root)
+    else:
+        await tree.broadcast(op, buf, root)
+
+
+_EMPTY = np.empty(0, dtype=np.uint8)
+
+
+async def barrier(op: Op) -> None:
+    """Return once every rank entered, in two levels."""
+    topo = topology(op)
+    local = Phase(op, topo.local, _REDUCE) if len(topo.local) > 1 else None
+    if topo.local_rank != 0:
+        assert local is not None
+        released = local.recv(0, 1, 0, _EMPTY)
+        await local.send(0, 0, 0, _EMPTY)
+        await released
+        return
+    if local is not None:
+        for fut in [local.recv(p, 0, 0, _EMPTY) for p in range(1, local.size)]:
+            await fut
+    if len(topo.hosts) > 1:
+        await flat_barrier.barrier(Phase(op, topo.leaders, _LEADERS))
+    if local is not None:
+        for p in range(1, local.size):
+            await local.send(p, 1, 0, _EMPTY)

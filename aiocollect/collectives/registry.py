@@ -150,6 +150,7 @@ BROADCAST: Registry[[Op, Array, int], None] = Registry(
         Algorithm("binomial", tree.broadcast, tree.small_program, tree.small_covers),
         Algorithm("pipeline", pipeline.broadcast),
         Algorithm("pull", pull.broadcast),
+        Algorithm("two_level", hierarchical.broadcast),
     ],
     select.broadcast,
 )
@@ -206,6 +207,7 @@ BARRIER: Registry[[Op], None] = Registry(
     [
         Algorithm("dissemination", barrier.barrier, barrier.small_program, barrier.small_covers),
         Algorithm("star", barrier.star, barrier.star_program, barrier.small_covers),
+        Algorithm("two_level", hierarchical.barrier),
     ],
     select.barrier,
 )

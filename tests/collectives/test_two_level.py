@@ -69,3 +69,27 @@ async def test_automatic_choice_follows_the_topology() -> None:
     assert await run_ranks(4, chosen, [0, 0, 1, 1]) == [["two_level", "recursive_doubling"]] * 4
     # a split across the hosts (ranks 0, 2 and 1, 3: one rank per host) stays flat too
     assert await run_ranks(4, chosen, [0, 1, 0, 1]) == [["two_level", "recursive_doubling"]] * 4
+
+
+async def _broadcast_barrier(group: ac.Group, hosts: list[int]) -> list[np.ndarray[Any, Any]]:
+    group._fabric.hosts = list(hosts)
+    out = []
+    for count in (0, 1, 300, 70_001):
+        for root in range(group.world_size):
+            a = np.full(count, group.rank * 10 + 1, np.int32)
+            await group.broadcast(a, root=root, algorithm="two_level")
+            await group.barrier(algorithm="two_level")
+            out.append(a)
+    return out
+
+
+@pytest.mark.parametrize("placement", ["blocked", "cyclic", "uneven"])
+async def test_two_level_broadcast_and_barrier(placement: str) -> None:
+    hosts = PLACEMENTS[placement]
+    results = await run_ranks(len(hosts), _broadcast_barrier, hosts, chunk_bytes=4096)
+    for r, got in enumerate(results):
+        i = 0
+        for count in (0, 1, 300, 70_001):
+            for root in range(len(hosts)):
+                np.testing.assert_array_equal(got[i], np.full(count, root * 10 + 1), str(r))
+                i += 1
