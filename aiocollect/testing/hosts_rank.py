@@ -7,7 +7,8 @@ Modes:
 - ``check [LOOP]``: allreduces of 4 B, 64 KiB and 4 MiB of int64 and float32 data (SUM),
   each alone and three in flight at once, on ``asyncio`` or ``uvloop`` (LOOP). Integer
   results must be exact; every rank reports a digest of each result, which must agree
-  on every rank. Reports the topology, the algorithm chosen per size, the digests, and
+  on every rank; then a broadcast of 64 KiB from every root and a barrier after each.
+  Reports the topology, the algorithm chosen per collective and size, the digests, and
   what ``bytes 16777216 auto`` reports.
 - ``bytes SIZE ALGORITHM``: one warm-up, then one allreduce of SIZE bytes of float32
   (``auto`` or a named algorithm) between two barriers; each host's leader reports the
@@ -66,6 +67,13 @@ async def check(group: ac.Group) -> dict[str, Any]:
                     want64 = sum(_data(count, np.float64, k, salt) for k in range(n))
                     np.testing.assert_allclose(buf, want64, rtol=1e-5)
                 digests[f"{nbytes}/{np.dtype(dtype).name}/{salt}"] = _digest(buf)
+    for root in range(n):
+        b = np.full(16 * 1024, r, np.int32)
+        await group.broadcast(b, root=root)
+        assert (b == root).all(), (root, b[:4])
+        await group.barrier()
+    chosen["broadcast"] = group.chosen_algorithm("broadcast", 64 * 1024)
+    chosen["barrier"] = group.chosen_algorithm("barrier", 0)
     stats = group.statistics()
     counted = await count_bytes(group, 16 * 1024 * 1024, "auto")
     return {

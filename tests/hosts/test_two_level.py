@@ -4,7 +4,8 @@ veths to a bridge; what crosses between hosts is counted on the host interfaces.
 
 Each test is one job of ``aiocollect.testing.hosts_rank check``: allreduces of 4 B,
 64 KiB and 4 MiB (int64 exact, float32 within rounding), alone and several in flight; the
-digests of every result agree on every rank; then one 16 MiB allreduce whose
+digests of every result agree on every rank; a broadcast from every root and barriers;
+then one 16 MiB allreduce whose
 between-host bytes are within 10 % of 2(H-1)/H x H x size.
 """
 
