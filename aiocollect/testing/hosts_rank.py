@@ -13,6 +13,10 @@ Modes:
 - ``bytes SIZE ALGORITHM``: one warm-up, then one allreduce of SIZE bytes of float32
   (``auto`` or a named algorithm) between two barriers; each host's leader reports the
   bytes that left its host's interface meanwhile (``tx_bytes``), the others 0.
+- ``cut TIMEOUT``: a group with that timeout (seconds) runs 1 MiB allreduces until one
+  fails, printing ``{"event": "ready"}`` after three, then ``{"event": "error", ...}``
+  (the exception's type, its cause's, and when) and exits at once (a test cuts a host off
+  meanwhile).
 - ``bench SIZES ALGORITHMS ITERS``: per size (comma separated, bytes) and algorithm
   (comma separated), the median time of ITERS allreduces of float32; rank 0 reports
   them.
@@ -131,8 +135,35 @@ async def bench(
     return {"rank": group.rank, "median_s": out}
 
 
+async def cut(timeout: float) -> None:
+    group = await ac.open_group(timeout=timeout)
+    buf = np.ones(256 * 1024, np.float32)
+    done = 0
+    try:
+        while True:
+            await group.allreduce(buf)
+            done += 1
+            if done == 3:
+                print(json.dumps({"event": "ready", "rank": group.rank}), flush=True)
+    except ac.AiocollectError as exc:
+        cause = exc.__cause__ if isinstance(exc, ac.GroupBrokenError) else None
+        error = {
+            "event": "error",
+            "rank": group.rank,
+            "type": type(exc).__name__,
+            "cause": type(cause).__name__ if cause else None,
+            "message": str(exc),
+            "at": time.time(),
+        }
+        print(json.dumps(error), flush=True)
+    group.abort()
+    os._exit(0)  # the store's host may be cut off: nothing to wait for
+
+
 async def main(argv: list[str]) -> dict[str, Any]:
     mode = argv[0]
+    if mode == "cut":
+        await cut(float(argv[1]))
     async with ac.open_group(timeout=60.0) as group:
         if mode == "check":
             return await check(group)
