@@ -30,6 +30,9 @@ reads complete data.
   leader; the flat broadcast the automatic choice takes for H ranks and S bytes (binomial
   or pipeline) runs among those H, then inside every host from its representative. Each
   host receives S once.
+- reduce: binomial reduce inside each host to its representative (the root on its host,
+  the leader elsewhere), then among the H representatives to the root: each host sends
+  S at most once between hosts.
 - barrier: the ranks of a host report to its leader, the leaders run a dissemination
   barrier (ceil(log2 H) rounds of one empty frame per leader), each leader releases its
   host's ranks: 2 + ceil(log2 H) steps, only the leaders' frames cross between hosts.
@@ -144,6 +147,27 @@ async def _every_leader(op: Op, topo: Topology, buf: Array, ufunc: np.ufunc) -> 
         await op.finish()
     if len(local) > 1:
         await ring.allgather_blocks(Phase(op, local, _GATHER), blocks)
+
+
+async def reduce(op: Op, buf: Array, root: int, ufunc: np.ufunc, average: bool) -> None:
+    """Reduce the flat ``buf`` into ``root``'s in two levels (divided by the world size
+    there when ``average``); the other ranks' ``buf`` stays unchanged."""
+    topo = topology(op)
+    root_host = topo.host_of[root]
+    reps = [root if h == root_host else ranks[0] for h, ranks in enumerate(topo.hosts)]
+    rep = op.rank in reps
+    # a phase's root reduces in place: only the root's own buf may take partial sums
+    work = buf if op.rank == root or not rep else buf.copy()
+    local = topo.local
+    if len(local) > 1:
+        await tree.reduce(
+            Phase(op, local, _REDUCE), work, local.index(reps[topo.host]), ufunc, False
+        )
+    if rep and len(reps) > 1:
+        await tree.reduce(Phase(op, reps, _LEADERS), work, root_host, ufunc, False)
+    if op.rank == root and average:
+        await op.finish()
+        settle(buf, buf, op.size)
 
 
 async def broadcast(op: Op, buf: Array, root: int) -> None:

@@ -159,6 +159,7 @@ REDUCE: Registry[[Op, Array, int, np.ufunc, bool], None] = Registry(
     Collective.REDUCE,
     [
         Algorithm("binomial", tree.reduce),
+        Algorithm("two_level", hierarchical.reduce),
     ],
 )
 #: (send, blocks): every rank's send into its block.

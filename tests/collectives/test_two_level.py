@@ -93,3 +93,31 @@ async def test_two_level_broadcast_and_barrier(placement: str) -> None:
             for root in range(len(hosts)):
                 np.testing.assert_array_equal(got[i], np.full(count, root * 10 + 1), str(r))
                 i += 1
+
+
+async def _reduce(group: ac.Group, hosts: list[int], op: Any) -> list[np.ndarray[Any, Any]]:
+    group._fabric.hosts = list(hosts)
+    out = []
+    for count in (1, 300, 70_001):
+        for root in range(group.world_size):
+            a = ((np.arange(count) % 101) * (group.rank + 1)).astype(np.float64)
+            await group.reduce(a, root=root, op=op, algorithm="two_level")
+            out.append(a)
+    return out
+
+
+@pytest.mark.parametrize("placement", ["blocked", "cyclic", "uneven"])
+@pytest.mark.parametrize("op", [ac.SUM, ac.AVG])
+async def test_two_level_reduce(placement: str, op: Any) -> None:
+    hosts = PLACEMENTS[placement]
+    n = len(hosts)
+    results = await run_ranks(n, _reduce, hosts, op, chunk_bytes=4096)
+    for r, got in enumerate(results):
+        i = 0
+        for count in (1, 300, 70_001):
+            mine = (np.arange(count) % 101) * (r + 1)
+            total = sum((np.arange(count) % 101) * (k + 1) for k in range(n))
+            for root in range(n):
+                want = (total / n if op is ac.AVG else total) if r == root else mine
+                np.testing.assert_allclose(got[i], want, rtol=1e-12, err_msg=f"{r} {root}")
+                i += 1
