@@ -33,6 +33,9 @@ reads complete data.
 - reduce: binomial reduce inside each host to its representative (the root on its host,
   the leader elsewhere), then among the H representatives to the root: each host sends
   S at most once between hosts.
+- allgather: the ranks of a host send their blocks to its leader; the leaders run a ring
+  allgather of the hosts' blocks (packed host by host); each leader broadcasts every block
+  inside its host (binomial). Each host receives the (n - R_h) other blocks once.
 - barrier: the ranks of a host report to its leader, the leaders run a dissemination
   barrier (ceil(log2 H) rounds of one empty frame per leader), each leader releases its
   host's ranks: 2 + ceil(log2 H) steps, only the leaders' frames cross between hosts.
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -54,7 +58,7 @@ from aiocollect.collectives import barrier as flat_barrier
 from aiocollect.collectives import doubling, pipeline, ring, select, tree
 from aiocollect.engine.op import Op, flat_blocks
 from aiocollect.engine.phase import PHASE_SHIFT, Phase
-from aiocollect.engine.reduce import settle
+from aiocollect.engine.reduce import copy_into, settle
 from aiocollect.engine.topology import Topology
 
 #: Allreduces up to this many bytes go through one leader per host; larger ones through
@@ -168,6 +172,48 @@ async def reduce(op: Op, buf: Array, root: int, ufunc: np.ufunc, average: bool) 
     if op.rank == root and average:
         await op.finish()
         settle(buf, buf, op.size)
+
+
+async def allgather(op: Op, send: Array, blocks: Sequence[Array]) -> None:
+    """Gather every rank's flat ``send`` into ``blocks`` (block i from rank i) in two
+    levels."""
+    topo = topology(op)
+    local = Phase(op, topo.local, _REDUCE) if len(topo.local) > 1 else None
+    if topo.local_rank != 0:
+        assert local is not None
+        await local.send_chunks(0, 0, send)  # to the leader
+    else:
+        for p, r in enumerate(topo.local[1:], 1):
+            assert local is not None
+            local.recv_chunks(p, 0, blocks[r])
+        await copy_into(blocks[op.rank], send)
+        await op.finish()
+        if len(topo.hosts) > 1:
+            await _leaders_allgather(op, topo, blocks)
+    if local is not None:
+        out = Phase(op, topo.local, _BROADCAST)
+        for b, block in enumerate(blocks):
+            await tree.broadcast(out, block, 0, slot=b)
+
+
+async def _leaders_allgather(op: Op, topo: Topology, blocks: Sequence[Array]) -> None:
+    """Among the leaders, a ring allgather of every host's blocks, packed host by host
+    (a host's ranks need not be contiguous)."""
+    size = blocks[0].size
+    packed = np.empty(size * len(blocks), dtype=blocks[0].dtype)
+    hosts: list[Array] = []
+    at = 0
+    for ranks in topo.hosts:
+        hosts.append(packed[at : at + size * len(ranks)])
+        at += size * len(ranks)
+    for i, r in enumerate(topo.local):
+        hosts[topo.host][i * size : (i + 1) * size] = blocks[r]
+    await ring.allgather_blocks(Phase(op, topo.leaders, _LEADERS), hosts)
+    await op.finish()
+    for h, ranks in enumerate(topo.hosts):
+        if h != topo.host:
+            for i, r in enumerate(ranks):
+                blocks[r][...] = hosts[h][i * size : (i + 1) * size]
 
 
 async def broadcast(op: Op, buf: Array, root: int) -> None:

@@ -169,6 +169,7 @@ ALLGATHER: Registry[[Op, Array, Sequence[Array]], None] = Registry(
         Algorithm("ring", ring.allgather),
         Algorithm("direct", direct.allgather),
         Algorithm("pull", pull.allgather),
+        Algorithm("two_level", hierarchical.allgather),
     ],
     select.allgather,
 )

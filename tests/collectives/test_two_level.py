@@ -121,3 +121,23 @@ async def test_two_level_reduce(placement: str, op: Any) -> None:
                 want = (total / n if op is ac.AVG else total) if r == root else mine
                 np.testing.assert_allclose(got[i], want, rtol=1e-12, err_msg=f"{r} {root}")
                 i += 1
+
+
+async def _allgather(group: ac.Group, hosts: list[int]) -> list[np.ndarray[Any, Any]]:
+    group._fabric.hosts = list(hosts)
+    out = []
+    for count in (0, 1, 300, 9_001):
+        send = np.arange(count, dtype=np.int32) + 1000 * group.rank
+        out.append(await group.allgather(send, algorithm="two_level"))
+    return out
+
+
+@pytest.mark.parametrize("placement", ["blocked", "cyclic", "uneven"])
+async def test_two_level_allgather(placement: str) -> None:
+    hosts = PLACEMENTS[placement]
+    n = len(hosts)
+    results = await run_ranks(n, _allgather, hosts, chunk_bytes=4096)
+    for r, got in enumerate(results):
+        for i, count in enumerate((0, 1, 300, 9_001)):
+            want = np.stack([np.arange(count, dtype=np.int32) + 1000 * k for k in range(n)])
+            np.testing.assert_array_equal(got[i], want, str(r))
