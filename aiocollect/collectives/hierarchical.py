@@ -36,6 +36,11 @@ reads complete data.
 - allgather: the ranks of a host send their blocks to its leader; the leaders run a ring
   allgather of the hosts' blocks (packed host by host); each leader broadcasts every block
   inside its host (binomial). Each host receives the (n - R_h) other blocks once.
+- reduce_scatter: binomial reduce of the whole input inside each host to its leader; ring
+  reduce-scatter among the leaders of the hosts' blocks (packed host by host), so each
+  leader holds its host's blocks reduced; the leader sends each rank its block. Each host
+  sends (H-1)/H x S between hosts; inside a host the leader receives more than a flat
+  algorithm's ranks do.
 - barrier: the ranks of a host report to its leader, the leaders run a dissemination
   barrier (ceil(log2 H) rounds of one empty frame per leader), each leader releases its
   host's ranks: 2 + ceil(log2 H) steps, only the leaders' frames cross between hosts.
@@ -56,7 +61,7 @@ import numpy as np
 from aiocollect._buffers import Array
 from aiocollect.collectives import barrier as flat_barrier
 from aiocollect.collectives import doubling, pipeline, ring, select, tree
-from aiocollect.engine.op import Op, flat_blocks
+from aiocollect.engine.op import Op, flat_blocks, split_even
 from aiocollect.engine.phase import PHASE_SHIFT, Phase
 from aiocollect.engine.reduce import copy_into, settle
 from aiocollect.engine.topology import Topology
@@ -214,6 +219,43 @@ async def _leaders_allgather(op: Op, topo: Topology, blocks: Sequence[Array]) ->
         if h != topo.host:
             for i, r in enumerate(ranks):
                 blocks[r][...] = hosts[h][i * size : (i + 1) * size]
+
+
+async def reduce_scatter(op: Op, send: Array, dest: Array, ufunc: np.ufunc, average: bool) -> None:
+    """Reduce the flat ``send`` across ranks in two levels; the flat ``dest`` gets this
+    rank's block (block ``op.rank`` of ``op.size``), divided by the world size when
+    ``average``."""
+    topo = topology(op)
+    local = Phase(op, topo.local, _REDUCE) if len(topo.local) > 1 else None
+    if topo.local_rank != 0:
+        assert local is not None
+        await tree.reduce(local, send, 0, ufunc, False)  # (reduces a copy off the root)
+        local.recv_chunks(0, 1, dest)
+        await op.finish()
+    else:
+        work = send.copy()
+        if local is not None:
+            await tree.reduce(local, work, 0, ufunc, False)
+        blocks = split_even(work, op.size)
+        size = blocks[0].size
+        packed = np.empty_like(work)
+        hosts: list[Array] = []
+        at = 0
+        for ranks in topo.hosts:
+            hosts.append(packed[at : at + size * len(ranks)])
+            for i, r in enumerate(ranks):
+                hosts[-1][i * size : (i + 1) * size] = blocks[r]
+            at += size * len(ranks)
+        if len(topo.hosts) > 1:
+            await ring.reduce_scatter_blocks(Phase(op, topo.leaders, _LEADERS), hosts, ufunc)
+            await op.finish()
+        mine = hosts[topo.host]
+        dest[...] = mine[:size]
+        if local is not None:
+            for p in range(1, local.size):
+                await local.send_chunks(p, 1, mine[p * size : (p + 1) * size])
+        await op.finish()
+    settle(dest, dest, op.size if average else 1)
 
 
 async def broadcast(op: Op, buf: Array, root: int) -> None:

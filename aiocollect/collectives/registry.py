@@ -180,6 +180,7 @@ REDUCE_SCATTER: Registry[[Op, Array, Array, np.ufunc, bool], None] = Registry(
         Algorithm("ring", ring.reduce_scatter),
         Algorithm("direct", direct.reduce_scatter),
         Algorithm("pull", pull.reduce_scatter),
+        Algorithm("two_level", hierarchical.reduce_scatter),
     ],
     select.reduce_scatter,
 )

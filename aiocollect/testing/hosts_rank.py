@@ -8,7 +8,8 @@ Modes:
   each alone and three in flight at once, on ``asyncio`` or ``uvloop`` (LOOP). Integer
   results must be exact; every rank reports a digest of each result, which must agree
   on every rank; then a broadcast of 64 KiB from every root and a barrier after each, a
-  reduce of 64 KiB (int64) to every root and an allgather of 1000 int32 per rank.
+  reduce of 64 KiB (int64) to every root, a reduce_scatter of 1000 int64 per rank and an
+  allgather of 1000 int32 per rank.
   Reports the topology, the algorithm chosen per collective and size, the digests, and
   what ``bytes 16777216 auto`` reports.
 - ``bytes SIZE ALGORITHM``: one warm-up, then one allreduce of SIZE bytes of float32
@@ -82,11 +83,15 @@ async def check(group: ac.Group) -> dict[str, Any]:
         await group.reduce(c, root=root)
         ranks = range(n) if r == root else [r]  # the root gets the sum, the others theirs
         np.testing.assert_array_equal(c, sum(_data(8 * 1024, np.int64, k, root) for k in ranks))
+    scattered = await group.reduce_scatter(np.arange(1000 * n, dtype=np.int64) * (r + 1))
+    whole = np.arange(1000 * n) * (n * (n + 1) // 2)
+    np.testing.assert_array_equal(scattered, whole[r * 1000 : (r + 1) * 1000])
     gathered = await group.allgather(np.arange(1000, dtype=np.int32) + r)
     np.testing.assert_array_equal(gathered, np.arange(1000) + np.arange(n)[:, None])
     chosen["broadcast"] = group.chosen_algorithm("broadcast", 64 * 1024)
     chosen["reduce"] = group.chosen_algorithm("reduce", 64 * 1024)
     chosen["allgather"] = group.chosen_algorithm("allgather", 4000 * n)
+    chosen["reduce_scatter"] = group.chosen_algorithm("reduce_scatter", 8000 * n)
     chosen["barrier"] = group.chosen_algorithm("barrier", 0)
     stats = group.statistics()
     counted = await count_bytes(group, 16 * 1024 * 1024, "auto")

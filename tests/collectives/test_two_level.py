@@ -141,3 +141,26 @@ async def test_two_level_allgather(placement: str) -> None:
         for i, count in enumerate((0, 1, 300, 9_001)):
             want = np.stack([np.arange(count, dtype=np.int32) + 1000 * k for k in range(n)])
             np.testing.assert_array_equal(got[i], want, str(r))
+
+
+async def _reduce_scatter(group: ac.Group, hosts: list[int], op: Any) -> list[Any]:
+    group._fabric.hosts = list(hosts)
+    out = []
+    n = group.world_size
+    for per in (0, 1, 300, 9_001):
+        send = ((np.arange(per * n) % 101) * (group.rank + 1)).astype(np.float64)
+        out.append(await group.reduce_scatter(send, op=op, algorithm="two_level"))
+    return out
+
+
+@pytest.mark.parametrize("placement", ["blocked", "cyclic", "uneven"])
+@pytest.mark.parametrize("op", [ac.SUM, ac.AVG])
+async def test_two_level_reduce_scatter(placement: str, op: Any) -> None:
+    hosts = PLACEMENTS[placement]
+    n = len(hosts)
+    results = await run_ranks(n, _reduce_scatter, hosts, op, chunk_bytes=4096)
+    for r, got in enumerate(results):
+        for i, per in enumerate((0, 1, 300, 9_001)):
+            total = sum((np.arange(per * n) % 101) * (k + 1) for k in range(n))
+            want = (total / n if op is ac.AVG else total)[r * per : (r + 1) * per]
+            np.testing.assert_allclose(got[i], want, rtol=1e-12, err_msg=str(r))
