@@ -1,5 +1,5 @@
-"""Two-level allreduce, broadcast and barrier: inside each host, between hosts, inside
-each host again.
+"""Two-level collectives (allreduce, broadcast, reduce, allgather(v), reduce_scatter,
+barrier): inside each host, between hosts, inside each host again.
 
 Where a group spans H hosts with several ranks on some (R_h ranks on host h; the topology
 from the rendezvous's host identity, :mod:`aiocollect.engine.topology`), each phase is an
@@ -41,6 +41,9 @@ reads complete data.
   leader holds its host's blocks reduced; the leader sends each rank its block. Each host
   sends (H-1)/H x S between hosts; inside a host the leader receives more than a flat
   algorithm's ranks do.
+- allgatherv: the allgather above twice, for the (rows, row size) of every rank and then
+  for the rows (blocks of any size; :func:`~aiocollect.collectives.vector.gather_v` checks
+  the sizes in between).
 - barrier: the ranks of a host report to its leader, the leaders run a dissemination
   barrier (ceil(log2 H) rounds of one empty frame per leader), each leader releases its
   host's ranks: 2 + ceil(log2 H) steps, only the leaders' frames cross between hosts.
@@ -60,7 +63,7 @@ import numpy as np
 
 from aiocollect._buffers import Array
 from aiocollect.collectives import barrier as flat_barrier
-from aiocollect.collectives import doubling, pipeline, ring, select, tree
+from aiocollect.collectives import doubling, pipeline, ring, select, tree, vector
 from aiocollect.engine.op import Op, flat_blocks, split_even
 from aiocollect.engine.phase import PHASE_SHIFT, Phase
 from aiocollect.engine.reduce import copy_into, settle
@@ -74,6 +77,8 @@ LEADERS_MAX = 64 * 1024
 _REDUCE, _LEADERS, _BROADCAST, _SCATTER, _GATHER = (k << PHASE_SHIFT for k in range(1, 6))
 #: The inter-host rings of the pieces: piece p at ``_PIECES + p << PHASE_SHIFT``.
 _PIECES = 8 << PHASE_SHIFT
+#: allgatherv's second exchange (the rows): its phases' slots offset by this.
+_ROWS = 1 << (PHASE_SHIFT + 16)
 
 
 @lru_cache(maxsize=64)
@@ -182,8 +187,14 @@ async def reduce(op: Op, buf: Array, root: int, ufunc: np.ufunc, average: bool) 
 async def allgather(op: Op, send: Array, blocks: Sequence[Array]) -> None:
     """Gather every rank's flat ``send`` into ``blocks`` (block i from rank i) in two
     levels."""
+    await _allgather(op, send, blocks, 0)
+
+
+async def _allgather(op: Op, send: Array, blocks: Sequence[Array], base: int) -> None:
+    """:func:`allgather` in the slots from ``base`` up (one operation may run it twice);
+    the blocks may differ in size (every rank knows every block's)."""
     topo = topology(op)
-    local = Phase(op, topo.local, _REDUCE) if len(topo.local) > 1 else None
+    local = Phase(op, topo.local, base + _REDUCE) if len(topo.local) > 1 else None
     if topo.local_rank != 0:
         assert local is not None
         await local.send_chunks(0, 0, send)  # to the leader
@@ -191,34 +202,67 @@ async def allgather(op: Op, send: Array, blocks: Sequence[Array]) -> None:
         for p, r in enumerate(topo.local[1:], 1):
             assert local is not None
             local.recv_chunks(p, 0, blocks[r])
-        await copy_into(blocks[op.rank], send)
+        if blocks[op.rank] is not send:
+            await copy_into(blocks[op.rank], send)
         await op.finish()
         if len(topo.hosts) > 1:
-            await _leaders_allgather(op, topo, blocks)
+            await _leaders_allgather(op, topo, blocks, base)
     if local is not None:
-        out = Phase(op, topo.local, _BROADCAST)
+        out = Phase(op, topo.local, base + _BROADCAST)
         for b, block in enumerate(blocks):
             await tree.broadcast(out, block, 0, slot=b)
 
 
-async def _leaders_allgather(op: Op, topo: Topology, blocks: Sequence[Array]) -> None:
+async def _leaders_allgather(op: Op, topo: Topology, blocks: Sequence[Array], base: int) -> None:
     """Among the leaders, a ring allgather of every host's blocks, packed host by host
     (a host's ranks need not be contiguous)."""
-    size = blocks[0].size
-    packed = np.empty(size * len(blocks), dtype=blocks[0].dtype)
+    starts = np.concatenate([[0], np.cumsum([b.size for b in blocks])])
+    packed = np.empty(int(starts[-1]), dtype=blocks[0].dtype)
     hosts: list[Array] = []
     at = 0
     for ranks in topo.hosts:
-        hosts.append(packed[at : at + size * len(ranks)])
-        at += size * len(ranks)
-    for i, r in enumerate(topo.local):
-        hosts[topo.host][i * size : (i + 1) * size] = blocks[r]
-    await ring.allgather_blocks(Phase(op, topo.leaders, _LEADERS), hosts)
+        size = sum(blocks[r].size for r in ranks)
+        hosts.append(packed[at : at + size])
+        at += size
+    spans = [_spans(ranks, blocks) for ranks in topo.hosts]
+    for r, (a, b) in zip(topo.local, spans[topo.host], strict=True):
+        hosts[topo.host][a:b] = blocks[r]
+    await ring.allgather_blocks(Phase(op, topo.leaders, base + _LEADERS), hosts)
     await op.finish()
     for h, ranks in enumerate(topo.hosts):
         if h != topo.host:
-            for i, r in enumerate(ranks):
-                blocks[r][...] = hosts[h][i * size : (i + 1) * size]
+            for r, (a, b) in zip(ranks, spans[h], strict=True):
+                blocks[r][...] = hosts[h][a:b]
+
+
+def _spans(ranks: Sequence[int], blocks: Sequence[Array]) -> list[tuple[int, int]]:
+    """Where the blocks of ``ranks`` lie in their host's packed block: (start, stop) each."""
+    out = []
+    at = 0
+    for r in ranks:
+        out.append((at, at + blocks[r].size))
+        at += blocks[r].size
+    return out
+
+
+async def allgatherv(op: Op, arr: Array) -> list[Array]:
+    """Every rank's ``arr`` (at least one axis; the first may differ per rank), in rank
+    order, in two levels: the row counts, then the rows, each gathered as
+    :func:`allgather` does.
+
+    Raises:
+        ProtocolError: a rank declared a negative size or more than this host's memory.
+        MismatchError: a rank's rows have another size than this rank's.
+    """
+    blocks = await vector.gather_v(op, arr, "allgatherv", gather=_gather_step)
+    return [b.reshape(rows, *arr.shape[1:]) for rows, b in blocks]
+
+
+async def _gather_step(op: Op, blocks: Sequence[Array], step: int) -> None:
+    """One exchange of :func:`vector.gather_v` (``step`` 0: the sizes, 1: the rows):
+    :func:`allgather` of ``blocks`` (this rank's filled), in slots of its own."""
+    await _allgather(op, blocks[op.rank], blocks, step * _ROWS)
+    await op.finish()
 
 
 async def reduce_scatter(op: Op, send: Array, dest: Array, ufunc: np.ufunc, average: bool) -> None:

@@ -198,7 +198,8 @@ ALLTOALL: Registry[[Op, Sequence[Array], Sequence[Array]], None] = Registry(
 )
 #: (arr) -> every rank's arr, in rank order.
 ALLGATHERV: Registry[[Op, Array], list[Array]] = Registry(
-    Collective.ALLGATHERV, [Algorithm("ring", vector.allgatherv)]
+    Collective.ALLGATHERV,
+    [Algorithm("ring", vector.allgatherv), Algorithm("two_level", hierarchical.allgatherv)],
 )
 #: (arr, counts, out or None) -> the blocks received, in rank order.
 ALLTOALLV: Registry[[Op, Array, list[int], Array | None], list[Array]] = Registry(

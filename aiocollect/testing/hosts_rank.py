@@ -8,8 +8,8 @@ Modes:
   each alone and three in flight at once, on ``asyncio`` or ``uvloop`` (LOOP). Integer
   results must be exact; every rank reports a digest of each result, which must agree
   on every rank; then a broadcast of 64 KiB from every root and a barrier after each, a
-  reduce of 64 KiB (int64) to every root, a reduce_scatter of 1000 int64 per rank and an
-  allgather of 1000 int32 per rank.
+  reduce of 64 KiB (int64) to every root, a reduce_scatter of 1000 int64 per rank, an
+  allgather of 1000 int32 per rank and an allgatherv of 0-2 rows of 5 int16 per rank.
   Reports the topology, the algorithm chosen per collective and size, the digests, and
   what ``bytes 16777216 auto`` reports.
 - ``bytes SIZE ALGORITHM``: one warm-up, then one allreduce of SIZE bytes of float32
@@ -88,6 +88,10 @@ async def check(group: ac.Group) -> dict[str, Any]:
     np.testing.assert_array_equal(scattered, whole[r * 1000 : (r + 1) * 1000])
     gathered = await group.allgather(np.arange(1000, dtype=np.int32) + r)
     np.testing.assert_array_equal(gathered, np.arange(1000) + np.arange(n)[:, None])
+    rows = await group.allgatherv(np.full((r % 3, 5), r, np.int16))  # some send no rows
+    for k, got in enumerate(rows):
+        np.testing.assert_array_equal(got, np.full((k % 3, 5), k))
+    chosen["allgatherv"] = group.chosen_algorithm("allgatherv", 0)
     chosen["broadcast"] = group.chosen_algorithm("broadcast", 64 * 1024)
     chosen["reduce"] = group.chosen_algorithm("reduce", 64 * 1024)
     chosen["allgather"] = group.chosen_algorithm("allgather", 4000 * n)

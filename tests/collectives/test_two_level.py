@@ -165,3 +165,41 @@ async def test_two_level_reduce_scatter(placement: str, op: Any) -> None:
             block = total[r * per : (r + 1) * per]
             want = block / n if op is ac.AVG else block
             np.testing.assert_allclose(got[i], want, rtol=1e-12, err_msg=str(r))
+
+
+async def _allgatherv(group: ac.Group, hosts: list[int]) -> list[list[np.ndarray[Any, Any]]]:
+    group._fabric.hosts = list(hosts)
+    out = []
+    for scale in (0, 1, 500):
+        rows = scale * ((group.rank * 3) % 4)  # some ranks send no rows
+        send = np.arange(rows * 2, dtype=np.int32).reshape(rows, 2) + 1000 * group.rank
+        out.append(await group.allgatherv(send, algorithm="two_level"))
+    return out
+
+
+@pytest.mark.parametrize("placement", ["blocked", "cyclic", "uneven"])
+async def test_two_level_allgatherv(placement: str) -> None:
+    hosts = PLACEMENTS[placement]
+    n = len(hosts)
+    results = await run_ranks(n, _allgatherv, hosts, chunk_bytes=4096)
+    for r, got in enumerate(results):
+        for i, scale in enumerate((0, 1, 500)):
+            assert len(got[i]) == n
+            for k in range(n):
+                rows = scale * ((k * 3) % 4)
+                want = np.arange(rows * 2, dtype=np.int32).reshape(rows, 2) + 1000 * k
+                np.testing.assert_array_equal(got[i][k], want, f"{r} from {k}")
+
+
+async def test_ranks_disagreeing_on_two_levels_get_a_mismatch() -> None:
+    async def body(group: ac.Group) -> str:
+        group._fabric.hosts = [0, 0, 1, 1]
+        alg = "two_level" if group.rank == 0 else "ring"
+        try:
+            await group.allreduce(np.ones(8), algorithm=alg)
+        except ac.MismatchError as exc:
+            return str(exc)
+        return "no error"
+
+    for message in await run_ranks(4, body, timeout=10):
+        assert "allreduce[two_level]" in message or "allreduce[ring]" in message, message
