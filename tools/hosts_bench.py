@@ -12,6 +12,14 @@ interface during one 16 MiB allreduce per algorithm (the automatic choice, and t
 ``ring``), one timing ``--iters`` allreduces per size and algorithm (median, in ms;
 ``auto`` and ``ring`` in the same job, alternating per size). It prints a Markdown
 table of each (docs/algorithms.md, "Two levels", has the figures of this machine).
+
+``--one SIZE ALGORITHM`` runs one job instead (the first placement): ``--iters``
+allreduces of SIZE bytes back to back, every rank printing its p50 and CPU per operation
+as ``tools/op_cpu.py`` does, so ``tools/alternate.py`` pairs two algorithms run after
+run::
+
+    python tools/alternate.py 6 "python tools/hosts_bench.py --one 16777216 two_level" \\
+        "python tools/hosts_bench.py --one 16777216 ring"
 """
 
 from __future__ import annotations
@@ -54,11 +62,18 @@ async def main() -> None:
     parser.add_argument("--sizes", default="4,65536,4194304,16777216", help="bytes, commas")
     parser.add_argument("--algorithms", default="auto,ring")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--one", nargs=2, metavar=("SIZE", "ALGORITHM"))
     args = parser.parse_args()
     why = hosts.unavailable()
     if why is not None:
         raise SystemExit(f"cannot build namespace hosts: {why}")
     hosts.remove_leftovers()
+    if args.one is not None:
+        host_of = hosts.placement(args.hosts, args.per_host, args.placements.split(",")[0])
+        with hosts.Hosts(host_of) as hs:
+            res = await hs.run(MODULE, ["opcpu", *args.one, str(args.iters)], timeout=600)
+        print("\n".join(r["line"] for r in res))
+        return
     byte_rows, time_rows = [], []
     for kind in args.placements.split(","):
         b, t = await placement_rows(

@@ -19,6 +19,9 @@ Modes:
   fails, printing ``{"event": "ready"}`` after three, then ``{"event": "error", ...}``
   (the exception's type, its cause's, and when) and exits at once (a test cuts a host off
   meanwhile).
+- ``opcpu SIZE ALGORITHM ITERS``: ITERS allreduces of SIZE bytes back to back; every
+  rank reports one line in ``tools/op_cpu.py``'s form (p50 wall time, CPU per operation),
+  which ``tools/alternate.py`` reads.
 - ``bench SIZES ALGORITHMS ITERS``: per size (comma separated, bytes) and algorithm
   (comma separated), the median time of ITERS allreduces of float32; rank 0 reports
   them.
@@ -30,6 +33,7 @@ import asyncio
 import hashlib
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -154,6 +158,33 @@ async def bench(
     return {"rank": group.rank, "median_s": out}
 
 
+async def op_cpu(group: ac.Group, nbytes: int, algorithm: str, iters: int) -> dict[str, Any]:
+    """``iters`` allreduces of ``nbytes`` of float32 back to back (after ``iters // 10 + 1``
+    warm-up ones and a barrier): this rank's p50 wall time and CPU per operation, in µs, as
+    ``tools/op_cpu.py`` prints them."""
+    buf = np.ones(max(1, nbytes // 4), np.float32)
+    alg = None if algorithm == "auto" else algorithm
+    for _ in range(iters // 10 + 1):
+        await group.allreduce(buf, algorithm=alg)
+    await group.barrier()
+    lat = []
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        await group.allreduce(buf, algorithm=alg)
+        lat.append(time.perf_counter() - t0)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    await group.barrier()
+    us = 1e6 / iters
+    line = (
+        f"rank {group.rank} allreduce {nbytes} B {algorithm} "
+        f"({group.chosen_algorithm('allreduce', nbytes) if alg is None else alg}): "
+        f"p50 {statistics.median(lat) * 1e6:.1f}; CPU per op: user "
+        f"{(r1.ru_utime - r0.ru_utime) * us:.1f} us, sys {(r1.ru_stime - r0.ru_stime) * us:.1f} us"
+    )
+    return {"rank": group.rank, "line": line}
+
+
 async def cut(timeout: float) -> None:
     group = await ac.open_group(timeout=timeout)
     buf = np.ones(256 * 1024, np.float32)
@@ -188,6 +219,8 @@ async def main(argv: list[str]) -> dict[str, Any]:
             return await check(group)
         if mode == "bytes":
             return await count_bytes(group, int(argv[1]), argv[2])
+        if mode == "opcpu":
+            return await op_cpu(group, int(argv[1]), argv[2], int(argv[3]))
         if mode == "bench":
             sizes = [int(s) for s in argv[1].split(",")]
             return await bench(group, sizes, argv[2].split(","), int(argv[3]))
