@@ -287,7 +287,7 @@ async def _open(
                 await _linger(store_obj, world_size)
             await store_obj.close()
         raise
-    fabric.attach(links, endpoint.pulls)
+    fabric.attach(links, endpoint.pulls, endpoint.hosts)
     chunk = endpoint.chunk_bytes
     group = Group(
         fabric,

@@ -62,6 +62,12 @@ class Statistics(_Fields):
             sub-groups).
         broken: Whether the group is broken (a failure, a timeout or ``abort()``).
         closed: Whether ``aclose()`` or ``abort()`` was called.
+        topology: The group's hosts as the rendezvous learnt them (same hostname and
+            boot id): ``hosts`` (per host, its group ranks), ``host`` and ``local_rank``
+            (this rank's), ``leaders`` (each host's lowest rank), ``two_level`` (whether
+            the collectives run in two levels).
+        same_host: The counters of ``links`` summed over peers on this rank's host.
+        cross_host: The same over peers on other hosts.
     """
 
     rank: int
@@ -71,3 +77,6 @@ class Statistics(_Fields):
     links: dict[int, LinkStatistics]
     broken: bool
     closed: bool
+    topology: dict[str, Any] = dataclasses.field(default_factory=dict)
+    same_host: LinkStatistics = LinkStatistics(0, 0, 0, 0)
+    cross_host: LinkStatistics = LinkStatistics(0, 0, 0, 0)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from aiocollect import __version__
-from aiocollect.transport import registry
+from aiocollect.transport import host, registry
 from aiocollect.transport.interface import Transport
 
 EXTRAS = ("torch", "redis", "ml_dtypes", "matplotlib", "pyverbs")
@@ -94,6 +94,8 @@ def collect_info() -> dict[str, Any]:
             "executable": sys.executable,
         },
         "platform": platform.platform(),
+        # what the rendezvous compares to group ranks by host (two-level collectives)
+        "host": host.identity(),
         "event_loop": {"asyncio_default": _default_loop(), "uvloop": package_version("uvloop")},
         "numpy": package_version("numpy"),
         "msgpack": package_version("msgpack"),
@@ -116,6 +118,8 @@ def format_info(info: dict[str, Any]) -> str:
         f"aiocollect   {info['aiocollect']}",
         f"python       {py['version']} ({py['implementation']}) {py['executable']}",
         f"platform     {info['platform']}",
+        f"host         {info['host']['hostname']} (boot id {info['host']['boot_id'] or 'none'}:"
+        " ranks with both equal share a host)",
         f"event loop   asyncio default: {loop['asyncio_default']}; {uvloop}",
         f"numpy        {info['numpy'] or 'not installed'}",
         f"msgpack      {info['msgpack'] or 'not installed'}",

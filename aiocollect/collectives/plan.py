@@ -23,10 +23,14 @@ from aiocollect.collectives import registry
 from aiocollect.collectives.checks import check_rank, divisible, reduction
 from aiocollect.engine.fabric import Fabric
 from aiocollect.engine.small import Program, Small, one_way
+from aiocollect.engine.topology import Topology
 from aiocollect.errors import UsageError
 from aiocollect.fingerprint import Fingerprint, pack
 from aiocollect.transport.wire import DATA, P2P
 from aiocollect.types import Collective, ReduceOp, dtype_code
+
+#: The name of a collective's two-level algorithm (collectives/hierarchical.py).
+TWO_LEVEL = "two_level"
 
 
 class Plan(NamedTuple):
@@ -69,10 +73,20 @@ class Planner:
         peers = [links.get(r) for r in self.ranks if r != me]
         return bool(peers) and all(link is not None and link.caps.same_thread for link in peers)
 
+    @functools.cached_property
+    def topology(self) -> Topology:
+        """Which of this group's ranks share a host (from the rendezvous's host identity:
+        the same on every rank of the group; asked once, hosts never change)."""
+        hosts = self.fabric.hosts
+        ids = [hosts[r] if r < len(hosts) else -1 - r for r in self.ranks]
+        return Topology.of(ids, self.rank)
+
     def choose(
         self, reg: registry.Registry[Any, Any], algorithm: str | None, nbytes: int
     ) -> registry.Algorithm[Any, Any]:
-        """``reg.choose`` with what this group's links are (the same on every rank).
+        """``reg.choose`` with what this group's links are (the same on every rank);
+        the automatic choice is the collective's two-level algorithm (``two_level``)
+        wherever it has one and the group spans several hosts with several ranks on some.
 
         Args:
             reg: the collective's registry.
@@ -85,6 +99,9 @@ class Planner:
         Raises:
             UsageError: ``algorithm`` is not one of the collective's.
         """
+        auto = algorithm is None or algorithm == "auto"
+        if auto and TWO_LEVEL in reg.algorithms and self.topology.two_level:
+            return reg.algorithms[TWO_LEVEL]
         return reg.choose(algorithm, nbytes, self.world_size, self.one_thread, self.fabric.pulls)
 
     def chosen(self, collective: str, nbytes: int) -> str:

@@ -22,6 +22,7 @@ from aiocollect.collectives import (
     barrier,
     direct,
     doubling,
+    hierarchical,
     pipeline,
     pull,
     ring,
@@ -138,6 +139,7 @@ ALLREDUCE: Registry[[Op, Array, np.ufunc, bool], None] = Registry(
         Algorithm("halving_doubling", doubling.halving_doubling),
         Algorithm("star", star.allreduce, star.small_program, star.small_covers),
         Algorithm("pull", pull.allreduce),
+        Algorithm("two_level", hierarchical.allreduce),
     ],
     select.allreduce,
 )
@@ -148,6 +150,7 @@ BROADCAST: Registry[[Op, Array, int], None] = Registry(
         Algorithm("binomial", tree.broadcast, tree.small_program, tree.small_covers),
         Algorithm("pipeline", pipeline.broadcast),
         Algorithm("pull", pull.broadcast),
+        Algorithm("two_level", hierarchical.broadcast),
     ],
     select.broadcast,
 )
@@ -156,6 +159,7 @@ REDUCE: Registry[[Op, Array, int, np.ufunc, bool], None] = Registry(
     Collective.REDUCE,
     [
         Algorithm("binomial", tree.reduce),
+        Algorithm("two_level", hierarchical.reduce),
     ],
 )
 #: (send, blocks): every rank's send into its block.
@@ -165,6 +169,7 @@ ALLGATHER: Registry[[Op, Array, Sequence[Array]], None] = Registry(
         Algorithm("ring", ring.allgather),
         Algorithm("direct", direct.allgather),
         Algorithm("pull", pull.allgather),
+        Algorithm("two_level", hierarchical.allgather),
     ],
     select.allgather,
 )
@@ -175,6 +180,7 @@ REDUCE_SCATTER: Registry[[Op, Array, Array, np.ufunc, bool], None] = Registry(
         Algorithm("ring", ring.reduce_scatter),
         Algorithm("direct", direct.reduce_scatter),
         Algorithm("pull", pull.reduce_scatter),
+        Algorithm("two_level", hierarchical.reduce_scatter),
     ],
     select.reduce_scatter,
 )
@@ -192,7 +198,8 @@ ALLTOALL: Registry[[Op, Sequence[Array], Sequence[Array]], None] = Registry(
 )
 #: (arr) -> every rank's arr, in rank order.
 ALLGATHERV: Registry[[Op, Array], list[Array]] = Registry(
-    Collective.ALLGATHERV, [Algorithm("ring", vector.allgatherv)]
+    Collective.ALLGATHERV,
+    [Algorithm("ring", vector.allgatherv), Algorithm("two_level", hierarchical.allgatherv)],
 )
 #: (arr, counts, out or None) -> the blocks received, in rank order.
 ALLTOALLV: Registry[[Op, Array, list[int], Array | None], list[Array]] = Registry(
@@ -204,6 +211,7 @@ BARRIER: Registry[[Op], None] = Registry(
     [
         Algorithm("dissemination", barrier.barrier, barrier.small_program, barrier.small_covers),
         Algorithm("star", barrier.star, barrier.star_program, barrier.small_covers),
+        Algorithm("two_level", hierarchical.barrier),
     ],
     select.barrier,
 )

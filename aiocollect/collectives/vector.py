@@ -12,6 +12,7 @@ size limit.
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
@@ -32,25 +33,37 @@ def _host_memory() -> int:
         return 1 << 56
 
 
+#: One exchange of :func:`gather_v`: ``(op, blocks, step)`` fills every block of
+#: ``blocks`` from its rank (``blocks[op.rank]`` holds this rank's) and returns once all
+#: have landed; ``step`` 0 exchanges the sizes, 1 the rows.
+Gather = Callable[[Op, Sequence[Array], int], Awaitable[None]]
+
+
+async def ring_gather(o: Op, blocks: Sequence[Array], step: int) -> None:
+    """:data:`Gather` by ring allgather (allgatherv's ``ring``)."""
+    await ring.allgather_blocks(o, blocks, slot0=ring.AG_SLOT if step else 0)
+    await o.finish()  # the last receives land after ring.allgather_blocks returns
+
+
 async def gather_v(
-    o: Op, arr: Array, kind: str, limit: int | None = None
+    o: Op, arr: Array, kind: str, limit: int | None = None, gather: Gather = ring_gather
 ) -> list[tuple[int, Array]]:
-    """The two phases of allgatherv: every rank's (rows, row size), then the rows, by ring.
-    Returns (rows, flat block) per rank, in rank order. Each rank's declared size is checked
-    before anything is allocated: negative, or above ``limit`` bytes (default: this host's
-    memory), is a ProtocolError (no real rank sends that); rows of another size than this
-    rank's are a MismatchError."""
+    """The two phases of allgatherv: every rank's (rows, row size), then the rows, each
+    exchanged by ``gather`` (default: by ring). Returns (rows, flat block) per rank, in
+    rank order. Each rank's declared size is checked before anything is allocated:
+    negative, or above ``limit`` bytes (default: this host's memory), is a ProtocolError
+    (no real rank sends that); rows of another size than this rank's are a
+    MismatchError."""
     limit = _host_memory() if limit is None else limit
     n = o.size
     row = int(np.prod(arr.shape[1:]))
     sizes = np.zeros((n, 2), dtype=_I64)
     sizes[o.rank] = (arr.shape[0], row)
-    await ring.allgather_blocks(o, list(sizes), slot0=0)
-    await o.finish()
+    await gather(o, list(sizes), 0)
     declared = sizes.tolist()
     for r, (rows, rrow) in enumerate(declared):
         if r != o.rank and (rows < 0 or rrow < 0 or rows * max(rrow, 1) * arr.itemsize > limit):
-            via = (o.rank - 1) % n
+            via = (o.rank - 1) % n if gather is ring_gather else r  # (the ring's sender)
             raise ProtocolError(
                 f"{kind} (op #{o.seq}): rank {r} declared {rows} rows of {rrow} elements of "
                 f"{arr.itemsize} bytes (at most {limit} bytes"
@@ -67,8 +80,7 @@ async def gather_v(
     total = np.empty(int(bounds[-1]), dtype=arr.dtype)
     blocks = [total[bounds[i] : bounds[i + 1]] for i in range(n)]
     blocks[o.rank][...] = arr.reshape(-1)
-    await ring.allgather_blocks(o, blocks, slot0=ring.AG_SLOT)
-    await o.finish()  # the last receives land after ring.allgather_blocks returns
+    await gather(o, blocks, 1)
     return [(rows, block) for (rows, _), block in zip(declared, blocks, strict=True)]
 
 

@@ -224,7 +224,7 @@ async def _form(
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-    fabric.attach(links, endpoint.pulls)
+    fabric.attach(links, endpoint.pulls, endpoint.hosts)
     group = Group(
         fabric,
         WORLD_GID,

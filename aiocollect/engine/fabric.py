@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from aiocollect.engine.closing import Closer, decode_abort, decode_goodbye, encode_abort
 from aiocollect.engine.liveness import Liveness
@@ -45,6 +45,9 @@ class Fabric:
         #: Whether every rank may read every other rank's memory, as the rendezvous
         #: records predict (the same on every rank; the automatic algorithm choice).
         self.pulls = False
+        #: Per world rank, the index of its host, as the rendezvous records say (empty:
+        #: unknown, every rank its own host; the two-level algorithms' topology).
+        self.hosts: list[int] = []
         self.failure: BaseException | None = None
         self.closing = False
         #: Timed-out operations of this rank searching for their culprits right now.
@@ -75,13 +78,15 @@ class Fabric:
         self._spinner: Spinner | None = None  # made on the first wait (engine/spin.py)
         self._spin_on: dict[Link, bool] = {}  # whether waits on a link spin
 
-    def attach(self, links: Mapping[int, Link], pulls: bool) -> None:
+    def attach(self, links: Mapping[int, Link], pulls: bool, hosts: Sequence[int] = ()) -> None:
         """Take the links the rendezvous made (by world rank) and what its records predict
-        (``pulls``: every rank reads every other's memory), and tell every link how to
+        (``pulls``: every rank reads every other's memory; ``hosts``: per world rank, the
+        index of its host), and tell every link how to
         pace its writes: in pieces where this host has a core per rank process, whole
         where ranks share cores (:meth:`Link.pace_writes`)."""
         self.links.update(links)
         self.pulls = pulls
+        self.hosts = list(hosts)
         pieces = core_each(self.links.values())
         for link in self.links.values():
             link.pace_writes(pieces)

@@ -62,8 +62,9 @@ class Blocks(GroupCore):
                 None: a new array.
             timeout: seconds before the handle fails with PeerTimeout (default: the
                 group's).
-            algorithm: ``ring``, ``direct``, or ``pull`` where every rank reads the
-                others' memory; None: by size, world size and links.
+            algorithm: ``ring``, ``direct``, ``pull`` where every rank reads the
+                others' memory, or ``two_level`` (across hosts); None: by hosts, size,
+                world size and links.
 
         Returns:
             A Task that gives ``out`` (or the new array).
@@ -243,8 +244,9 @@ class Blocks(GroupCore):
             op: a :class:`~aiocollect.ReduceOp` or its name.
             timeout: seconds before the handle fails with PeerTimeout (default: the
                 group's).
-            algorithm: ``ring``, ``direct``, or ``pull`` where every rank reads the
-                others' memory; None: by size, world size and links.
+            algorithm: ``ring``, ``direct``, ``pull`` where every rank reads the
+                others' memory, or ``two_level`` (across hosts); None: by hosts, size,
+                world size and links.
 
         Returns:
             A Task that gives ``out`` (or the new array).
@@ -343,7 +345,9 @@ class Blocks(GroupCore):
                 shape on every rank).
             timeout: seconds before the handle fails with PeerTimeout (default: the
                 group's).
-            algorithm: ``ring``, the only one; None: that one.
+            algorithm: ``ring`` or ``two_level`` (across hosts); None: ``two_level``
+                where the group spans several hosts with several ranks on some, else
+                ``ring``.
 
         Returns:
             A Task that gives every rank's array, in rank order.

@@ -52,8 +52,10 @@ class InPlace(GroupCore):
         Args:
             timeout: seconds before the handle fails with PeerTimeout (default: the
                 group's).
-            algorithm: ``dissemination`` or ``star`` (through rank 0); None: ``star`` at
-                three and four ranks, else ``dissemination``.
+            algorithm: ``dissemination``, ``star`` (through rank 0) or ``two_level``
+                (across hosts); None: ``two_level`` where the group spans several hosts
+                with several ranks on some, else ``star`` at three and four ranks, else
+                ``dissemination``.
 
         Returns:
             A handle (an ``asyncio.Future``) that completes with None.
@@ -87,8 +89,8 @@ class InPlace(GroupCore):
             timeout: seconds before the handle fails with PeerTimeout (default: the
                 group's).
             algorithm: ``binomial`` (tree), ``pipeline``, ``pull`` (reads the root's
-                buffer where every rank can: shared memory); None: by size, world size
-                and links.
+                buffer where every rank can: shared memory), ``two_level`` (across
+                hosts); None: by hosts, size, world size and links.
 
         Returns:
             A handle (an ``asyncio.Future``) that completes with ``buf``.
@@ -138,8 +140,8 @@ class InPlace(GroupCore):
                 group's).
             algorithm: ``ring`` (bandwidth), ``recursive_doubling`` (latency),
                 ``halving_doubling``, ``star`` (through rank 0: few messages, few ranks),
-                ``pull`` (reads the peers' buffers where every rank can: shared memory);
-                None: by size, world size and links.
+                ``pull`` (reads the peers' buffers where every rank can: shared memory),
+                ``two_level`` (across hosts); None: by hosts, size, world size and links.
 
         Returns:
             A handle (an ``asyncio.Future``) that completes with ``buf``.
@@ -190,7 +192,9 @@ class InPlace(GroupCore):
             op: a :class:`~aiocollect.ReduceOp` or its name.
             timeout: seconds before the handle fails with PeerTimeout (default: the
                 group's).
-            algorithm: ``binomial`` (tree), the only one; None: that one.
+            algorithm: ``binomial`` (tree) or ``two_level`` (across hosts); None:
+                ``two_level`` where the group spans several hosts with several ranks on
+                some, else ``binomial``.
 
         Returns:
             A Task that gives ``buf``.

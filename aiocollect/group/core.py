@@ -158,6 +158,10 @@ class GroupCore:
             )
             for peer, link in sorted(self._fabric.links.items())
         }
+        hosts, me = self._fabric.hosts, self._fabric.rank
+        here = hosts[me] if me < len(hosts) else None
+        same = [s for p, s in links.items() if here is not None and hosts[p] == here]
+        cross = [s for p, s in links.items() if here is None or hosts[p] != here]
         ops = {f"{kind}_started": n for kind, n in self._stats.items()}
         ops.update((f"{kind}_completed", n) for kind, n in self._done.items())
         return Statistics(
@@ -168,6 +172,9 @@ class GroupCore:
             links=links,
             broken=self.broken,
             closed=self.closed,
+            topology=self._planner.topology.describe(),
+            same_host=_summed(same),
+            cross_host=_summed(cross),
         )
 
     # -- running operations ----------------------------------------------------------------
@@ -443,3 +450,13 @@ class GroupCore:
 def _describe(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _summed(links: Sequence[LinkStatistics]) -> LinkStatistics:
+    """The counters of ``links`` added up."""
+    return LinkStatistics(
+        sum(s.bytes_sent for s in links),
+        sum(s.bytes_received for s in links),
+        sum(s.frames_sent for s in links),
+        sum(s.frames_received for s in links),
+    )

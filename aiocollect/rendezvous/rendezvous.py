@@ -28,6 +28,7 @@ from aiocollect._deadline import Deadline
 from aiocollect.errors import RendezvousError, RendezvousTimeout
 from aiocollect.rendezvous import chunking, claims
 from aiocollect.rendezvous.handshake import PROTOCOL_VERSION, AcceptorHandshake, ConnectorHandshake
+from aiocollect.rendezvous.hosts import host_indices
 from aiocollect.store.base import Store
 from aiocollect.tls import TLSConfig
 from aiocollect.transport import host, registry
@@ -65,6 +66,8 @@ class Endpoint:
     #: Whether the records predict that every rank reads every other's memory
     #: (:func:`~aiocollect.rendezvous.chunking.all_pull`).
     pulls: bool = False
+    #: Per world rank, the index of its host (:func:`~aiocollect.rendezvous.hosts.host_indices`).
+    hosts: list[int] = field(default_factory=list)
 
     def close(self) -> None:
         self.listener.close()
@@ -150,6 +153,7 @@ async def rendezvous(
         peers = await _read_records(claim, cfg, record)
         endpoint.chunk_bytes = cfg.chunk_bytes or chunking.group_chunk_bytes(peers)
         endpoint.pulls = chunking.all_pull(peers)
+        endpoint.hosts = host_indices(peers, cfg.world_size)
         endpoint.listener.prepare(peers)
         if expected == 0:
             arrived.set()

@@ -54,6 +54,9 @@ async def test_statistics_is_a_dataclass_that_reads_like_a_dict() -> None:
             "links",
             "broken",
             "closed",
+            "topology",
+            "same_host",
+            "cross_host",
         ]
         plain = after.as_dict()
         assert plain["links"][nxt] == dict(after.links[nxt])

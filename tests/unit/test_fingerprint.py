@@ -105,7 +105,10 @@ def test_describe_names_the_algorithm_where_there_is_a_choice() -> None:
     assert text == "allreduce[ring](count=10, dtype=float32, op=MAX)"
     assert describe(
         pack(Collective.REDUCE, F32, op=ReduceOp.SUM, root=2, algorithm="binomial")
-    ) == ("reduce(count=10, dtype=float32, op=SUM, root=2)")
+    ) == ("reduce[binomial](count=10, dtype=float32, op=SUM, root=2)")
+    assert describe(pack(Collective.GATHER, F32, root=2, algorithm="direct")) == (
+        "gather(count=10, dtype=float32, root=2)"
+    )
 
 
 def test_every_registry_matches_the_wire_codes() -> None:
@@ -147,7 +150,7 @@ def test_choose_refuses_unknown_names(bad: object) -> None:
     with pytest.raises(
         UsageError,
         match=r"allreduce has no algorithm .*; choose one of "
-        r"ring, recursive_doubling, halving_doubling, star, pull or 'auto'",
+        r"ring, recursive_doubling, halving_doubling, star, pull, two_level or 'auto'",
     ):
         registry.ALLREDUCE.choose(bad, 4, 2)  # type: ignore[arg-type]
 
