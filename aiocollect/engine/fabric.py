@@ -11,13 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
+from aiocollect._deadline import Deadline
 from aiocollect.engine.closing import Closer, decode_abort, decode_goodbye, encode_abort
 from aiocollect.engine.liveness import Liveness
 from aiocollect.engine.op_registry import OpRegistry
 from aiocollect.engine.spin import Awaited, Spinner, budget_for, core_each
-from aiocollect.errors import GroupBrokenError, PeerTimeout, ProtocolError
+from aiocollect.errors import GroupBrokenError, InternalError, PeerTimeout, ProtocolError
+from aiocollect.rendezvous.ondemand import Dialer
 from aiocollect.transport.base import Link
 from aiocollect.transport.wire import ABORT, GOODBYE, P2P, PING, PONG, Header, control_header
 
@@ -74,6 +76,10 @@ class Fabric:
         self._p2p_waiters: list[asyncio.Future[None]] = []
         self._spinner: Spinner | None = None  # made on the first wait (engine/spin.py)
         self._spin_on: dict[Link, bool] = {}  # whether waits on a link spin
+        #: Makes the links not made when the group formed (rendezvous/ondemand.py), or
+        #: None where every link was.
+        self.dialer: Dialer | None = None
+        self._pieces = False
 
     def attach(self, links: Mapping[int, Link], pulls: bool) -> None:
         """Take the links the rendezvous made (by world rank) and what its records predict
@@ -82,9 +88,57 @@ class Fabric:
         where ranks share cores (:meth:`Link.pace_writes`)."""
         self.links.update(links)
         self.pulls = pulls
-        pieces = core_each(self.links.values())
+        pieces = self._pieces = core_each(self.links.values())
         for link in self.links.values():
             link.pace_writes(pieces)
+
+    # -- links on demand ---------------------------------------------------------------------
+
+    def on_demand(self, dialer: Dialer) -> None:
+        """Make the links missing after :meth:`attach` through ``dialer`` when an
+        operation needs them (:meth:`ensure`); the links it makes, by either side, join
+        :attr:`links`."""
+        self.dialer = dialer
+        dialer.deliver = self.add_link
+        if self.failure is not None:
+            dialer.refuse(f"the group is broken: {self.failure!r}")
+
+    def add_link(self, link: Link) -> None:
+        """Take ``link``, made after the group formed (reset if the group broke)."""
+        if self.failure is not None or self.closing:
+            link.abort()
+            return
+        self.links[link.peer] = link
+        link.pace_writes(self._pieces)
+
+    async def ensure(self, peers: Iterable[int], timeout: float | None) -> None:
+        """Make the links to world ranks ``peers`` that do not exist yet (at most
+        ``ondemand.CONNECTS`` connects at a time).
+
+        Raises:
+            PeerTimeout: some links were not made within ``timeout`` seconds (named).
+            PeerDisconnected: a peer could not be reached, refused, or the group closed.
+        """
+        links, dialer = self.links, self.dialer
+        missing = [p for p in peers if p not in links and p != self.rank]
+        if not missing:
+            return
+        if dialer is None:
+            raise InternalError(f"rank {self.rank} has no link to ranks {missing}")
+        deadline = Deadline.after(timeout)
+        made = await asyncio.gather(
+            *(dialer.dial(p, deadline) for p in missing), return_exceptions=True
+        )
+        failed = [exc for exc in made if isinstance(exc, BaseException)]
+        timeouts = [exc for exc in failed if isinstance(exc, PeerTimeout)]
+        if timeouts and len(timeouts) == len(failed):
+            raise PeerTimeout(
+                f"rank {self.rank} could not link to ranks "
+                f"{_few(r for exc in timeouts for r in exc.ranks)} before the deadline",
+                [r for exc in timeouts for r in exc.ranks],
+            )
+        if failed:
+            raise next(exc for exc in failed if not isinstance(exc, PeerTimeout))
 
     # -- busy-waiting -----------------------------------------------------------------------
 
@@ -262,6 +316,8 @@ class Fabric:
         if self.failure is not None:
             return
         self.failure = exc
+        if self.dialer is not None:
+            self.dialer.refuse(f"the group is broken: {type(exc).__name__}")
         # release what only a healthy group needs (a flood of early frames leaves no trace)
         self.registry.forget()
         level = logging.INFO if isinstance(exc, GroupBrokenError) else logging.WARNING
@@ -291,3 +347,11 @@ class Fabric:
             raise GroupBrokenError(
                 f"the group is broken: {type(self.failure).__name__}: {self.failure}"
             ) from self.failure
+
+
+def _few(ranks: Iterable[int], most: int = 8) -> str:
+    """Ranks for a message: at most ``most`` of them, then how many more."""
+    shown = sorted(set(ranks))
+    if len(shown) <= most:
+        return str(shown)
+    return f"{shown[:most]} and {len(shown) - most} more"

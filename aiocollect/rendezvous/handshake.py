@@ -40,8 +40,9 @@ def _field(msg: dict[str, Any], name: str, kind: type) -> Any:
 
 
 class AcceptorHandshake:
-    """The listening side. ``admit(rank)`` returns an error string to refuse a rank
-    (e.g. a duplicate connection), or None. ``job`` is this group's job nonce."""
+    """The listening side. ``admit(rank)`` returns an error string (or the error itself)
+    to refuse a rank (e.g. a duplicate connection), or None. ``job`` is this group's job
+    nonce."""
 
     def __init__(
         self,
@@ -49,7 +50,7 @@ class AcceptorHandshake:
         rank: int,
         world_size: int,
         secret: bytes | None,
-        admit: Callable[[int], str | None],
+        admit: Callable[[int], str | RendezvousError | None],
         *,
         job: bytes = b"",
     ) -> None:
@@ -107,7 +108,8 @@ class AcceptorHandshake:
             raise self._reject("group", RendezvousError(f"invalid peer rank {peer}"))
         refusal = self.admit(peer)
         if refusal is not None:
-            raise self._reject("group", RendezvousError(refusal))
+            error = refusal if isinstance(refusal, RendezvousError) else RendezvousError(refusal)
+            raise self._reject("group", error)
         if job != self.job:
             raise self._reject(
                 "job",

@@ -27,7 +27,8 @@ from aiocollect import _protect
 from aiocollect._deadline import Deadline
 from aiocollect.errors import RendezvousError, RendezvousTimeout
 from aiocollect.rendezvous import chunking, claims
-from aiocollect.rendezvous.handshake import PROTOCOL_VERSION, AcceptorHandshake, ConnectorHandshake
+from aiocollect.rendezvous.handshake import PROTOCOL_VERSION, AcceptorHandshake
+from aiocollect.rendezvous.ondemand import Dialer
 from aiocollect.store.base import Store
 from aiocollect.tls import TLSConfig
 from aiocollect.transport import host, registry
@@ -50,6 +51,9 @@ class RendezvousConfig:
     deadline: Deadline
     #: Without a secret, accept peer links from other hosts too (else: protected mode).
     insecure: bool = False
+    #: The world ranks to link while the group forms (the others link on demand), or None
+    #: for every rank (the full mesh).
+    eager: frozenset[int] | None = None
 
 
 @dataclass
@@ -65,8 +69,13 @@ class Endpoint:
     #: Whether the records predict that every rank reads every other's memory
     #: (:func:`~aiocollect.rendezvous.chunking.all_pull`).
     pulls: bool = False
+    #: This rank's links, made and to make (None until the rendezvous made it).
+    dialer: Dialer | None = None
 
     def close(self) -> None:
+        """Stop accepting and connecting."""
+        if self.dialer is not None:
+            self.dialer.refuse("the group is closed")
         self.listener.close()
 
     async def release(self) -> None:
@@ -93,40 +102,39 @@ async def rendezvous(
     """
     links: dict[int, Link] = {}
     arrived: asyncio.Event = asyncio.Event()
-    expected = cfg.world_size - 1
-
-    def admit(peer: int) -> str | None:
-        if peer <= cfg.rank:
-            return f"rank {peer} must accept, not connect to, rank {cfg.rank}"
-        if peer in links:
-            return f"rank {peer} is already connected"
-        return None
-
-    def on_link(link: Link) -> None:
-        links[link.peer] = link
-        if len(links) == expected:
-            arrived.set()
-
-    claim = await claims.claim(store, cfg.name, cfg.rank, cfg.world_size, cfg.deadline)
-
-    def acceptor() -> AcceptorHandshake:
-        return AcceptorHandshake(
-            cfg.name, cfg.rank, cfg.world_size, cfg.secret, admit, job=claim.job
-        )
-
     transport = registry.get(cfg.transport)
     if transport is None:
         raise RendezvousError(
             f"no transport named {cfg.transport!r} is registered "
             f"(registered: {', '.join(registry.names())})"
         )
+    others = set(range(cfg.world_size)) - {cfg.rank}
+    # In-process links cost no descriptor: those groups link every pair at once.
+    wanted = others if cfg.eager is None or transport.in_process else set(cfg.eager) & others
+    formed: set[int] = set()
+
+    def deliver(link: Link) -> None:
+        links[link.peer] = link
+        if link.peer in wanted:
+            formed.add(link.peer)
+            if len(formed) == len(wanted):
+                arrived.set()
+
+    claim = await claims.claim(store, cfg.name, cfg.rank, cfg.world_size, cfg.deadline)
+    dialer = Dialer(cfg.rank, cfg.world_size, cfg.name, cfg.secret, claim.job, deliver)
+
+    def acceptor() -> AcceptorHandshake:
+        return AcceptorHandshake(
+            cfg.name, cfg.rank, cfg.world_size, cfg.secret, dialer.admit, job=claim.job
+        )
+
     setup = LinkSetup(
         rank=cfg.rank,
         events=events,
         max_frame=max_frame,
         host=cfg.host or "127.0.0.1",
         acceptor=acceptor,
-        on_link=on_link,
+        on_link=dialer.on_link,
         tls=cfg.ssl,
         screen=_protected_screen(cfg),
     )
@@ -136,6 +144,7 @@ async def rendezvous(
         await claim.release(f"rendezvous failed on rank 0: {exc!r}")
         raise
     endpoint.claim = claim
+    endpoint.dialer = dialer
     try:
         record = {
             "v": PROTOCOL_VERSION,
@@ -151,36 +160,33 @@ async def rendezvous(
         endpoint.chunk_bytes = cfg.chunk_bytes or chunking.group_chunk_bytes(peers)
         endpoint.pulls = chunking.all_pull(peers)
         endpoint.listener.prepare(peers)
-        if expected == 0:
+        dialer.listener, dialer.records = endpoint.listener, peers
+        if len(formed) == len(wanted):
             arrived.set()
-        connects = [
-            asyncio.ensure_future(_connect(cfg, endpoint.listener, peers[r], claim.job))
-            for r in range(cfg.rank)
-        ]
+        # the higher rank of a pair connects (the lower one accepts), as on demand
+        connects = [dialer.start(r, cfg.deadline) for r in sorted(wanted) if r < cfg.rank]
         try:
-            remaining = cfg.deadline.remaining()
-            async with asyncio.timeout(remaining):
+            async with asyncio.timeout(cfg.deadline.remaining()):
                 for fut in connects:
-                    on_link(await fut)
+                    await fut
                 await arrived.wait()
         except TimeoutError:
-            missing = [r for r in range(cfg.world_size) if r != cfg.rank and r not in links]
+            missing = sorted(wanted - formed)
             raise RendezvousTimeout(
                 f"rank {cfg.rank}: no link from ranks {missing} of group {cfg.name!r} "
                 f"before the deadline",
                 missing,
             ) from None
-        finally:
-            for fut in connects:
-                fut.cancel()
         await claim.check_conflict()  # another job's rank lost its claim to ours?
     except BaseException as exc:
+        dialer.refuse(f"the rendezvous failed: {exc!r}")
         endpoint.close()
         for link in links.values():
             link.abort()
         await claim.release(f"rendezvous failed on rank 0: {exc!r}")
         raise
-    endpoint.close()  # every peer is linked: accept nobody else
+    if wanted == others:
+        endpoint.close()  # every peer is linked: accept nobody else
     return endpoint, links
 
 
@@ -283,9 +289,3 @@ def _protected_screen(cfg: RendezvousConfig) -> Screen | None:
         return {"t": "reject", "kind": "protected", "error": _protect.refusal(what, peername)}
 
     return screen
-
-
-async def _connect(cfg: RendezvousConfig, listener: Listener, rec: Record, job: bytes) -> Link:
-    peer = int(rec["rank"])
-    hs = ConnectorHandshake(cfg.name, cfg.rank, peer, cfg.world_size, cfg.secret, job=job)
-    return await listener.connect(rec, hs)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiocollect.errors import PeerDisconnected, RendezvousError
-from aiocollect.transport.base import Handshaker, Link
+from aiocollect.transport.base import Handshaker, Link, Superseded
 from aiocollect.transport.interface import LinkSetup, Listener, Record, Screen, Transport
 from aiocollect.transport.sockets import Screened
 from aiocollect.transport.tcp import StreamLink, TcpLink
@@ -56,7 +56,7 @@ def accepting(
         if fut.cancelled():
             return
         exc = fut.exception()
-        if isinstance(exc, Screened):
+        if isinstance(exc, (Screened, Superseded)):
             return
         if exc is not None:
             log.warning("rejected an incoming connection: %s", exc)
