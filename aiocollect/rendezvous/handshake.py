@@ -106,10 +106,6 @@ class AcceptorHandshake:
             )
         if not 0 <= peer < self.world_size or peer == self.rank:
             raise self._reject("group", RendezvousError(f"invalid peer rank {peer}"))
-        refusal = self.admit(peer)
-        if refusal is not None:
-            error = refusal if isinstance(refusal, RendezvousError) else RendezvousError(refusal)
-            raise self._reject("group", error)
         if job != self.job:
             raise self._reject(
                 "job",
@@ -119,6 +115,10 @@ class AcceptorHandshake:
                     f"with group name {self.group!r}?"
                 ),
             )
+        refusal = self.admit(peer)
+        if refusal is not None:
+            error = refusal if isinstance(refusal, RendezvousError) else RendezvousError(refusal)
+            raise self._reject("group", error)
         reply = {"t": "welcome", "rank": self.rank, "mac": b""}
         if self.secret is not None:
             reply["mac"] = _auth.proof(self.secret, b"acceptor", self.nonce, nonce, ctx)

@@ -10,7 +10,9 @@ connection to that rank is under way, and either refusal (that one, or "already 
 tells the connecting rank to wait for the link its peer makes instead (both see one link).
 A connect retries within its deadline when the connection is refused or reset (the peer's
 listener backlog was full), at most ``CONNECTS`` at a time per rank, and a rank waiting
-for its peer's connection waits no longer than its own deadline.
+for its peer's connection waits no longer than its own deadline. A connect that finds
+this process out of descriptors fails at once, with a message naming the limit, the links
+open and what to do (``_fdlimit.links_exhausted``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
+from aiocollect import _fdlimit
 from aiocollect._deadline import Deadline
 from aiocollect.errors import PeerDisconnected, PeerTimeout, RendezvousError
 from aiocollect.rendezvous.handshake import ConnectorHandshake
@@ -83,7 +86,7 @@ class Dialer:
         why the link is refused."""
         if self.refusing is not None:
             return self.refusing
-        if peer in self.linked or peer in self._incoming:
+        if peer in self.linked:
             return Superseded(f"rank {peer} is already linked to rank {self.rank} ({STANDS})")
         if peer in self._outgoing and peer < self.rank:
             return Superseded(f"rank {self.rank} is connecting to rank {peer} ({STANDS})")
@@ -156,6 +159,11 @@ class Dialer:
                     except RendezvousError as exc:
                         if STANDS in str(exc):
                             return  # the peer's connection comes to the listener
+                        if _fdlimit.is_exhausted(exc):
+                            detail = f"connecting to rank {peer}: {exc.__context__}"
+                            why = _fdlimit.links_exhausted(self.rank, len(self.linked), detail)
+                            self._failed(peer, RendezvousError(why))
+                            return
                         left = deadline.remaining()
                         if not _retryable(exc) or (left is not None and left < pause):
                             self._failed(peer, exc)

@@ -18,12 +18,13 @@ things cannot link) and makes the links (docs/design.md, "Transports").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiocollect import _protect
+from aiocollect import _fdlimit, _protect
 from aiocollect._deadline import Deadline
 from aiocollect.errors import RendezvousError, RendezvousTimeout
 from aiocollect.rendezvous import chunking, claims
@@ -34,6 +35,11 @@ from aiocollect.tls import TLSConfig
 from aiocollect.transport import host, registry
 from aiocollect.transport.base import Link, LinkEvents
 from aiocollect.transport.interface import LinkSetup, Listener, Record, Screen
+
+
+#: Seconds a rank waits for its links before it also watches for another rank's report
+#: that linking failed (one store request, made only by groups slower than this).
+WATCH_AFTER = 1.0
 
 
 @dataclass
@@ -155,6 +161,11 @@ async def rendezvous(
             "pid": os.getpid(),
             "chunk_bytes": cfg.chunk_bytes,
         }
+        short = _fdlimit.too_few(len(wanted))
+        if short is not None:  # every rank of the job learns it (not only this one)
+            why = _fdlimit.links_exhausted(cfg.rank, 0, short)
+            await claim.refuse(why)
+            raise RendezvousError(why)
         await claim.publish(record)
         peers = await _read_records(claim, cfg, record)
         endpoint.chunk_bytes = cfg.chunk_bytes or chunking.group_chunk_bytes(peers)
@@ -166,10 +177,7 @@ async def rendezvous(
         # the higher rank of a pair connects (the lower one accepts), as on demand
         connects = [dialer.start(r, cfg.deadline) for r in sorted(wanted) if r < cfg.rank]
         try:
-            async with asyncio.timeout(cfg.deadline.remaining()):
-                for fut in connects:
-                    await fut
-                await arrived.wait()
+            await _linked(claim, cfg, connects, arrived)
         except TimeoutError:
             missing = sorted(wanted - formed)
             raise RendezvousTimeout(
@@ -177,6 +185,11 @@ async def rendezvous(
                 f"before the deadline",
                 missing,
             ) from None
+        except RendezvousError as exc:
+            if not getattr(exc, "from_store", False):  # tell every rank of the job
+                with contextlib.suppress(Exception):
+                    await claim.fail(str(exc))
+            raise
         await claim.check_conflict()  # another job's rank lost its claim to ours?
     except BaseException as exc:
         dialer.refuse(f"the rendezvous failed: {exc!r}")
@@ -188,6 +201,47 @@ async def rendezvous(
     if wanted == others:
         endpoint.close()  # every peer is linked: accept nobody else
     return endpoint, links
+
+
+async def _linked(
+    claim: claims.Claim,
+    cfg: RendezvousConfig,
+    connects: list[asyncio.Future[Link]],
+    arrived: asyncio.Event,
+) -> None:
+    """Wait until this rank's connects are done and every link it wants has arrived.
+    After ``WATCH_AFTER`` seconds, also wait for a rank of the job to report that it
+    failed to link (``claim.fail``): each rank then fails within moments of the first,
+    instead of at the deadline.
+
+    Raises:
+        TimeoutError: the deadline passed first.
+        RendezvousError: a connect failed, or a rank reported its failure (the error then
+            has ``from_store`` set).
+    """
+
+    async def links() -> None:
+        for fut in connects:
+            await fut
+        await arrived.wait()
+
+    async with asyncio.timeout(cfg.deadline.remaining()):
+        done = asyncio.ensure_future(links())
+        try:
+            await asyncio.wait([done], timeout=WATCH_AFTER)
+            if not done.done():
+                watch = asyncio.ensure_future(claim.failed(cfg.deadline))
+                try:
+                    await asyncio.wait([done, watch], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    watch.cancel()
+                if not done.done() and not watch.cancelled() and watch.exception() is None:
+                    err = RendezvousError(watch.result())
+                    err.from_store = True  # type: ignore[attr-defined]
+                    raise err
+            await done
+        finally:
+            done.cancel()
 
 
 async def _check_first(claim: claims.Claim, cfg: RendezvousConfig, mine: Record) -> None:
