@@ -36,7 +36,6 @@ from aiocollect.transport import host, registry
 from aiocollect.transport.base import Link, LinkEvents
 from aiocollect.transport.interface import LinkSetup, Listener, Record, Screen
 
-
 #: Seconds a rank waits for its links before it also watches for another rank's report
 #: that linking failed (one store request, made only by groups slower than this).
 WATCH_AFTER = 1.0
