@@ -71,6 +71,9 @@ def exhausted(what: str) -> str:
     )
 
 
+#: The words of every message about running out of descriptors.
+EXHAUSTED = "ran out of file descriptors"
+
 #: Descriptors a rank keeps free beyond its links when it checks the limit before
 #: linking (store connections, shared-memory segments, the event loop's own).
 SPARE = 16
@@ -119,7 +122,7 @@ def links_exhausted(rank: int, linked: int, detail: str) -> str:
     now = limits()
     shown = "unknown" if now is None else f"soft {now[0]}, hard {now[1]}"
     return (
-        f"rank {rank} ran out of file descriptors with {linked} links open ({detail}; "
+        f"rank {rank} {EXHAUSTED} with {linked} links open ({detail}; "
         f"RLIMIT_NOFILE: {shown}): raise the limit where the ranks start (`ulimit -n`, "
         "systemd's LimitNOFILE=, /etc/security/limits.conf), or open links on demand "
         "(open_group(links='lazy'), AIOCOLLECT_LINKS=lazy: about 3 log2(world_size) links "

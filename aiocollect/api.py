@@ -335,6 +335,7 @@ async def _open(
                 insecure,
                 chunk,
                 timeout,
+                lazy=lazy,
             ),
         )
     if owned:
@@ -551,6 +552,7 @@ async def join_group(
         insecure,
         DEFAULT_CHUNK_BYTES,
         timeout,
+        lazy=_check_links(None),
     )
     try:
         return await _elastic.join(state, timeout)

@@ -116,6 +116,8 @@ class Dialer:
         fut = self._waiters.get(peer)
         if fut is None:
             fut = self._waiters[peer] = asyncio.get_running_loop().create_future()
+            # (its failure is raised to whoever waits; unawaited, it is no bug to report)
+            fut.add_done_callback(_retrieve)
         if peer not in self._outgoing and peer not in self._incoming:
             self._outgoing.add(peer)
             task = asyncio.ensure_future(self._connect(peer, deadline))
@@ -168,6 +170,9 @@ class Dialer:
                         if not _retryable(exc) or (left is not None and left < pause):
                             self._failed(peer, exc)
                             return
+                    except Exception as exc:  # refused for good (AuthenticationError, ...)
+                        self._failed(peer, exc)
+                        return
                     else:
                         self.on_link(link)
                         return
@@ -206,10 +211,13 @@ class Dialer:
                 await task
 
 
+def _retrieve(fut: asyncio.Future[Link]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 def _retryable(exc: RendezvousError) -> bool:
     """Whether a connect that failed with ``exc`` may succeed if tried again: refused or
-    reset (a full backlog), not refused by the peer's handshake."""
-    cause = exc.__context__
-    return isinstance(cause, (ConnectionError, PeerDisconnected)) or (
-        isinstance(cause, OSError) and not isinstance(cause, TimeoutError)
-    )
+    reset by the peer's kernel (a full backlog, a listener not up yet), not refused by
+    the peer's handshake or its TLS."""
+    return isinstance(exc.__context__, ConnectionError)

@@ -60,6 +60,12 @@ class RendezvousConfig:
     #: for every rank (the full mesh).
     eager: frozenset[int] | None = None
 
+    @property
+    def links(self) -> str:
+        """``"eager"`` (every pair linked as the group forms) or ``"lazy"``: every rank of
+        a group must link the same way (checked against rank 0's record)."""
+        return "eager" if self.eager is None else "lazy"
+
 
 @dataclass
 class Endpoint:
@@ -159,6 +165,7 @@ async def rendezvous(
             **host.identity(),
             "pid": os.getpid(),
             "chunk_bytes": cfg.chunk_bytes,
+            "links": cfg.links,
         }
         short = _fdlimit.too_few(len(wanted))
         if short is not None:  # every rank of the job learns it (not only this one)
@@ -185,7 +192,9 @@ async def rendezvous(
                 missing,
             ) from None
         except RendezvousError as exc:
-            if not getattr(exc, "from_store", False):  # tell every rank of the job
+            # out of descriptors: tell every rank of the job (the others wait for a peer
+            # that cannot link, else until the deadline)
+            if _fdlimit.EXHAUSTED in str(exc) and not getattr(exc, "from_store", False):
                 with contextlib.suppress(Exception):
                     await claim.fail(str(exc))
             raise
@@ -269,12 +278,13 @@ def _check_settings(cfg: RendezvousConfig, r: int, rec: dict[str, Any]) -> None:
     try:
         bad = [
             k
-            for k in ("world_size", "chunk_bytes", "v")
-            if rec[k]
+            for k in ("world_size", "chunk_bytes", "v", "links")
+            if (rec[k] if k != "links" else rec.get(k, cfg.links))  # (absent: as ours)
             != {
                 "world_size": cfg.world_size,
                 "chunk_bytes": cfg.chunk_bytes,
                 "v": PROTOCOL_VERSION,
+                "links": cfg.links,
             }[k]
         ]
     except (ValueError, KeyError, TypeError) as exc:
@@ -284,7 +294,8 @@ def _check_settings(cfg: RendezvousConfig, r: int, rec: dict[str, Any]) -> None:
             f"rank {r} joined group {cfg.name!r} with "
             + ", ".join(f"{k}={_shown(k, rec[k])}" for k in bad)
             + f" but rank {cfg.rank} has world_size={cfg.world_size}, "
-            f"chunk_bytes={_shown('chunk_bytes', cfg.chunk_bytes)}, protocol {PROTOCOL_VERSION}"
+            f"chunk_bytes={_shown('chunk_bytes', cfg.chunk_bytes)}, links={cfg.links!r}, "
+            f"protocol {PROTOCOL_VERSION}"
         )
 
 

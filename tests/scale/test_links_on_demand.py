@@ -145,3 +145,22 @@ async def test_a_lost_rank_reaches_ranks_without_a_link_to_it() -> None:
     assert len(info.value.exceptions) == 1, info.value.exceptions  # rank 0's only
     assert isinstance(info.value.exceptions[0].__cause__, Lost)
     assert time.monotonic() - start < 15  # not the 30 s deadline
+
+
+async def test_ranks_must_link_the_same_way() -> None:
+    async def rank(r: int) -> None:
+        await ac.open_group(
+            r,
+            3,
+            store="memory://links-mixed",
+            transport="tcp",
+            timeout=20,
+            links="eager" if r == 1 else "lazy",
+        )
+
+    start = time.monotonic()
+    results = await asyncio.gather(*(rank(r) for r in range(3)), return_exceptions=True)
+    assert time.monotonic() - start < 15
+    for res in results:
+        assert isinstance(res, ac.RendezvousError), results
+    assert "links='eager'" in str(results[1]) or "links='lazy'" in str(results[1])
