@@ -122,6 +122,7 @@ class GroupCore:
             return
         await self._fabric.ensure(self._ranks, timeout)
         self._linked = True
+        self._plans.clear()  # (plans made without a link run as Tasks: made again, bound)
 
     def add_closer(self, closer: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Await ``closer`` when the group closes or aborts, after those already given.

@@ -164,3 +164,22 @@ async def test_ranks_must_link_the_same_way() -> None:
     for res in results:
         assert isinstance(res, ac.RendezvousError), results
     assert "links='eager'" in str(results[1]) or "links='lazy'" in str(results[1])
+
+
+async def test_an_operation_that_linked_every_pair_runs_in_one_frame_after() -> None:
+    """The star (not a neighbour algorithm) needs rank 0 linked to every rank: rank 0
+    links them on the first call, and its plan is then made again over the links, so
+    later calls take the one-frame path (the other ranks need only their link to rank 0,
+    which they have)."""
+
+    async def body(g: ac.Group) -> bool:
+        for _ in range(3):
+            x = np.full(1, g.rank + 1, dtype=np.int64)
+            await g.allreduce(x, algorithm="star")
+            assert x[0] == N * (N + 1) // 2
+        if g.rank == 0:
+            assert len(_linked(g)) == N - 1
+        plans = [p for k, p in g._plans.items() if k[0] == "allreduce"]
+        return len(plans) == 1 and plans[0].small is not None
+
+    assert all(await run_ranks(N, body, transport="tcp", timeout=30))
