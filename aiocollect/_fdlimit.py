@@ -87,17 +87,49 @@ def open_count() -> int | None:
         return None
 
 
+#: Links that ranks of this process are making now (:func:`reserve`): each will hold a
+#: descriptor that :func:`open_count` may not count yet.
+_reserved = 0
+
+
 def too_few(links: int) -> str | None:
     """Why this process cannot open ``links`` more links (one descriptor each, plus
-    ``SPARE``) under its soft RLIMIT_NOFILE, or None where it can (or cannot tell).
+    ``SPARE`` and the links reserved by :func:`reserve`) under its soft RLIMIT_NOFILE, or
+    None where it can (or cannot tell).
 
     Args:
         links: the links about to be opened.
     """
     now, lim = open_count(), limits()
-    if now is None or lim is None or lim[0] < 0 or now + links + SPARE <= lim[0]:
+    if now is None or lim is None or lim[0] < 0 or now + _reserved + links + SPARE <= lim[0]:
         return None
+    if _reserved:
+        return (
+            f"{now} descriptors are open, {_reserved} more are being linked by ranks of this "
+            f"process, and {links} links would need one each"
+        )
     return f"{now} descriptors are open and {links} links would need one each"
+
+
+def reserve(links: int) -> str | None:
+    """Count ``links`` about to be made by a rank of this process (the ranks of one
+    process link at once: each checks the others' links too), or say why they do not
+    fit (:func:`too_few`; nothing is then counted). :func:`release` ends the count.
+
+    Args:
+        links: the links about to be made.
+    """
+    global _reserved
+    short = too_few(links)
+    if short is None:
+        _reserved += links
+    return short
+
+
+def release(links: int) -> None:
+    """End the count of :func:`reserve` (the links are made, or failed)."""
+    global _reserved
+    _reserved = max(0, _reserved - links)
 
 
 def is_exhausted(exc: BaseException | None) -> bool:

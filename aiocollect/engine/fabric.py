@@ -13,12 +13,19 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
+from aiocollect import _fdlimit
 from aiocollect._deadline import Deadline
 from aiocollect.engine.closing import Closer, decode_abort, decode_goodbye, encode_abort
 from aiocollect.engine.liveness import Liveness
 from aiocollect.engine.op_registry import OpRegistry
 from aiocollect.engine.spin import Awaited, Spinner, budget_for, core_each
-from aiocollect.errors import GroupBrokenError, InternalError, PeerTimeout, ProtocolError
+from aiocollect.errors import (
+    GroupBrokenError,
+    InternalError,
+    PeerDisconnected,
+    PeerTimeout,
+    ProtocolError,
+)
 from aiocollect.rendezvous.ondemand import Dialer
 from aiocollect.transport.base import Link
 from aiocollect.transport.wire import ABORT, GOODBYE, P2P, PING, PONG, Header, control_header
@@ -117,7 +124,9 @@ class Fabric:
 
         Raises:
             PeerTimeout: some links were not made within ``timeout`` seconds (named).
-            PeerDisconnected: a peer could not be reached, refused, or the group closed.
+            PeerDisconnected: a peer could not be reached, refused, or the group closed;
+                or this process has too few descriptors left for the links (the message
+                names the limit, the links open and what to do).
         """
         links, dialer = self.links, self.dialer
         missing = [p for p in peers if p not in links and p != self.rank]
@@ -125,10 +134,18 @@ class Fabric:
             return
         if dialer is None:
             raise InternalError(f"rank {self.rank} has no link to ranks {missing}")
+        short = _fdlimit.reserve(len(missing))
+        if short is not None:  # (fails the group: every rank learns it from the ABORT)
+            raise PeerDisconnected(
+                _fdlimit.links_exhausted(self.rank, len(links), short), rank=missing[0]
+            )
         deadline = Deadline.after(timeout)
-        made = await asyncio.gather(
-            *(dialer.dial(p, deadline) for p in missing), return_exceptions=True
-        )
+        try:
+            made = await asyncio.gather(
+                *(dialer.dial(p, deadline) for p in missing), return_exceptions=True
+            )
+        finally:
+            _fdlimit.release(len(missing))
         failed = [exc for exc in made if isinstance(exc, BaseException)]
         timeouts = [exc for exc in failed if isinstance(exc, PeerTimeout)]
         if timeouts and len(timeouts) == len(failed):

@@ -132,6 +132,7 @@ async def rendezvous(
                 arrived.set()
 
     claim = await claims.claim(store, cfg.name, cfg.rank, cfg.world_size, cfg.deadline)
+    reserved = 0  # links counted by _fdlimit.reserve until they are made
     dialer = Dialer(cfg.rank, cfg.world_size, cfg.name, cfg.secret, claim.job, deliver)
 
     def acceptor() -> AcceptorHandshake:
@@ -148,6 +149,7 @@ async def rendezvous(
         on_link=dialer.on_link,
         tls=cfg.ssl,
         screen=_protected_screen(cfg),
+        backlog=max(100, cfg.world_size),
     )
     try:
         endpoint = Endpoint(await transport.listen(setup))
@@ -167,11 +169,13 @@ async def rendezvous(
             "chunk_bytes": cfg.chunk_bytes,
             "links": cfg.links,
         }
-        short = _fdlimit.too_few(len(wanted))
+        # (the ranks of one process form at once: each counts the others' links too)
+        short = _fdlimit.reserve(len(wanted))
         if short is not None:  # every rank of the job learns it (not only this one)
             why = _fdlimit.links_exhausted(cfg.rank, 0, short)
             await claim.refuse(why)
             raise RendezvousError(why)
+        reserved = len(wanted)
         await claim.publish(record)
         peers = await _read_records(claim, cfg, record)
         endpoint.chunk_bytes = cfg.chunk_bytes or chunking.group_chunk_bytes(peers)
@@ -198,8 +202,11 @@ async def rendezvous(
                 with contextlib.suppress(Exception):
                     await claim.fail(str(exc))
             raise
+        _fdlimit.release(reserved)
+        reserved = 0
         await claim.check_conflict()  # another job's rank lost its claim to ours?
     except BaseException as exc:
+        _fdlimit.release(reserved)
         dialer.refuse(f"the rendezvous failed: {exc!r}")
         endpoint.close()
         for link in links.values():

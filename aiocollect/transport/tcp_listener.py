@@ -19,11 +19,6 @@ from aiocollect.transport.tcp import StreamLink, TcpLink
 
 log = logging.getLogger("aiocollect.transport.tcp")
 
-#: The listen backlog asked for (the kernel caps it at net.core.somaxconn): with links on
-#: demand, up to every peer of a large group may connect to one rank at once, more than
-#: asyncio's default of 100, and a full backlog drops SYNs (a second's retransmission).
-BACKLOG = 65535
-
 
 async def listen(
     host: str,
@@ -39,12 +34,7 @@ async def listen(
     connection closed; the screen does its own logging)."""
     loop = asyncio.get_running_loop()
     return await loop.create_server(
-        accepting(make_link, on_link, screen),
-        host,
-        port,
-        ssl=ssl,
-        reuse_address=True,
-        backlog=BACKLOG,
+        accepting(make_link, on_link, screen), host, port, ssl=ssl, reuse_address=True
     )
 
 
@@ -126,7 +116,12 @@ class SocketListener(Listener):
         """Start the server whose connections ``factory`` makes links for, and add its
         address to ``self.record``."""
         server = await asyncio.get_running_loop().create_server(
-            factory, self.setup.host, 0, ssl=self.server_ssl, reuse_address=True, backlog=BACKLOG
+            factory,
+            self.setup.host,
+            0,
+            ssl=self.server_ssl,
+            reuse_address=True,
+            backlog=self.setup.backlog,
         )
         self.record.update(address=self.setup.host, port=server.sockets[0].getsockname()[1])
         return server

@@ -100,3 +100,61 @@ async def test_the_full_mesh_fails_fast_naming_the_limit(tmp_path: Path) -> None
         assert "ulimit -n" in result, (rank, out)
         assert "links='lazy'" in result, (rank, out)
         assert len([line for line in out.splitlines() if line.startswith("LOG")]) <= 3, out
+
+
+AFTER_FORMING = """
+import asyncio, logging, os, resource, time
+import numpy as np
+from aiocollect.testing.many import open_ranks
+
+logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
+N = 16
+
+async def main() -> None:
+    groups = await open_ranks(range(N), N, store="memory://fd-after", transport="tcp",
+                              timeout=30)
+    limit = len(os.listdir("/proc/self/fd")) + 40  # far fewer than the full mesh needs
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(
+        resource.RLIMIT_NOFILE)[1]))
+    start = time.monotonic()
+
+    async def one(g):
+        try:
+            await g.alltoall(np.arange(N, dtype=np.int64))
+            return "ok"
+        except Exception as exc:
+            return f"error {time.monotonic() - start:.1f} {type(exc).__name__} {exc}"
+
+    for line in await asyncio.gather(*(one(g) for g in groups)):
+        print(line, flush=True)
+    for g in groups:
+        g.abort()
+
+asyncio.run(main())
+"""
+
+
+async def test_links_on_demand_beyond_the_limit_fail_fast() -> None:
+    """16 ranks on one event loop, their limit lowered after the group formed: the
+    alltoall that would link every pair fails on every rank at once naming the limit
+    (not accept failures logged in a loop until the deadline)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        AFTER_FORMING,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        await reap([proc])
+    text = out.decode()
+    results = [line for line in text.splitlines() if line.startswith(("ok", "error"))]
+    assert len(results) == 16, text
+    for line in results:
+        assert line.startswith("error"), text
+        assert float(line.split()[1]) < 10, line
+        assert "ran out of file descriptors" in line, line
+        assert "RLIMIT_NOFILE" in line, line
+    assert len([line for line in text.splitlines() if line.startswith("LOG")]) <= 20, text
