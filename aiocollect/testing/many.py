@@ -71,7 +71,7 @@ async def _timed(groups: list[ac.Group], what: Any) -> float:
     return time.monotonic() - start
 
 
-async def _check(groups: list[ac.Group], world_size: int) -> dict[str, float]:
+async def _check(groups: list[ac.Group], world_size: int, alltoall: bool) -> dict[str, float]:
     """Run each check on every rank of this process; the seconds each took here."""
     figures: dict[str, float] = {}
 
@@ -93,7 +93,7 @@ async def _check(groups: list[ac.Group], world_size: int) -> dict[str, float]:
     async def barrier(g: ac.Group) -> None:
         await g.barrier()
 
-    async def alltoall(g: ac.Group) -> None:
+    async def exchange(g: ac.Group) -> None:
         out = await g.alltoall(np.arange(world_size, dtype=np.int64) + world_size * g.rank)
         assert (out == np.arange(world_size) * world_size + g.rank).all(), g.rank
 
@@ -112,8 +112,8 @@ async def _check(groups: list[ac.Group], world_size: int) -> dict[str, float]:
     figures["broadcast_s"] = await _timed(groups, broadcast)
     figures["barrier_s"] = await _timed(groups, barrier)
     figures["sockets_after_collectives"] = max(len(g._fabric.links) for g in groups)
-    if _mesh_fits(len(groups), world_size):  # (alltoall links every pair)
-        figures["alltoall_s"] = await _timed(groups, alltoall)
+    if alltoall and _mesh_fits(len(groups), world_size):  # (alltoall links every pair)
+        figures["alltoall_s"] = await _timed(groups, exchange)
     figures["split_s"] = await _timed(groups, split)
     return figures
 
@@ -125,7 +125,9 @@ def _mesh_fits(per: int, world_size: int) -> bool:
     return soft is None or soft[0] < 0 or per * (world_size + 2) + _fdlimit.SPARE <= soft[0]
 
 
-async def _child(url: str, first: int, per: int, world_size: int, links: str) -> dict[str, Any]:
+async def _child(
+    url: str, first: int, per: int, world_size: int, links: str, alltoall: bool
+) -> dict[str, Any]:
     start = time.monotonic()
     groups = await open_ranks(
         range(first, first + per), world_size, store=url, transport="tcp", links=links, timeout=600
@@ -133,7 +135,7 @@ async def _child(url: str, first: int, per: int, world_size: int, links: str) ->
     figures: dict[str, Any] = {"formed_s": time.monotonic() - start}
     figures["sockets_at_open"] = max(len(g._fabric.links) for g in groups)
     try:
-        figures.update(await _check(groups, world_size))
+        figures.update(await _check(groups, world_size, alltoall))
         figures["descriptors_per_rank"] = len(os.listdir("/proc/self/fd")) / per
     finally:
         closing = time.monotonic()
@@ -155,7 +157,9 @@ class ManyResult:
     wall_s: float
 
 
-def run_many(procs: int, per: int, links: str = "lazy", timeout: float = 900) -> ManyResult:
+def run_many(
+    procs: int, per: int, links: str = "lazy", timeout: float = 900, alltoall: bool = True
+) -> ManyResult:
     """Start a standalone store and ``procs`` processes of ``per`` ranks each over TCP
     and run the checks (module docstring) on every rank.
 
@@ -164,6 +168,7 @@ def run_many(procs: int, per: int, links: str = "lazy", timeout: float = 900) ->
         per: ranks per process.
         links: ``lazy`` or ``eager`` (``open_group(links=)``).
         timeout: seconds for the whole run.
+        alltoall: whether to check alltoall (which links every pair) too.
 
     Returns:
         The figures.
@@ -203,6 +208,7 @@ def run_many(procs: int, per: int, links: str = "lazy", timeout: float = 900) ->
                     str(per),
                     str(world),
                     links,
+                    str(int(alltoall)),
                 ],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -233,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     """The command line (module docstring): prints the figures as JSON."""
     args = argv if argv is not None else sys.argv[1:]
     if args[:1] == ["--child"]:
-        url, first, per, world, links = args[1:6]
-        figures = asyncio.run(_child(url, int(first), int(per), int(world), links))
+        url, first, per, world, links, every = args[1:7]
+        figures = asyncio.run(_child(url, int(first), int(per), int(world), links, every == "1"))
         print(json.dumps(figures), flush=True)
         return 0
     parser = argparse.ArgumentParser(prog="python -m aiocollect.testing.many")
@@ -242,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("per", type=int)
     parser.add_argument("--links", choices=("lazy", "eager"), default="lazy")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--no-alltoall", action="store_true", help="skip alltoall")
     ns = parser.parse_args(args)
-    result = run_many(ns.procs, ns.per, ns.links, ns.timeout)
+    result = run_many(ns.procs, ns.per, ns.links, ns.timeout, not ns.no_alltoall)
     shown = {k: round(v, 3) for k, v in result.figures.items()}
     print(json.dumps({"ranks": result.ranks, "links": result.links, **shown}))
     print(f"wall {result.wall_s:.1f} s")
