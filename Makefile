@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # 4; PYTEST_WORKERS=0 runs it in this process, one test at a time).
 PYTEST_WORKERS ?= auto
 
-.PHONY: install demo test test-axis lint bench clean system-deps torch-suite stress soak-elastic \
+.PHONY: install demo test test-axis lint bench clean system-deps torch-suite stress soak-elastic scale \
 	dist test-dist docs test-responsiveness
 
 $(PY):
@@ -103,6 +103,12 @@ torch-suite: install
 .PHONY: torch-compat
 torch-compat:
 	bash tools/torch_compat.sh
+
+# Groups of 512 and 1,024 ranks (processes of 128 ranks each, TCP links on demand) through a
+# standalone store: formed, every collective exact (tests/scale/test_many_ranks.py;
+# docs/multinode.md, "Forming large groups"). Not part of make test (minutes).
+scale: install
+	AIOCOLLECT_SCALE=1 $(PY) -m pytest -q -s -n 0 -m scale tests/scale $(PYTEST_ARGS)
 
 # Elastic groups: SIGKILL a random member 20 times, a replacement joins each time; prints
 # regroup time p50/p99 (docs/failures.md, "Elastic groups"). Not part of make test (~1 min).

@@ -9,7 +9,9 @@ process running many ranks, needs more. :func:`raise_soft_limit` is called once 
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 
 try:
     import resource
@@ -66,4 +68,95 @@ def exhausted(what: str) -> str:
         f"{what} ran out of file descriptors (RLIMIT_NOFILE: {shown}; one per connection): "
         "raise the hard limit where the process starts (`ulimit -Hn`, `ulimit -n`, "
         "systemd's LimitNOFILE=, /etc/security/limits.conf), or connect fewer clients"
+    )
+
+
+#: The words of every message about running out of descriptors.
+EXHAUSTED = "ran out of file descriptors"
+
+#: Descriptors a rank keeps free beyond its links when it checks the limit before
+#: linking (store connections, shared-memory segments, the event loop's own).
+SPARE = 16
+
+
+def open_count() -> int | None:
+    """How many descriptors this process has open, or None where that cannot be read."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+
+
+#: Links that ranks of this process are making now (:func:`reserve`): each will hold a
+#: descriptor that :func:`open_count` may not count yet.
+_reserved = 0
+
+
+def too_few(links: int) -> str | None:
+    """Why this process cannot open ``links`` more links (one descriptor each, plus
+    ``SPARE`` and the links reserved by :func:`reserve`) under its soft RLIMIT_NOFILE, or
+    None where it can (or cannot tell).
+
+    Args:
+        links: the links about to be opened.
+    """
+    now, lim = open_count(), limits()
+    if now is None or lim is None or lim[0] < 0 or now + _reserved + links + SPARE <= lim[0]:
+        return None
+    if _reserved:
+        return (
+            f"{now} descriptors are open, {_reserved} more are being linked by ranks of this "
+            f"process, and {links} links would need one each"
+        )
+    return f"{now} descriptors are open and {links} links would need one each"
+
+
+def reserve(links: int) -> str | None:
+    """Count ``links`` about to be made by a rank of this process (the ranks of one
+    process link at once: each checks the others' links too), or say why they do not
+    fit (:func:`too_few`; nothing is then counted). :func:`release` ends the count.
+
+    Args:
+        links: the links about to be made.
+    """
+    global _reserved
+    short = too_few(links)
+    if short is None:
+        _reserved += links
+    return short
+
+
+def release(links: int) -> None:
+    """End the count of :func:`reserve` (the links are made, or failed)."""
+    global _reserved
+    _reserved = max(0, _reserved - links)
+
+
+def is_exhausted(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what it was raised from) is running out of descriptors
+    (EMFILE: this process's limit; ENFILE: the system's)."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def links_exhausted(rank: int, linked: int, detail: str) -> str:
+    """The message for a rank that cannot open the links it needs: the limit, how many
+    links it has, and what to do.
+
+    Args:
+        rank: the rank (its world rank).
+        linked: the links it has open.
+        detail: what ran out (``too_few``'s words, or the system's error).
+    """
+    now = limits()
+    shown = "unknown" if now is None else f"soft {now[0]}, hard {now[1]}"
+    return (
+        f"rank {rank} {EXHAUSTED} with {linked} links open ({detail}; "
+        f"RLIMIT_NOFILE: {shown}): raise the limit where the ranks start (`ulimit -n`, "
+        "systemd's LimitNOFILE=, /etc/security/limits.conf), or open links on demand "
+        "(open_group(links='lazy'), AIOCOLLECT_LINKS=lazy: about 3 log2(world_size) links "
+        "per rank), or run fewer ranks per process"
     )

@@ -13,6 +13,7 @@ from typing import Any
 from aiocollect import _auth, _fdlimit
 from aiocollect._deadline import Deadline
 from aiocollect._protect import insecure_from_env
+from aiocollect.collectives.neighbours import neighbours
 from aiocollect.elastic import generations as _elastic
 from aiocollect.engine.fabric import Fabric
 from aiocollect.errors import UsageError
@@ -180,6 +181,22 @@ def listen_host(host: str | None, store: Store | str) -> str:
     return "127.0.0.1"
 
 
+def _check_links(links: str | None) -> bool:
+    """Whether links open on demand (``links``, else AIOCOLLECT_LINKS, else ``lazy``).
+
+    Raises:
+        UsageError: neither ``lazy`` nor ``eager``.
+    """
+    if links is None:
+        links = os.environ.get("AIOCOLLECT_LINKS", "").strip().lower() or "lazy"
+        what = "environment variable AIOCOLLECT_LINKS"
+    else:
+        what = "links"
+    if links not in ("lazy", "eager"):
+        raise UsageError(f"{what} must be 'lazy' or 'eager', got {links!r}")
+    return links == "lazy"
+
+
 def _check_transport(transport: str | None, ssl: SSLArg) -> str:
     """The transport to use (``transport``, else AIOCOLLECT_TRANSPORT, else ``auto``).
 
@@ -215,6 +232,7 @@ async def _open(
     chunk_bytes: int | None,
     insecure: bool = False,
     elastic: bool = False,
+    links: str | None = None,
 ) -> Group:
     if rank is None:
         rank = _env_int(_ENV_RANK, "rank")
@@ -230,6 +248,7 @@ async def _open(
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise UsageError(f"rank must be an int in [0, {world_size}), got {rank!r}")
     transport = _check_transport(transport, ssl)
+    lazy = _check_links(links)
     tls = None if ssl is None else as_config(ssl)
     timeout = resolve_timeout(timeout)
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
@@ -279,15 +298,18 @@ async def _open(
             insecure=insecure,
             chunk_bytes=0 if chosen else chunk,
             deadline=deadline,
+            eager=neighbours(world_size, rank) if lazy else None,
         )
-        endpoint, links = await rendezvous(store_obj, cfg, fabric, max_frame=max_frame)
+        endpoint, made = await rendezvous(store_obj, cfg, fabric, max_frame=max_frame)
     except BaseException:
         if owned:
             if not elastic:
                 await _linger(store_obj, world_size)
             await store_obj.close()
         raise
-    fabric.attach(links, endpoint.pulls, endpoint.hosts)
+    fabric.attach(made, endpoint.pulls, endpoint.hosts)
+    if len(made) < world_size - 1 and endpoint.dialer is not None:
+        fabric.on_demand(endpoint.dialer)
     chunk = endpoint.chunk_bytes
     group = Group(
         fabric,
@@ -313,6 +335,7 @@ async def _open(
                 insecure,
                 chunk,
                 timeout,
+                lazy=lazy,
             ),
         )
     if owned:
@@ -397,6 +420,7 @@ def open_group(
     chunk_bytes: int | None = None,
     insecure: bool = False,
     elastic: bool = False,
+    links: str | None = None,
 ) -> GroupOpener:
     """Form a group of ``world_size`` ranks and return it (awaitable / async with).
 
@@ -428,6 +452,10 @@ def open_group(
             processes in ``join_group`` are admitted). The store must outlive every member:
             the embedded TCP store is refused (UsageError); use ``aiocollect store``,
             Redis or a file store.
+        links: ``lazy`` (the default): link at once only the peers this rank's
+            algorithms exchange with (ring, tree, doubling and dissemination neighbours:
+            at most 3 log2(world_size) + 2), every other peer at first use; ``eager``: link
+            every pair now (the full mesh). Else AIOCOLLECT_LINKS.
 
     Returns:
         A :class:`GroupOpener`: ``await`` it for the :class:`~aiocollect.Group`, or use it
@@ -455,6 +483,7 @@ def open_group(
             chunk_bytes=chunk_bytes,
             insecure=insecure,
             elastic=elastic,
+            links=links,
         )
     )
 
@@ -523,6 +552,7 @@ async def join_group(
         insecure,
         DEFAULT_CHUNK_BYTES,
         timeout,
+        lazy=_check_links(None),
     )
     try:
         return await _elastic.join(state, timeout)

@@ -126,9 +126,11 @@ class Planner:
         nbytes: int,
         dtype: Any = None,
         frame_kind: int = DATA,
-    ) -> Small:
+    ) -> Small | None:
         """``program`` bound to this group's links and frame headers, for buffers of
-        ``dtype`` and frames of ``frame_kind`` (DATA, or P2P for send/recv).
+        ``dtype`` and frames of ``frame_kind`` (DATA, or P2P for send/recv); None where a
+        link it needs is not made yet (links on demand: the operation then runs as a
+        Task, which makes them first).
 
         Args:
             kind: the operation's name ("allreduce", ...).
@@ -139,9 +141,14 @@ class Planner:
             frame_kind: DATA or P2P.
 
         Returns:
-            The one-frame operation, ready to run per call.
+            The one-frame operation, ready to run per call, or None.
         """
         fabric = self.fabric
+        links = fabric.links
+        for st in program.steps:
+            for peer in (st.send_to, st.recv_from):
+                if peer >= 0 and self.ranks[peer] not in links:
+                    return None
         return Small(
             kind,
             program,

@@ -13,6 +13,7 @@ from typing import Any
 
 from aiocollect import errors
 from aiocollect._deadline import Deadline
+from aiocollect.collectives.neighbours import neighbours
 from aiocollect.elastic.agreement import DECISION_GRACE, POLL, Retry, decide
 from aiocollect.engine.fabric import Fabric
 from aiocollect.errors import GroupBrokenError, RendezvousError, RendezvousTimeout, UsageError
@@ -79,6 +80,9 @@ class ElasticState:
     owners: dict[int, Owner] = field(default_factory=dict)
     #: Ends the old generation (set while a regroup runs; idempotent).
     end_old: Callable[[], None] = _nothing
+    #: Whether each generation links its algorithms' neighbours first and the other
+    #: peers on demand (``open_group(links="lazy")``), or every pair at once.
+    lazy: bool = True
 
     @property
     def prefix(self) -> str:
@@ -210,6 +214,7 @@ async def _form(
         insecure=state.insecure,
         chunk_bytes=state.chunk_bytes,
         deadline=deadline,
+        eager=neighbours(size, rank) if state.lazy else None,
     )
     task = asyncio.ensure_future(rendezvous(store, cfg, fabric, max_frame=state.chunk_bytes))
     try:
@@ -225,6 +230,8 @@ async def _form(
             with contextlib.suppress(BaseException):
                 await task
     fabric.attach(links, endpoint.pulls, endpoint.hosts)
+    if len(links) < size - 1 and endpoint.dialer is not None:
+        fabric.on_demand(endpoint.dialer)
     group = Group(
         fabric,
         WORLD_GID,

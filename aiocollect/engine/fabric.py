@@ -11,13 +11,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
+from aiocollect import _fdlimit
+from aiocollect._deadline import Deadline
 from aiocollect.engine.closing import Closer, decode_abort, decode_goodbye, encode_abort
 from aiocollect.engine.liveness import Liveness
 from aiocollect.engine.op_registry import OpRegistry
 from aiocollect.engine.spin import Awaited, Spinner, budget_for, core_each
-from aiocollect.errors import GroupBrokenError, PeerTimeout, ProtocolError
+from aiocollect.errors import (
+    GroupBrokenError,
+    InternalError,
+    PeerDisconnected,
+    PeerTimeout,
+    ProtocolError,
+)
+from aiocollect.rendezvous.ondemand import Dialer
 from aiocollect.transport.base import Link
 from aiocollect.transport.wire import ABORT, GOODBYE, P2P, PING, PONG, Header, control_header
 
@@ -77,6 +86,10 @@ class Fabric:
         self._p2p_waiters: list[asyncio.Future[None]] = []
         self._spinner: Spinner | None = None  # made on the first wait (engine/spin.py)
         self._spin_on: dict[Link, bool] = {}  # whether waits on a link spin
+        #: Makes the links not made when the group formed (rendezvous/ondemand.py), or
+        #: None where every link was.
+        self.dialer: Dialer | None = None
+        self._pieces = False
 
     def attach(self, links: Mapping[int, Link], pulls: bool, hosts: Sequence[int] = ()) -> None:
         """Take the links the rendezvous made (by world rank) and what its records predict
@@ -87,9 +100,67 @@ class Fabric:
         self.links.update(links)
         self.pulls = pulls
         self.hosts = list(hosts)
-        pieces = core_each(self.links.values())
+        pieces = self._pieces = core_each(self.links.values())
         for link in self.links.values():
             link.pace_writes(pieces)
+
+    # -- links on demand ---------------------------------------------------------------------
+
+    def on_demand(self, dialer: Dialer) -> None:
+        """Make the links missing after :meth:`attach` through ``dialer`` when an
+        operation needs them (:meth:`ensure`); the links it makes, by either side, join
+        :attr:`links`."""
+        self.dialer = dialer
+        dialer.deliver = self.add_link
+        if self.failure is not None:
+            dialer.refuse(f"the group is broken: {self.failure!r}")
+
+    def add_link(self, link: Link) -> None:
+        """Take ``link``, made after the group formed (reset if the group broke)."""
+        if self.failure is not None or self.closing:
+            link.abort()
+            return
+        self.links[link.peer] = link
+        link.pace_writes(self._pieces)
+
+    async def ensure(self, peers: Iterable[int], timeout: float | None) -> None:
+        """Make the links to world ranks ``peers`` that do not exist yet (at most
+        ``ondemand.CONNECTS`` connects at a time).
+
+        Raises:
+            PeerTimeout: some links were not made within ``timeout`` seconds (named).
+            PeerDisconnected: a peer could not be reached, refused, or the group closed;
+                or this process has too few descriptors left for the links (the message
+                names the limit, the links open and what to do).
+        """
+        links, dialer = self.links, self.dialer
+        missing = [p for p in peers if p not in links and p != self.rank]
+        if not missing:
+            return
+        if dialer is None:
+            raise InternalError(f"rank {self.rank} has no link to ranks {missing}")
+        short = _fdlimit.reserve(len(missing))
+        if short is not None:  # (fails the group: every rank learns it from the ABORT)
+            raise PeerDisconnected(
+                _fdlimit.links_exhausted(self.rank, len(links), short), rank=missing[0]
+            )
+        deadline = Deadline.after(timeout)
+        try:
+            made = await asyncio.gather(
+                *(dialer.dial(p, deadline) for p in missing), return_exceptions=True
+            )
+        finally:
+            _fdlimit.release(len(missing))
+        failed = [exc for exc in made if isinstance(exc, BaseException)]
+        timeouts = [exc for exc in failed if isinstance(exc, PeerTimeout)]
+        if timeouts and len(timeouts) == len(failed):
+            raise PeerTimeout(
+                f"rank {self.rank} could not link to ranks "
+                f"{_few(r for exc in timeouts for r in exc.ranks)} before the deadline",
+                [r for exc in timeouts for r in exc.ranks],
+            )
+        if failed:
+            raise next(exc for exc in failed if not isinstance(exc, PeerTimeout))
 
     # -- busy-waiting -----------------------------------------------------------------------
 
@@ -267,6 +338,8 @@ class Fabric:
         if self.failure is not None:
             return
         self.failure = exc
+        if self.dialer is not None:
+            self.dialer.refuse(f"the group is broken: {type(exc).__name__}")
         # release what only a healthy group needs (a flood of early frames leaves no trace)
         self.registry.forget()
         level = logging.INFO if isinstance(exc, GroupBrokenError) else logging.WARNING
@@ -296,3 +369,11 @@ class Fabric:
             raise GroupBrokenError(
                 f"the group is broken: {type(self.failure).__name__}: {self.failure}"
             ) from self.failure
+
+
+def _few(ranks: Iterable[int], most: int = 8) -> str:
+    """Ranks for a message: at most ``most`` of them, then how many more."""
+    shown = sorted(set(ranks))
+    if len(shown) <= most:
+        return str(shown)
+    return f"{shown[:most]} and {len(shown) - most} more"

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from aiocollect._buffers import Array
+from aiocollect.collectives.neighbours import NEIGHBOUR_CODES, neighbours
 from aiocollect.collectives.plan import Plan, Planner
 from aiocollect.engine.fabric import Fabric
 from aiocollect.engine.op import Op
@@ -96,6 +97,32 @@ class GroupCore:
         #: shape, op or root, algorithm; peer and tag for send/recv): a repeated call is
         #: one dict lookup.
         self._plans: dict[tuple[Any, ...], Plan] = {}
+        #: Whether this group's every link is made (else operations make the links they
+        #: need first: :meth:`_link`), and the world ranks of its algorithms' neighbours.
+        links = fabric.links
+        self._linked = all(r in links for r in ranks if r != fabric.rank)
+        self._near = [ranks[g] for g in sorted(neighbours(len(ranks), self.rank))]
+
+    async def link_neighbours(self, timeout: float | None) -> None:
+        """Make the links to this group's neighbours (``collectives/neighbours.py``) that
+        do not exist yet (a sub-group's, which its parent's links need not include).
+
+        Raises:
+            PeerTimeout: not linked within ``timeout`` seconds.
+            PeerDisconnected: a neighbour could not be reached.
+        """
+        if not self._linked:
+            await self._fabric.ensure(self._near, timeout)
+
+    async def _link(self, op: Op, timeout: float | None) -> None:
+        """Make the links ``op`` needs that do not exist yet: its group's neighbours for an
+        algorithm of ``NEIGHBOUR_CODES``, else every rank of its group."""
+        if op.fp[0] in NEIGHBOUR_CODES:
+            await self._fabric.ensure(self._near, timeout)
+            return
+        await self._fabric.ensure(self._ranks, timeout)
+        self._linked = True
+        self._plans.clear()  # (plans made without a link run as Tasks: made again, bound)
 
     def add_closer(self, closer: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Await ``closer`` when the group closes or aborts, after those already given.
@@ -297,6 +324,8 @@ class GroupCore:
         try:
             if fabric.failure is not None:  # broke after this op was called: its cause
                 raise fabric.failure
+            if not self._linked and registered:  # (send and recv link their peer)
+                await self._link(op, timeout)
             result = await body(op)
             await op.finish()
             self._done[kind] += 1

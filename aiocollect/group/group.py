@@ -167,6 +167,7 @@ class Group(InPlace, Blocks, ObjectCollectives, PointToPoint):
                 parent=root,
             )
             root._children.append(child)
+            await child.link_neighbours(self.timeout if timeout is None else timeout)
             return child
 
         return asyncio.get_running_loop().create_task(make())

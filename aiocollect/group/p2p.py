@@ -62,6 +62,7 @@ class PointToPoint(GroupCore):
             return self._quick(small, _flat(arr), None, None, timeout, counter)
 
         async def body(op: Op) -> None:
+            await self._link_peer(dst, timeout)
             for c, part in enumerate(op.chunks(_flat(arr)) or [_flat(arr)]):
                 await op.send(dst, tag, c, part)
 
@@ -109,6 +110,8 @@ class PointToPoint(GroupCore):
             fp, counter = self._p2p_fingerprint(arr), -1
 
         async def body(op: Op) -> int:
+            if src is not None:
+                await self._link_peer(src, timeout)
             source, seq = (src, counter) if src is not None else await self._match_any(tag)
             for c, part in enumerate(op.chunks(_flat(arr)) or [_flat(arr)]):
                 op.recv(source, tag, c, part, expect=fp, seq=seq)
@@ -125,8 +128,21 @@ class PointToPoint(GroupCore):
         key = (kind, arr.dtype, arr.size, dst, src, tag)
         plan = self._plan(key)
         if plan is None:
-            plan = self._remember(key, self._planner.p2p(kind, arr, dst, src, tag))
+            plan = self._planner.p2p(kind, arr, dst, src, tag)
+            if plan.small is not None or arr.nbytes > self.chunk_bytes:
+                self._remember(key, plan)  # (else planned again once the link is made)
         return plan.fp, plan.small
+
+    async def _link_peer(self, peer: int, timeout: float | None) -> None:
+        """Make the link to group rank ``peer`` if it does not exist yet.
+
+        Raises:
+            PeerTimeout: not linked within ``timeout`` seconds (default: the group's).
+            PeerDisconnected: the peer could not be reached.
+        """
+        world = self._ranks[peer]
+        if world not in self._fabric.links:
+            await self._fabric.ensure((world,), self.timeout if timeout is None else timeout)
 
     def _p2p_fingerprint(self, arr: Array) -> Fingerprint:
         """send's and recv's fingerprint of ``arr``, remembered per (dtype, size)."""
@@ -144,7 +160,7 @@ class PointToPoint(GroupCore):
                 if peer == self.rank:
                     continue
                 seq = self._recv_counters[(peer, tag)]
-                link = fabric.links[self._ranks[peer]]
-                if link.has_frame(Key(P2P, self._gid, seq, tag, 0)):
+                link = fabric.links.get(self._ranks[peer])  # (None: not linked yet)
+                if link is not None and link.has_frame(Key(P2P, self._gid, seq, tag, 0)):
                     return peer, self._next_recv(peer, tag)
             await fabric.p2p_arrival()

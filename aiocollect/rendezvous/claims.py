@@ -160,6 +160,23 @@ class Claim:
         settings differ from rank 0's, and the job cannot form."""
         await self.store.set(self.keys.job_wide(self.job, "ready"), why.encode())
 
+    async def fail(self, why: str) -> None:
+        """Report that this rank could not link to its peers (``why``): the ranks waiting
+        in :meth:`failed` get it."""
+        await self.store.set(self.keys.job_wide(self.job, "failed"), why.encode())
+
+    async def failed(self, deadline: Deadline) -> str:
+        """Wait until a rank of this job reports (:meth:`fail`) that it could not link;
+        returns its reason.
+
+        Raises:
+            StoreTimeout: none did before ``deadline``.
+        """
+        why = await self.store.get(
+            self.keys.job_wide(self.job, "failed"), timeout=deadline.remaining()
+        )
+        return why.decode(errors="replace")
+
     async def first_record(self, deadline: Deadline) -> dict[str, Any]:
         """Rank 0's record of this job, waiting for it.
 

@@ -40,8 +40,9 @@ def _field(msg: dict[str, Any], name: str, kind: type) -> Any:
 
 
 class AcceptorHandshake:
-    """The listening side. ``admit(rank)`` returns an error string to refuse a rank
-    (e.g. a duplicate connection), or None. ``job`` is this group's job nonce."""
+    """The listening side. ``admit(rank)`` returns an error string (or the error itself)
+    to refuse a rank (e.g. a duplicate connection), or None. ``job`` is this group's job
+    nonce."""
 
     def __init__(
         self,
@@ -49,7 +50,7 @@ class AcceptorHandshake:
         rank: int,
         world_size: int,
         secret: bytes | None,
-        admit: Callable[[int], str | None],
+        admit: Callable[[int], str | RendezvousError | None],
         *,
         job: bytes = b"",
     ) -> None:
@@ -105,9 +106,6 @@ class AcceptorHandshake:
             )
         if not 0 <= peer < self.world_size or peer == self.rank:
             raise self._reject("group", RendezvousError(f"invalid peer rank {peer}"))
-        refusal = self.admit(peer)
-        if refusal is not None:
-            raise self._reject("group", RendezvousError(refusal))
         if job != self.job:
             raise self._reject(
                 "job",
@@ -117,6 +115,10 @@ class AcceptorHandshake:
                     f"with group name {self.group!r}?"
                 ),
             )
+        refusal = self.admit(peer)
+        if refusal is not None:
+            error = refusal if isinstance(refusal, RendezvousError) else RendezvousError(refusal)
+            raise self._reject("group", error)
         reply = {"t": "welcome", "rank": self.rank, "mac": b""}
         if self.secret is not None:
             reply["mac"] = _auth.proof(self.secret, b"acceptor", self.nonce, nonce, ctx)

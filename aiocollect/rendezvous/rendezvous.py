@@ -18,22 +18,28 @@ things cannot link) and makes the links (docs/design.md, "Transports").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiocollect import _protect
+from aiocollect import _fdlimit, _protect
 from aiocollect._deadline import Deadline
 from aiocollect.errors import RendezvousError, RendezvousTimeout
 from aiocollect.rendezvous import chunking, claims
-from aiocollect.rendezvous.handshake import PROTOCOL_VERSION, AcceptorHandshake, ConnectorHandshake
+from aiocollect.rendezvous.handshake import PROTOCOL_VERSION, AcceptorHandshake
 from aiocollect.rendezvous.hosts import host_indices
+from aiocollect.rendezvous.ondemand import Dialer
 from aiocollect.store.base import Store
 from aiocollect.tls import TLSConfig
 from aiocollect.transport import host, registry
 from aiocollect.transport.base import Link, LinkEvents
 from aiocollect.transport.interface import LinkSetup, Listener, Record, Screen
+
+#: Seconds a rank waits for its links before it also watches for another rank's report
+#: that linking failed (one store request, made only by groups slower than this).
+WATCH_AFTER = 1.0
 
 
 @dataclass
@@ -51,6 +57,15 @@ class RendezvousConfig:
     deadline: Deadline
     #: Without a secret, accept peer links from other hosts too (else: protected mode).
     insecure: bool = False
+    #: The world ranks to link while the group forms (the others link on demand), or None
+    #: for every rank (the full mesh).
+    eager: frozenset[int] | None = None
+
+    @property
+    def links(self) -> str:
+        """``"eager"`` (every pair linked as the group forms) or ``"lazy"``: every rank of
+        a group must link the same way (checked against rank 0's record)."""
+        return "eager" if self.eager is None else "lazy"
 
 
 @dataclass
@@ -68,8 +83,13 @@ class Endpoint:
     pulls: bool = False
     #: Per world rank, the index of its host (:func:`~aiocollect.rendezvous.hosts.host_indices`).
     hosts: list[int] = field(default_factory=list)
+    #: This rank's links, made and to make (None until the rendezvous made it).
+    dialer: Dialer | None = None
 
     def close(self) -> None:
+        """Stop accepting and connecting."""
+        if self.dialer is not None:
+            self.dialer.refuse("the group is closed")
         self.listener.close()
 
     async def release(self) -> None:
@@ -96,42 +116,43 @@ async def rendezvous(
     """
     links: dict[int, Link] = {}
     arrived: asyncio.Event = asyncio.Event()
-    expected = cfg.world_size - 1
-
-    def admit(peer: int) -> str | None:
-        if peer <= cfg.rank:
-            return f"rank {peer} must accept, not connect to, rank {cfg.rank}"
-        if peer in links:
-            return f"rank {peer} is already connected"
-        return None
-
-    def on_link(link: Link) -> None:
-        links[link.peer] = link
-        if len(links) == expected:
-            arrived.set()
-
-    claim = await claims.claim(store, cfg.name, cfg.rank, cfg.world_size, cfg.deadline)
-
-    def acceptor() -> AcceptorHandshake:
-        return AcceptorHandshake(
-            cfg.name, cfg.rank, cfg.world_size, cfg.secret, admit, job=claim.job
-        )
-
     transport = registry.get(cfg.transport)
     if transport is None:
         raise RendezvousError(
             f"no transport named {cfg.transport!r} is registered "
             f"(registered: {', '.join(registry.names())})"
         )
+    others = set(range(cfg.world_size)) - {cfg.rank}
+    # In-process links cost no descriptor: those groups link every pair at once.
+    wanted = others if cfg.eager is None or transport.in_process else set(cfg.eager) & others
+    formed: set[int] = set()
+
+    def deliver(link: Link) -> None:
+        links[link.peer] = link
+        if link.peer in wanted:
+            formed.add(link.peer)
+            if len(formed) == len(wanted):
+                arrived.set()
+
+    claim = await claims.claim(store, cfg.name, cfg.rank, cfg.world_size, cfg.deadline)
+    reserved = 0  # links counted by _fdlimit.reserve until they are made
+    dialer = Dialer(cfg.rank, cfg.world_size, cfg.name, cfg.secret, claim.job, deliver)
+
+    def acceptor() -> AcceptorHandshake:
+        return AcceptorHandshake(
+            cfg.name, cfg.rank, cfg.world_size, cfg.secret, dialer.admit, job=claim.job
+        )
+
     setup = LinkSetup(
         rank=cfg.rank,
         events=events,
         max_frame=max_frame,
         host=cfg.host or "127.0.0.1",
         acceptor=acceptor,
-        on_link=on_link,
+        on_link=dialer.on_link,
         tls=cfg.ssl,
         screen=_protected_screen(cfg),
+        backlog=max(100, cfg.world_size),
     )
     try:
         endpoint = Endpoint(await transport.listen(setup))
@@ -139,6 +160,7 @@ async def rendezvous(
         await claim.release(f"rendezvous failed on rank 0: {exc!r}")
         raise
     endpoint.claim = claim
+    endpoint.dialer = dialer
     try:
         record = {
             "v": PROTOCOL_VERSION,
@@ -148,44 +170,97 @@ async def rendezvous(
             **host.identity(),
             "pid": os.getpid(),
             "chunk_bytes": cfg.chunk_bytes,
+            "links": cfg.links,
         }
+        # (the ranks of one process form at once: each counts the others' links too)
+        short = _fdlimit.reserve(len(wanted))
+        if short is not None:  # every rank of the job learns it (not only this one)
+            why = _fdlimit.links_exhausted(cfg.rank, 0, short)
+            await claim.refuse(why)
+            raise RendezvousError(why)
+        reserved = len(wanted)
         await claim.publish(record)
         peers = await _read_records(claim, cfg, record)
         endpoint.chunk_bytes = cfg.chunk_bytes or chunking.group_chunk_bytes(peers)
         endpoint.pulls = chunking.all_pull(peers)
         endpoint.hosts = host_indices(peers, cfg.world_size)
         endpoint.listener.prepare(peers)
-        if expected == 0:
+        dialer.listener, dialer.records = endpoint.listener, peers
+        if len(formed) == len(wanted):
             arrived.set()
-        connects = [
-            asyncio.ensure_future(_connect(cfg, endpoint.listener, peers[r], claim.job))
-            for r in range(cfg.rank)
-        ]
+        # the higher rank of a pair connects (the lower one accepts), as on demand
+        connects = [dialer.start(r, cfg.deadline) for r in sorted(wanted) if r < cfg.rank]
         try:
-            remaining = cfg.deadline.remaining()
-            async with asyncio.timeout(remaining):
-                for fut in connects:
-                    on_link(await fut)
-                await arrived.wait()
+            await _linked(claim, cfg, connects, arrived)
         except TimeoutError:
-            missing = [r for r in range(cfg.world_size) if r != cfg.rank and r not in links]
+            missing = sorted(wanted - formed)
             raise RendezvousTimeout(
                 f"rank {cfg.rank}: no link from ranks {missing} of group {cfg.name!r} "
                 f"before the deadline",
                 missing,
             ) from None
-        finally:
-            for fut in connects:
-                fut.cancel()
+        except RendezvousError as exc:
+            # out of descriptors: tell every rank of the job (the others wait for a peer
+            # that cannot link, else until the deadline)
+            if _fdlimit.EXHAUSTED in str(exc) and not getattr(exc, "from_store", False):
+                with contextlib.suppress(Exception):
+                    await claim.fail(str(exc))
+            raise
+        _fdlimit.release(reserved)
+        reserved = 0
         await claim.check_conflict()  # another job's rank lost its claim to ours?
     except BaseException as exc:
+        _fdlimit.release(reserved)
+        dialer.refuse(f"the rendezvous failed: {exc!r}")
         endpoint.close()
         for link in links.values():
             link.abort()
         await claim.release(f"rendezvous failed on rank 0: {exc!r}")
         raise
-    endpoint.close()  # every peer is linked: accept nobody else
+    if wanted == others:
+        endpoint.close()  # every peer is linked: accept nobody else
     return endpoint, links
+
+
+async def _linked(
+    claim: claims.Claim,
+    cfg: RendezvousConfig,
+    connects: list[asyncio.Future[Link]],
+    arrived: asyncio.Event,
+) -> None:
+    """Wait until this rank's connects are done and every link it wants has arrived.
+    After ``WATCH_AFTER`` seconds, also wait for a rank of the job to report that it
+    failed to link (``claim.fail``): each rank then fails within moments of the first,
+    instead of at the deadline.
+
+    Raises:
+        TimeoutError: the deadline passed first.
+        RendezvousError: a connect failed, or a rank reported its failure (the error then
+            has ``from_store`` set).
+    """
+
+    async def links() -> None:
+        for fut in connects:
+            await fut
+        await arrived.wait()
+
+    async with asyncio.timeout(cfg.deadline.remaining()):
+        done = asyncio.ensure_future(links())
+        try:
+            await asyncio.wait([done], timeout=WATCH_AFTER)
+            if not done.done():
+                watch = asyncio.ensure_future(claim.failed(cfg.deadline))
+                try:
+                    await asyncio.wait([done, watch], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    watch.cancel()
+                if not done.done() and not watch.cancelled() and watch.exception() is None:
+                    err = RendezvousError(watch.result())
+                    err.from_store = True  # type: ignore[attr-defined]
+                    raise err
+            await done
+        finally:
+            done.cancel()
 
 
 async def _check_first(claim: claims.Claim, cfg: RendezvousConfig, mine: Record) -> None:
@@ -214,12 +289,13 @@ def _check_settings(cfg: RendezvousConfig, r: int, rec: dict[str, Any]) -> None:
     try:
         bad = [
             k
-            for k in ("world_size", "chunk_bytes", "v")
-            if rec[k]
+            for k in ("world_size", "chunk_bytes", "v", "links")
+            if (rec[k] if k != "links" else rec.get(k, cfg.links))  # (absent: as ours)
             != {
                 "world_size": cfg.world_size,
                 "chunk_bytes": cfg.chunk_bytes,
                 "v": PROTOCOL_VERSION,
+                "links": cfg.links,
             }[k]
         ]
     except (ValueError, KeyError, TypeError) as exc:
@@ -229,7 +305,8 @@ def _check_settings(cfg: RendezvousConfig, r: int, rec: dict[str, Any]) -> None:
             f"rank {r} joined group {cfg.name!r} with "
             + ", ".join(f"{k}={_shown(k, rec[k])}" for k in bad)
             + f" but rank {cfg.rank} has world_size={cfg.world_size}, "
-            f"chunk_bytes={_shown('chunk_bytes', cfg.chunk_bytes)}, protocol {PROTOCOL_VERSION}"
+            f"chunk_bytes={_shown('chunk_bytes', cfg.chunk_bytes)}, links={cfg.links!r}, "
+            f"protocol {PROTOCOL_VERSION}"
         )
 
 
@@ -287,9 +364,3 @@ def _protected_screen(cfg: RendezvousConfig) -> Screen | None:
         return {"t": "reject", "kind": "protected", "error": _protect.refusal(what, peername)}
 
     return screen
-
-
-async def _connect(cfg: RendezvousConfig, listener: Listener, rec: Record, job: bytes) -> Link:
-    peer = int(rec["rank"])
-    hs = ConnectorHandshake(cfg.name, cfg.rank, peer, cfg.world_size, cfg.secret, job=job)
-    return await listener.connect(rec, hs)

@@ -72,7 +72,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from aiocollect.errors import InternalError
+from aiocollect.errors import InternalError, RendezvousError
 from aiocollect.transport.mailbox import Mailbox
 from aiocollect.transport.wire import Header
 
@@ -114,6 +114,11 @@ class Rejection(Exception):
         super().__init__(str(error))
         self.reply = reply
         self.error = error
+
+
+class Superseded(RendezvousError):
+    """A connection refused because the pair's other connection stands (both ranks
+    connected at once, links on demand): not a fault, so listeners do not log it."""
 
 
 Fingerprint = tuple[int, int, int, int, int]

@@ -52,6 +52,11 @@ class LinkSetup:
     tls: TLSConfig | None = None
     #: Screens incoming connections before their handshake (protected mode), or None.
     screen: Screen | None = None
+    #: The listen backlog (the kernel caps it at net.core.somaxconn): the group's size,
+    #: since with links on demand every peer may connect at once, and a full backlog drops
+    #: SYNs (a second's retransmission each). Not more: where accept runs out of
+    #: descriptors, asyncio retries it up to this many times per wake-up, logging each.
+    backlog: int = 100
 
 
 class Listener(abc.ABC):

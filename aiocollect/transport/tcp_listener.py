@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiocollect.errors import PeerDisconnected, RendezvousError
-from aiocollect.transport.base import Handshaker, Link
+from aiocollect.transport.base import Handshaker, Link, Superseded
 from aiocollect.transport.interface import LinkSetup, Listener, Record, Screen, Transport
 from aiocollect.transport.sockets import Screened
 from aiocollect.transport.tcp import StreamLink, TcpLink
@@ -56,7 +56,7 @@ def accepting(
         if fut.cancelled():
             return
         exc = fut.exception()
-        if isinstance(exc, Screened):
+        if isinstance(exc, (Screened, Superseded)):
             return
         if exc is not None:
             log.warning("rejected an incoming connection: %s", exc)
@@ -116,7 +116,12 @@ class SocketListener(Listener):
         """Start the server whose connections ``factory`` makes links for, and add its
         address to ``self.record``."""
         server = await asyncio.get_running_loop().create_server(
-            factory, self.setup.host, 0, ssl=self.server_ssl, reuse_address=True
+            factory,
+            self.setup.host,
+            0,
+            ssl=self.server_ssl,
+            reuse_address=True,
+            backlog=self.setup.backlog,
         )
         self.record.update(address=self.setup.host, port=server.sockets[0].getsockname()[1])
         return server

@@ -1,6 +1,6 @@
-"""Form one group of PROCS processes x RANKS ranks each (TCP links) through a standalone
-``aiocollect store``, pass a barrier, close; print the time (docs/multinode.md, "Forming
-large groups")::
+"""Form one group of PROCS processes x RANKS ranks each (TCP links between every pair:
+``links="eager"``) through a standalone ``aiocollect store``, pass a barrier, close; print
+the time (docs/multinode.md, "Forming large groups")::
 
     PYTHONPATH=. python tests/rendezvous/many_ranks.py 4 32
 """
@@ -19,7 +19,7 @@ import aiocollect as ac
 async def _ranks(url: str, first: int, count: int, world_size: int) -> None:
     groups = await asyncio.gather(
         *(
-            ac.open_group(r, world_size, store=url, transport="tcp", timeout=600)
+            ac.open_group(r, world_size, store=url, transport="tcp", timeout=600, links="eager")
             for r in range(first, first + count)
         )
     )

@@ -1,0 +1,223 @@
+"""A rank's links to its peers, made when the group forms and on demand afterwards.
+
+:class:`Dialer` admits incoming links (the acceptor handshake's ``admit``), connects to a
+peer when asked (:meth:`Dialer.dial`), and hands every link made to its owner
+(``deliver``: the rendezvous's table while the group forms, the fabric's afterwards).
+
+Either rank of a pair may need the link first, and both may connect at once. The higher
+rank's connection stands: a rank refuses a connection from a lower rank while its own
+connection to that rank is under way, and either refusal (that one, or "already linked")
+tells the connecting rank to wait for the link its peer makes instead (both see one link).
+A connect retries within its deadline when the connection is refused or reset (the peer's
+listener backlog was full), at most ``CONNECTS`` at a time per rank, and a rank waiting
+for its peer's connection waits no longer than its own deadline. A connect that finds
+this process out of descriptors fails at once, with a message naming the limit, the links
+open and what to do (``_fdlimit.links_exhausted``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+from aiocollect import _fdlimit
+from aiocollect._deadline import Deadline
+from aiocollect.errors import PeerDisconnected, PeerTimeout, RendezvousError
+from aiocollect.rendezvous.handshake import ConnectorHandshake
+from aiocollect.transport.base import Link, Superseded
+from aiocollect.transport.interface import Listener, Record
+
+#: Connects (with their handshakes) one rank runs at a time: beyond this the peers'
+#: backlogs overflow and SYNs are dropped (a second's retransmission each).
+CONNECTS = 64
+#: The first pause before a refused or reset connect is retried (doubling up to
+#: ``RETRY_MAX``).
+RETRY_FIRST = 0.01
+RETRY_MAX = 0.5
+#: The words of a refusal that means "use the link your peer is making".
+STANDS = "the peer's own link stands"
+
+
+class Dialer:
+    """The links of rank ``rank`` of group ``name`` (``world_size`` ranks, job ``job``).
+
+    Args:
+        rank: this rank.
+        world_size: the group's size.
+        name: the group's name (handshakes check it).
+        secret: the shared secret, or None.
+        job: the job's nonce (handshakes check it).
+        deliver: called with each link made (by either side), once per peer.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        name: str,
+        secret: bytes | None,
+        job: bytes,
+        deliver: Callable[[Link], None],
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.name = name
+        self.secret = secret
+        self.job = job
+        self.deliver = deliver
+        #: The listener (connects go through it) and every rank's record, once read.
+        self.listener: Listener | None = None
+        self.records: dict[int, Record] = {}
+        #: Peers linked (by either side), connecting to, and admitted by this rank.
+        self.linked: set[int] = set()
+        self._outgoing: set[int] = set()
+        self._incoming: set[int] = set()
+        self._waiters: dict[int, asyncio.Future[Link]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(CONNECTS)
+        #: Why no more links are made (the group closed or broke), or None.
+        self.refusing: str | None = None
+
+    # -- the listener's side ---------------------------------------------------------------
+
+    def admit(self, peer: int) -> str | RendezvousError | None:
+        """The acceptor handshake's check of a connecting ``peer``: None to go on, else
+        why the link is refused."""
+        if self.refusing is not None:
+            return self.refusing
+        if peer in self.linked:
+            return Superseded(f"rank {peer} is already linked to rank {self.rank} ({STANDS})")
+        if peer in self._outgoing and peer < self.rank:
+            return Superseded(f"rank {self.rank} is connecting to rank {peer} ({STANDS})")
+        self._incoming.add(peer)
+        return None
+
+    def on_link(self, link: Link) -> None:
+        """A link whose handshake succeeded (accepted or connected)."""
+        peer = link.peer
+        self._incoming.discard(peer)
+        if self.refusing is not None or peer in self.linked:
+            link.abort()
+            return
+        self.linked.add(peer)
+        self.deliver(link)
+        fut = self._waiters.pop(peer, None)
+        if fut is not None and not fut.done():
+            fut.set_result(link)
+
+    # -- connecting ------------------------------------------------------------------------
+
+    def start(self, peer: int, deadline: Deadline) -> asyncio.Future[Link]:
+        """Make sure a link to ``peer`` is on its way (connecting unless this rank already
+        is, or was asked by the peer) and return the future of that link. The future fails
+        with RendezvousError where the connect fails for good; it never times out (the
+        caller's wait does)."""
+        fut = self._waiters.get(peer)
+        if fut is None:
+            fut = self._waiters[peer] = asyncio.get_running_loop().create_future()
+            # (its failure is raised to whoever waits; unawaited, it is no bug to report)
+            fut.add_done_callback(_retrieve)
+        if peer not in self._outgoing and peer not in self._incoming:
+            self._outgoing.add(peer)
+            task = asyncio.ensure_future(self._connect(peer, deadline))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return fut
+
+    async def dial(self, peer: int, deadline: Deadline) -> Link:
+        """The link to world rank ``peer``, connected now if there is none yet.
+
+        Raises:
+            PeerTimeout: no link before ``deadline`` (naming the peer).
+            PeerDisconnected: the peer could not be reached or refused the link, or no more
+                links are made (the group closed or broke).
+        """
+        if self.refusing is not None:
+            raise PeerDisconnected(
+                f"rank {self.rank} makes no more links: {self.refusing}", rank=peer
+            )
+        fut = self.start(peer, deadline)
+        try:
+            async with asyncio.timeout(deadline.remaining()):
+                return await asyncio.shield(fut)
+        except TimeoutError:
+            raise PeerTimeout(
+                f"rank {self.rank} could not link to rank {peer} before the deadline",
+                [peer],
+            ) from None
+        except RendezvousError as exc:
+            raise PeerDisconnected(str(exc), rank=peer) from None
+
+    async def _connect(self, peer: int, deadline: Deadline) -> None:
+        pause = RETRY_FIRST
+        try:
+            while True:
+                async with self._slots:
+                    if peer in self.linked or self.refusing is not None:
+                        return
+                    try:
+                        link = await self._link(peer)
+                    except RendezvousError as exc:
+                        if STANDS in str(exc):
+                            return  # the peer's connection comes to the listener
+                        if _fdlimit.is_exhausted(exc):
+                            detail = f"connecting to rank {peer}: {exc.__context__}"
+                            why = _fdlimit.links_exhausted(self.rank, len(self.linked), detail)
+                            self._failed(peer, RendezvousError(why))
+                            return
+                        left = deadline.remaining()
+                        if not _retryable(exc) or (left is not None and left < pause):
+                            self._failed(peer, exc)
+                            return
+                    except Exception as exc:  # refused for good (AuthenticationError, ...)
+                        self._failed(peer, exc)
+                        return
+                    else:
+                        self.on_link(link)
+                        return
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, RETRY_MAX)
+        finally:
+            self._outgoing.discard(peer)
+
+    async def _link(self, peer: int) -> Link:
+        assert self.listener is not None
+        hs = ConnectorHandshake(
+            self.name, self.rank, peer, self.world_size, self.secret, job=self.job
+        )
+        return await self.listener.connect(self.records[peer], hs)
+
+    def _failed(self, peer: int, exc: BaseException) -> None:
+        fut = self._waiters.pop(peer, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
+
+    def refuse(self, reason: str) -> None:
+        """Make no more links (the group closed or broke): connects under way end, links
+        that complete later are reset, and waiters fail."""
+        if self.refusing is not None:
+            return
+        self.refusing = reason
+        for task in list(self._tasks):
+            task.cancel()
+        for peer in list(self._waiters):
+            self._failed(peer, RendezvousError(f"rank {self.rank} makes no more links: {reason}"))
+
+    async def wait_closed(self) -> None:
+        """Wait for the connects that :meth:`refuse` cancelled to end."""
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task
+
+
+def _retrieve(fut: asyncio.Future[Link]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _retryable(exc: RendezvousError) -> bool:
+    """Whether a connect that failed with ``exc`` may succeed if tried again: refused or
+    reset by the peer's kernel (a full backlog, a listener not up yet), not refused by
+    the peer's handshake or its TLS."""
+    return isinstance(exc.__context__, ConnectionError)

@@ -1,0 +1,36 @@
+"""Many ranks per process over real TCP links through a standalone store
+(``aiocollect.testing.many``): the group forms and allreduce (4 B, 1 MiB), broadcast,
+barrier, alltoall and split are exact on every rank. The large groups run under
+``make scale`` (``AIOCOLLECT_SCALE=1``), not ``make test``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from aiocollect.collectives.neighbours import neighbours
+from aiocollect.testing.many import run_many
+
+LARGE = os.environ.get("AIOCOLLECT_SCALE") == "1"
+
+
+@pytest.mark.timeout(120)
+def test_two_processes_of_six_ranks() -> None:
+    result = run_many(2, 6, timeout=100)
+    most = max(len(neighbours(12, r)) for r in range(12))
+    assert result.figures["sockets_at_open"] == most
+    assert result.figures["sockets_after_collectives"] == most
+
+
+@pytest.mark.scale
+@pytest.mark.skipif(not LARGE, reason="make scale (AIOCOLLECT_SCALE=1)")
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize(("procs", "per"), [(4, 128), (8, 128)])
+def test_large_groups(procs: int, per: int) -> None:
+    n = procs * per
+    result = run_many(procs, per, timeout=1700)
+    print(f"{n} ranks: {result.figures}, {result.wall_s:.1f} s")
+    assert result.figures["sockets_after_collectives"] <= max(
+        len(neighbours(n, r)) for r in range(n)
+    )
