@@ -16,7 +16,9 @@ is the union of the partners of every algorithm that talks to neighbours only:
 That is at most 3 ceil(log2 n) + 2 peers. :data:`NEIGHBOUR_CODES` names these algorithms by
 the collective field of their fingerprint; an operation by any other algorithm (direct,
 pairwise, star, pull, and any added later) opens every link of its group before it
-starts, so a new algorithm is correct before it is listed here.
+starts, so a new algorithm is correct before it is listed here; the two-level algorithms
+(:data:`TWO_LEVEL_CODES`) open the links of their host's ranks, the leaders and the
+inter-host rings of their share.
 """
 
 from __future__ import annotations
@@ -43,6 +45,15 @@ NEIGHBOUR_CODES: frozenset[int] = frozenset(
     for coll, names in _NEIGHBOUR_ALGORITHMS.items()
     for name in names
 ) | {int(Collective.OBJECT)}  # (the object collectives: binomial tree and ring)
+
+
+#: The collective fields of the two-level operations (``collectives/hierarchical.py``):
+#: they link the peers of :meth:`~aiocollect.engine.topology.Topology.two_level_peers`.
+TWO_LEVEL_CODES: frozenset[int] = frozenset(
+    int(coll) | names["two_level"] << 5
+    for coll, names in ALGORITHM_CODES.items()
+    if "two_level" in names
+)
 
 
 @lru_cache(maxsize=64)

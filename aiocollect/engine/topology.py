@@ -64,6 +64,38 @@ class Topology:
         two-level algorithms pay (one host, or one rank per host, stays flat)."""
         return len(self.hosts) > 1 and any(len(ranks) > 1 for ranks in self.hosts)
 
+    def two_level_peers(self, root: int = -1) -> frozenset[int]:
+        """The group ranks this rank exchanges frames with in a two-level operation
+        (``collectives/hierarchical.py``), whatever the message size: the ranks of its
+        host (the phases inside a host), the other leaders if it leads its host (the one-
+        leader phases), and on every other host the ranks whose share of a message
+        overlaps its own (the inter-host rings of the several-leaders allreduce: local
+        rank ``i`` of ``R`` holds ``[i/R, (i+1)/R)`` of the message, and the shares are
+        cut where any host's bounds fall). With a ``root`` (broadcast, reduce), the root
+        stands for its host among the leaders: the root and the other hosts' leaders
+        are each other's peers. Symmetric for one ``root``: ``b`` is in ``a``'s set
+        exactly when ``a`` is in ``b``'s. The links a group makes for a two-level
+        operation."""
+        mine = self.local
+        out = set(mine)
+        if self.local_rank == 0:
+            out.update(self.leaders)
+        i, size = self.local_rank, len(mine)
+        for h, ranks in enumerate(self.hosts):
+            if h == self.host:
+                continue
+            r = len(ranks)  # [j/r, (j+1)/r) overlaps [i/size, (i+1)/size):
+            out.update(
+                ranks[j] for j in range(r) if j * size < (i + 1) * r and i * r < (j + 1) * size
+            )
+        if root >= 0:
+            root_host = self.host_of[root]
+            reps = [root if h == root_host else ranks[0] for h, ranks in enumerate(self.hosts)]
+            if mine[self.local_rank] in reps:
+                out.update(reps)
+        out.discard(mine[self.local_rank])
+        return frozenset(out)
+
     def describe(self) -> dict[str, Any]:
         """The topology as plain values (``Group.statistics()``, ``aiocollect info``):
         ``hosts`` (ranks per host), ``host``, ``local_rank``, ``leaders``, ``two_level``."""

@@ -18,7 +18,8 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from aiocollect._buffers import Array
-from aiocollect.collectives.neighbours import NEIGHBOUR_CODES, neighbours
+from aiocollect.collectives import hierarchical
+from aiocollect.collectives.neighbours import NEIGHBOUR_CODES, TWO_LEVEL_CODES, neighbours
 from aiocollect.collectives.plan import Plan, Planner
 from aiocollect.engine.fabric import Fabric
 from aiocollect.engine.op import Op
@@ -116,9 +117,15 @@ class GroupCore:
 
     async def _link(self, op: Op, timeout: float | None) -> None:
         """Make the links ``op`` needs that do not exist yet: its group's neighbours for an
-        algorithm of ``NEIGHBOUR_CODES``, else every rank of its group."""
-        if op.fp[0] in NEIGHBOUR_CODES:
+        algorithm of ``NEIGHBOUR_CODES``, the two-level peers for a two-level one
+        (``Topology.two_level_peers``), else every rank of its group."""
+        code = op.fp[0]
+        if code in NEIGHBOUR_CODES:
             await self._fabric.ensure(self._near, timeout)
+            return
+        if code in TWO_LEVEL_CODES:
+            peers = hierarchical.topology(op).two_level_peers(op.fp[4])
+            await self._fabric.ensure([self._ranks[g] for g in peers], timeout)
             return
         await self._fabric.ensure(self._ranks, timeout)
         self._linked = True

@@ -183,3 +183,42 @@ async def test_an_operation_that_linked_every_pair_runs_in_one_frame_after() -> 
         return len(plans) == 1 and plans[0].small is not None
 
     assert all(await run_ranks(N, body, transport="tcp", timeout=30))
+
+
+async def test_two_level_operations_link_only_their_peers() -> None:
+    """16 ranks as 4 hosts x 4 (cyclic placement, as a rendezvous across hosts learns
+    it): every two-level collective is exact, and links only the group's neighbours and
+    the two-level peers (the host's ranks, the leaders, the rings of its share)."""
+    from aiocollect.collectives import hierarchical
+
+    n, hosts = 16, [r % 4 for r in range(16)]
+
+    async def body(g: ac.Group) -> set[int]:
+        g._fabric.hosts = list(hosts)
+        small = np.full(3, g.rank + 1, dtype=np.int64)
+        await g.allreduce(small)
+        assert (small == n * (n + 1) // 2).all()
+        big = np.full(300_001, g.rank + 1, dtype=np.int64)  # several leaders
+        await g.allreduce(big)
+        assert (big == n * (n + 1) // 2).all()
+        b = np.arange(6.0) if g.rank == 5 else np.zeros(6)
+        await g.broadcast(b, root=5)
+        assert (b == np.arange(6.0)).all()
+        r = np.full(4, g.rank, dtype=np.int64)
+        await g.reduce(r, root=6)
+        if g.rank == 6:
+            assert (r == sum(range(n))).all()
+        rows = await g.allgather(np.full(2, g.rank, dtype=np.int32))
+        assert [int(x[0]) for x in rows] == list(range(n))
+        out = np.empty(2, dtype=np.int64)
+        await g.reduce_scatter(np.ones(2 * n, dtype=np.int64), out)
+        assert (out == n).all()
+        await g.barrier()
+        return set(g._fabric.links)
+
+    results = await run_ranks(n, body, transport="tcp", timeout=45)
+    for rank, linked in enumerate(results):
+        topo = hierarchical._topology(tuple(hosts), rank)
+        peers = topo.two_level_peers() | topo.two_level_peers(5) | topo.two_level_peers(6)
+        assert linked <= neighbours(n, rank) | peers, rank
+    assert any(len(linked) < n - 1 for linked in results)

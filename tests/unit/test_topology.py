@@ -61,3 +61,46 @@ def test_pieces_uneven_hosts_cut_at_every_bound() -> None:
     # every element in exactly one piece; fewer elements than ranks: no empty piece
     assert [p[:2] for p in pieces(topo, 1)] == [(0, 1)]
     assert pieces(topo, 0) == []
+
+
+@pytest.mark.parametrize(
+    "host_ids",
+    [
+        [0, 0, 1, 1, 2, 2, 3, 3],
+        [0, 1, 2, 3, 0, 1, 2, 3],
+        [0, 1, 0, 2, 1, 0, 1],  # uneven: 3 + 3 + 1
+        [0] * 5 + [1] * 3 + [2] * 4,
+    ],
+)
+def test_two_level_peers_hold_every_piece_ring_and_are_symmetric(host_ids: list[int]) -> None:
+    """The links a two-level operation makes: symmetric, the host's ranks, the leaders
+    among themselves, and every ring of every piece of every message size."""
+    n = len(host_ids)
+    topos = [Topology.of(host_ids, r) for r in range(n)]
+    peers = [t.two_level_peers() for t in topos]
+    for a in range(n):
+        assert a not in peers[a]
+        assert set(topos[a].local) - {a} <= peers[a]
+        for b in peers[a]:
+            assert a in peers[b], (a, b)
+    leaders = topos[0].leaders
+    for a in leaders:
+        assert set(leaders) - {a} <= peers[a]
+    for count in (1, 2, 3, 7, 12, 1000, 1001):
+        for _, _, ring in pieces(topos[0], count):
+            for k, r in enumerate(ring):  # ring neighbours on every other host
+                assert ring[(k + 1) % len(ring)] in peers[r] | {r}
+    # not the full mesh: ranks that share no piece and lead no host are not linked
+    assert any(len(p) < n - 1 for p in peers)
+    for root in range(n):  # a rooted operation: the root stands for its host
+        rooted = [t.two_level_peers(root) for t in topos]
+        reps = [
+            root if h == topos[0].host_of[root] else ranks[0]
+            for h, ranks in enumerate(topos[0].hosts)
+        ]
+        for a in range(n):
+            assert peers[a] <= rooted[a]
+            for b in rooted[a]:
+                assert a in rooted[b], (root, a, b)
+            if a in reps:
+                assert set(reps) - {a} <= rooted[a]
