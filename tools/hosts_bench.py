@@ -55,7 +55,11 @@ async def placement_rows(
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python tools/hosts_bench.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--per-host", type=int, default=2)
     parser.add_argument("--placements", default="blocked,cyclic")

