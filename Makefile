@@ -72,7 +72,7 @@ test-responsiveness: install
 # both.
 test-axis: install system-deps
 	AIOCOLLECT_AXIS=extended $(PY) -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses 4 \
-	  -m transports $(PYTEST_ARGS)
+	  -m "transports or axis" $(PYTEST_ARGS)
 
 # mypy --strict (the package and the tests) reads torch's own types for aiocollect/torch and
 # tests/torch: without torch installed it checks everything else and says so (after make

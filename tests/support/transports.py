@@ -69,7 +69,7 @@ CORE_MODES = frozenset({"memory", "tcp", "auto"})
 AXIS_ENV = "AIOCOLLECT_AXIS"
 
 
-def _selected(name: str) -> bool:
+def selected(name: str) -> bool:
     """Whether this run covers mode ``name`` (:data:`AXIS_ENV`)."""
     scope = os.environ.get(AXIS_ENV, "core")
     if scope == "full":
@@ -132,7 +132,7 @@ def cases(
     Raises:
         ValueError: ``values`` names no mode (a misspelt or unregistered one).
     """
-    every = [m for m in modes(where) if _selected(m.name)]
+    every = [m for m in modes(where) if selected(m.name)]
     known = {m.name for m in modes()}
     unknown = set(values or ()) - known
     if unknown:

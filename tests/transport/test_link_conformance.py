@@ -11,6 +11,7 @@ transport added to the registry is checked without a line here."""
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -26,10 +27,13 @@ from aiocollect.transport.base import Link, LinkEvents
 from aiocollect.transport.interface import Transport
 from aiocollect.transport.tcp import StreamLink
 from tests.support.certs import make_certs
+from tests.support.transports import AXIS_ENV, selected
 from tests.transport.example_onesided import ONE_SIDED
 from tests.transport.example_transport import UNIX
 
-pytestmark = pytest.mark.both_loops  # asyncio and uvloop transports differ (tests/conftest.py)
+# asyncio and uvloop transports differ (tests/conftest.py); the transports of this run:
+# the axis's (tests/support/transports.py), the examples in every run
+pytestmark = [pytest.mark.both_loops, pytest.mark.axis]
 
 #: Variants beyond the registry's names (with single-copy pulls on): the transport each is.
 PULL_VARIANTS = {"shm-pull": "shm"}
@@ -37,7 +41,14 @@ PULL_VARIANTS = {"shm-pull": "shm"}
 SOCKET_VARIANTS = {"shm-tcpsocket": "shm", "auto-tcpsocket": "auto"}
 #: The example transports, registered for their tests only.
 EXAMPLES = {t.name: t for t in (UNIX, ONE_SIDED)}
-TRANSPORTS = [*registry.names(), *PULL_VARIANTS, *SOCKET_VARIANTS, *EXAMPLES]
+#: Every link kind; ``make test`` runs the core modes and the examples, ``make test-axis``
+#: the rest (``AIOCOLLECT_AXIS``).
+ALL_TRANSPORTS = [*registry.names(), *PULL_VARIANTS, *SOCKET_VARIANTS, *EXAMPLES]
+TRANSPORTS = [
+    t
+    for t in ALL_TRANSPORTS
+    if selected(t) or (t in EXAMPLES and os.environ.get(AXIS_ENV) != "extended")
+]
 #: The socket family each shared-memory name's pair must connect over.
 FAMILIES = {
     "shm": socket.AF_UNIX,
