@@ -307,9 +307,7 @@ async def _open(
                 await _linger(store_obj, world_size)
             await store_obj.close()
         raise
-    fabric.attach(made, endpoint.pulls, endpoint.hosts)
-    if len(made) < world_size - 1 and endpoint.dialer is not None:
-        fabric.on_demand(endpoint.dialer)
+    fabric.attach(made, endpoint.pulls, endpoint.hosts, endpoint.dialer)
     chunk = endpoint.chunk_bytes
     group = Group(
         fabric,

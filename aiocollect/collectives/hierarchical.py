@@ -216,15 +216,14 @@ async def _allgather(op: Op, send: Array, blocks: Sequence[Array], base: int) ->
 async def _leaders_allgather(op: Op, topo: Topology, blocks: Sequence[Array], base: int) -> None:
     """Among the leaders, a ring allgather of every host's blocks, packed host by host
     (a host's ranks need not be contiguous)."""
-    starts = np.concatenate([[0], np.cumsum([b.size for b in blocks])])
-    packed = np.empty(int(starts[-1]), dtype=blocks[0].dtype)
+    spans = [_spans(ranks, blocks) for ranks in topo.hosts]
+    packed = np.empty(sum(b.size for b in blocks), dtype=blocks[0].dtype)
     hosts: list[Array] = []
     at = 0
-    for ranks in topo.hosts:
-        size = sum(blocks[r].size for r in ranks)
+    for host_spans in spans:  # (every host has a rank: its last span ends its block)
+        size = host_spans[-1][1]
         hosts.append(packed[at : at + size])
         at += size
-    spans = [_spans(ranks, blocks) for ranks in topo.hosts]
     for r, (a, b) in zip(topo.local, spans[topo.host], strict=True):
         hosts[topo.host][a:b] = blocks[r]
     await ring.allgather_blocks(Phase(op, topo.leaders, base + _LEADERS), hosts)

@@ -229,9 +229,7 @@ async def _form(
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-    fabric.attach(links, endpoint.pulls, endpoint.hosts)
-    if len(links) < size - 1 and endpoint.dialer is not None:
-        fabric.on_demand(endpoint.dialer)
+    fabric.attach(links, endpoint.pulls, endpoint.hosts, endpoint.dialer)
     group = Group(
         fabric,
         WORLD_GID,

@@ -91,18 +91,27 @@ class Fabric:
         self.dialer: Dialer | None = None
         self._pieces = False
 
-    def attach(self, links: Mapping[int, Link], pulls: bool, hosts: Sequence[int] = ()) -> None:
+    def attach(
+        self,
+        links: Mapping[int, Link],
+        pulls: bool,
+        hosts: Sequence[int] = (),
+        dialer: Dialer | None = None,
+    ) -> None:
         """Take the links the rendezvous made (by world rank) and what its records predict
         (``pulls``: every rank reads every other's memory; ``hosts``: per world rank, the
         index of its host), and tell every link how to
         pace its writes: in pieces where this host has a core per rank process, whole
-        where ranks share cores (:meth:`Link.pace_writes`)."""
+        where ranks share cores (:meth:`Link.pace_writes`). Where some peer is not linked
+        yet, ``dialer`` makes those links on demand (:meth:`on_demand`)."""
         self.links.update(links)
         self.pulls = pulls
         self.hosts = list(hosts)
         pieces = self._pieces = core_each(self.links.values())
         for link in self.links.values():
             link.pace_writes(pieces)
+        if dialer is not None and len(self.links) < self.world_size - 1:
+            self.on_demand(dialer)
 
     # -- links on demand ---------------------------------------------------------------------
 

@@ -69,9 +69,9 @@ class Dialer:
         #: The listener (connects go through it) and every rank's record, once read.
         self.listener: Listener | None = None
         self.records: dict[int, Record] = {}
-        #: Peers linked (by either side), connecting to, and admitted by this rank.
-        self.linked: set[int] = set()
-        self._made: dict[int, Link] = {}
+        #: Peers linked (by either side) with their links, connecting to, and admitted by
+        #: this rank.
+        self.linked: dict[int, Link] = {}
         self._outgoing: set[int] = set()
         self._incoming: set[int] = set()
         self._waiters: dict[int, asyncio.Future[Link]] = {}
@@ -101,8 +101,7 @@ class Dialer:
         if self.refusing is not None or peer in self.linked:
             link.abort()
             return
-        self.linked.add(peer)
-        self._made[peer] = link
+        self.linked[peer] = link
         self.deliver(link)
         fut = self._waiters.pop(peer, None)
         if fut is not None and not fut.done():
@@ -117,7 +116,7 @@ class Dialer:
         caller's wait does). A peer already linked (its link may have arrived after the
         caller looked, while its connect was on its way to the loop) gets its link at
         once: a connect would be refused as "already linked" and nothing would arrive."""
-        made = self._made.get(peer)
+        made = self.linked.get(peer)
         if made is not None:
             done = asyncio.get_running_loop().create_future()
             done.set_result(made)
