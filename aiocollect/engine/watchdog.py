@@ -6,10 +6,10 @@ the record of each: its :class:`~aiocollect.engine.op.Op` or
 :class:`~aiocollect.engine.small.Quick`, kind, start time and timeout), the operations
 completed per kind (:attr:`Watchdog.done`), the deadline heap with its one timer
 (:meth:`Watchdog.watch`), the progress ticker (every ``TICK`` s while operations are in
-flight: far deadlines go on the heap, peers are asked what they called, stalls are
-logged) and the search for the ranks to blame once a deadline passes
-(:meth:`Watchdog.timeout_error`). One-frame operations (engine/small.py) report to it
-directly, so the engine never reaches into the group.
+flight: far deadlines go on the heap, peers are asked what they called, the links to
+other hosts are looked at, stalls are logged) and the search for the ranks to blame
+once a deadline passes (:meth:`Watchdog.timeout_error`). One-frame operations
+(engine/small.py) report to it directly, so the engine never reaches into the group.
 
 The group's per-operation path writes :attr:`Watchdog.tasks` and tests
 :attr:`Watchdog.ticking` itself (attribute accesses, no call per operation), and calls
@@ -282,7 +282,7 @@ class Watchdog:
             self._progress.clear()
             return
         now = loop.time()
-        live = False
+        live = waiting = False
         for fut, info in list(self.tasks.items()):
             if info is None or fut.done():
                 continue
@@ -294,6 +294,7 @@ class Watchdog:
             age = now - started
             if age < CHECK_SECONDS:
                 continue
+            waiting = True
             st = self._progress.get(fut)
             if st is None:
                 st = self._progress[fut] = _Progress(op.progress(), age, timeout)
@@ -308,6 +309,8 @@ class Watchdog:
                 else:
                     st.token, st.since = token, now
                 st.next_warn = age + st.warn_every
+        if waiting:  # a host that vanished is found while an operation waits for it
+            self.fabric.liveness.look(now)
         for fut in [f for f in self._progress if f.done()]:
             del self._progress[fut]
         self._watched = {fut for fut in self._watched if not fut.done()}
