@@ -19,6 +19,7 @@ import contextlib
 import errno
 import os
 import struct
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from aiocollect import errors
@@ -213,10 +214,10 @@ class Liveness:
         hosts = fabric.hosts
         if first < len(hosts):
             mates = [r for r, h in enumerate(hosts) if h == hosts[first]]
-            notes.append(f"ranks on that host: {_few(mates)}")
+            notes.append(f"ranks on that host: {few(mates)}")
         others = sorted(set(peers) - {first})
         if others:
-            notes.append(f"the hosts of ranks {_few(others)} went silent too")
+            notes.append(f"the hosts of ranks {few(others)} went silent too")
         notes.append(f"{LINK_SILENCE_ENV}={self.silence:g}")
         return PeerDisconnected(
             f"{link.describe() if link is not None else f'rank {first}'} unreachable: its "
@@ -325,8 +326,19 @@ class Liveness:
         return CALLED if fp is None else CALLED + _FINGERPRINT.pack(*fp)
 
 
-def _few(ranks: list[int], most: int = 8) -> str:
-    """Ranks for a message: at most ``most`` of them, then how many more."""
-    if len(ranks) <= most:
-        return str(ranks)
-    return f"{ranks[:most]} and {len(ranks) - most} more"
+
+def few(ranks: Iterable[int], most: int = 8) -> str:
+    """Ranks for a message: at most ``most`` of them (sorted, without repeats), then how
+    many more: a message about a large group stays a line.
+
+    Args:
+        ranks: the ranks.
+        most: how many to show.
+
+    Returns:
+        ``"[1, 2]"``, or ``"[0, 1, ..., 7] and 56 more"``-like text.
+    """
+    shown = sorted(set(ranks))
+    if len(shown) <= most:
+        return str(shown)
+    return f"{shown[:most]} and {len(shown) - most} more"

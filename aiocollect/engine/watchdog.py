@@ -26,6 +26,7 @@ from collections import Counter
 from typing import Any
 
 from aiocollect.engine.fabric import Fabric
+from aiocollect.engine.liveness import few
 from aiocollect.engine.op import Op
 from aiocollect.engine.small import Quick
 from aiocollect.errors import MismatchError, PeerTimeout
@@ -47,8 +48,9 @@ CHECK_SECONDS = 1.0
 WATCH_AT_TICK = 2 * CHECK_SECONDS
 CHECK_MAX = 30.0
 #: An operation with no byte received or sent on its links for this long logs a WARNING
-#: naming it and the ranks not heard from, again after 2x, 4x ... that interval (at most
-#: every 5 minutes); at most a quarter of its timeout.
+#: naming it and the ranks not heard from (at most 8 of them, and how many more), again
+#: after 2x, 4x ... that interval (at most every 5 minutes); at most a quarter of its
+#: timeout.
 PROGRESS_SECONDS = 30.0
 #: Seconds between two looks of the progress ticker at the operations in flight.
 TICK = 0.5
@@ -266,7 +268,7 @@ class Watchdog:
             silent, how = waited, "sent nothing"
         return PeerTimeout(
             f"{kind} (op #{op.seq} of group {self.name!r}) on rank {self.rank} timed out "
-            f"after {timeout:g} s: ranks {silent} {how}",
+            f"after {timeout:g} s: ranks {few(silent)} {how}",
             silent,
         )
 
@@ -356,11 +358,11 @@ class Watchdog:
             if op.kind == DATA
             else f"point to point, group {self.name!r}"
         )
-        parts = [f"waiting for ranks {op.silent_peers()}"]
+        parts = [f"waiting for ranks {few(op.silent_peers())}"]
         if st.dead:
-            parts.append(f"ranks {st.dead} did not answer a ping")
+            parts.append(f"ranks {few(st.dead)} did not answer a ping")
         if st.absent:
-            parts.append(f"ranks {st.absent} have not called it")
+            parts.append(f"ranks {few(st.absent)} have not called it")
         end = (
             "no timeout"
             if timeout is None
