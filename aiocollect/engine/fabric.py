@@ -378,4 +378,3 @@ class Fabric:
             raise GroupBrokenError(
                 f"the group is broken: {type(self.failure).__name__}: {self.failure}"
             ) from self.failure
-

@@ -326,7 +326,6 @@ class Liveness:
         return CALLED if fp is None else CALLED + _FINGERPRINT.pack(*fp)
 
 
-
 def few(ranks: Iterable[int], most: int = 8) -> str:
     """Ranks for a message: at most ``most`` of them (sorted, without repeats), then how
     many more: a message about a large group stays a line.
