@@ -48,6 +48,9 @@ MIN_LINK_SILENCE = 2.0
 #: (rto, ato, snd_mss, rcv_mss, unacked, sacked, lost, retrans, fackets, last_data_sent,
 #: last_ack_sent, last_data_recv, last_ack_recv).
 _TCP_INFO = struct.Struct("8B13I")
+#: The largest TCP_KEEPCNT and TCP_KEEPIDLE Linux takes.
+_KEEPCNT_MAX = 127
+_KEEPIDLE_MAX = 32767
 #: The smallest override taken as given: with 4 and 8 KiB, several operations in flight
 #: over loopback stopped for good (the receive window, against a 64 KiB MSS, never
 #: reopened: ``tests/transport/test_socket_buffer.py``); 16 KiB and up did not.
@@ -122,8 +125,9 @@ def link_silence(env: Mapping[str, str] | None = None) -> float:
 def keep_alive(sock: socket.socket, silence: float) -> bool:
     """Have the kernel probe ``sock``'s peer host while the connection is idle: the first
     keep-alive after ``silence / 2`` s without a packet from it (at least 1 s), then one a
-    second; the kernel resets the connection (ETIMEDOUT) about ``silence + 1`` s after
-    the last packet if none was answered. A live host's kernel answers whatever its
+    second (at most 127, Linux's limit: the first comes later for a long silence); the
+    kernel resets the connection (ETIMEDOUT) about ``silence + 1`` s after the last
+    packet if none was answered. A live host's kernel answers whatever its
     process does (frozen, busy, not reading), so only a host that is gone or cut off
     fails. ``TCP_USER_TIMEOUT`` is not used: on Linux it also resets a connection whose
     live peer has not read for that long (its receive window closed).
@@ -138,7 +142,8 @@ def keep_alive(sock: socket.socket, silence: float) -> bool:
     if silence <= 0:
         return False
     idle = max(1, math.ceil(silence / 2))
-    count = max(1, math.ceil(silence + 1 - idle))
+    count = min(_KEEPCNT_MAX, max(1, math.ceil(silence + 1 - idle)))
+    idle = min(_KEEPIDLE_MAX, max(idle, math.ceil(silence + 1 - count)))
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)

@@ -168,7 +168,8 @@ class StreamLink(SendSide, asyncio.BufferedProtocol):
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF) if size else ():
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, opt, size)
-            if self._caps.local is False and keep_alive(sock, link_silence()):
+            if self._caps.local is False and (silence := link_silence()) > 0:
+                keep_alive(sock, silence)
                 self._remote = sock
         assert self.handshake is not None
         try:

@@ -42,7 +42,9 @@ def connected() -> Iterator[tuple[socket.socket, socket.socket]]:
         yield a, b
 
 
-@pytest.mark.parametrize(("silence", "idle", "count"), [(3.0, 2, 2), (10.0, 5, 6), (2.0, 1, 2)])
+@pytest.mark.parametrize(
+    ("silence", "idle", "count"), [(3.0, 2, 2), (10.0, 5, 6), (2.0, 1, 2), (600.0, 474, 127)]
+)
 def test_keep_alives_end_about_a_second_after_the_silence(
     connected: tuple[socket.socket, socket.socket], silence: float, idle: int, count: int
 ) -> None:
