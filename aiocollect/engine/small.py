@@ -9,8 +9,9 @@ its links' frame headers (:class:`Small`), and each call makes one :class:`Quick
 operation's state, its own posted receive (the link calls it back as the frame lands, from
 the transport's read path, see :class:`~aiocollect.transport.base.Receiver`) and the
 record the group's :class:`~aiocollect.engine.watchdog.Watchdog` reads for its deadline and
-progress checks (and to which it reports its end). The handle is a :class:`Handle`, an
-``asyncio.Future`` that notices its own cancellation. That saves the Task, the coroutine
+progress checks (and to which it reports its end). The handle is a
+:class:`~aiocollect.engine.handle.Handle`, an ``asyncio.Future`` that notices its own
+cancellation. That saves the Task, the coroutine
 frames, the per-receive future, the step objects and one event-loop pass per step
 (docs/design.md, *The one-frame path*).
 
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from aiocollect._buffers import Array, byte_castable, byte_view
+from aiocollect.engine.handle import Handle
 from aiocollect.engine.op import wrap_error
 from aiocollect.engine.reduce import FP_SIGNALS
 from aiocollect.engine.reduce import divide as divide_array
@@ -216,26 +218,6 @@ _Op = tuple[
     bytes,
     bool,
 ]
-
-
-# -- the handle ----------------------------------------------------------------------------
-
-
-class Handle(asyncio.Future[Any]):
-    """A one-frame operation's handle: a Future that tells its operation when it is
-    cancelled (no done callback, and no loop pass for one, per operation)."""
-
-    __slots__ = ("_quick",)
-
-    _quick: Quick | None
-
-    def cancel(self, msg: Any = None) -> bool:
-        if not super().cancel(msg):
-            return False
-        quick, self._quick = self._quick, None
-        if quick is not None:
-            quick.cancelled()
-        return True
 
 
 # -- the operation -------------------------------------------------------------------------
