@@ -10,7 +10,7 @@ imported, whether they load compiled or from their sources:
 
 - pure when ``AIOCOLLECT_PURE`` is set to anything but ``""`` or ``"0"`` (tests and A/B
   timings of both paths in one tree);
-- pure when a source is newer than its extension module (a stale build: the edited source
+- pure when a source is newer than the shared library (a stale build: the edited source
   runs, never old compiled code), or when an extension module is missing;
 - compiled otherwise.
 
@@ -72,8 +72,12 @@ def _pure_reason(environ: Mapping[str, str]) -> str | None:
     missing = [m for m, path in zip((*MODULES, SHARED_LIB), built, strict=True) if path is None]
     if missing:
         return f"incomplete build, missing {', '.join(missing)} (make compiled)"
-    oldest = min(path.stat().st_mtime for path in built if path is not None)
-    stale = [m for m in MODULES if source_path(m).stat().st_mtime > oldest]
+    # The code is in the shared library, linked by every build that changed a module (a
+    # module's own extension is a stub that the build leaves alone).
+    lib = built[-1]
+    assert lib is not None
+    linked = lib.stat().st_mtime
+    stale = [m for m in MODULES if source_path(m).stat().st_mtime > linked]
     if stale:
         return f"stale build: {', '.join(stale)} changed since (make compiled)"
     return None

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -157,7 +158,11 @@ def main() -> int:
     sources = [compiled.source_path(m) for m in compiled.MODULES]
     digest = _digest(sources)
     current = STAMP.exists() and STAMP.read_text() == digest
-    if current and not ns.force and len(_built(compiled)) == len(sources) + 1:
+    built = _built(compiled)
+    if current and not ns.force and len(built) == len(sources) + 1:
+        # The sources hash as built (a checkout or an edit that was undone may have made
+        # them newer than the library): mark the library current for aiocollect/_compiled.py.
+        os.utime(built[-1])
         print("compiled core is current (build/mypyc/stamp)")
         return _verified(ns.strict)
     clean(compiled)

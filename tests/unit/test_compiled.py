@@ -51,6 +51,17 @@ def test_a_source_edited_after_the_build_runs_pure(tree: Path) -> None:
     assert _compiled._pure_reason({}) == f"stale build: {name} changed since (make compiled)"
 
 
+def test_the_shared_library_dates_the_build(tree: Path) -> None:
+    """A module's own extension is a stub a rebuild may leave older than its source; the
+    shared library holds the code."""
+    name = _compiled.MODULES[0]
+    os.utime(_compiled.source_path(name), (3000, 3000))
+    lib = _compiled.extension_path(_compiled.SHARED_LIB)
+    assert lib is not None
+    os.utime(lib, (4000, 4000))
+    assert _compiled._pure_reason({}) is None
+
+
 def test_a_missing_module_runs_pure(tree: Path) -> None:
     path = _compiled.extension_path(_compiled.SHARED_LIB)
     assert path is not None
