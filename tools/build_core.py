@@ -142,7 +142,11 @@ def verify() -> str | None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser = argparse.ArgumentParser(
+        prog="python tools/build_core.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--force", action="store_true", help="build even if the stamp matches")
     parser.add_argument("--clean", action="store_true", help="remove the built modules")
     parser.add_argument("--strict", action="store_true", help="exit 1 where it cannot build")

@@ -132,9 +132,15 @@ def main() -> int:
         report = asyncio.run(_child(url, int(first), int(per), int(world)))
         print(json.dumps(report), flush=True)
         return 0
-    parser = argparse.ArgumentParser(prog="tools/regroup_scale.py")
-    parser.add_argument("procs", type=int)
-    parser.add_argument("per", type=int)
+    parser = argparse.ArgumentParser(
+        prog="python tools/regroup_scale.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "procs", type=int, help="processes of PER ranks each (besides the lone one)"
+    )
+    parser.add_argument("per", type=int, help="ranks per process")
     ns = parser.parse_args(args)
     print(json.dumps(run(ns.procs, ns.per)))
     return 0
