@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
 import shutil
 import signal
@@ -44,6 +45,7 @@ from aiocollect.testing.certs import Certs
 from tests.support import transports
 from tests.support.certs import make_certs
 from tests.support.shm_leaks import nothing_left
+from tests.support.stall_warnings import StallWarnings
 
 os.environ.setdefault("AIOCOLLECT_SPAWN_START_METHOD", "forkserver")
 from tests.support.transports import Axis
@@ -116,6 +118,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     mark = metafunc.definition.get_closest_marker("transports")
     names, params = transports.cases(**(mark.kwargs if mark is not None else {}))
     metafunc.parametrize(names, params, indirect=["axis"])
+
+
+@pytest.fixture
+def stall_warnings(monkeypatch: pytest.MonkeyPatch) -> Iterator[StallWarnings]:
+    """The library's no-progress warnings during the test, the first after 0.4 s."""
+    from aiocollect.engine import watchdog
+
+    monkeypatch.setattr(watchdog, "PROGRESS_SECONDS", 0.4)
+    handler = StallWarnings()
+    logger = logging.getLogger("aiocollect")
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
 
 
 @pytest.fixture

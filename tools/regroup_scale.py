@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
-import re
 import signal
 import subprocess
 import sys
@@ -32,7 +29,7 @@ from typing import Any
 import numpy as np
 
 import aiocollect as ac
-from aiocollect.testing.many import open_ranks
+from aiocollect.testing.many import open_ranks, start_store, stop_processes
 
 
 async def _member(g: ac.Group, failed: list[float]) -> dict[str, Any]:
@@ -69,24 +66,10 @@ async def _child(url: str, first: int, per: int, world: int) -> dict[str, Any]:
     }
 
 
-def _store() -> tuple[subprocess.Popen[str], str]:
-    store = subprocess.Popen(
-        [sys.executable, "-m", "aiocollect.store", "--host", "127.0.0.1", "--port", "0"],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "AIOCOLLECT_INSECURE": "1"},
-    )
-    assert store.stdout is not None
-    found = re.search(r":(\d+) ", store.stdout.readline())
-    if found is None:
-        raise RuntimeError("the store did not start")
-    return store, f"tcp://127.0.0.1:{found.group(1)}"
-
-
 def run(procs: int, per: int) -> dict[str, Any]:
     """Form ``procs`` x ``per`` + 1 ranks, kill the last one, measure the regroup."""
     world = procs * per + 1
-    store, url = _store()
+    store, url = start_store()
     starts = [(p * per, per) for p in range(procs)] + [(world - 1, 1)]
     kids = [
         subprocess.Popen(
@@ -110,11 +93,7 @@ def run(procs: int, per: int) -> dict[str, Any]:
         outs = [kid.communicate(timeout=300)[0] for kid in kids[:-1]]
         reports = [json.loads(out.strip().splitlines()[-1]) for out in outs]
     finally:
-        for proc in [*kids, store]:
-            if proc.poll() is None:
-                proc.kill()
-            with contextlib.suppress(Exception):
-                proc.communicate(timeout=10)
+        stop_processes([*kids, store])
     return {
         "ranks": world,
         "formed_s": round(formed, 2),

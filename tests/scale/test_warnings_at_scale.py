@@ -4,17 +4,14 @@ and how many more (engine/watchdog.py); the allreduce then completes exactly."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import re
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 import aiocollect as ac
-from aiocollect.engine import watchdog
 from aiocollect.testing import run_ranks
+from tests.support.stall_warnings import StallWarnings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -22,46 +19,20 @@ N = 64
 EARLY = 8  # ranks 0..7 call at once; the others when a warning has come
 
 
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-        self.seen = asyncio.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if "no progress for" in message:
-            self.messages.append(message)
-            if "have not called it" in message:
-                self.seen.set()
-
-
-@pytest.fixture
-def warnings(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Warnings]:
-    monkeypatch.setattr(watchdog, "PROGRESS_SECONDS", 0.4)
-    handler = _Warnings()
-    logger = logging.getLogger("aiocollect")
-    logger.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-
-
 @pytest.mark.one_loop  # (in-memory links: nothing loop-specific)
-async def test_a_stall_warning_names_a_few_ranks_and_a_count(warnings: _Warnings) -> None:
+async def test_a_stall_warning_names_a_few_ranks_and_a_count(stall_warnings: StallWarnings) -> None:
     async def body(g: ac.Group) -> int:
         await g.barrier()
         if g.rank >= EARLY:
-            await warnings.seen.wait()
+            await stall_warnings.wait_for("have not called it")
         buf = np.ones(4, np.int64)
         await g.allreduce(buf, algorithm="star")  # (rank 0 waits on every rank)
         return int(buf[0])
 
     assert await run_ranks(N, body, timeout=30) == [N] * N
-    absent = [m for m in warnings.messages if "have not called it" in m]
-    assert absent, warnings.messages
-    for message in warnings.messages:
+    absent = [m for m in stall_warnings.messages if "have not called it" in m]
+    assert absent, stall_warnings.messages
+    for message in stall_warnings.messages:
         for listed in re.findall(r"ranks (\[[\d, ]*\])", message):
             assert listed.count(",") <= 7, message  # at most 8 ranks shown per list
     assert re.search(
