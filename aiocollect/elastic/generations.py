@@ -217,10 +217,11 @@ async def _form(
         eager=neighbours(size, rank) if state.lazy else None,
     )
     task = asyncio.ensure_future(rendezvous(store, cfg, fabric, max_frame=state.chunk_bytes))
+    watching = membership.Watch(watch)
     try:
         while not task.done():
             await asyncio.wait([task], timeout=POLL * 2)
-            dead = membership.dead_among(watch)
+            dead = watching.dead()
             if dead and not task.done():
                 raise Retry(f"participants {dead} died while generation {gen} formed")
         endpoint, links = task.result()

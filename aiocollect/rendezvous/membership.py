@@ -16,6 +16,7 @@ from aiocollect.rendezvous.owner import Owner
 from aiocollect.store.base import Store
 
 __all__ = [
+    "Watch",
     "counter",
     "dead",
     "dead_among",
@@ -49,22 +50,40 @@ def dead(owner: Owner) -> bool:
         return False
 
 
+class Watch:
+    """Members to watch for death while a generation forms, grouped by the process that
+    hosts them once (a check of many members then costs a look per distinct process, not
+    a hash per member: 85 ranks per process each checking 254 members ten times a second
+    spent most of a 256-rank regroup's formation on it; ``tools/regroup_scale.py``)."""
+
+    def __init__(self, owners: Mapping[str, Owner]) -> None:
+        self._members: dict[Owner, list[str]] = {}
+        for member, owner in owners.items():
+            self._members.setdefault(owner, []).append(member)
+
+    def dead(self) -> list[str]:
+        """The members whose process is certainly gone (:func:`dead`), each process looked
+        at most once per ``DEAD_FRESH`` seconds in this process however many of its ranks
+        ask."""
+        now = time.monotonic()
+        gone: list[str] = []
+        for owner, members in self._members.items():
+            seen = _looked.get(owner)
+            if seen is None or now - seen[0] > DEAD_FRESH:
+                if len(_looked) > 4096:
+                    _looked.clear()
+                seen = _looked[owner] = (now, dead(owner))
+            if seen[1]:
+                gone.extend(members)
+        return gone
+
+
 def dead_among(owners: Mapping[str, Owner]) -> list[str]:
     """The keys of ``owners`` whose process is certainly gone (:func:`dead`), each process
-    looked at once however many of the members it hosts, and at most once per
-    ``DEAD_FRESH`` seconds in this process however many of its ranks ask (many ranks per
-    process each watch every other member while a generation forms)."""
-    now = time.monotonic()
-    gone = set()
-    for owner in set(owners.values()):
-        seen = _looked.get(owner)
-        if seen is None or now - seen[0] > DEAD_FRESH:
-            if len(_looked) > 4096:
-                _looked.clear()
-            seen = _looked[owner] = (now, dead(owner))
-        if seen[1]:
-            gone.add(owner)
-    return [i for i, owner in owners.items() if owner in gone]
+    looked at once however many of the members it hosts (:class:`Watch`, for a set of
+    members checked again and again)."""
+    gone = set(Watch(owners).dead())
+    return [i for i in owners if i in gone]
 
 
 def pack(value: Any) -> bytes:
@@ -101,7 +120,24 @@ async def owners_at(store: Store, keys: Mapping[str, str]) -> dict[str, Owner]:
     if not found:
         return {}
     raws = await store.multi_get([keys[i] for i in found], timeout=OWNER_READ)
-    return {i: Owner.unpack(raw, keys[i]) for i, raw in zip(found, raws, strict=True)}
+    return {i: _unpacked(raw, keys[i]) for i, raw in zip(found, raws, strict=True)}
+
+
+_owners: dict[bytes, Owner] = {}
+
+
+def _unpacked(raw: bytes, key: str) -> Owner:
+    """``Owner.unpack(raw, key)``, the same object for the same bytes in this process (the
+    ranks of one process read the same records: one parse, and members of one process
+    compare by identity).
+
+    Raises: RendezvousError: a malformed record."""
+    owner = _owners.get(raw)
+    if owner is None:
+        if len(_owners) > 4096:
+            _owners.clear()
+        owner = _owners[raw] = Owner.unpack(raw, key)
+    return owner
 
 
 def ticket_mac(secret: bytes, name: str, t: int, owner: bytes) -> bytes:

@@ -55,3 +55,42 @@ def test_dead_among_looks_at_each_process_once() -> None:
     dead = dataclasses.replace(mine, pid=gone.pid, start="")
     members = {f"m{i}": (dead if i % 2 else mine) for i in range(200)}
     assert membership.dead_among(members) == [f"m{i}" for i in range(200) if i % 2]
+
+
+def test_a_watch_names_the_members_of_dead_processes_each_looked_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Watch groups its members by process when built: a check looks at each process
+    once however many members it hosts, and names every member of a dead one."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    mine = Owner.me(b"job")
+    dead = dataclasses.replace(mine, pid=gone.pid, start="")
+    watch = membership.Watch({f"m{i}": (dead if i % 2 else mine) for i in range(200)})
+    looks: list[Owner] = []
+    real = membership.dead
+
+    def counting(owner: Owner) -> bool:
+        looks.append(owner)
+        return real(owner)
+
+    monkeypatch.setattr(membership, "dead", counting)
+    membership._looked.clear()
+    assert sorted(watch.dead()) == sorted(f"m{i}" for i in range(200) if i % 2)
+    assert sorted(looks, key=lambda o: o.pid) == sorted([mine, dead], key=lambda o: o.pid)
+    assert membership.Watch({}).dead() == []
+
+
+async def test_the_same_owner_record_is_one_object_in_a_process() -> None:
+    """Ranks of one process reading the same owner records get the same objects (one
+    parse; a watch then groups them by identity)."""
+    store = MemoryStore(f"owners-{uuid.uuid4().hex[:8]}")
+    me = Owner.me(b"job")
+    keys = {f"m{i}": f"E/owner/{i}" for i in range(4)}
+    for key in keys.values():
+        await store.set(key, me.pack())
+    first = await membership.owners_at(store, keys)
+    second = await membership.owners_at(store, keys)
+    assert all(first[i] is second[i] is first["m0"] for i in keys)
+    assert first["m0"] == me
+    await store.close()
