@@ -23,7 +23,7 @@ import heapq
 import logging
 import weakref
 from collections import Counter
-from typing import Any
+from typing import Any, Protocol
 
 from aiocollect.engine.fabric import Fabric
 from aiocollect.engine.liveness import few
@@ -54,10 +54,37 @@ CHECK_MAX = 30.0
 PROGRESS_SECONDS = 30.0
 #: Seconds between two looks of the progress ticker at the operations in flight.
 TICK = 0.5
+#: The most peers a waiting operation asks what they called (:func:`asked`).
+SURVEY_MOST = 32
 
 #: What :attr:`Watchdog.tasks` keeps of an operation: (its Op or Quick, kind, start loop
 #: time, timeout in seconds or None); None for a helper task.
 Watched = tuple["Op | Quick", str, float, "float | None"]
+
+
+class Waiting(Protocol):
+    """What :func:`asked` reads of an operation (an ``Op`` or a ``Quick``)."""
+
+    @property
+    def ranks(self) -> list[int]: ...
+
+    def silent_peers(self) -> list[int]: ...
+
+
+def asked(op: Waiting, me: int) -> list[int]:
+    """The world ranks a waiting ``op`` of world rank ``me`` asks what they called: the
+    peers it waits for, then the others, each in group order from ``me`` on, at most
+    ``SURVEY_MOST``. The rank that called something else is found by the ranks that wait
+    for it, or finds itself through the peers it waits for, so the bound loses no
+    mismatch; it keeps a slow operation's PINGs at a few per rank however large the group
+    (every rank of a fully linked 256-rank group asking every peer is 65,280 PINGs per
+    slow operation, CPU enough to keep every operation slow)."""
+    ranks = op.ranks
+    n, at = len(ranks), ranks.index(me)
+    silent = set(op.silent_peers())
+    order = [(at + k) % n for k in range(1, n)]
+    chosen = [q for q in order if q in silent] + [q for q in order if q not in silent]
+    return [ranks[q] for q in chosen[:SURVEY_MOST]]
 
 
 class Watchdog:
@@ -320,11 +347,12 @@ class Watchdog:
             self.ticking = loop.call_later(TICK, _tick, self.ref, loop)
 
     async def _check(self, op: Op | Quick, st: _Progress) -> None:
-        """Ask the peers which operation they called at ``op``'s sequence number; one that
-        called another breaks the group with MismatchError (on every rank, by the ABORT)."""
+        """Ask ``op``'s peers (:func:`asked`) which operation they called at its sequence
+        number; one that called another breaks the group with MismatchError (on every
+        rank, by the ABORT)."""
         fabric = self.fabric
         try:
-            others = [r for r in op.ranks if r != fabric.rank]
+            others = asked(op, fabric.rank)
             dead, absent, fps = await fabric.liveness.survey(
                 others, PROBE_SECONDS, self.gid, op.seq
             )

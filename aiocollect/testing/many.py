@@ -9,7 +9,8 @@ through a standalone ``aiocollect store`` (docs/multinode.md, "Forming large gro
 
 :func:`open_ranks` opens the ranks of one process; :func:`run_many` starts the store and
 the processes, each of which forms its ranks, checks allreduce (4 B and 1 MiB), broadcast,
-barrier, alltoall and a split on every rank (exact results), and reports its figures;
+barrier, alltoall and a split on every rank (exact results), and reports its figures
+(each step also as a line on standard error as it ends: a large group's run takes minutes);
 :func:`run_many` returns them gathered (:class:`ManyResult`). Alltoall links every pair:
 it runs only where each process's descriptor limit holds its ranks' full mesh (else
 ``alltoall_s`` is absent).
@@ -71,8 +72,16 @@ async def _timed(groups: list[ac.Group], what: Any) -> float:
     return time.monotonic() - start
 
 
+def _progress(groups: list[ac.Group], what: str) -> None:
+    """One line on standard error for a step this process finished (a large group's run
+    takes minutes: which step it is on shows where it waits)."""
+    first, last = groups[0].rank, groups[-1].rank
+    print(f"many: ranks {first}-{last}: {what}", file=sys.stderr, flush=True)
+
+
 async def _check(groups: list[ac.Group], world_size: int, alltoall: bool) -> dict[str, float]:
-    """Run each check on every rank of this process; the seconds each took here."""
+    """Run each check on every rank of this process; the seconds each took here (each
+    also reported on standard error as it ends: :func:`_progress`)."""
     figures: dict[str, float] = {}
 
     async def small(g: ac.Group) -> None:
@@ -105,16 +114,21 @@ async def _check(groups: list[ac.Group], world_size: int, alltoall: bool) -> dic
         assert x[0] == sum(range(g.rank % 2, world_size, 2)), (g.rank, x)
         await sub.aclose()
 
-    await _timed(groups, small)  # (the first: plans, and the links of sub-steps)
-    figures["allreduce_4B_s"] = await _timed(groups, small)
-    await _timed(groups, large)
-    figures["allreduce_1MiB_s"] = await _timed(groups, large)
-    figures["broadcast_s"] = await _timed(groups, broadcast)
-    figures["barrier_s"] = await _timed(groups, barrier)
+    async def step(name: str, what: Any) -> float:
+        secs = await _timed(groups, what)
+        _progress(groups, f"{name} {secs:.2f} s")
+        return secs
+
+    await step("first allreduce 4 B", small)  # (the first: plans, and the links of sub-steps)
+    figures["allreduce_4B_s"] = await step("allreduce 4 B", small)
+    await step("first allreduce 1 MiB", large)
+    figures["allreduce_1MiB_s"] = await step("allreduce 1 MiB", large)
+    figures["broadcast_s"] = await step("broadcast", broadcast)
+    figures["barrier_s"] = await step("barrier", barrier)
     figures["sockets_after_collectives"] = max(len(g._fabric.links) for g in groups)
     if alltoall and _mesh_fits(len(groups), world_size):  # (alltoall links every pair)
-        figures["alltoall_s"] = await _timed(groups, exchange)
-    figures["split_s"] = await _timed(groups, split)
+        figures["alltoall_s"] = await step("alltoall", exchange)
+    figures["split_s"] = await step("split", split)
     return figures
 
 
@@ -133,6 +147,7 @@ async def _child(
         range(first, first + per), world_size, store=url, transport="tcp", links=links, timeout=600
     )
     figures: dict[str, Any] = {"formed_s": time.monotonic() - start}
+    _progress(groups, f"formed {figures['formed_s']:.2f} s")
     figures["sockets_at_open"] = max(len(g._fabric.links) for g in groups)
     try:
         figures.update(await _check(groups, world_size, alltoall))
@@ -232,8 +247,7 @@ def run_many(
                     links,
                     str(int(alltoall)),
                 ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
+                stdout=subprocess.PIPE,  # (the figures; progress and errors: stderr)
                 text=True,
             )
             for p in range(procs)
@@ -247,7 +261,10 @@ def run_many(
     for kid, (out, _) in zip(kids, outs, strict=True):
         last = out.strip().splitlines()[-1:] if out else []
         if kid.returncode != 0 or not last or not last[0].startswith("{"):
-            raise RuntimeError(f"a process failed (exit {kid.returncode}):\n{out[-3000:]}")
+            raise RuntimeError(
+                f"a process failed (exit {kid.returncode}; its errors are on standard "
+                f"error):\n{out[-3000:]}"
+            )
         results.append(json.loads(last[0]))
     figures = {k: max(r[k] for r in results) for k in results[0]}
     return ManyResult(procs * per, links, figures, time.monotonic() - start)

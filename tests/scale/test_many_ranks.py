@@ -16,11 +16,27 @@ LARGE = os.environ.get("AIOCOLLECT_SCALE") == "1"
 
 
 @pytest.mark.timeout(120)
-def test_two_processes_of_six_ranks() -> None:
+def test_two_processes_of_six_ranks(capfd: pytest.CaptureFixture[str]) -> None:
+    """The checks pass, a rank keeps its neighbours' links, and each process reports its
+    steps on standard error as they end."""
     result = run_many(2, 6, timeout=100)
     most = max(len(neighbours(12, r)) for r in range(12))
     assert result.figures["sockets_at_open"] == most
     assert result.figures["sockets_after_collectives"] == most
+    progress = capfd.readouterr().err.splitlines()
+    for ranks in ("0-5", "6-11"):
+        steps = [line.split(": ")[2].rsplit(" ", 2)[0] for line in progress if f" {ranks}:" in line]
+        assert steps == [
+            "formed",
+            "first allreduce 4 B",
+            "allreduce 4 B",
+            "first allreduce 1 MiB",
+            "allreduce 1 MiB",
+            "broadcast",
+            "barrier",
+            "alltoall",
+            "split",
+        ], progress
 
 
 @pytest.mark.scale
