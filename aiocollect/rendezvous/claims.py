@@ -306,8 +306,9 @@ class Claim:
         """
         return await records.read_one(self.store, self.keys, self.name, self.job, rank)
 
-    async def read_records(self, deadline: Deadline) -> dict[int, dict[str, Any]]:
-        """Every rank's record of this job (after :meth:`wait_records`), read in batches.
+    async def read_records(self, deadline: Deadline) -> records.Records:
+        """Every rank's record of this job (after :meth:`wait_records`), read in batches
+        (read-only: shared by this event loop's ranks, :func:`records.read_all`).
 
         Raises:
             RendezvousError: a record is malformed, belongs to another job, or is not

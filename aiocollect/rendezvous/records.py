@@ -3,7 +3,10 @@ key layout and its rules: :mod:`aiocollect.rendezvous.claims`)."""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgpack
 
@@ -19,6 +22,33 @@ RECORD_BATCH = 1024
 #: store busy with thousands of ranks may take seconds, and a read with no wait at all
 #: would then report the record missing.
 RECORD_GRACE = 10.0
+#: Record sets of recent jobs each event loop keeps for its other ranks (:func:`read_all`).
+SHARED_JOBS = 4
+
+T = TypeVar("T")
+
+
+class Records(dict[int, dict[str, Any]]):
+    """Every rank's record of one job, by rank: read-only, shared by the ranks of one
+    event loop (:func:`read_all`), with what they derive from it (:meth:`derived`)."""
+
+    def __init__(self, records: dict[int, dict[str, Any]]) -> None:
+        super().__init__(records)
+        self._derived: dict[Any, Any] = {}
+
+    def derived(self, key: Any, make: Callable[[], T]) -> T:
+        """``make()``, computed once for these records per ``key`` (which must name every
+        input of ``make`` besides the records). ``make`` may raise; nothing is kept then."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        value: T = self._derived[key]
+        return value
+
+
+#: Per event loop: the record sets read lately, by (group name, job, world size).
+_shared: weakref.WeakKeyDictionary[
+    asyncio.AbstractEventLoop, dict[tuple[str, bytes, int], asyncio.Task[Records]]
+] = weakref.WeakKeyDictionary()
 
 
 class Keys:
@@ -66,14 +96,39 @@ async def read_one(store: Store, keys: Keys, name: str, job: bytes, rank: int) -
 
 async def read_all(
     store: Store, keys: Keys, name: str, job: bytes, world_size: int, deadline: Deadline
-) -> dict[int, dict[str, Any]]:
-    """Every rank's record of job ``job``, read with ``multi_get`` in batches of
-    :data:`RECORD_BATCH`.
+) -> Records:
+    """Every rank's record of job ``job`` (once every rank has published: records never
+    change then), read with ``multi_get`` in batches of :data:`RECORD_BATCH` by the first
+    rank of this event loop that asks, and shared with its other ranks of the job (a
+    process hosting R ranks of an N-rank group reads N records, not R x N; the last
+    ``SHARED_JOBS`` jobs are kept). A rank whose shared read failed reads on its own.
 
     Raises:
         RendezvousError: a record is malformed, of another job, or not there before the
             deadline.
     """
+    loop = asyncio.get_running_loop()
+    jobs = _shared.setdefault(loop, {})
+    key = (name, job, world_size)
+    task = jobs.get(key)
+    if task is None:
+        task = jobs[key] = loop.create_task(_read_all(store, keys, name, job, world_size, deadline))
+        while len(jobs) > SHARED_JOBS:
+            del jobs[next(iter(jobs))]
+    try:
+        return await asyncio.shield(task)
+    except (RendezvousError, errors.StoreError):
+        if jobs.get(key) is task:
+            del jobs[key]  # (another rank's deadline or store: not necessarily this one's)
+        if task.done() and not task.cancelled():
+            return await _read_all(store, keys, name, job, world_size, deadline)
+        raise
+
+
+async def _read_all(
+    store: Store, keys: Keys, name: str, job: bytes, world_size: int, deadline: Deadline
+) -> Records:
+    """:func:`read_all`'s read, by this rank alone."""
     records: dict[int, dict[str, Any]] = {}
     for first in range(0, world_size, RECORD_BATCH):
         ranks = range(first, min(first + RECORD_BATCH, world_size))
@@ -86,7 +141,7 @@ async def read_all(
             raise _disappeared(name, min(gone, default=first)) from None
         for r, raw in zip(ranks, raws, strict=True):
             records[r] = parse(name, job, r, raw)
-    return records
+    return Records(records)
 
 
 def parse(name: str, job: bytes, rank: int, raw: bytes) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from typing import Any
 from aiocollect import _fdlimit, _protect
 from aiocollect._deadline import Deadline
 from aiocollect.errors import RendezvousError, RendezvousTimeout
-from aiocollect.rendezvous import chunking, claims
+from aiocollect.rendezvous import chunking, claims, records
 from aiocollect.rendezvous.handshake import PROTOCOL_VERSION, AcceptorHandshake
 from aiocollect.rendezvous.hosts import host_indices
 from aiocollect.rendezvous.ondemand import Dialer
@@ -184,9 +184,11 @@ async def rendezvous(
         reserved = len(wanted)
         await claim.publish(record)
         peers = await _read_records(claim, cfg, record)
-        endpoint.chunk_bytes = cfg.chunk_bytes or chunking.group_chunk_bytes(peers)
-        endpoint.pulls = chunking.all_pull(peers)
-        endpoint.hosts = host_indices(peers, cfg.world_size)
+        endpoint.chunk_bytes = cfg.chunk_bytes or peers.derived(
+            "chunk_bytes", lambda: chunking.group_chunk_bytes(peers)
+        )
+        endpoint.pulls = peers.derived("pulls", lambda: chunking.all_pull(peers))
+        endpoint.hosts = list(peers.derived("hosts", lambda: host_indices(peers, cfg.world_size)))
         endpoint.listener.prepare(peers)
         dialer.listener, dialer.records = endpoint.listener, peers
         if len(formed) == len(wanted):
@@ -288,6 +290,18 @@ async def _check_first(claim: claims.Claim, cfg: RendezvousConfig, mine: Record)
         raise
 
 
+def _check_all(cfg: RendezvousConfig, peers: dict[int, Record], mine: Record) -> bool:
+    """Check every rank's record against this rank's settings; True.
+
+    Raises:
+        RendezvousError: a rank's settings or transport differ, or a record is malformed.
+    """
+    for r, rec in peers.items():
+        _check_settings(cfg, r, rec)
+        _check_transport(cfg, r, rec, mine)
+    return True
+
+
 def _check_settings(cfg: RendezvousConfig, r: int, rec: dict[str, Any]) -> None:
     try:
         bad = [
@@ -320,7 +334,7 @@ def _shown(key: str, value: Any) -> str:
 
 async def _read_records(
     claim: claims.Claim, cfg: RendezvousConfig, mine: Record
-) -> dict[int, Record]:
+) -> records.Records:
     """Every rank's record, once all are published, checked against this rank's settings.
 
     Raises:
@@ -331,11 +345,12 @@ async def _read_records(
     if cfg.rank != 0:
         await _check_first(claim, cfg, mine)
     await claim.wait_records(cfg.deadline)
-    peers: dict[int, Record] = await claim.read_records(cfg.deadline)
+    peers = await claim.read_records(cfg.deadline)
+    # (the ranks of one event loop share the records: those with the same settings check
+    # them once)
+    settings = ("checked", cfg.world_size, cfg.chunk_bytes, cfg.links, mine["transport"])
     try:
-        for r, rec in peers.items():
-            _check_settings(cfg, r, rec)
-            _check_transport(cfg, r, rec, mine)
+        peers.derived(settings, lambda: _check_all(cfg, peers, mine))
     except RendezvousError:
         if cfg.rank == 0:  # ranks started with a larger world size come too: wait for them
             sizes = [rec.get("world_size") for rec in peers.values()]

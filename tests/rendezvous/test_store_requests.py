@@ -94,7 +94,14 @@ async def test_store_requests_per_rank_do_not_grow_with_world_size() -> None:
     # A rank waits for the others in slices of a second or more, and each slice that ends
     # costs three requests: a slow machine may add a slice or two to the larger group.
     assert large <= small + 6, (small_counts, large_counts)
-    assert large_counts["multi_get"] <= 64  # the records are read in one batch per rank
+
+
+@pytest.mark.timeout(120)
+async def test_the_ranks_of_one_event_loop_read_the_records_once() -> None:
+    """64 ranks on one loop: one ``multi_get`` reads every record, for all of them (a
+    process hosting R ranks of an N-rank group reads N records, not R x N)."""
+    _, counts = await requests_per_rank(64)
+    assert counts["multi_get"] == 1, counts
 
 
 async def _main(sizes: list[int]) -> None:
