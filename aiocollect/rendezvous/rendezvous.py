@@ -40,6 +40,10 @@ from aiocollect.transport.interface import LinkSetup, Listener, Record, Screen
 #: Seconds a rank waits for its links before it also watches for another rank's report
 #: that linking failed (one store request, made only by groups slower than this).
 WATCH_AFTER = 1.0
+#: Seconds a rank that accepted links waits for their small-frame lanes before it closes
+#: its listener (they follow the links at once; one that never comes leaves its link on
+#: one connection).
+LANES_WAIT = 5.0
 
 
 @dataclass
@@ -140,7 +144,13 @@ async def rendezvous(
 
     def acceptor() -> AcceptorHandshake:
         return AcceptorHandshake(
-            cfg.name, cfg.rank, cfg.world_size, cfg.secret, dialer.admit, job=claim.job
+            cfg.name,
+            cfg.rank,
+            cfg.world_size,
+            cfg.secret,
+            dialer.admit,
+            job=claim.job,
+            admit_lane=dialer.admit_lane,
         )
 
     setup = LinkSetup(
@@ -218,7 +228,10 @@ async def rendezvous(
         await claim.release(f"rendezvous failed on rank 0: {exc!r}")
         raise
     if wanted == others:
-        endpoint.close()  # every peer is linked: accept nobody else
+        # every peer is linked: accept nobody else, once the lanes of the links this rank
+        # accepted have come (their ranks connect them right after the links)
+        await dialer.lanes_in(LANES_WAIT)
+        endpoint.close()
     return endpoint, links
 
 

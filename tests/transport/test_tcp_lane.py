@@ -1,0 +1,119 @@
+"""The small-frame lane of a TCP link (transport/tcp_link.py), with real processes over
+loopback: it is set up with the link, messages of one (source, tag) arrive in order
+whichever connection each took, small ones overtake bulk ones of other tags, losing the
+lane breaks the link on both ranks, and ``AIOCOLLECT_TCP_LANES=1`` turns it off."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+
+from aiocollect.errors import AiocollectError
+from aiocollect.testing.spawn import SpawnedRanks
+from aiocollect.transport.tcp_link import TcpLink
+
+if TYPE_CHECKING:
+    from aiocollect.group import Group
+
+#: Message sizes sent on one tag, in this order: small and bulk interleaved.
+SIZES = [1024, 4 << 20, 8, 300_000, 0, 2 << 20, 60_000, 1]
+
+
+def _lane_of(group: Group, peer: int) -> Any:
+    link = group._fabric.links[peer]
+    assert isinstance(link, TcpLink)
+    return link._lane
+
+
+async def _until_laned(group: Group, peer: int) -> bool:
+    """Whether the link to ``peer`` has its lane within 5 s (it comes right after the
+    link; the rank that accepted it learns of it last)."""
+    for _ in range(500):
+        if _lane_of(group, peer) is not None:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def ordered_rank(group: Group) -> dict[str, Any]:
+    """Rank 1 sends SIZES on tag 5 (then a large message on tag 1 and a small one on tag
+    2); rank 0 receives them and checks each; both report whether the link is laned."""
+    peer = 1 - group.rank
+    await group.barrier()
+    laned = await _until_laned(group, peer)
+    await group.barrier()
+    report: dict[str, Any] = {"laned": laned}
+    if group.rank == 1:
+        for i, n in enumerate(SIZES):
+            await group.send(np.full(n, i, np.uint8), 0, tag=5)
+        big = group.send(np.full(64 << 20, 9, np.uint8), 0, tag=1)
+        await group.send(np.full(16, 7, np.uint8), 0, tag=2)
+        await big
+    else:
+        for i, n in enumerate(SIZES):
+            buf = np.empty(n, np.uint8)
+            await group.recv(buf, 1, tag=5)
+            assert (buf == i).all(), f"message {i} ({n} bytes) out of order or corrupted"
+        big_buf = np.empty(64 << 20, np.uint8)
+        small_buf = np.empty(16, np.uint8)
+        big = group.recv(big_buf, 1, tag=1)
+        await group.recv(small_buf, 1, tag=2)
+        report["small_first"] = not big.done()
+        await big
+        assert (big_buf == 9).all()
+        assert (small_buf == 7).all()
+    await group.barrier()
+    return report
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("lanes", ["2", "1"])
+async def test_messages_of_a_tag_in_order_small_ones_overtake(
+    lanes: str, spawned: Callable[..., SpawnedRanks], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AIOCOLLECT_TCP_LANES", lanes)
+    reports = await spawned(2, ordered_rank, transport="tcp", timeout=50)
+    assert [r["laned"] for r in reports] == [lanes == "2"] * 2, reports
+    assert reports[0]["small_first"], reports
+
+
+async def lane_lost_rank(group: Group) -> str:
+    """Rank 0 resets its link's lane while both ranks wait for a message: each must fail
+    within seconds (the link breaks as if its one connection were lost)."""
+    peer = 1 - group.rank
+    await group.barrier()
+    assert await _until_laned(group, peer)
+    await group.barrier()
+    pending = group.recv(np.empty(4, np.uint8), peer, tag=3, timeout=30)
+    if group.rank == 0:
+        await asyncio.sleep(0.05)  # (both receives posted: the reset is what ends them)
+        lane = _lane_of(group, peer)
+        lane.transport.abort()
+    try:
+        async with asyncio.timeout(10):
+            await pending
+    except AiocollectError as exc:
+        return type(exc).__name__
+    except TimeoutError:
+        return "hung"
+    return "received"
+
+
+@pytest.mark.timeout(60)
+async def test_losing_the_lane_breaks_the_link(spawned: Callable[..., SpawnedRanks]) -> None:
+    outcomes = await spawned(2, lane_lost_rank, transport="tcp", timeout=50).outcomes()
+    results = [o if isinstance(o, str) else type(o).__name__ for o in outcomes]
+    assert all(r not in ("hung", "received") for r in results), results
+
+
+def test_descriptor_count_includes_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiocollect import _fdlimit
+
+    monkeypatch.setenv("AIOCOLLECT_TCP_LANES", "1")
+    assert _fdlimit.descriptors_per_link() == 1
+    monkeypatch.delenv("AIOCOLLECT_TCP_LANES")
+    assert _fdlimit.descriptors_per_link() == 2
