@@ -27,10 +27,10 @@ import logging
 
 from aiocollect._fdlimit import descriptors_per_link
 from aiocollect.errors import InternalError, PeerDisconnected
-from aiocollect.transport.base import Aside, Fingerprint, Handshaker, Link, LinkEvents, Receiver
+from aiocollect.transport.base import Aside, Handshaker, Link, LinkEvents
 from aiocollect.transport.stream_send import BULK_MIN
 from aiocollect.transport.tcp import StreamLink
-from aiocollect.transport.wire import GOODBYE, Header, Key
+from aiocollect.transport.wire import GOODBYE, Header
 
 log = logging.getLogger("aiocollect.transport.tcp")
 
@@ -202,6 +202,9 @@ class LaneLink(StreamLink):
         super().__init__(events, max_frame, handshaker)
         self.owner = owner
         self._aside: Aside | None = None
+        # The one-step receives go straight to the owner's mailbox (no call added per frame).
+        self._take_posted = owner._take_posted  # type: ignore[method-assign]
+        self._whole_frame = owner._whole_frame  # type: ignore[method-assign]
 
     def adopt(self, conn: StreamLink) -> None:
         """Take over ``conn``'s connection (its handshake over, its reading paused)."""
@@ -230,14 +233,6 @@ class LaneLink(StreamLink):
         return f"the small-frame lane of {self.owner.describe()}"
 
     # -- frames into the owner's mailbox ------------------------------------------------------
-
-    def _take_posted(self, key: Key, length: int, fp: Fingerprint) -> Receiver | None:
-        return self.owner._take_posted(key, length, fp)
-
-    def _whole_frame(
-        self, h: Header, payload: memoryview | bytes | bytearray, key: Key | None = None
-    ) -> bool:
-        return self.owner._whole_frame(h, payload, key)
 
     def _begin_frame(self, h: Header) -> memoryview | None:
         begun = self.owner._begin_aside(h)

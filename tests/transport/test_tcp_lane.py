@@ -60,10 +60,10 @@ async def ordered_rank(group: Group) -> dict[str, Any]:
             assert (buf == i).all(), f"message {i} ({n} bytes) out of order or corrupted"
         big_buf = np.empty(64 << 20, np.uint8)
         small_buf = np.empty(16, np.uint8)
-        big = group.recv(big_buf, 1, tag=1)
+        big_recv = group.recv(big_buf, 1, tag=1)
         await group.recv(small_buf, 1, tag=2)
-        report["small_first"] = not big.done()
-        await big
+        report["small_first"] = not big_recv.done()
+        await big_recv
         assert (big_buf == 9).all()
         assert (small_buf == 7).all()
     await group.barrier()
