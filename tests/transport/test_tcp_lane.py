@@ -1,18 +1,23 @@
 """The small-frame lane of a TCP link (transport/tcp_link.py), with real processes over
 loopback: it is set up with the link, messages of one (source, tag) arrive in order
 whichever connection each took, small ones overtake bulk ones of other tags, losing the
-lane breaks the link on both ranks, and ``AIOCOLLECT_TCP_LANES=1`` turns it off."""
+lane breaks the link on both ranks, ``AIOCOLLECT_TCP_LANES=1`` turns it off, and TLS links
+have one too."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
 
+import aiocollect as ac
 from aiocollect.errors import AiocollectError
+from aiocollect.store import MemoryStore
+from aiocollect.testing.certs import Certs
 from aiocollect.testing.spawn import SpawnedRanks
 from aiocollect.transport.tcp_link import TcpLink
 
@@ -117,3 +122,37 @@ def test_descriptor_count_includes_lanes(monkeypatch: pytest.MonkeyPatch) -> Non
     assert _fdlimit.descriptors_per_link() == 1
     monkeypatch.delenv("AIOCOLLECT_TCP_LANES")
     assert _fdlimit.descriptors_per_link() == 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["tcp", "tls"])
+async def test_in_process_ranks_lane_their_links(transport: str, certs: Certs) -> None:
+    """Ranks in one process (TCP and TLS): every link has its lane, messages of a tag
+    arrive in order, and the group closes cleanly (its GOODBYEs came on both)."""
+    n = 3
+    unique_name = f"lane-{uuid.uuid4().hex[:12]}"
+    store = MemoryStore(unique_name)
+
+    async def one(rank: int) -> list[bool]:
+        async with ac.open_group(
+            rank,
+            n,
+            store=store,
+            transport=transport,
+            name=unique_name,
+            ssl=certs.config(rank) if transport == "tls" else None,
+            links="eager",
+            timeout=30,
+        ) as g:
+            laned = [await _until_laned(g, p) for p in range(n) if p != rank]
+            dst, src = (rank + 1) % n, (rank - 1) % n
+            sends = [g.send(np.full(k, i, np.uint8), dst, tag=4) for i, k in enumerate(SIZES)]
+            for i, k in enumerate(SIZES):
+                buf = np.empty(k, np.uint8)
+                await g.recv(buf, src, tag=4)
+                assert (buf == i).all(), f"message {i} ({k} bytes) out of order or corrupted"
+            await asyncio.gather(*sends)
+            return laned
+
+    results = await asyncio.gather(*(one(r) for r in range(n)))
+    assert all(all(r) for r in results), results
