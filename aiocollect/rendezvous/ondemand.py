@@ -16,10 +16,10 @@ open and what to do (``_fdlimit.links_exhausted``).
 
 A TCP link gets its small-frame lane (transport/tcp_link.py) where both ranks' records
 offer lanes (``"lanes": 2``, transport/tcp_listener.py), from the rank that connected it:
-once the link's handshake is over, that rank connects again with a lane's hello, and only
-then hands the link on; the peer admits a lane only from a rank it has a link to, and
-hands it to that link (:meth:`Dialer.admit_lane`, :meth:`Dialer.on_link`). A rank that
-would close its listener once every peer is linked waits for the lanes it expects first
+once the link is made, that rank connects again with a lane's hello (the link carries
+every frame until its lane is up); the peer admits a lane only from a rank it has a link
+to, and hands it to that link (:meth:`Dialer.admit_lane`, :meth:`Dialer.on_link`). A rank
+that closes its listener once every peer is linked does so once the lanes are made
 (:meth:`Dialer.lanes_in`). A lane that cannot be made leaves the link on its one
 connection.
 """
@@ -52,6 +52,8 @@ RETRY_FIRST = 0.01
 RETRY_MAX = 0.5
 #: The words of a refusal that means "use the link your peer is making".
 STANDS = "the peer's own link stands"
+#: Seconds a rank's connect of a small-frame lane may take (handshake included).
+LANE_TIMEOUT = 5.0
 
 
 class Dialer:
@@ -90,9 +92,11 @@ class Dialer:
         self._outgoing: set[int] = set()
         self._incoming: set[int] = set()
         #: Peers whose lane's handshake was admitted and whose lane has not arrived yet;
-        #: set whenever a lane arrives.
+        #: set whenever a lane arrives or this rank's lane connect ends; this rank's lane
+        #: connects (not cancelled by :meth:`refuse`: they end within ``LANE_TIMEOUT``).
         self._lanes: set[int] = set()
         self._lane_arrived = asyncio.Event()
+        self._lane_tasks: set[asyncio.Task[None]] = set()
         self._waiters: dict[int, asyncio.Future[Link]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(CONNECTS)
@@ -171,10 +175,15 @@ class Dialer:
             self._spawn(self._connect(peer, deadline))
         return fut
 
-    def _spawn(self, coro: Coroutine[None, None, None]) -> None:
+    def _spawn(
+        self, coro: Coroutine[None, None, None], tasks: set[asyncio.Task[None]] | None = None
+    ) -> None:
+        """Run ``coro`` as a task kept in ``tasks`` (default: the connects, which
+        :meth:`refuse` cancels) until it ends."""
+        kept = self._tasks if tasks is None else tasks
         task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        kept.add(task)
+        task.add_done_callback(kept.discard)
 
     async def dial(self, peer: int, deadline: Deadline) -> Link:
         """The link to world rank ``peer``, connected now if there is none yet.
@@ -225,10 +234,11 @@ class Dialer:
                         self._failed(peer, exc)
                         return
                     else:
+                        self.on_link(link)
                         if self._lane_wanted(peer, link):
                             assert isinstance(link, TcpLink)
-                            await self._connect_lane(peer, link)
-                        self.on_link(link)
+                            link.lane_coming()  # (before the loop reads a frame of it)
+                            self._spawn(self._connect_lane(peer, link), self._lane_tasks)
                         return
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, RETRY_MAX)
@@ -248,16 +258,16 @@ class Dialer:
         )
 
     async def lanes_in(self, timeout: float) -> None:
-        """Wait (at most ``timeout`` seconds) until the lanes of the links this rank
-        accepted have arrived, where both records offer lanes."""
+        """Wait (at most ``timeout`` seconds) until the lanes this rank connects have been
+        made or have failed, and the lanes of the links it accepted have arrived where
+        both records offer lanes."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         while self.refusing is None:
-            missing = [
-                p
+            missing = bool(self._lane_tasks) or any(
+                p > self.rank and self._lane_wanted(p, link) and not link.closed
                 for p, link in self.linked.items()
-                if p > self.rank and self._lane_wanted(p, link) and not link.closed
-            ]
+            )
             left = end - loop.time()
             if not missing or left <= 0:
                 return
@@ -267,21 +277,27 @@ class Dialer:
                     await self._lane_arrived.wait()
 
     async def _connect_lane(self, peer: int, link: TcpLink) -> None:
-        """Make ``link``'s small-frame lane (the link goes on without one if that fails)."""
+        """Make ``link``'s small-frame lane within ``LANE_TIMEOUT`` seconds (the link goes
+        on without one if that fails; a lane made once this rank refuses links is
+        closed)."""
         listener = self.listener
         assert isinstance(listener, SocketListener)
-        link.lane_coming()
         hs = ConnectorHandshake(
             self.name, self.rank, peer, self.world_size, self.secret, job=self.job, lane=True
         )
         try:
-            lane = await listener.connect_lane(self.records[peer], hs, link)
-        except BaseException as exc:
+            async with asyncio.timeout(LANE_TIMEOUT):
+                lane = await listener.connect_lane(self.records[peer], hs, link)
+        except Exception as exc:
             link.lane_failed(exc)
-            if not isinstance(exc, Exception):
-                raise
-            return
-        link.attach_lane(lane)
+        else:
+            if self.refusing is None:
+                link.attach_lane(lane)
+            else:
+                lane.close()
+                link.lane_failed(PeerDisconnected(self.refusing, peer))
+        finally:
+            self._lane_arrived.set()
 
     async def _link(self, peer: int) -> Link:
         assert self.listener is not None
@@ -307,8 +323,9 @@ class Dialer:
             self._failed(peer, RendezvousError(f"rank {self.rank} makes no more links: {reason}"))
 
     async def wait_closed(self) -> None:
-        """Wait for the connects that :meth:`refuse` cancelled to end."""
-        for task in list(self._tasks):
+        """Wait for the connects that :meth:`refuse` cancelled, and the lane connects, to
+        end."""
+        for task in [*self._tasks, *self._lane_tasks]:
             with contextlib.suppress(BaseException):
                 await task
 

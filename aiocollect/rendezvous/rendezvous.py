@@ -40,9 +40,9 @@ from aiocollect.transport.interface import LinkSetup, Listener, Record, Screen
 #: Seconds a rank waits for its links before it also watches for another rank's report
 #: that linking failed (one store request, made only by groups slower than this).
 WATCH_AFTER = 1.0
-#: Seconds a rank that accepted links waits for their small-frame lanes before it closes
-#: its listener (they follow the links at once; one that never comes leaves its link on
-#: one connection).
+#: Seconds a rank whose every peer is linked waits for the links' small-frame lanes
+#: before it closes its listener (they follow the links at once; one that never comes
+#: leaves its link on one connection).
 LANES_WAIT = 5.0
 
 
@@ -90,11 +90,31 @@ class Endpoint:
     #: This rank's links, made and to make (None until the rendezvous made it).
     dialer: Dialer | None = None
 
+    #: Closes the listener once the links' lanes are made (:meth:`close_once_laned`).
+    _closing: asyncio.Task[None] | None = None
+
     def close(self) -> None:
         """Stop accepting and connecting."""
+        if self._closing is not None:
+            self._closing.cancel()
         if self.dialer is not None:
             self.dialer.refuse("the group is closed")
         self.listener.close()
+
+    def close_once_laned(self) -> None:
+        """Every peer is linked: :meth:`close` once the links' small-frame lanes are made
+        (at most ``LANES_WAIT`` seconds from now), in the background."""
+        dialer = self.dialer
+        if dialer is None:
+            self.close()
+            return
+
+        async def later() -> None:
+            await dialer.lanes_in(LANES_WAIT)
+            self._closing = None
+            self.close()
+
+        self._closing = asyncio.ensure_future(later())
 
     async def release(self) -> None:
         """Give back this rank's claim (rank 0 ends the job's epoch on the store); best
@@ -228,10 +248,9 @@ async def rendezvous(
         await claim.release(f"rendezvous failed on rank 0: {exc!r}")
         raise
     if wanted == others:
-        # every peer is linked: accept nobody else, once the lanes of the links this rank
-        # accepted have come (their ranks connect them right after the links)
-        await dialer.lanes_in(LANES_WAIT)
-        endpoint.close()
+        # every peer is linked: accept nobody else once the links' lanes are made (they
+        # follow the links at once)
+        endpoint.close_once_laned()
     return endpoint, links
 
 

@@ -362,6 +362,9 @@ class StreamLink(SendSide, asyncio.BufferedProtocol):
             self.handshake_failed(exc)
             return
         if peer is not None:
+            if self.ready.done():  # whoever connected it gave up meanwhile (cancelled)
+                self.handshake_failed(PeerDisconnected("the connect was abandoned", peer))
+                return
             self.peer = peer
             self.handshake = None
             if getattr(handshake.handshaker, "lane", False) and self.transport is not None:

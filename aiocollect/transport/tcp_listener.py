@@ -207,6 +207,8 @@ class SocketListener(Listener):
         if self._server is not None:
             self._server.close()
         for link in list(self._handshaking):  # asyncio.Server.close() leaves them open
+            if not link.ready.done():  # (this rank's own doing: nothing to warn about)
+                link.ready.set_exception(Superseded("this rank stopped accepting links"))
             link.abort()
         self._handshaking.clear()
 
