@@ -32,7 +32,7 @@ from collections.abc import Callable
 from aiocollect.errors import PeerDisconnected
 from aiocollect.transport.base import DRAIN, Link, LinkEvents, SendMark
 from aiocollect.transport.stream_queue import StreamQueue
-from aiocollect.transport.wire import GID_AT, GOODBYE, KIND_AT, SEQ_AT, stream_of
+from aiocollect.transport.wire import ABORT, GID_AT, GOODBYE, KIND_AT, SEQ_AT, stream_of
 
 #: Payloads up to this size are copied behind their header and written as one buffer
 #: (uvloop then skips its scatter-gather write context).
@@ -59,6 +59,8 @@ PIECE = 256 * 1024
 #: stream's first frame.
 CHUNK_AT = GID_AT + 4
 FIRST_CHUNK = bytes(SEQ_AT - CHUNK_AT)
+#: The chunk field of a GOODBYE on a link's own connection whose copy went on its lane.
+LANE_COPY = (1).to_bytes(SEQ_AT - CHUNK_AT, "little")
 
 
 def _no_lane(data: bytes) -> None:
@@ -128,13 +130,17 @@ class SendSide(Link):
         self.bytes_sent += n
         self.frames_sent += 1
         if n < self._lane_max:  # (0 without a lane)
-            if header[CHUNK_AT:SEQ_AT] == FIRST_CHUNK and header[KIND_AT] != GOODBYE:
-                # Its stream's later frames come to the main connection, after it.
+            kind = header[KIND_AT]
+            if (kind < ABORT and header[CHUNK_AT:SEQ_AT] == FIRST_CHUNK) or kind > GOODBYE:
+                # (DATA, P2P: its stream's later frames come on the main connection, after
+                # it; PING, PONG)
                 self._copied = True
                 self._lane_write(header + payload if n else header)
                 return None
-            if header[KIND_AT] == GOODBYE:
-                self._lane_write(header + payload)  # on both: the peer waits for both
+            if kind in (ABORT, GOODBYE):  # on both (ABORT: the first one counts;
+                self._lane_write(header + payload)  # GOODBYE: the peer waits for both)
+                if kind == GOODBYE:
+                    header = header[:CHUNK_AT] + LANE_COPY + header[SEQ_AT:]
         self._copied = False
         if self._partial is not None:  # after the frame being written in pieces
             stream = stream_of(header)
@@ -146,8 +152,9 @@ class SendSide(Link):
             self._copied = True
             return None
         if n >= BULK_MIN:
-            if self._lane_max and header[KIND_AT] == GOODBYE:
-                self._lane_write(header + payload)  # (a large one: on both as well)
+            if self._lane_max and header[KIND_AT] == GOODBYE:  # (a large one: both as well)
+                self._lane_write(header + payload)
+                header = header[:CHUNK_AT] + LANE_COPY + header[SEQ_AT:]
             if self._bulk or self._must_wait(transport, n):
                 self._bulk_queue.push(header, payload, stream_of(header))
                 return DRAIN

@@ -17,8 +17,10 @@ the main connection's socket buffers (which user space cannot reorder).
   frame (``_begin_aside``), or in one step.
 - Closing: a GOODBYE goes on both connections, and the link passes it on only once both
   copies arrived (or the lane ended), so that nothing the peer sent before it on either
-  connection is still on its way when the group hears that the peer closed. Losing either
-  connection breaks the link, as losing its one connection does without a lane.
+  connection is still on its way when the group hears that the peer closed. An ABORT goes
+  on both too (the first to arrive counts): on the lane it overtakes bulk, on the link's
+  connection it comes before that connection's end. Losing either connection breaks the
+  link, as losing its one connection does without a lane.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class TcpLink(StreamLink):
         self._held_goodbye: bytes | None = None
         self._lane_goodbye = False
         self.lane_frame = False
+        #: Whether the last GOODBYE read on the link's own connection says that a copy
+        #: went on the lane (its chunk field, ``stream_send.LANE_COPY``).
+        self._goodbye_copied = False
 
     # -- the lane's setup ---------------------------------------------------------------------
 
@@ -130,13 +135,14 @@ class TcpLink(StreamLink):
 
     def on_goodbye(self, payload: bytes) -> bool:
         """A GOODBYE arrived: True to pass it on now, False to hold or drop it. The main
-        connection's copy passes once the lane's has arrived, or at once where no lane may
-        bring one; the lane's copy passes the main one's if that is held."""
+        connection's copy passes at once unless the peer sent a copy on the lane (its
+        header says so) that has not arrived, while the lane may still bring it; the
+        lane's copy passes the main one's if that is held."""
         if self.lane_frame:
             self._lane_goodbye = True
             held, self._held_goodbye = self._held_goodbye, None
             return held is not None  # (else the main connection's copy passes, later)
-        if self._lane_goodbye or not self._lane_open:
+        if self._lane_goodbye or not self._goodbye_copied or not self._lane_open:
             return True
         self._held_goodbye = payload
         return False
@@ -146,6 +152,11 @@ class TcpLink(StreamLink):
         held, self._held_goodbye = self._held_goodbye, None
         if held is not None:
             self.events.on_control(self, GOODBYE, held)
+
+    def open_frame(self, h: Header) -> memoryview | None:
+        if h.kind == GOODBYE:  # (a call per frame read in the general way: bulk, control)
+            self._goodbye_copied = h.chunk == 1
+        return super().open_frame(h)
 
     # -- the link's end, for both connections -----------------------------------------------
 
