@@ -122,16 +122,20 @@ class TcpLink(StreamLink):
     # -- the lane's end -----------------------------------------------------------------------
 
     def lane_lost(self, lane: LaneLink, exc: BaseException | None) -> None:
-        """The lane's connection ended: small frames take the main connection again; unless
-        this link is closing or the peer said goodbye on the lane, the link breaks."""
+        """The lane's connection ended: small frames take the main connection again. Unless
+        this link is closing, the link breaks: at once where the lane failed (``exc``),
+        else (the peer closed it) once ``LINGER`` seconds pass without the main connection
+        ending too, as it does when the peer closes the link."""
         self._lane_max = 0
         self._lane_open = False
         self._release_goodbye()
-        if self.closed or self.lost or (exc is None and self._lane_goodbye):
+        if self.closed or self.lost or self.transport is None:
             return
-        log.warning("link to %s: its small-frame lane ended (%s)", self.describe(), exc)
-        if self.transport is not None:
-            self.transport.abort()  # connection_lost reports the link's end
+        if exc is None:
+            self.reset_later()
+            return
+        log.warning("link to %s: its small-frame lane failed (%s)", self.describe(), exc)
+        self.transport.abort()  # connection_lost reports the link's end
 
     def on_goodbye(self, payload: bytes) -> bool:
         """A GOODBYE arrived: True to pass it on now, False to hold or drop it. The main
