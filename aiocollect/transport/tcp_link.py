@@ -20,7 +20,9 @@ the main connection's socket buffers (which user space cannot reorder).
   connection is still on its way when the group hears that the peer closed. An ABORT goes
   on both too (the first to arrive counts): on the lane it overtakes bulk, on the link's
   connection it comes before that connection's end. Losing either connection breaks the
-  link, as losing its one connection does without a lane.
+  link, as losing its one connection does without a lane: a lane that fails, at once; a
+  lane the peer closed, once the link's own connection has stayed open ``LINGER`` seconds
+  longer (a peer that closes the link closes both).
 """
 
 from __future__ import annotations
