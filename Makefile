@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= auto
 
 .PHONY: install demo test test-axis lint bench clean system-deps torch-suite stress soak-elastic scale \
-	dist test-dist docs test-responsiveness
+	dist test-dist docs test-responsiveness compiled test-compiled
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH"; exit 1; }
@@ -44,6 +44,16 @@ $(DOCS_STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
+# The compiled core (docs/design.md, "The compiled core"): the one-frame path's modules
+# compiled by mypyc, beside their sources; a built tree loads them (AIOCOLLECT_PURE=1 turns
+# them off). Not part of install: it measured within the noise of the pure path
+# (docs/benchmarks.md, "The compiled core"). Minutes of CPU, so tools/build_core.py skips
+# it while build/mypyc/stamp matches the sources; without a C compiler it says so and
+# exits 0. CORE_ARGS=--clean removes it, CORE_ARGS=--strict fails where it cannot build.
+CORE_ARGS ?=
+compiled: $(STAMP)
+	$(PY) tools/build_core.py $(CORE_ARGS)
+
 # Debian packages the tests use (redis-server, mpirun); installed only when missing and root.
 system-deps:
 	@bash tools/system-deps.sh
@@ -73,6 +83,13 @@ test-responsiveness: install
 test-axis: install system-deps
 	AIOCOLLECT_AXIS=extended $(PY) -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses 4 \
 	  -m "transports or axis" $(PYTEST_ARGS)
+
+# The suites of the per-operation path with the compiled core in use (make test runs the
+# pure path); --strict fails unless it builds and loads.
+test-compiled: install system-deps
+	$(PY) tools/build_core.py --strict
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses 4 tests/unit tests/transport \
+	  tests/collectives $(PYTEST_ARGS)
 
 # mypy --strict (the package and the tests) reads torch's own types for aiocollect/torch and
 # tests/torch: without torch installed it checks everything else and says so (after make
@@ -142,3 +159,4 @@ bench: install
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache build dist site \
 	  *.egg-info
+	find aiocollect -name '*.so' -delete

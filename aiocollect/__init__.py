@@ -7,6 +7,8 @@ in flight at once on one event loop.
 
 from __future__ import annotations
 
+# First: decides whether the one-frame path loads compiled, before any of it is imported.
+from aiocollect import _compiled  # noqa: F401
 from aiocollect._buffers import Buffer
 from aiocollect.api import join_group, open_group
 from aiocollect.errors import (

@@ -17,12 +17,19 @@ collective, stress and failure suites run on both asyncio and uvloop.
 - The transport axis: a test that takes the ``axis`` fixture runs over every registered
   transport and its modes (tests/support/transports.py; the ``transports`` mark picks its
   cases).
+- Rank processes: ``spawn_ranks`` calls that name no start method fork their ranks from a
+  forkserver that imported aiocollect once per worker (``AIOCOLLECT_SPAWN_START_METHOD``),
+  rather than starting an interpreter per rank: the same ranks, with the caller's
+  environment and directory, for a fifth of the CPU. tests/multiprocess/test_spawned.py
+  runs the ``spawn`` method by name.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -38,6 +45,9 @@ from aiocollect.testing.certs import Certs
 from tests.support import transports
 from tests.support.certs import make_certs
 from tests.support.shm_leaks import nothing_left
+from tests.support.stall_warnings import StallWarnings
+
+os.environ.setdefault("AIOCOLLECT_SPAWN_START_METHOD", "forkserver")
 from tests.support.transports import Axis
 
 try:
@@ -108,6 +118,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     mark = metafunc.definition.get_closest_marker("transports")
     names, params = transports.cases(**(mark.kwargs if mark is not None else {}))
     metafunc.parametrize(names, params, indirect=["axis"])
+
+
+@pytest.fixture
+def stall_warnings(monkeypatch: pytest.MonkeyPatch) -> Iterator[StallWarnings]:
+    """The library's no-progress warnings during the test, the first after 0.4 s."""
+    from aiocollect.engine import watchdog
+
+    monkeypatch.setattr(watchdog, "PROGRESS_SECONDS", 0.4)
+    handler = StallWarnings()
+    logger = logging.getLogger("aiocollect")
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
 
 
 @pytest.fixture

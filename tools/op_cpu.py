@@ -7,6 +7,7 @@ Run it with the launcher::
     aiocollect run -n 4 tools/op_cpu.py --size 64M                 # bulk: 64 MiB, 12 ops
     aiocollect run -n 4 tools/op_cpu.py --size 16M --chunk-bytes 1M --algorithm ring
     aiocollect run -n 2 tools/op_cpu.py --size 64M --lag           # and the loop's lag
+    aiocollect run -n 2 tools/op_cpu.py --case sendrecv --size 1K  # a send/recv round trip
 
 Each rank runs ``--warmup`` operations and a barrier, then ``--iters`` back to back (on
 uvloop unless ``--asyncio``), and prints one line: the group's chunk size, the mean, p50
@@ -82,10 +83,23 @@ async def main(ns: argparse.Namespace) -> None:
             count = max(n, count // n * n)
         buf = np.zeros(count, np.float32)
         alg = ns.algorithm
+        peer = group.rank ^ 1
+        if ns.case == "sendrecv" and n % 2:
+            raise SystemExit("--case sendrecv pairs the ranks: run an even number")
+
+        async def round_trip() -> None:
+            if group.rank % 2 == 0:
+                await group.send(buf, peer)
+                await group.recv(buf, peer)
+            else:
+                await group.recv(buf, peer)
+                await group.send(buf, peer)
+
         calls: dict[str, Callable[[], Awaitable[Any]]] = {
             "allreduce": lambda: group.allreduce(buf, algorithm=alg),
             "broadcast": lambda: group.broadcast(buf),
             "barrier": lambda: group.barrier(algorithm=alg),
+            "sendrecv": round_trip,
         }
         call = calls[ns.case]
         for _ in range(warmup):
@@ -131,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--case", choices=("allreduce", "broadcast", "barrier"), default="allreduce"
+        "--case", choices=("allreduce", "broadcast", "barrier", "sendrecv"), default="allreduce"
     )
     parser.add_argument("--size", default="4", help="bytes (float32), e.g. 4, 4K, 64M (default 4)")
     parser.add_argument(

@@ -1,7 +1,8 @@
 """``aiocollect info``: what this installation can do, for bug reports and setup checks.
 
-Reports the aiocollect and Python versions, the event loops available, the versions of the
-required libraries, which transports are available, which optional extras are installed and
+Reports the aiocollect and Python versions, whether the one-frame path runs compiled (and
+which modules, or why not), the event loops available, the versions of the required
+libraries, which transports are available, which optional extras are installed and
 which RDMA devices the kernel exposes. Nothing heavy is imported: extras are looked up in the
 installed package metadata, not imported.
 """
@@ -20,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from aiocollect import __version__
+from aiocollect import __version__, _compiled
 from aiocollect.transport import host, registry
 from aiocollect.transport.interface import Transport
 
@@ -84,6 +85,18 @@ def rdma_devices(root: Path = RDMA_SYSFS) -> list[dict[str, Any]]:
     return devices
 
 
+def core_info() -> dict[str, Any]:
+    """Whether this process runs the compiled core: ``path`` (``"compiled"`` or
+    ``"pure"``), ``why`` (for the pure path) and each compiled module's state."""
+    modules = _compiled.status()
+    compiled = all(state == "compiled" for state in modules.values())
+    return {
+        "path": "compiled" if compiled else "pure",
+        "why": _compiled.PURE_REASON,
+        "modules": modules,
+    }
+
+
 def collect_info() -> dict[str, Any]:
     """Everything ``aiocollect info`` reports, as JSON-serializable data."""
     return {
@@ -94,6 +107,7 @@ def collect_info() -> dict[str, Any]:
             "executable": sys.executable,
         },
         "platform": platform.platform(),
+        "core": core_info(),
         # what the rendezvous compares to group ranks by host (two-level collectives)
         "host": host.identity(),
         "event_loop": {"asyncio_default": _default_loop(), "uvloop": package_version("uvloop")},
@@ -118,6 +132,7 @@ def format_info(info: dict[str, Any]) -> str:
         f"aiocollect   {info['aiocollect']}",
         f"python       {py['version']} ({py['implementation']}) {py['executable']}",
         f"platform     {info['platform']}",
+        _core_line(info["core"]),
         f"host         {info['host']['hostname']} (boot id {info['host']['boot_id'] or 'none'}:"
         " ranks with both equal share a host)",
         f"event loop   asyncio default: {loop['asyncio_default']}; {uvloop}",
@@ -140,6 +155,13 @@ def format_info(info: dict[str, Any]) -> str:
             f"{'rdma devices' if i == 0 else ''}{' ' * (13 if i else 1)}{device['name']}: {ports}"
         )
     return "\n".join(lines)
+
+
+def _core_line(core: dict[str, Any]) -> str:
+    if core["path"] == "compiled":
+        names = ", ".join(m.removeprefix("aiocollect.") for m in core["modules"])
+        return f"core         compiled (mypyc): {names}; {_compiled.PURE_ENV}=1 turns it off"
+    return f"core         pure Python: {core['why'] or 'modules not compiled'}"
 
 
 def _block(title: str, entries: dict[str, str]) -> list[str]:

@@ -64,7 +64,7 @@ from aiocollect.engine.op import Op, flat_blocks, split_even
 from aiocollect.engine.reduce import apply, copy_into, divide, reduce_into
 from aiocollect.engine.scratch import SCRATCH
 from aiocollect.engine.turns import give_way
-from aiocollect.errors import InternalError, ProtocolError
+from aiocollect.errors import InternalError, PeerDisconnected, ProtocolError
 from aiocollect.transport.base import TOKEN_MAX, Link
 
 TOKEN, DONE, FIN, PUSH_RS, PUSH_AG = range(5)
@@ -166,6 +166,8 @@ class _Exchange:
         Raises:
             ProtocolError: the frame is malformed, or asks to be read where this side
                 cannot read.
+            PeerDisconnected: the link to ``q`` closed after the frame came (the peer
+                died or the group broke); the link's failure where it has one.
         """
         for fut in self._tokens[q]:
             await _arrival(self.op, q, fut)
@@ -177,7 +179,12 @@ class _Exchange:
             )
         if flags & PUSHES:
             return None
-        if not self.op.link(q).caps.reads or not size:
+        link = self.op.link(q)
+        if link.closed:  # (a closed link reads nothing: its caps no longer say it does)
+            raise link.failure or PeerDisconnected(
+                f"link to {link.describe()} closed before its token was read", link.peer
+            )
+        if not link.caps.reads or not size:
             raise ProtocolError(
                 f"rank {q} asked to be read ({size}-byte token), but this side cannot read it"
             )

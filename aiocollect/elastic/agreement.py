@@ -21,8 +21,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aiocollect.elastic")
 
-#: Store waits are cut into slices this long, to look again at who is known dead.
+#: Store waits are cut into slices this long, to look again at who is known dead; longer
+#: by one ``POLL`` per ``POLL_RANKS`` participants, up to ``POLL_MAX``: every participant
+#: polls, and 255 of them polling every 0.05 s kept the store too busy to serve the
+#: registrations they waited for (``tools/regroup_scale.py``).
 POLL = 0.05
+POLL_RANKS = 16
+POLL_MAX = 0.5
 #: How long a proposer waits for the record of a ticket already counted.
 TICKET_GRACE = 0.5
 #: Longest wait for the decision once a proposer has claimed to write it.
@@ -68,13 +73,15 @@ async def propose(
     store = state.shared.store
     keys = {i: f"{base}/member/{i}" for i in candidates}
     grace = Deadline.after(ABORT_GRACE)
+    owners: dict[str, Owner] = {}  # (an owner record never changes: read once)
+    poll = min(POLL * max(1.0, len(candidates) / POLL_RANKS), POLL_MAX)
     while True:
         present = await store.check(list(keys.values()))
         missing = [i for i, ok in zip(keys, present, strict=True) if not ok and i not in dead]
-        for i in missing:
-            owner = await membership.owner_at(store, old[i]) if i in old else None
-            if owner is not None and membership.dead(owner):
-                dead.add(i)
+        unread = {i: old[i] for i in missing if i in old and i not in owners}
+        if unread:
+            owners.update(await membership.owners_at(store, unread))
+        dead.update(membership.dead_among({i: owners[i] for i in missing if i in owners}))
         missing = [i for i in missing if i not in dead]
         if not missing or deadline.expired():
             break
@@ -84,7 +91,7 @@ async def propose(
         with contextlib.suppress(errors.StoreTimeout):
             await store.wait(
                 [keys[i] for i in missing],
-                timeout=POLL if remaining is None else min(POLL, remaining),
+                timeout=poll if remaining is None else min(poll, remaining),
             )
     present = await store.check(list(keys.values()))
     members = [i for i, ok in zip(keys, present, strict=True) if ok]

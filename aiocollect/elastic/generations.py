@@ -220,7 +220,7 @@ async def _form(
     try:
         while not task.done():
             await asyncio.wait([task], timeout=POLL * 2)
-            dead = [i for i, o in watch.items() if membership.dead(o)]
+            dead = membership.dead_among(watch)
             if dead and not task.done():
                 raise Retry(f"participants {dead} died while generation {gen} formed")
         endpoint, links = task.result()
@@ -281,10 +281,9 @@ async def _generation(
                     f"{len(members)} members ({', '.join(_who(i) for i in members)}), "
                     f"fewer than min_size={min_size}"
                 )
-            watch = {}
-            for i in members:
-                if i != me and (owner := await membership.owner_at(state.shared.store, where[i])):
-                    watch[i] = owner
+            watch = await membership.owners_at(
+                state.shared.store, {i: where[i] for i in members if i != me}
+            )
             state = replace(
                 state, chunk_bytes=int(decision["chunk_bytes"]), timeout=decision["timeout"]
             )
@@ -457,10 +456,7 @@ async def join(state: ElasticState, timeout: float | None) -> Group:
     old = {i: f"{base}/member/{i}" for i in members}
     old[me] = ticket
     state = replace(state, chunk_bytes=int(decision["chunk_bytes"]), timeout=decision["timeout"])
-    watch = {}
-    for i in members:
-        if i != me and (owner := await membership.owner_at(store, old[i])):
-            watch[i] = owner
+    watch = await membership.owners_at(store, {i: old[i] for i in members if i != me})
     try:
         return await _form(
             state, gen, attempt, members.index(me), len(members), Deadline.after(timeout), watch

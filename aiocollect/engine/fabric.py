@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from aiocollect import _fdlimit
 from aiocollect._deadline import Deadline
 from aiocollect.engine.closing import Closer, decode_abort, decode_goodbye, encode_abort
-from aiocollect.engine.liveness import Liveness
+from aiocollect.engine.liveness import Liveness, few
 from aiocollect.engine.op_registry import OpRegistry
 from aiocollect.engine.spin import Awaited, Spinner, budget_for, core_each
 from aiocollect.errors import (
@@ -165,7 +165,7 @@ class Fabric:
         if timeouts and len(timeouts) == len(failed):
             raise PeerTimeout(
                 f"rank {self.rank} could not link to ranks "
-                f"{_few(r for exc in timeouts for r in exc.ranks)} before the deadline",
+                f"{few(r for exc in timeouts for r in exc.ranks)} before the deadline",
                 [r for exc in timeouts for r in exc.ranks],
             )
         if failed:
@@ -378,11 +378,3 @@ class Fabric:
             raise GroupBrokenError(
                 f"the group is broken: {type(self.failure).__name__}: {self.failure}"
             ) from self.failure
-
-
-def _few(ranks: Iterable[int], most: int = 8) -> str:
-    """Ranks for a message: at most ``most`` of them, then how many more."""
-    shown = sorted(set(ranks))
-    if len(shown) <= most:
-        return str(shown)
-    return f"{shown[:most]} and {len(shown) - most} more"

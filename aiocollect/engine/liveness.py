@@ -1,4 +1,5 @@
-"""Liveness: whether the peers are there, asked (PING/PONG) and told (a lost link).
+"""Liveness: whether the peers are there, asked (PING/PONG), told (a lost link) and seen
+(their hosts' acknowledgements).
 
 A timed-out operation, and one waiting longer than the watchdog's check interval, PINGs
 its peers (:meth:`Liveness.probe`, :meth:`Liveness.survey`): a live peer's event loop
@@ -6,19 +7,25 @@ answers at once, even while its own operations wait, and can say whether it has 
 given operation, with which fingerprint. A link that ends without a GOODBYE or an ABORT
 breaks the group with PeerDisconnected (:meth:`Liveness.on_lost`), after what this loop
 may still have to read, and, for a peer process on this host, after that process exited.
+While an operation waits, the links to other hosts are looked at (:meth:`Liveness.look`):
+one whose host has acknowledged nothing for ``LINK_SILENCE`` seconds, though data or a
+probe waits for it, breaks the group with PeerDisconnected naming it unreachable.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import struct
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from aiocollect import errors
 from aiocollect.errors import PeerDisconnected
 from aiocollect.transport.base import Fingerprint, Link
+from aiocollect.transport.sockets import LINK_SILENCE_ENV, link_silence
 from aiocollect.transport.wire import PING, PONG, control_header
 
 if TYPE_CHECKING:
@@ -41,6 +48,12 @@ _TOKEN = 8
 #: Seconds an unexplained loss of a same-host peer's connection waits for that peer's
 #: process to exit before it is blamed (:meth:`Liveness.on_lost`).
 PEER_EXIT_WAIT = 0.5
+#: Seconds between two looks at the links' acknowledgements (:meth:`Liveness.look`), at
+#: least: every group on the fabric asks at each of its watchdog's ticks.
+LOOK_EVERY = 0.4
+#: A link counts as silent since the previous look when its silence grew by the time
+#: between the looks, give or take this (seconds; the kernel counts in jiffies).
+LOOK_SLACK = 0.25
 
 
 class Liveness:
@@ -53,6 +66,11 @@ class Liveness:
         self._probes = 0
         #: Losses waiting for their peer's process to exit: pidfd -> (its loop, its timer).
         self._exit_waits: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle]] = {}
+        #: Seconds of silence after which another host is unreachable (0: not checked).
+        self.silence = link_silence()
+        self._looked = -LOOK_EVERY
+        #: Links found silent at the last look: peer -> (loop time, seconds silent).
+        self._silent: dict[int, tuple[float, float]] = {}
 
     def on_lost(self, link: Link, exc: BaseException | None) -> None:
         """``link`` ended (``exc``: why, if known): see the fabric's ``on_lost``.
@@ -136,11 +154,75 @@ class Liveness:
         fabric = self._fabric
         if fabric.failure is not None or fabric.closing:
             return
+        if getattr(exc, "errno", None) == errno.ETIMEDOUT and self.silence > 0:
+            # the kernel's keep-alives went unanswered (transport/sockets.py, keep_alive)
+            fabric.fail(self.unreachable([link.peer], f"answered no keep-alive ({exc})"))
+            return
         detail = f": {exc}" if exc else ""
         fabric.fail(
             PeerDisconnected(
                 f"rank {link.peer} disconnected ({link.describe()}){detail}", link.peer
             )
+        )
+
+    # -- hosts that stopped acknowledging ----------------------------------------------------
+
+    def look(self, now: float) -> None:
+        """Called while an operation waits (every watchdog tick, at most every
+        ``LOOK_EVERY`` s): break the group with :meth:`unreachable` where links to other
+        hosts have had something waiting for their host's acknowledgement for
+        :attr:`silence` seconds or more, on this look and the previous one, with no
+        acknowledgement in between (one look could catch a live host's window probe
+        in flight). A live host's kernel acknowledges whatever its process does.
+
+        Args:
+            now: the loop's time.
+        """
+        fabric = self._fabric
+        if self.silence <= 0 or now - self._looked < LOOK_EVERY or fabric.failure is not None:
+            return
+        self._looked = now
+        before, self._silent = self._silent, {}
+        lost = []
+        for peer, link in fabric.links.items():
+            quiet = link.unanswered()
+            if quiet is None or quiet < self.silence:
+                continue
+            self._silent[peer] = (now, quiet)
+            seen = before.get(peer)
+            if seen is not None and quiet - seen[1] >= now - seen[0] - LOOK_SLACK:
+                lost.append(peer)
+        if lost:
+            quiet = max(self._silent[p][1] for p in lost)
+            fabric.fail(self.unreachable(lost, f"acknowledged nothing for {quiet:.1f} s"))
+
+    def unreachable(self, peers: list[int], how: str) -> PeerDisconnected:
+        """The error for hosts of world ranks ``peers`` that stopped answering (``how``),
+        naming the first one's link and the ranks on its host.
+
+        Args:
+            peers: the ranks whose links went silent (world ranks, not empty).
+            how: what their host did not answer, for the message.
+
+        Returns:
+            PeerDisconnected with ``rank`` the first of ``peers`` (not raised).
+        """
+        fabric = self._fabric
+        first = peers[0]
+        link = fabric.links.get(first)
+        notes = []
+        hosts = fabric.hosts
+        if first < len(hosts):
+            mates = [r for r, h in enumerate(hosts) if h == hosts[first]]
+            notes.append(f"ranks on that host: {few(mates)}")
+        others = sorted(set(peers) - {first})
+        if others:
+            notes.append(f"the hosts of ranks {few(others)} went silent too")
+        notes.append(f"{LINK_SILENCE_ENV}={self.silence:g}")
+        return PeerDisconnected(
+            f"{link.describe() if link is not None else f'rank {first}'} unreachable: its "
+            f"host {how} ({'; '.join(notes)})",
+            first,
         )
 
     # -- probes ----------------------------------------------------------------------------
@@ -242,3 +324,20 @@ class Liveness:
             return NOT_CALLED
         fp = self._registry.fingerprint(gid, seq)
         return CALLED if fp is None else CALLED + _FINGERPRINT.pack(*fp)
+
+
+def few(ranks: Iterable[int], most: int = 8) -> str:
+    """Ranks for a message: at most ``most`` of them (sorted, without repeats), then how
+    many more: a message about a large group stays a line.
+
+    Args:
+        ranks: the ranks.
+        most: how many to show.
+
+    Returns:
+        ``"[1, 2]"``, or ``"[0, 1, ..., 7] and 56 more"``-like text.
+    """
+    shown = sorted(set(ranks))
+    if len(shown) <= most:
+        return str(shown)
+    return f"{shown[:most]} and {len(shown) - most} more"

@@ -6,10 +6,10 @@ the record of each: its :class:`~aiocollect.engine.op.Op` or
 :class:`~aiocollect.engine.small.Quick`, kind, start time and timeout), the operations
 completed per kind (:attr:`Watchdog.done`), the deadline heap with its one timer
 (:meth:`Watchdog.watch`), the progress ticker (every ``TICK`` s while operations are in
-flight: far deadlines go on the heap, peers are asked what they called, stalls are
-logged) and the search for the ranks to blame once a deadline passes
-(:meth:`Watchdog.timeout_error`). One-frame operations (engine/small.py) report to it
-directly, so the engine never reaches into the group.
+flight: far deadlines go on the heap, peers are asked what they called, the links to
+other hosts are looked at, stalls are logged) and the search for the ranks to blame
+once a deadline passes (:meth:`Watchdog.timeout_error`). One-frame operations
+(engine/small.py) report to it directly, so the engine never reaches into the group.
 
 The group's per-operation path writes :attr:`Watchdog.tasks` and tests
 :attr:`Watchdog.ticking` itself (attribute accesses, no call per operation), and calls
@@ -26,6 +26,7 @@ from collections import Counter
 from typing import Any
 
 from aiocollect.engine.fabric import Fabric
+from aiocollect.engine.liveness import few
 from aiocollect.engine.op import Op
 from aiocollect.engine.small import Quick
 from aiocollect.errors import MismatchError, PeerTimeout
@@ -47,8 +48,9 @@ CHECK_SECONDS = 1.0
 WATCH_AT_TICK = 2 * CHECK_SECONDS
 CHECK_MAX = 30.0
 #: An operation with no byte received or sent on its links for this long logs a WARNING
-#: naming it and the ranks not heard from, again after 2x, 4x ... that interval (at most
-#: every 5 minutes); at most a quarter of its timeout.
+#: naming it and the ranks not heard from (at most 8 of them, and how many more), again
+#: after 2x, 4x ... that interval (at most every 5 minutes); at most a quarter of its
+#: timeout.
 PROGRESS_SECONDS = 30.0
 #: Seconds between two looks of the progress ticker at the operations in flight.
 TICK = 0.5
@@ -266,7 +268,7 @@ class Watchdog:
             silent, how = waited, "sent nothing"
         return PeerTimeout(
             f"{kind} (op #{op.seq} of group {self.name!r}) on rank {self.rank} timed out "
-            f"after {timeout:g} s: ranks {silent} {how}",
+            f"after {timeout:g} s: ranks {few(silent)} {how}",
             silent,
         )
 
@@ -282,7 +284,7 @@ class Watchdog:
             self._progress.clear()
             return
         now = loop.time()
-        live = False
+        live = waiting = False
         for fut, info in list(self.tasks.items()):
             if info is None or fut.done():
                 continue
@@ -294,6 +296,7 @@ class Watchdog:
             age = now - started
             if age < CHECK_SECONDS:
                 continue
+            waiting = True
             st = self._progress.get(fut)
             if st is None:
                 st = self._progress[fut] = _Progress(op.progress(), age, timeout)
@@ -308,6 +311,8 @@ class Watchdog:
                 else:
                     st.token, st.since = token, now
                 st.next_warn = age + st.warn_every
+        if waiting:  # a host that vanished is found while an operation waits for it
+            self.fabric.liveness.look(now)
         for fut in [f for f in self._progress if f.done()]:
             del self._progress[fut]
         self._watched = {fut for fut in self._watched if not fut.done()}
@@ -353,11 +358,11 @@ class Watchdog:
             if op.kind == DATA
             else f"point to point, group {self.name!r}"
         )
-        parts = [f"waiting for ranks {op.silent_peers()}"]
+        parts = [f"waiting for ranks {few(op.silent_peers())}"]
         if st.dead:
-            parts.append(f"ranks {st.dead} did not answer a ping")
+            parts.append(f"ranks {few(st.dead)} did not answer a ping")
         if st.absent:
-            parts.append(f"ranks {st.absent} have not called it")
+            parts.append(f"ranks {few(st.absent)} have not called it")
         end = (
             "no timeout"
             if timeout is None

@@ -22,8 +22,9 @@ from aiocollect.collectives import hierarchical
 from aiocollect.collectives.neighbours import NEIGHBOUR_CODES, TWO_LEVEL_CODES, neighbours
 from aiocollect.collectives.plan import Plan, Planner
 from aiocollect.engine.fabric import Fabric
+from aiocollect.engine.handle import Handle
 from aiocollect.engine.op import Op
-from aiocollect.engine.small import Handle, Quick, Small
+from aiocollect.engine.small import Quick, Small
 from aiocollect.engine.watchdog import WATCH_AT_TICK, Watchdog
 from aiocollect.errors import GroupBrokenError, MismatchError, UsageError
 from aiocollect.stats import LinkStatistics, Statistics

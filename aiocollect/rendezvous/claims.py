@@ -202,11 +202,18 @@ class Claim:
                 await self.linger(deadline)
             raise RendezvousError(why.decode(errors="replace"))
 
-    async def linger(self, deadline: Deadline) -> None:
+    async def linger(self, deadline: Deadline, world_size: int | None = None) -> None:
         """(Rank 0, giving up because a rank's settings differ) Let the job's other ranks
         arrive, up to REFUSAL_GRACE, before the job ends: they then fail with the reason,
-        where one that claimed later would wait for a new job (a restart) instead."""
-        keys = [self.keys.job(self.job, "here", r) for r in range(self.world_size)]
+        where one that claimed later would wait for a new job (a restart) instead.
+
+        Args:
+            deadline: the rendezvous's deadline (the wait ends at it, if sooner).
+            world_size: how many ranks to wait for, where a record said a larger world size
+                than this rank's (those ranks arrive too); default this rank's.
+        """
+        ranks = max(self.world_size, world_size or 0)
+        keys = [self.keys.job(self.job, "here", r) for r in range(ranks)]
         grace = Deadline.after(min(REFUSAL_GRACE, deadline.remaining() or REFUSAL_GRACE))
         with contextlib.suppress(errors.StoreTimeout):
             for i in range(0, len(keys), records.RECORD_BATCH):

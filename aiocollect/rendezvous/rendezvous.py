@@ -44,6 +44,9 @@ WATCH_AFTER = 1.0
 #: before it closes its listener (they follow the links at once; one that never comes
 #: leaves its link on one connection).
 LANES_WAIT = 5.0
+#: Most ranks a rank 0 that gives up waits for when a record names a larger world size (a
+#: record is another process's word: it bounds the wait, not the memory it may take).
+MAX_LINGER_RANKS = 1 << 16
 
 
 @dataclass
@@ -366,8 +369,10 @@ async def _read_records(
             _check_settings(cfg, r, rec)
             _check_transport(cfg, r, rec, mine)
     except RendezvousError:
-        if cfg.rank == 0:
-            await claim.linger(cfg.deadline)
+        if cfg.rank == 0:  # ranks started with a larger world size come too: wait for them
+            sizes = [rec.get("world_size") for rec in peers.values()]
+            larger = max((n for n in sizes if isinstance(n, int)), default=cfg.world_size)
+            await claim.linger(cfg.deadline, min(larger, MAX_LINGER_RANKS))
         raise
     return peers
 

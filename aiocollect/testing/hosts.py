@@ -1,20 +1,23 @@
 """Hosts on one machine: a network namespace per host, its ranks as real processes.
 
-:class:`Hosts` builds, for ``host_of[r]`` (the host of each rank), one namespace per host
-wired by a veth pair to a bridge in a hub namespace, each with its own address
-(``10.78.0.<h+1>``) and, per rank process, its own hostname (``unshare --uts``): the
-rendezvous sees as many hosts as namespaces, ranks of one namespace share a host (shared
-memory between them), ranks of two talk TCP over the veths, and the host side of each veth
-counts what leaves the host (``tx_bytes``). Rank ``r`` runs ``python -m MODULE ARGS`` in
-its host's namespace with ``AIOCOLLECT_RANK``/``WORLD_SIZE``/``STORE``/``IFNAME``/
-``SECRET`` set (rank 0's embedded store on its host's address) and reports one JSON line
-on stdout, which :meth:`Hosts.run` returns per rank.
+:class:`Namespaces` builds a hub namespace with a bridge and one namespace per member,
+each wired to the bridge by a veth pair and given its own address; the multi-host tests
+of tests/network use it with one namespace per rank (``tests/support/netns.py``), and
+:class:`Hosts` with one per host. :class:`Hosts` builds, for ``host_of[r]`` (the host of
+each rank), one namespace per host (``10.78.0.<h+1>``) and, per rank process, its own
+hostname (``unshare --uts``): the rendezvous sees as many hosts as namespaces, ranks of
+one namespace share a host (shared memory between them), ranks of two talk TCP over the
+veths, and the host side of each veth counts what leaves the host (``tx_bytes``). Rank
+``r`` runs ``python -m MODULE ARGS`` in its host's namespace with ``AIOCOLLECT_RANK``/
+``WORLD_SIZE``/``STORE``/``IFNAME``/``SECRET`` set (rank 0's embedded store on its host's
+address) and reports one JSON line on stdout, which :meth:`Hosts.run` returns per rank.
 
 Every name carries a prefix and the creating process id (``achost-<pid>-<n>-...``), so
 parallel test workers never collide and leftovers of a killed run are removed by
 :func:`remove_leftovers`. Needs root and ``ip`` (:func:`unavailable` says why not);
 ``close`` removes the namespaces and kills every process still in them, also after a
-failure half-way through setup. Used by tests/hosts and tools/hosts_bench.py.
+failure half-way through setup. Used by tests/hosts, tests/network and
+tools/hosts_bench.py.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 PREFIX = "achost-"
 #: The host-side interface in every host namespace (what AIOCOLLECT_IFNAME names).
@@ -54,12 +57,12 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def unavailable() -> str | None:
-    """Why hosts cannot be built here (not root, no ``ip``, no ``unshare``, no
-    namespaces), or None."""
+def unavailable(uts: bool = True) -> str | None:
+    """Why namespaces cannot be built here (not root, no ``ip``, no namespaces, veths or
+    bridges; with ``uts``, no ``unshare`` or UTS namespaces), or None."""
     if os.geteuid() != 0:
         return "not root"
-    for tool in ("ip", "unshare"):
+    for tool in ("ip", "unshare") if uts else ("ip",):
         if shutil.which(tool) is None:
             return f"no {tool} command"
     probe = f"{PREFIX}{os.getpid()}-probe"
@@ -67,14 +70,22 @@ def unavailable() -> str | None:
     if made.returncode:
         return f"ip netns add failed: {made.stderr.strip()}"
     try:
-        uts = subprocess.run(
-            ["ip", "netns", "exec", probe, "unshare", "--uts", "hostname", "probe"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        if uts.returncode:
-            return f"unshare --uts failed: {uts.stderr.strip()}"
+        veth = ip("link", "add", "p0", "netns", probe, "type", "veth", "peer", "name", "p1",
+                  "netns", probe, check=False)  # fmt: skip
+        if veth.returncode:
+            return f"no veth: {veth.stderr.strip()}"
+        bridge = ip("-n", probe, "link", "add", "b0", "type", "bridge", check=False)
+        if bridge.returncode:
+            return f"no bridge: {bridge.stderr.strip()}"
+        if uts:
+            named = subprocess.run(
+                ["ip", "netns", "exec", probe, "unshare", "--uts", "hostname", "probe"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            if named.returncode:
+                return f"unshare --uts failed: {named.stderr.strip()}"
     finally:
         delete_namespace(probe)
     return None
@@ -88,15 +99,16 @@ def delete_namespace(name: str) -> None:
     ip("netns", "del", name, check=False)
 
 
-def remove_leftovers() -> list[str]:
-    """Delete namespaces of this prefix whose creating process is gone."""
+def remove_leftovers(prefix: str = PREFIX) -> list[str]:
+    """Delete namespaces whose name starts with ``prefix`` and whose creating process (the
+    pid after the prefix) is gone; return their names."""
     removed = []
     for line in ip("netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
-        if not name.startswith(PREFIX):
+        if not name.startswith(prefix):
             continue
         try:
-            owner = int(name[len(PREFIX) :].split("-", 1)[0])
+            owner = int(name[len(prefix) :].split("-", 1)[0])
         except ValueError:
             owner = -1
         if owner == os.getpid() or (owner > 0 and _alive(owner)):
@@ -131,28 +143,41 @@ def placement(hosts: int, per_host: int, kind: str) -> list[int]:
     raise ValueError(f"placement is blocked or cyclic, not {kind!r}")
 
 
-class Hosts:
-    """Namespaces for the hosts of ``host_of`` (rank r on host ``host_of[r]``; hosts
-    numbered 0..H-1). A context manager: built on enter, removed on exit."""
+class Namespaces:
+    """A hub namespace with a bridge and ``count`` member namespaces wired to it: member
+    ``i`` lives in ``self.ns[i]`` (named ``<prefix><pid>-<n>-<member><i>``), its interface
+    ``ifname`` holding ``<v4net>.<i+1>/24`` and, with ``v6net``, ``<v6net>::<i+1>/64``.
+    A context manager: built on enter; the namespaces (and every process still running in
+    them) are removed on exit, also after a failure half-way through setup."""
 
-    def __init__(self, host_of: Sequence[int]) -> None:
-        self.host_of = list(host_of)
-        count = max(self.host_of) + 1
-        tag = f"{PREFIX}{os.getpid()}-{next(_serial)}"
-        self.tag = tag
-        self.hub = f"{tag}-hub"
-        self.ns = [f"{tag}-h{h}" for h in range(count)]
+    def __init__(
+        self,
+        count: int,
+        *,
+        prefix: str = PREFIX,
+        ifname: str = IFNAME,
+        v4net: str = "10.78.0",
+        v6net: str | None = None,
+        member: str = "h",
+    ) -> None:
+        self.tag = f"{prefix}{os.getpid()}-{next(_serial)}"
+        self.ifname = ifname
+        self.v4net = v4net
+        self.v6net = v6net
+        self.member = member
+        self.hub = f"{self.tag}-hub"
+        self.ns = [f"{self.tag}-{member}{i}" for i in range(count)]
         self.created: list[str] = []
 
-    def address(self, host: int) -> str:
-        """Host ``host``'s IPv4 address."""
-        return f"10.78.0.{host + 1}"
+    def v4(self, i: int) -> str:
+        """Member ``i``'s IPv4 address."""
+        return f"{self.v4net}.{i + 1}"
 
-    def hostname(self, host: int) -> str:
-        """The hostname the ranks of host ``host`` run under."""
-        return f"{self.tag}-host{host}"
+    def v6(self, i: int) -> str:
+        """Member ``i``'s IPv6 address (where the network has one)."""
+        return f"{self.v6net}::{i + 1}"
 
-    def __enter__(self) -> Hosts:
+    def __enter__(self) -> Self:
         try:
             self._build()
         except BaseException:
@@ -167,29 +192,57 @@ class Hosts:
         self._add(self.hub)
         ip("-n", self.hub, "link", "add", BRIDGE, "type", "bridge")
         ip("-n", self.hub, "link", "set", BRIDGE, "up")
-        for h, ns in enumerate(self.ns):
+        for i, ns in enumerate(self.ns):
             self._add(ns)
-            port = f"hub-h{h}"
-            ip("link", "add", IFNAME, "netns", ns, "type", "veth", "peer", "name", port,
+            port = f"hub-{self.member}{i}"
+            ip("link", "add", self.ifname, "netns", ns, "type", "veth", "peer", "name", port,
                "netns", self.hub)  # fmt: skip
             ip("-n", self.hub, "link", "set", port, "master", BRIDGE)
             ip("-n", self.hub, "link", "set", port, "up")
-            ip("-n", ns, "addr", "add", f"{self.address(h)}/24", "dev", IFNAME)
-            ip("-n", ns, "link", "set", IFNAME, "up")
+            ip("-n", ns, "addr", "add", f"{self.v4(i)}/24", "dev", self.ifname)
+            if self.v6net is not None:
+                # nodad: usable at once (duplicate address detection would hold it ~2 s)
+                ip("-n", ns, "-6", "addr", "add", f"{self.v6(i)}/64", "dev", self.ifname,
+                   "nodad")  # fmt: skip
+            ip("-n", ns, "link", "set", self.ifname, "up")
 
     def _add(self, name: str) -> None:
         ip("netns", "add", name)
         self.created.append(name)
         ip("-n", name, "link", "set", "lo", "up")
 
+    def link_down(self, i: int) -> None:
+        """Cut member ``i`` off: its interface goes down (its peers see silence, not a
+        reset)."""
+        ip("-n", self.ns[i], "link", "set", self.ifname, "down")
+
+    def close(self) -> None:
+        """Remove the namespaces (and what runs in them)."""
+        for name in reversed(self.created):
+            delete_namespace(name)
+        self.created.clear()
+
+
+class Hosts(Namespaces):
+    """Namespaces for the hosts of ``host_of`` (rank r on host ``host_of[r]``; hosts
+    numbered 0..H-1). A context manager: built on enter, removed on exit."""
+
+    def __init__(self, host_of: Sequence[int]) -> None:
+        self.host_of = list(host_of)
+        super().__init__(max(self.host_of) + 1)
+
+    def address(self, host: int) -> str:
+        """Host ``host``'s IPv4 address."""
+        return self.v4(host)
+
+    def hostname(self, host: int) -> str:
+        """The hostname the ranks of host ``host`` run under."""
+        return f"{self.tag}-host{host}"
+
     def tx_bytes(self, host: int) -> int:
         """Bytes that left host ``host`` on its interface so far."""
         out = ip("-n", self.ns[host], "-j", "-s", "link", "show", IFNAME).stdout
         return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
-
-    def link_down(self, host: int) -> None:
-        """Cut host ``host`` off: its interface goes down (peers see silence)."""
-        ip("-n", self.ns[host], "link", "set", IFNAME, "down")
 
     def env(self, rank: int, extra: Mapping[str, str] = {}) -> dict[str, str]:
         """Rank ``rank``'s environment: this one's, the group's variables, ``extra``."""
@@ -257,9 +310,3 @@ class Hosts:
         if failed:
             raise AssertionError("\n".join(failed))
         return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
-
-    def close(self) -> None:
-        """Remove the namespaces (and what runs in them)."""
-        for name in reversed(self.created):
-            delete_namespace(name)
-        self.created.clear()

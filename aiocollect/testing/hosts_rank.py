@@ -16,9 +16,12 @@ Modes:
   (``auto`` or a named algorithm) between two barriers; each host's leader reports the
   bytes that left its host's interface meanwhile (``tx_bytes``), the others 0.
 - ``cut TIMEOUT``: a group with that timeout (seconds) runs 1 MiB allreduces until one
-  fails, printing ``{"event": "ready"}`` after three, then ``{"event": "error", ...}``
-  (the exception's type, its cause's, and when) and exits at once (a test cuts a host off
-  meanwhile).
+  fails, printing ``{"event": "ready"}`` after three (with the world ranks it has links
+  to), then ``{"event": "error", ...}`` (the exception's type, its cause's, the rank
+  blamed, the message, and when) and exits at once (a test cuts a host off meanwhile).
+- ``stall SECONDS``: rank 0 sends 32 MiB to rank 1, which first blocks its event loop
+  for SECONDS (reading nothing: its receive window closes, its host's kernel still
+  answers), then receives it; a barrier; every rank reports how long that took.
 - ``opcpu SIZE ALGORITHM ITERS``: ITERS allreduces of SIZE bytes back to back; every
   rank reports one line in ``tools/op_cpu.py``'s form (p50 wall time, CPU per operation),
   which ``tools/alternate.py`` reads.
@@ -194,20 +197,36 @@ async def cut(timeout: float) -> None:
             await group.allreduce(buf)
             done += 1
             if done == 3:
-                print(json.dumps({"event": "ready", "rank": group.rank}), flush=True)
+                linked = sorted(group._fabric.links)
+                ready = {"event": "ready", "rank": group.rank, "links": linked}
+                print(json.dumps(ready), flush=True)
     except ac.AiocollectError as exc:
         cause = exc.__cause__ if isinstance(exc, ac.GroupBrokenError) else None
+        blamed = cause if cause is not None else exc
         error = {
             "event": "error",
             "rank": group.rank,
             "type": type(exc).__name__,
             "cause": type(cause).__name__ if cause else None,
-            "message": str(exc),
+            "peer": getattr(blamed, "rank", None),
+            "message": str(blamed),
             "at": time.time(),
         }
         print(json.dumps(error), flush=True)
     group.abort()
     os._exit(0)  # the store's host may be cut off: nothing to wait for
+
+
+async def stall(group: ac.Group, seconds: float) -> dict[str, Any]:
+    buf = np.ones(8 << 20, np.float32)
+    start = time.monotonic()
+    if group.rank == 0:
+        await group.send(buf, 1)
+    elif group.rank == 1:
+        time.sleep(seconds)  # noqa: ASYNC251 (blocks the loop on purpose: nothing is read)
+        await group.recv(buf, 0)
+    await group.barrier()
+    return {"rank": group.rank, "took": time.monotonic() - start}
 
 
 async def main(argv: list[str]) -> dict[str, Any]:
@@ -219,6 +238,8 @@ async def main(argv: list[str]) -> dict[str, Any]:
             return await check(group)
         if mode == "bytes":
             return await count_bytes(group, int(argv[1]), argv[2])
+        if mode == "stall":
+            return await stall(group, float(argv[1]))
         if mode == "opcpu":
             return await op_cpu(group, int(argv[1]), argv[2], int(argv[3]))
         if mode == "bench":

@@ -157,6 +157,42 @@ class ManyResult:
     wall_s: float
 
 
+def start_store() -> tuple[subprocess.Popen[str], str]:
+    """Start a standalone ``aiocollect store`` on a free loopback port, without a secret.
+
+    Returns:
+        The store's process and its URL (``tcp://127.0.0.1:PORT``).
+
+    Raises:
+        RuntimeError: the store did not start (its process is reaped).
+    """
+    store = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "aiocollect.store",
+            *("--host", "127.0.0.1", "--port", "0", "--insecure"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert store.stdout is not None
+    found = re.search(r":(\d+) ", store.stdout.readline())
+    if found is None:
+        stop_processes([store])
+        raise RuntimeError("the store did not start")
+    return store, f"tcp://127.0.0.1:{found.group(1)}"
+
+
+def stop_processes(procs: Sequence[subprocess.Popen[str]]) -> None:
+    """Kill those of ``procs`` that still run and reap every one (bounded: 10 s each)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        with contextlib.suppress(Exception):
+            proc.communicate(timeout=10)
+
+
 def run_many(
     procs: int, per: int, links: str = "lazy", timeout: float = 900, alltoall: bool = True
 ) -> ManyResult:
@@ -178,23 +214,9 @@ def run_many(
             longer than ``timeout``.
     """
     start = time.monotonic()
-    store = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "aiocollect.store",
-            *("--host", "127.0.0.1", "--port", "0", "--insecure"),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    store, url = start_store()
     kids: list[subprocess.Popen[str]] = []
     try:
-        assert store.stdout is not None
-        found = re.search(r":(\d+) ", store.stdout.readline())
-        if found is None:
-            raise RuntimeError("the store did not start")
-        url = f"tcp://127.0.0.1:{found.group(1)}"
         world = procs * per
         kids = [
             subprocess.Popen(
@@ -220,11 +242,7 @@ def run_many(
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"{procs} x {per} ranks: not done within {timeout} s") from None
     finally:
-        for proc in [*kids, store]:
-            if proc.poll() is None:
-                proc.kill()
-            with contextlib.suppress(Exception):
-                proc.communicate(timeout=10)
+        stop_processes([*kids, store])
     results: list[dict[str, float]] = []
     for kid, (out, _) in zip(kids, outs, strict=True):
         last = out.strip().splitlines()[-1:] if out else []

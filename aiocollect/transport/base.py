@@ -390,5 +390,12 @@ class Link(Mailbox, abc.ABC):
         default: one loop pass, for links whose closing is done by then)."""
         await asyncio.sleep(0)
 
+    def unanswered(self) -> float | None:
+        """Seconds since the peer's host last acknowledged anything, where something
+        sent on this link waits for that now (0.0 where nothing waits); None where the
+        link cannot tell (links within this host, links that ended). The engine reads it
+        while an operation waits, to find a host that vanished (docs/failures.md)."""
+        return None
+
     def describe(self) -> str:
         return f"rank {self.peer}"

@@ -32,7 +32,15 @@ from aiocollect.transport.base import COPIES, Handshaker, LinkCaps, LinkEvents
 from aiocollect.transport.handshake_stream import HandshakeStream
 from aiocollect.transport.interface import Screen
 from aiocollect.transport.mailbox import land
-from aiocollect.transport.sockets import Screened, is_local, socket_buffer, unix_peer_pid
+from aiocollect.transport.sockets import (
+    Screened,
+    is_local,
+    keep_alive,
+    link_silence,
+    socket_buffer,
+    unanswered,
+    unix_peer_pid,
+)
 from aiocollect.transport.stream_send import SendSide
 from aiocollect.transport.wire import (
     DATA,
@@ -120,6 +128,8 @@ class StreamLink(SendSide, asyncio.BufferedProtocol):
         self._linger: asyncio.TimerHandle | None = None
         self.screen: Screen | None = None
         self._caps = COPIES  # local is known once connected
+        #: The socket of a link to another host, whose acknowledgements are watched.
+        self._remote: socket.socket | None = None
 
     # -- connection lifecycle --------------------------------------------------------------
 
@@ -159,6 +169,9 @@ class StreamLink(SendSide, asyncio.BufferedProtocol):
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF) if size else ():
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, opt, size)
+            if self._caps.local is False and (silence := link_silence()) > 0:
+                keep_alive(sock, silence)
+                self._remote = sock
         assert self.handshake is not None
         try:
             self.handshake.start()
@@ -453,6 +466,11 @@ class StreamLink(SendSide, asyncio.BufferedProtocol):
     def caps(self) -> LinkCaps:
         """Whether the peer is local (from the socket's two addresses, once connected)."""
         return self._caps
+
+    def unanswered(self) -> float | None:
+        if self._remote is None or self.lost:
+            return None
+        return unanswered(self._remote)
 
     def describe(self) -> str:
         return f"rank {self.peer} ({self.address})" if self.peer >= 0 else self.address

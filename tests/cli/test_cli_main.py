@@ -71,6 +71,18 @@ def test_info_json(run_cli: RunCli) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_info_says_pure_where_told(run_cli: RunCli, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AIOCOLLECT_PURE=1 (inherited by the command) loads every compiled module from its
+    source, and info says so and why."""
+    monkeypatch.setenv("AIOCOLLECT_PURE", "1")
+    core = json.loads(run_cli("info", "--json").stdout)["core"]
+    assert core["path"] == "pure"
+    assert core["why"] == "AIOCOLLECT_PURE is set"
+    assert set(core["modules"].values()) == {"pure"}
+    assert "core         pure Python: AIOCOLLECT_PURE is set" in run_cli("info").stdout
+
+
+@pytest.mark.timeout(60)
 def test_console_script_and_version(tmp_path: Path) -> None:
     done = subprocess.run(
         cli_command("--version"), capture_output=True, text=True, timeout=50, check=False

@@ -380,3 +380,30 @@ async def test_the_star_roots_answer_is_one_fan_out_and_a_failing_send_in_it_bre
     assert results[1][1] in (10.0, "PeerDisconnected", "GroupBrokenError"), results
     for leaf in (2, 3):
         assert isinstance(results[leaf][1], str), results
+
+
+@pytest.mark.parametrize(("transport", "n"), [("tcp", 2), ("memory", 3)])  # doubling, star
+async def test_one_element_reductions(transport: str, n: int) -> None:
+    """A one-element buffer reduces through the plan's scratch element (``Small.one``) and
+    lands in the caller's buffer, for every op, with numpy's error state "raise" too (an
+    overflow still gives the IEEE result), while operations of the same shape overlap."""
+
+    async def body(g: ac.Group) -> list[float]:
+        got = []
+        for op in (ac.SUM, ac.PROD, ac.MIN, ac.MAX):
+            bufs = [np.array([g.rank + 2 + k], np.float32) for k in range(3)]
+            await asyncio.gather(*(g.allreduce(b, op=op) for b in bufs))
+            got += [float(b[0]) for b in bufs]
+        with np.errstate(all="raise"):
+            big = np.array([3e38], np.float32)
+            await g.allreduce(big)
+        ints = np.array([g.rank + 1], np.int32)
+        await g.allreduce(ints, op=ac.PROD)
+        return [*got, float(big[0]), float(ints[0])]
+
+    results = await run_ranks(n, body, transport=transport)
+    want = []
+    for reduce in (sum, np.prod, min, max):
+        want += [float(reduce([r + 2 + k for r in range(n)])) for k in range(3)]
+    want += [float("inf"), float(np.prod(range(1, n + 1)))]
+    assert results == [want] * n

@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import re
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
 
 import aiocollect as ac
-from aiocollect.engine import watchdog
 from aiocollect.store import MemoryStore
 from aiocollect.testing import run_ranks
 from aiocollect.testing.proxynet import ProxyNetwork
+from tests.support.stall_warnings import StallWarnings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,42 +28,7 @@ STALL = re.compile(
 )
 
 
-class Warnings(logging.Handler):
-    """Collects the library's no-progress warnings; ``wait(n)`` until n arrived."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[tuple[float, str]] = []
-        self._changed = asyncio.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if "no progress for" in message:
-            self.records.append((time.monotonic(), message))
-            self._changed.set()
-
-    async def wait(self, n: int, rank: int) -> None:
-        while len(self.of(rank)) < n:
-            self._changed.clear()
-            await self._changed.wait()
-
-    def of(self, rank: int) -> list[tuple[float, str]]:
-        return [(t, m) for t, m in self.records if f"on rank {rank}:" in m]
-
-
-@pytest.fixture
-def stall_warnings(monkeypatch: pytest.MonkeyPatch) -> Iterator[Warnings]:
-    monkeypatch.setattr(watchdog, "PROGRESS_SECONDS", 0.4)
-    handler = Warnings()
-    logger = logging.getLogger("aiocollect")
-    logger.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-
-
-async def test_stalled_operation_warns_with_backoff(stall_warnings: Warnings) -> None:
+async def test_stalled_operation_warns_with_backoff(stall_warnings: StallWarnings) -> None:
     """Rank 2 calls its allreduce late: ranks 0 and 1 warn (op, seq, rank 2 not heard from,
     rank 2 has not called it) at about 0.4, 1.2, 2.8 s — then the op completes."""
     go = asyncio.Event()
@@ -110,7 +74,7 @@ async def network() -> AsyncIterator[ProxyNetwork]:
 
 @pytest.mark.one_loop  # waits out a timeout; nothing loop-specific
 async def test_dead_network_path_warns_before_the_timeout(
-    network: ProxyNetwork, stall_warnings: Warnings
+    network: ProxyNetwork, stall_warnings: StallWarnings
 ) -> None:
     """Link 0-1 stops carrying bytes (a dead network path): the ends warn, naming each
     other, long before their deadline; at the deadline they raise PeerTimeout."""

@@ -195,7 +195,6 @@ async def test_world_size_mismatch_is_a_rendezvous_error_on_every_rank(sizes: li
     from aiocollect.testing import free_port
 
     url = f"tcp://127.0.0.1:{free_port()}"
-    started = time.monotonic()
     odd = next(r for r, ws in enumerate(sizes) if sizes.count(ws) == 1)
     procs: dict[int, asyncio.subprocess.Process] = {}
 
@@ -216,6 +215,7 @@ async def test_world_size_mismatch_is_a_rendezvous_error_on_every_rank(sizes: li
     # as after a restart: that race is not what this test is about)
     await asyncio.gather(*(start(r) for r in range(len(sizes)) if r != odd))
     await start(odd)
+    started = time.monotonic()  # every rank is up (interpreters start slowly on a busy host)
     try:
         outs = [
             (await asyncio.wait_for(procs[r].communicate(), 40))[0].decode()

@@ -4,6 +4,7 @@ started."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -65,6 +66,23 @@ async def test_start_methods(start_method: str) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+async def test_ranks_start_with_the_callers_environment_and_directory(
+    start_method: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """What the caller sets just before the call reaches the ranks, also where they are
+    forked by a server started earlier with another environment (the first call starts it)."""
+    name = "AIOCOLLECT_TEST_MARK"
+    monkeypatch.delenv(name, raising=False)
+    first = await spawn_ranks(2, targets.environment_and_cwd, name, start_method=start_method)
+    assert [value for value, _ in first] == [None, None]
+    monkeypatch.setenv(name, "set-later")
+    monkeypatch.chdir(tmp_path)
+    res = await spawn_ranks(2, targets.environment_and_cwd, name, start_method=start_method)
+    assert res == [("set-later", str(tmp_path))] * 2
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize(("n", "uvloop"), [(2, False), (4, True)])
 async def test_overflow_is_inf_on_every_rank_whatever_numpy_raises(n: int, uvloop: bool) -> None:
     """Ranks whose numpy raises on overflow (np.seterr, warnings as errors) get IEEE sums,
@@ -82,7 +100,7 @@ def test_unknown_start_method_is_refused() -> None:
 
 @pytest.mark.timeout(60)
 async def test_child_traceback_comes_back() -> None:
-    job = spawn_ranks(2, targets.echo_rank, timeout=50)
+    job = spawn_ranks(2, targets.echo_rank, timeout=50, start_method="spawn")
     assert await job == [(0, 2), (1, 2)]
 
 

@@ -407,3 +407,22 @@ async def _read_message(reader: asyncio.StreamReader) -> dict[str, object]:
 def _framed(msg: dict[str, object]) -> bytes:
     data = bytes(msgpack.packb(msg, use_bin_type=True))
     return LENGTH_PREFIX.pack(len(data)) + data
+
+
+async def test_a_refusing_rank_0_waits_for_ranks_of_a_larger_world_size() -> None:
+    """Rank 0 started with world size 3 refuses ranks started with 4: before its job ends
+    it waits for rank 3 too (which then reads why), not only for the ranks of its own size."""
+    name = _name()
+    store = MemoryStore(f"claims-{uuid.uuid4().hex}")
+    first = await claims.claim(store, name, 0, 3, _deadline())
+    await first.publish({})
+    for rank in (1, 2):
+        await (await claims.claim(store, name, rank, 4, _deadline())).publish({})
+    await asyncio.wait_for(first.linger(_deadline()), 1.0)  # its own world: all here
+    waiting = asyncio.create_task(first.linger(_deadline(), world_size=4))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not waiting.done()
+    await (await claims.claim(store, name, 3, 4, _deadline())).publish({})
+    await asyncio.wait_for(waiting, 1.0)  # well within the grace (claims.REFUSAL_GRACE)
+    await first.release()

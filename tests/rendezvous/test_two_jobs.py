@@ -16,7 +16,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -44,9 +43,8 @@ SCRIPT = """\
 """
 
 BASES = (100, 200)  # 2 ranks each: 100 + 101 = 201, 200 + 201 = 401, mixed 301
-ITERATIONS = 12
+ITERATIONS = 6  # races, two at a time (a few seconds each on a quiet host)
 PAIRS_AT_ONCE = 2
-BUDGET_S = 20.0  # no new iteration starts after this
 RESULT = re.compile(r"^\[rank (\d)\] result (\d+)$", re.MULTILINE)
 #: What a job that lost the race says: its rank found the other job's claims or store
 #: (RendezvousError), or it reached the embedded store of the other job just as that job
@@ -100,14 +98,13 @@ def _check(base: int, rc: int, out: str, err: str) -> str:
     return "lost" if "another job on the same store" in err else "store lost"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_two_jobs_on_one_port_never_mix(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(SCRIPT))
     outcomes: dict[str, int] = {}
-    started = time.monotonic()
     done = 0
-    while done < ITERATIONS and time.monotonic() - started < BUDGET_S:
+    while done < ITERATIONS:
         batch = []
         for _ in range(PAIRS_AT_ONCE):
             port = free_port("127.0.0.1")
@@ -126,7 +123,6 @@ def test_two_jobs_on_one_port_never_mix(tmp_path: Path) -> None:
                         proc.kill()
                         proc.communicate()
     print(f"{done} races: {outcomes}")
-    assert done >= 6, f"only {done} races ran within {BUDGET_S} s"
     assert outcomes.get("ok", 0) >= done, outcomes  # at least one job of each race succeeds
 
 

@@ -237,3 +237,18 @@ async def test_links_that_cannot_read_say_so() -> None:
 
     assert await run_ranks(2, body) == ["ring", "ring"]
     assert await run_ranks(2, body, transport="tcp") == ["ring", "ring"]
+
+
+async def test_a_peer_killed_after_its_token_is_a_disconnect_not_a_protocol_error() -> None:
+    """Rank 2 dies right after sending its token frames, and the survivors look at its
+    token only after its link closed (before the group has blamed the loss): each survivor
+    reports PeerDisconnected naming rank 2 (its link's loss), and later calls fail from
+    it, never a ProtocolError about a token it "cannot read"."""
+    outcomes = await spawn_ranks(3, pull_targets.dies_after_its_tokens, timeout=60).outcomes()
+    assert outcomes[2][0] == "died", outcomes
+    for rank in (0, 1):
+        assert outcomes[rank][0] == "ok", outcomes
+        res = outcomes[rank][1]
+        assert res["error"] == "PeerDisconnected", res
+        assert "rank 2" in res["message"], res
+        assert res["later"] == "GroupBrokenError", res

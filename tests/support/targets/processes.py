@@ -72,6 +72,12 @@ async def parent_and_sum(g: ac.Group) -> Any:
     return (os.getppid(), data.tolist())
 
 
+async def environment_and_cwd(g: ac.Group, name: str) -> tuple[str | None, str]:
+    """The rank's value of the environment variable ``name`` and its working directory."""
+    await g.barrier()
+    return (os.environ.get(name), os.getcwd())
+
+
 async def overflow_under_strict_numpy(g: ac.Group) -> list[list[float]]:
     """Allreduces whose sums overflow float32 in a process whose numpy raises on every
     floating-point error and whose warnings are errors: one frame (4 bytes) and the pull

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from typing import Any
 
 import numpy as np
@@ -109,3 +111,42 @@ async def subgroups(g: ac.Group) -> list[int]:
     assert (y == g.world_size).all(), y[:3]
     out = await sub.allgather(np.full(select.PULL_MIN // 4, g.rank, np.float32))
     return [int(row[0]) for row in out]
+
+
+async def dies_after_its_tokens(g: ac.Group) -> dict[str, Any]:
+    """Rank 2 of three is SIGKILLed once it has sent its pull allreduce's token frames and
+    has both survivors' (both are in the operation); the survivors look at its token only
+    once its link has closed (fault injection: the window in which the link knows of the
+    loss and the group not yet). Each survivor returns its error's type and message and
+    the type of the group's next error."""
+    if g.rank == 2:
+
+        async def die_once_everyone_announced(self: pull._Exchange, q: int) -> bytes | None:
+            for futs in self._tokens.values():  # (both survivors are in the operation)
+                for fut in futs:
+                    await fut
+            os.kill(os.getpid(), signal.SIGKILL)
+            return None
+
+        pull._Exchange.token = die_once_everyone_announced  # type: ignore[method-assign]
+    else:
+        real_token = pull._Exchange.token
+
+        async def token_once_lost(self: pull._Exchange, q: int) -> bytes | None:
+            link = self.op.link(q)
+            if link.peer == 2:
+                await link.gone.wait()  # type: ignore[attr-defined]
+            return await real_token(self, q)
+
+        pull._Exchange.token = token_once_lost  # type: ignore[method-assign]
+    buf = np.ones(select.PULL_MIN // 4, np.float32)
+    try:
+        await asyncio.wait_for(g.allreduce(buf, algorithm="pull", timeout=20), 30)
+    except ac.AiocollectError as exc:
+        later = "none"
+        try:
+            await g.barrier(timeout=5)
+        except ac.AiocollectError as err:
+            later = type(err).__name__
+        return {"error": type(exc).__name__, "message": str(exc), "later": later}
+    return {"error": "none"}
