@@ -1,8 +1,9 @@
 """The small-frame lane of a TCP link (transport/tcp_link.py), with real processes over
 loopback: it is set up with the link, messages of one (source, tag) arrive in order
 whichever connection each took, small ones overtake bulk ones of other tags, losing the
-lane breaks the link on both ranks, ``AIOCOLLECT_TCP_LANES=1`` turns it off, and TLS links
-have one too."""
+lane breaks the link on both ranks, an ABORT on the lane ends a receive whose frame is
+arriving on the link's own connection, ``AIOCOLLECT_TCP_LANES=1`` turns it off, and TLS
+links have one too."""
 
 from __future__ import annotations
 
@@ -113,6 +114,57 @@ async def test_losing_the_lane_breaks_the_link(spawned: Callable[..., SpawnedRan
     outcomes = await spawned(2, lane_lost_rank, transport="tcp", timeout=50).outcomes()
     results = [o if isinstance(o, str) else type(o).__name__ for o in outcomes]
     assert all(r not in ("hung", "received") for r in results), results
+
+
+@pytest.mark.timeout(60)
+async def test_abort_on_the_lane_ends_a_receive_mid_bulk() -> None:
+    """Two ranks in one process, their link laned. Rank 1 receives 64 MiB from rank 0 and
+    stops reading the link's own connection while a frame of it is arriving (bulk waiting
+    in the kernel's buffers, as behind a slow network); rank 0 then aborts the group. Its
+    ABORT comes on the lane, beside the frame that rank 1's receive is reading: that
+    receive fails at once (not at its 30 s deadline) with the relayed failure."""
+    unique_name = f"lane-abort-{uuid.uuid4().hex[:12]}"
+    store = MemoryStore(unique_name)
+    paused = asyncio.Event()
+
+    async def one(rank: int) -> BaseException | str:
+        async with ac.open_group(
+            rank, 2, store=store, transport="tcp", name=unique_name, links="eager", timeout=30
+        ) as g:
+            assert await _until_laned(g, 1 - rank)
+            await g.barrier()
+            if rank == 0:
+                sending = g.send(np.ones(64 << 20, np.uint8), 1, tag=1)
+                await paused.wait()
+                g.abort(RuntimeError("gave up mid-bulk"))
+                with pytest.raises(AiocollectError):
+                    await sending
+                return "aborted"
+            pending = g.recv(np.empty(64 << 20, np.uint8), 0, tag=1)
+            link = g._fabric.links[0]
+            assert isinstance(link, TcpLink)
+            assert link.transport is not None
+            for _ in range(1 << 20):  # loop passes until a frame of it is arriving
+                if link._frame_recv is not None:
+                    break
+                await asyncio.sleep(0)
+            assert link._frame_recv is not None
+            link.transport.pause_reading()
+            paused.set()
+            try:
+                async with asyncio.timeout(5):
+                    await pending
+            except AiocollectError as exc:
+                return exc
+            except TimeoutError:
+                return "hung"
+            finally:
+                link.transport.resume_reading()
+            return "received"
+
+    _, outcome = await asyncio.gather(*(one(r) for r in range(2)))
+    assert isinstance(outcome, ac.GroupBrokenError), repr(outcome)
+    assert "gave up mid-bulk" in str(outcome), outcome
 
 
 def test_descriptor_count_includes_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
