@@ -14,7 +14,8 @@ the main connection's socket buffers (which user space cannot reorder).
   choice costs the send path one comparison per frame where a link has no lane
   (:meth:`~aiocollect.transport.stream_send.SendSide.send`).
 - Reading: the lane's frames enter the link's mailbox beside the main connection's current
-  frame (``_begin_aside``), or in one step.
+  frame (``_begin_aside``), or in one step. One that fails the link (an ABORT, a refused
+  frame) fails the current frame's receive as well (the mailbox does).
 - Closing: a GOODBYE goes on both connections, and the link passes it on only once both
   copies arrived (or the lane ended), so that nothing the peer sent before it on either
   connection is still on its way when the group hears that the peer closed. An ABORT goes
