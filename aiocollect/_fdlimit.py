@@ -1,7 +1,8 @@
 """The process's limit on open file descriptors: raising the soft limit towards the hard one,
 and the message to give when it is reached anyway.
 
-Every peer link and every store connection holds a descriptor, and a common soft limit is
+Every peer link and every store connection holds a descriptor (a TCP link two: its
+connection and its small-frame lane, unless ``AIOCOLLECT_TCP_LANES=1``), and a common soft limit is
 1024 (while the hard limit is often far higher): a store serving thousands of ranks, or a
 process running many ranks, needs more. :func:`raise_soft_limit` is called once by
 ``aiocollect store`` and by ``open_group``.
@@ -87,28 +88,42 @@ def open_count() -> int | None:
         return None
 
 
+#: The environment variable that sets how many TCP connections a TCP or TLS link holds: 2
+#: (the default: its connection and its small-frame lane, transport/tcp_lane.py) or 1.
+LANES_ENV = "AIOCOLLECT_TCP_LANES"
+
+
+def descriptors_per_link() -> int:
+    """Descriptors one link may hold: 2 where a TCP link has its small-frame lane (the
+    default), 1 with ``AIOCOLLECT_TCP_LANES=1``. Any other value than 1 counts as 2."""
+    return 1 if os.environ.get(LANES_ENV, "").strip() == "1" else 2
+
+
 #: Links that ranks of this process are making now (:func:`reserve`): each will hold a
 #: descriptor that :func:`open_count` may not count yet.
 _reserved = 0
 
 
 def too_few(links: int) -> str | None:
-    """Why this process cannot open ``links`` more links (one descriptor each, plus
-    ``SPARE`` and the links reserved by :func:`reserve`) under its soft RLIMIT_NOFILE, or
-    None where it can (or cannot tell).
+    """Why this process cannot open ``links`` more links (``descriptors_per_link()`` each,
+    plus ``SPARE`` and the links reserved by :func:`reserve`) under its soft RLIMIT_NOFILE,
+    or None where it can (or cannot tell).
 
     Args:
         links: the links about to be opened.
     """
     now, lim = open_count(), limits()
-    if now is None or lim is None or lim[0] < 0 or now + _reserved + links + SPARE <= lim[0]:
+    per = descriptors_per_link()
+    need = (_reserved + links) * per
+    if now is None or lim is None or lim[0] < 0 or now + need + SPARE <= lim[0]:
         return None
+    each = "one each" if per == 1 else f"{per} each (a TCP link and its small-frame lane)"
     if _reserved:
         return (
-            f"{now} descriptors are open, {_reserved} more are being linked by ranks of this "
-            f"process, and {links} links would need one each"
+            f"{now} descriptors are open, {_reserved} more links are being made by ranks of "
+            f"this process, and {links} links would need {each}"
         )
-    return f"{now} descriptors are open and {links} links would need one each"
+    return f"{now} descriptors are open and {links} links would need {each}"
 
 
 def reserve(links: int) -> str | None:

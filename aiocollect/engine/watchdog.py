@@ -305,11 +305,14 @@ class Watchdog:
         """Every ``TICK`` s while operations are in flight: far deadlines
         (``WATCH_AT_TICK``) of operations seen for the first time go on the deadline
         heap; operations older than ``CHECK_SECONDS`` ask their peers what they called
-        (:meth:`_check`); operations without progress for their interval log a WARNING."""
+        (:meth:`_check`); operations without progress for their interval log a WARNING.
+        Once the group is broken it only puts those deadlines on the heap, and stops: an
+        operation the failure did not end still ends by its deadline."""
         self.ticking = None
-        if self._stopped or self.fabric.failure is not None:
+        if self._stopped:
             self._progress.clear()
             return
+        broken = self.fabric.failure is not None
         now = loop.time()
         live = waiting = False
         for fut, info in list(self.tasks.items()):
@@ -320,6 +323,8 @@ class Watchdog:
             if timeout is not None and timeout >= WATCH_AT_TICK and fut not in self._watched:
                 self._watched.add(fut)  # (a deadline already passed fires at once)
                 self.watch(loop, started + timeout, fut, op)
+            if broken:  # its deadline holds; nothing more to ask of the peers
+                continue
             age = now - started
             if age < CHECK_SECONDS:
                 continue
@@ -340,6 +345,9 @@ class Watchdog:
                 st.next_warn = age + st.warn_every
         if waiting:  # a host that vanished is found while an operation waits for it
             self.fabric.liveness.look(now)
+        if broken:
+            self._progress.clear()
+            return
         for fut in [f for f in self._progress if f.done()]:
             del self._progress[fut]
         self._watched = {fut for fut in self._watched if not fut.done()}

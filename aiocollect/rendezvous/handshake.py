@@ -3,13 +3,19 @@
 ::
 
     acceptor -> connector   {t: "challenge", v, nonce_a}
-    connector -> acceptor   {t: "hello", v, group, rank, peer, world, job, nonce_c, mac_c}
+    connector -> acceptor   {t: "hello", v, group, rank, peer, world, job, nonce_c, mac_c,
+                             lane}
     acceptor -> connector   {t: "welcome", rank, mac_a}   or   {t: "reject", kind, error}
 
 ``mac_c = HMAC(secret, "connector" | nonce_c | nonce_a | context)`` and
 ``mac_a = HMAC(secret, "acceptor" | nonce_a | nonce_c | context)`` with the context binding
 the group name, both ranks, the world size and the job nonce. Without a secret the MACs are
 empty and not checked; with one, nothing but the handshake is read before both proofs pass.
+
+``lane`` (optional, default false) says the connection is the small-frame lane of the
+pair's link, which the connector made just before (transport/tcp_link.py): the acceptor
+admits it with ``admit_lane`` instead of ``admit``, and it is bound into the MACs' context
+(a lane's proof cannot pass for a link's, nor the reverse).
 
 ``job`` is the group's job nonce (:mod:`aiocollect.rendezvous.claims`): a connection from a
 rank of another job on the same store, with the same name, ranks and world size, is
@@ -28,8 +34,11 @@ from aiocollect.transport.base import Rejection
 PROTOCOL_VERSION = 1
 
 
-def _context(group: str, connector: int, acceptor: int, world: int, job: bytes) -> bytes:
-    return f"{group}|{connector}->{acceptor}|{world}|v{PROTOCOL_VERSION}|".encode() + job
+def _context(
+    group: str, connector: int, acceptor: int, world: int, job: bytes, lane: bool = False
+) -> bytes:
+    head = f"{group}|{connector}->{acceptor}|{world}|v{PROTOCOL_VERSION}|"
+    return (head + "lane|" if lane else head).encode() + job
 
 
 def _field(msg: dict[str, Any], name: str, kind: type) -> Any:
@@ -41,8 +50,9 @@ def _field(msg: dict[str, Any], name: str, kind: type) -> Any:
 
 class AcceptorHandshake:
     """The listening side. ``admit(rank)`` returns an error string (or the error itself)
-    to refuse a rank (e.g. a duplicate connection), or None. ``job`` is this group's job
-    nonce."""
+    to refuse a rank (e.g. a duplicate connection), or None; ``admit_lane(rank)`` the same
+    for the small-frame lane of the rank's link (None: lanes are refused). ``job`` is this
+    group's job nonce. ``lane`` is True once a lane's hello was admitted."""
 
     def __init__(
         self,
@@ -53,12 +63,15 @@ class AcceptorHandshake:
         admit: Callable[[int], str | RendezvousError | None],
         *,
         job: bytes = b"",
+        admit_lane: Callable[[int], str | RendezvousError | None] | None = None,
     ) -> None:
         self.group, self.rank, self.world_size = group, rank, world_size
         self.secret = secret
         self.admit = admit
+        self.admit_lane = admit_lane
         self.job = job
         self.nonce = _auth.new_nonce()
+        self.lane = False
 
     def start(self) -> list[dict[str, Any]]:
         return [{"t": "challenge", "v": PROTOCOL_VERSION, "nonce": self.nonce}]
@@ -76,7 +89,10 @@ class AcceptorHandshake:
         job = msg.get("job", b"")
         if not isinstance(job, bytes):
             raise ProtocolError("handshake field 'job' is not bytes")
-        ctx = _context(str(msg.get("group")), peer, self.rank, world, job)
+        lane = msg.get("lane", False)
+        if not isinstance(lane, bool):
+            raise ProtocolError("handshake field 'lane' is not a bool")
+        ctx = _context(str(msg.get("group")), peer, self.rank, world, job, lane)
         if self.secret is not None and not _auth.check(
             self.secret, mac, b"connector", nonce, self.nonce, ctx
         ):
@@ -115,10 +131,14 @@ class AcceptorHandshake:
                     f"with group name {self.group!r}?"
                 ),
             )
-        refusal = self.admit(peer)
+        if lane and self.admit_lane is None:
+            refusal: str | RendezvousError | None = "this rank takes no small-frame lanes"
+        else:
+            refusal = (self.admit_lane if lane and self.admit_lane else self.admit)(peer)
         if refusal is not None:
             error = refusal if isinstance(refusal, RendezvousError) else RendezvousError(refusal)
             raise self._reject("group", error)
+        self.lane = lane
         reply = {"t": "welcome", "rank": self.rank, "mac": b""}
         if self.secret is not None:
             reply["mac"] = _auth.proof(self.secret, b"acceptor", self.nonce, nonce, ctx)
@@ -126,7 +146,8 @@ class AcceptorHandshake:
 
 
 class ConnectorHandshake:
-    """The connecting side: rank ``rank`` connecting to rank ``peer``."""
+    """The connecting side: rank ``rank`` connecting to rank ``peer`` (``lane``: the small-
+    frame lane of the link it made just before)."""
 
     def __init__(
         self,
@@ -137,13 +158,15 @@ class ConnectorHandshake:
         secret: bytes | None,
         *,
         job: bytes = b"",
+        lane: bool = False,
     ) -> None:
         self.group, self.rank, self.peer, self.world_size = group, rank, peer, world_size
         self.secret = secret
         self.job = job
+        self.lane = lane
         self.nonce = _auth.new_nonce()
         self.peer_nonce: bytes | None = None
-        self.ctx = _context(group, rank, peer, world_size, job)
+        self.ctx = _context(group, rank, peer, world_size, job, lane)
 
     def start(self) -> list[dict[str, Any]]:
         return []
@@ -160,19 +183,20 @@ class ConnectorHandshake:
             mac = b""
             if self.secret is not None:
                 mac = _auth.proof(self.secret, b"connector", self.nonce, self.peer_nonce, self.ctx)
-            return [
-                {
-                    "t": "hello",
-                    "v": PROTOCOL_VERSION,
-                    "group": self.group,
-                    "rank": self.rank,
-                    "peer": self.peer,
-                    "world": self.world_size,
-                    "job": self.job,
-                    "nonce": self.nonce,
-                    "mac": mac,
-                }
-            ], None
+            hello = {
+                "t": "hello",
+                "v": PROTOCOL_VERSION,
+                "group": self.group,
+                "rank": self.rank,
+                "peer": self.peer,
+                "world": self.world_size,
+                "job": self.job,
+                "nonce": self.nonce,
+                "mac": mac,
+            }
+            if self.lane:
+                hello["lane"] = True
+            return [hello], None
         if kind == "reject":
             text = f"rank {self.peer} refused the link: {msg.get('error')}"
             if msg.get("kind") == "auth":

@@ -13,13 +13,23 @@ listener backlog was full), at most ``CONNECTS`` at a time per rank, and a rank 
 for its peer's connection waits no longer than its own deadline. A connect that finds
 this process out of descriptors fails at once, with a message naming the limit, the links
 open and what to do (``_fdlimit.links_exhausted``).
+
+A TCP link gets its small-frame lane (transport/tcp_link.py) where both ranks' records
+offer lanes (``"lanes": 2``, transport/tcp_listener.py), from the rank that connected it:
+once the link is made, that rank connects again with a lane's hello (the link carries
+every frame until its lane is up); the peer admits a lane only from a rank it has a link
+to, and hands it to that link (:meth:`Dialer.admit_lane`, :meth:`Dialer.on_link`). A rank
+that closes its listener once every peer is linked does so once the lanes are made
+(:meth:`Dialer.lanes_in`). A lane that cannot be made leaves the link on its one
+connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Coroutine
 
 from aiocollect import _fdlimit
 from aiocollect._deadline import Deadline
@@ -27,6 +37,11 @@ from aiocollect.errors import PeerDisconnected, PeerTimeout, RendezvousError
 from aiocollect.rendezvous.handshake import ConnectorHandshake
 from aiocollect.transport.base import Link, Superseded
 from aiocollect.transport.interface import Listener, Record
+from aiocollect.transport.tcp import StreamLink
+from aiocollect.transport.tcp_link import TcpLink
+from aiocollect.transport.tcp_listener import SocketListener
+
+log = logging.getLogger("aiocollect.rendezvous")
 
 #: Connects (with their handshakes) one rank runs at a time: beyond this the peers'
 #: backlogs overflow and SYNs are dropped (a second's retransmission each).
@@ -37,6 +52,8 @@ RETRY_FIRST = 0.01
 RETRY_MAX = 0.5
 #: The words of a refusal that means "use the link your peer is making".
 STANDS = "the peer's own link stands"
+#: Seconds a rank's connect of a small-frame lane may take (handshake included).
+LANE_TIMEOUT = 5.0
 
 
 class Dialer:
@@ -74,6 +91,12 @@ class Dialer:
         self.linked: dict[int, Link] = {}
         self._outgoing: set[int] = set()
         self._incoming: set[int] = set()
+        #: Peers whose lane's handshake was admitted and whose lane has not arrived yet;
+        #: set whenever a lane arrives or this rank's lane connect ends; this rank's lane
+        #: connects (not cancelled by :meth:`refuse`: they end within ``LANE_TIMEOUT``).
+        self._lanes: set[int] = set()
+        self._lane_arrived = asyncio.Event()
+        self._lane_tasks: set[asyncio.Task[None]] = set()
         self._waiters: dict[int, asyncio.Future[Link]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(CONNECTS)
@@ -94,9 +117,30 @@ class Dialer:
         self._incoming.add(peer)
         return None
 
+    def admit_lane(self, peer: int) -> str | RendezvousError | None:
+        """The acceptor handshake's check of a small-frame lane from ``peer``: admitted
+        only for a TCP link to it that has none yet (refusals are quiet: the link goes on
+        without a lane)."""
+        link = self.linked.get(peer)
+        if self.refusing is not None or not isinstance(link, TcpLink) or not link.wants_lane():
+            return Superseded(f"rank {self.rank} takes no small-frame lane from rank {peer}")
+        self._lanes.add(peer)
+        return None
+
     def on_link(self, link: Link) -> None:
-        """A link whose handshake succeeded (accepted or connected)."""
+        """A link whose handshake succeeded (accepted or connected), or an accepted
+        small-frame lane (handed to its link)."""
         peer = link.peer
+        if peer in self._lanes:
+            self._lanes.discard(peer)
+            owner = self.linked.get(peer)
+            taken = False
+            if isinstance(owner, TcpLink) and isinstance(link, StreamLink):
+                taken = owner.take_lane(link)
+            if not taken:
+                link.abort()
+            self._lane_arrived.set()
+            return
         self._incoming.discard(peer)
         if self.refusing is not None or peer in self.linked:
             link.abort()
@@ -128,10 +172,18 @@ class Dialer:
             fut.add_done_callback(_retrieve)
         if peer not in self._outgoing and peer not in self._incoming:
             self._outgoing.add(peer)
-            task = asyncio.ensure_future(self._connect(peer, deadline))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._connect(peer, deadline))
         return fut
+
+    def _spawn(
+        self, coro: Coroutine[None, None, None], tasks: set[asyncio.Task[None]] | None = None
+    ) -> None:
+        """Run ``coro`` as a task kept in ``tasks`` (default: the connects, which
+        :meth:`refuse` cancels) until it ends."""
+        kept = self._tasks if tasks is None else tasks
+        task = asyncio.ensure_future(coro)
+        kept.add(task)
+        task.add_done_callback(kept.discard)
 
     async def dial(self, peer: int, deadline: Deadline) -> Link:
         """The link to world rank ``peer``, connected now if there is none yet.
@@ -183,11 +235,69 @@ class Dialer:
                         return
                     else:
                         self.on_link(link)
+                        if self._lane_wanted(peer, link):
+                            assert isinstance(link, TcpLink)
+                            link.lane_coming()  # (before the loop reads a frame of it)
+                            self._spawn(self._connect_lane(peer, link), self._lane_tasks)
                         return
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, RETRY_MAX)
         finally:
             self._outgoing.discard(peer)
+
+    def _lane_wanted(self, peer: int, link: Link) -> bool:
+        """Whether ``link`` (to ``peer``) should get a small-frame lane: a TCP link that
+        wants one, through a listener that offers lanes to a peer whose record does."""
+        listener = self.listener
+        return (
+            isinstance(link, TcpLink)
+            and isinstance(listener, SocketListener)
+            and listener.lanes
+            and self.records.get(peer, {}).get("lanes") == 2
+            and link.wants_lane()
+        )
+
+    async def lanes_in(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) until the lanes this rank connects have been
+        made or have failed, and the lanes of the links it accepted have arrived where
+        both records offer lanes."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while self.refusing is None:
+            missing = bool(self._lane_tasks) or any(
+                p > self.rank and self._lane_wanted(p, link) and not link.closed
+                for p, link in self.linked.items()
+            )
+            left = end - loop.time()
+            if not missing or left <= 0:
+                return
+            self._lane_arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self._lane_arrived.wait()
+
+    async def _connect_lane(self, peer: int, link: TcpLink) -> None:
+        """Make ``link``'s small-frame lane within ``LANE_TIMEOUT`` seconds (the link goes
+        on without one if that fails; a lane made once this rank refuses links is
+        closed)."""
+        listener = self.listener
+        assert isinstance(listener, SocketListener)
+        hs = ConnectorHandshake(
+            self.name, self.rank, peer, self.world_size, self.secret, job=self.job, lane=True
+        )
+        try:
+            async with asyncio.timeout(LANE_TIMEOUT):
+                lane = await listener.connect_lane(self.records[peer], hs, link)
+        except Exception as exc:
+            link.lane_failed(exc)
+        else:
+            if self.refusing is None:
+                link.attach_lane(lane)
+            else:
+                lane.close()
+                link.lane_failed(PeerDisconnected(self.refusing, peer))
+        finally:
+            self._lane_arrived.set()
 
     async def _link(self, peer: int) -> Link:
         assert self.listener is not None
@@ -213,8 +323,9 @@ class Dialer:
             self._failed(peer, RendezvousError(f"rank {self.rank} makes no more links: {reason}"))
 
     async def wait_closed(self) -> None:
-        """Wait for the connects that :meth:`refuse` cancelled to end."""
-        for task in list(self._tasks):
+        """Wait for the connects that :meth:`refuse` cancelled, and the lane connects, to
+        end."""
+        for task in [*self._tasks, *self._lane_tasks]:
             with contextlib.suppress(BaseException):
                 await task
 

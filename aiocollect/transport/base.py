@@ -25,7 +25,8 @@ The receive-side contract, what a transport must keep to:
   reads their headers in (shared memory pulls referenced payloads out of the peer's memory
   while it reads on) begins such a frame with ``_begin_aside`` and ends it with
   ``_end_aside(token)``; the frame read meanwhile stays current. Receivers match frames by
-  key, so frames of different keys may land in any order.
+  key, so frames of different keys may land in any order. Either call may fail the link
+  (an ABORT ends, a frame is refused): the current frame's receive then fails with it.
 - A whole data frame at once: a DATA or P2P frame whose payload is already at hand may go
   through ``_whole_frame(header, payload)`` instead, which does what ``_begin_frame``, the
   copy and ``_end_frame`` would, in one step (no frame is current meanwhile).

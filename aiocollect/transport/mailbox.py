@@ -335,6 +335,8 @@ class Mailbox:
             token: Aside = (h, self._frame_recv, self._frame_staging)
         finally:
             self._frame, self._frame_recv, self._frame_staging = saved
+            if self._failure is not None:  # failed meanwhile, the current frame set aside
+                self._fail_current(self._failure)
         if dest is None:
             return None
         self._asides.append(token)
@@ -352,9 +354,22 @@ class Mailbox:
         saved = (self._frame, self._frame_recv, self._frame_staging)
         self._frame, self._frame_recv, self._frame_staging = token
         try:
-            self._end_frame()
+            self._end_frame()  # (an ABORT, a refused frame: may fail the link)
         finally:
             self._frame, self._frame_recv, self._frame_staging = saved
+            if self._failure is not None:  # failed meanwhile, the current frame set aside
+                self._fail_current(self._failure)
+
+    def _fail_current(self, exc: BaseException) -> None:
+        """Fail the receive of the current frame, if any, with ``exc``: the link failed
+        while a frame beside it began or ended (:meth:`_begin_aside`, :meth:`_end_aside`:
+        an ABORT on a TCP link's lane, a refused frame), so :meth:`fail` did not see it."""
+        recv, self._frame_recv = self._frame_recv, None
+        if recv is not None:
+            try:
+                recv.failed(exc)
+            except Exception:
+                log.exception("receive failure handler failed")
 
     def fail(self, exc: BaseException, drop_early: bool = True) -> None:
         """Fail every posted receive (and any posted later) with ``exc``. Frames that

@@ -16,7 +16,8 @@ from aiocollect.transport.base import Handshaker
 from aiocollect.transport.interface import LinkSetup, Listener, Record, Transport
 from aiocollect.transport.shm import ShmLink
 from aiocollect.transport.shm_reader import ShmPolicy, spin_budget
-from aiocollect.transport.tcp import StreamLink, TcpLink
+from aiocollect.transport.tcp import StreamLink
+from aiocollect.transport.tcp_link import TcpLink
 from aiocollect.transport.tcp_listener import SocketListener
 
 log = logging.getLogger("aiocollect.transport.shm")
@@ -29,6 +30,8 @@ class ShmListener(SocketListener):
     link, or the group fails to form), ``auto`` (links to ranks on this host whose mode is
     not ``off``; the others, and any whose upgrade fails, stay on TCP) or ``off`` (shared
     memory does not work here: plain TCP links, and peers do not ask for it)."""
+
+    offers_lanes = False  # (its links are shared-memory links, on one socket each)
 
     def __init__(self, setup: LinkSetup, mode: str) -> None:
         super().__init__(setup, "tcp")

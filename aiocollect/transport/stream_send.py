@@ -12,6 +12,10 @@ unless a bulk frame of the same stream ``(kind, gid, seq, slot)`` is still queue
 frames of one stream keep their order. Receivers match frames by key, so reordering
 across streams changes nothing they rely on. ``write_buffer_size`` counts both queues.
 
+A TCP link with a small-frame lane (:mod:`aiocollect.transport.tcp_link`) writes the small
+frames that begin their stream (chunk 0) on the lane's own connection instead: one
+comparison per frame (``_lane_max`` is 0 without a lane) chooses.
+
 A payload over ``PIECE`` goes to the transport in pieces, one per loop turn, so that no
 single write holds the event loop for long; frames sent meanwhile wait for the end of that
 frame (small ones right after it, bulk ones in the queue). Over plain TCP a piece also
@@ -23,11 +27,12 @@ transport's buffer size, pace the bulk queue.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from aiocollect.errors import PeerDisconnected
 from aiocollect.transport.base import DRAIN, Link, LinkEvents, SendMark
 from aiocollect.transport.stream_queue import StreamQueue
-from aiocollect.transport.wire import stream_of
+from aiocollect.transport.wire import ABORT, GID_AT, GOODBYE, KIND_AT, SEQ_AT, stream_of
 
 #: Payloads up to this size are copied behind their header and written as one buffer
 #: (uvloop then skips its scatter-gather write context).
@@ -48,6 +53,18 @@ BULK_CAP = 1024 * 1024
 #: calls cost four ranks on two cores about 8 % of their CPU, so plain TCP links write
 #: whole payloads where ranks share cores (``pace_writes``).
 PIECE = 256 * 1024
+
+
+#: Where a packed header's chunk index lies (after the group id), and its value in a
+#: stream's first frame.
+CHUNK_AT = GID_AT + 4
+FIRST_CHUNK = bytes(SEQ_AT - CHUNK_AT)
+#: The chunk field of a GOODBYE on a link's own connection whose copy went on its lane.
+LANE_COPY = (1).to_bytes(SEQ_AT - CHUNK_AT, "little")
+
+
+def _no_lane(data: bytes) -> None:
+    raise AssertionError("a frame for the small-frame lane of a link without one")
 
 
 class SendSide(Link):
@@ -85,6 +102,10 @@ class SendSide(Link):
         self._partial: memoryview | None = None
         self._behind: list[bytes] = []
         self._piece_handle: asyncio.Handle | None = None
+        #: Frames with a payload below this go to the small-frame lane (0: no lane), which
+        #: ``_lane_write`` writes to (tcp_link.py sets both).
+        self._lane_max = 0
+        self._lane_write: Callable[[bytes], None] = _no_lane
 
     def pause_writing(self) -> None:
         if self._drain is None or self._drain.done():
@@ -108,6 +129,18 @@ class SendSide(Link):
         n = len(payload)
         self.bytes_sent += n
         self.frames_sent += 1
+        if n < self._lane_max:  # (0 without a lane)
+            kind = header[KIND_AT]
+            if (kind < ABORT and header[CHUNK_AT:SEQ_AT] == FIRST_CHUNK) or kind > GOODBYE:
+                # (DATA, P2P: its stream's later frames come on the main connection, after
+                # it; PING, PONG)
+                self._copied = True
+                self._lane_write(header + payload if n else header)
+                return None
+            if kind in (ABORT, GOODBYE):  # on both (ABORT: the first one counts;
+                self._lane_write(header + payload)  # GOODBYE: the peer waits for both)
+                if kind == GOODBYE:
+                    header = header[:CHUNK_AT] + LANE_COPY + header[SEQ_AT:]
         self._copied = False
         if self._partial is not None:  # after the frame being written in pieces
             stream = stream_of(header)
@@ -119,6 +152,9 @@ class SendSide(Link):
             self._copied = True
             return None
         if n >= BULK_MIN:
+            if self._lane_max and header[KIND_AT] == GOODBYE:  # (a large one: both as well)
+                self._lane_write(header + payload)
+                header = header[:CHUNK_AT] + LANE_COPY + header[SEQ_AT:]
             if self._bulk or self._must_wait(transport, n):
                 self._bulk_queue.push(header, payload, stream_of(header))
                 return DRAIN

@@ -9,7 +9,8 @@ the read-ahead buffer is read straight into its destination (the receiver's arra
 receive was posted in time), so large payloads are not copied in user space.
 
 Sending, with small frames ahead of bulk ones and large payloads written in pieces, is
-:class:`~aiocollect.transport.stream_send.SendSide`, the base of :class:`StreamLink`.
+:class:`~aiocollect.transport.stream_send.SendSide`, the base of :class:`StreamLink`. A TCP
+link and its small-frame lane are :mod:`aiocollect.transport.tcp_link`.
 
 What lies in the kernel's socket buffers is ahead of a small frame too, and user space
 cannot reorder it: :mod:`aiocollect.transport.sockets` sizes them. The listener and the
@@ -374,8 +375,16 @@ class StreamLink(SendSide, asyncio.BufferedProtocol):
             self.handshake_failed(exc)
             return
         if peer is not None:
+            if self.ready.done():  # whoever connected it gave up meanwhile (cancelled)
+                self.handshake_failed(PeerDisconnected("the connect was abandoned", peer))
+                return
             self.peer = peer
             self.handshake = None
+            if getattr(handshake.handshaker, "lane", False) and self.transport is not None:
+                # A link's second connection: nothing more is read until the link takes
+                # it over (tcp_link.py), or closes it.
+                self._transport_paused = True
+                self.transport.pause_reading()
             self.ready.set_result(self)
 
     def _write(self, data: bytes) -> None:
@@ -465,7 +474,3 @@ class StreamLink(SendSide, asyncio.BufferedProtocol):
 
     def describe(self) -> str:
         return f"rank {self.peer} ({self.address})" if self.peer >= 0 else self.address
-
-
-class TcpLink(StreamLink):
-    """A peer link over one TCP (or TLS) connection: frames on the socket."""

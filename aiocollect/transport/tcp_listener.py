@@ -15,7 +15,8 @@ from aiocollect.errors import PeerDisconnected, RendezvousError
 from aiocollect.transport.base import Handshaker, Link, Superseded
 from aiocollect.transport.interface import LinkSetup, Listener, Record, Screen, Transport
 from aiocollect.transport.sockets import Screened
-from aiocollect.transport.tcp import StreamLink, TcpLink
+from aiocollect.transport.tcp import StreamLink
+from aiocollect.transport.tcp_link import LaneLink, TcpLink, lanes_enabled
 
 log = logging.getLogger("aiocollect.transport.tcp")
 
@@ -89,7 +90,15 @@ async def connect(
 class SocketListener(Listener):
     """A rank's listener of stream links: TCP (or TLS) as it stands; a subclass may make
     other links on the same connections (:meth:`make_link`: shared memory) or use other
-    sockets (:meth:`serve` and :meth:`dial`: a Unix socket, say)."""
+    sockets (:meth:`serve` and :meth:`dial`: a Unix socket, say).
+
+    Its links get their small-frame lane (transport/tcp_link.py) where ``lanes`` (True
+    unless ``AIOCOLLECT_TCP_LANES=1``, or for a subclass whose links are not TCP links):
+    its record then says ``"lanes": 2``, and the rendezvous makes a lane only between two
+    ranks whose records both say so (rendezvous/ondemand.py)."""
+
+    #: Whether this kind of listener's links take small-frame lanes.
+    offers_lanes = True
 
     def __init__(
         self,
@@ -101,6 +110,10 @@ class SocketListener(Listener):
         self.setup = setup
         self.server_ssl, self.client_ssl = server_ssl, client_ssl
         self.record: Record = {"transport": family}
+        #: Whether this listener's links get their small-frame lane.
+        self.lanes = self.offers_lanes and lanes_enabled()
+        if self.lanes:
+            self.record["lanes"] = 2
         self._server: asyncio.Server | None = None
         #: Accepted connections still in their handshake (strangers, once rendezvous
         #: is over).
@@ -137,6 +150,23 @@ class SocketListener(Listener):
         if self.client_ssl is not None:
             kwargs = {"ssl": self.client_ssl, "server_hostname": host}
         await asyncio.get_running_loop().create_connection(lambda: link, host, port, **kwargs)
+
+    async def connect_lane(self, record: Record, handshaker: Handshaker, link: TcpLink) -> LaneLink:
+        """Open the small-frame lane of ``link`` (which this rank connected to the rank that
+        published ``record``) and run ``handshaker`` (a lane's) over it.
+
+        Raises:
+            OSError: the connection failed. PeerDisconnected: it closed during the
+            handshake. What the handshaker raises (the peer refused the lane).
+        """
+        lane = LaneLink(link, handshaker, self.setup.max_frame)
+        try:
+            await self.dial(record, lane)
+            await lane.ready
+        except BaseException:
+            lane.abort()
+            raise
+        return lane
 
     def where(self, record: Record) -> str:
         """The address ``record`` names, for messages."""
@@ -177,6 +207,8 @@ class SocketListener(Listener):
         if self._server is not None:
             self._server.close()
         for link in list(self._handshaking):  # asyncio.Server.close() leaves them open
+            if not link.ready.done():  # (this rank's own doing: nothing to warn about)
+                link.ready.set_exception(Superseded("this rank stopped accepting links"))
             link.abort()
         self._handshaking.clear()
 

@@ -12,20 +12,20 @@ import pytest
 
 import aiocollect as ac
 from aiocollect.testing import run_ranks
-from aiocollect.transport import tcp
+from aiocollect.transport import tcp, tcp_link
 
 pytestmark = pytest.mark.timeout(120)
 
 
 async def test_large_reads_yield_to_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     yields: list[int] = []
-    original = tcp.TcpLink._yield_reading
+    original = tcp_link.TcpLink._yield_reading
 
-    def spy(self: tcp.TcpLink) -> None:
+    def spy(self: tcp_link.TcpLink) -> None:
         yields.append(self._read_run)
         original(self)
 
-    monkeypatch.setattr(tcp.TcpLink, "_yield_reading", spy)
+    monkeypatch.setattr(tcp_link.TcpLink, "_yield_reading", spy)
     count = 8 * 1024 * 1024  # 32 MiB of float32
 
     async def body(g: ac.Group) -> Any:

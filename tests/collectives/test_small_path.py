@@ -138,6 +138,40 @@ async def test_a_far_deadline_expires_on_time(transport: str, size: int) -> None
     assert err.ranks == [1], err
 
 
+@pytest.mark.parametrize("size", [4, 1 << 20])  # the one-frame path, the Task path
+async def test_a_far_deadline_holds_once_the_group_broke(size: int) -> None:
+    """An operation that its group's failure did not end (nothing of it in the links'
+    mailboxes when they failed) still ends at its far deadline, with that failure: the
+    progress ticker puts the deadline on the heap even once the group is broken."""
+    timeout = 2.5
+    assert timeout >= watchdog.WATCH_AT_TICK
+    ended = asyncio.Event()
+
+    async def body(g: ac.Group) -> Any:
+        await g.barrier()
+        if g.rank == 1:  # never calls it, and stays until rank 0's ended
+            await ended.wait()
+            return None
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        handle = g.allreduce(np.ones(size // 4, np.float32), timeout=timeout)
+        for _ in range(10):  # (the Task's first steps: its receive posted)
+            await asyncio.sleep(0)
+        broke = ac.GroupBrokenError("broken beside the operation")
+        g._fabric.failure = broke  # a failure that missed the operation
+        try:
+            async with asyncio.timeout(timeout + 5.0):
+                with pytest.raises(ac.GroupBrokenError) as info:
+                    await handle
+        finally:
+            ended.set()
+        assert info.value is broke
+        return loop.time() - start
+
+    elapsed, _ = await run_ranks(2, body, transport="tcp", timeout=30.0)
+    assert timeout <= elapsed < timeout + 2.0, elapsed
+
+
 @pytest.mark.parametrize("transport", ["tcp", "auto"])
 async def test_first_frame_leaves_in_the_call_so_cancelling_then_breaks(transport: str) -> None:
     """A one-frame operation runs its first step in the call (design.md, *Sent in the

@@ -39,7 +39,7 @@ from aiocollect.store import MemoryStore
 from aiocollect.testing import run_ranks
 from aiocollect.transport import mailbox
 from aiocollect.transport.base import Rejection
-from aiocollect.transport.tcp import TcpLink
+from aiocollect.transport.tcp_link import TcpLink
 from aiocollect.transport.wire import (
     ABORT,
     CONTROL,

@@ -35,7 +35,8 @@ logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
 
 async def main() -> None:
     if low == "1" or (low == "3" and rank == 3):
-        limit = _fdlimit.open_count() + _fdlimit.SPARE + len(neighbours(n, rank)) + EXTRA
+        per_link = _fdlimit.descriptors_per_link()  # (2 with the small-frame lanes)
+        limit = _fdlimit.open_count() + _fdlimit.SPARE + per_link * len(neighbours(n, rank)) + EXTRA
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
     start = time.monotonic()
     try:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from aiocollect.errors import RendezvousError
 from aiocollect.transport import host
 from aiocollect.transport.interface import LinkSetup, Listener, Record, Transport
-from aiocollect.transport.tcp import TcpLink
+from aiocollect.transport.tcp_link import TcpLink
 from aiocollect.transport.tcp_listener import SocketListener
 
 

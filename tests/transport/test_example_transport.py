@@ -16,7 +16,7 @@ import pytest
 import aiocollect as ac
 from aiocollect.store import MemoryStore
 from aiocollect.transport import registry
-from aiocollect.transport.tcp import TcpLink
+from aiocollect.transport.tcp_link import TcpLink
 from tests.transport.example_transport import UNIX
 
 pytestmark = pytest.mark.timeout(30)

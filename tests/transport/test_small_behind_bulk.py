@@ -8,7 +8,8 @@ run back-to-back 16 MiB allreduces (the measurement of ``python -m aiocollect.be
 :func:`aiocollect.bench.hol_ranks.hol_rank`). The bound is on the median round trip under
 load, which a busy host moves far less than the tail.
 
-The library does not meet this bound yet: the median is 6-23 ms on this two-core host
+The library does not meet this bound yet on this two-core host under load: 3.6-5.3 ms over
+``tcp`` with its small-frame lane, 5-7 ms over ``auto`` at load average 5
 (docs/benchmarks.md, *Parameter-server responsiveness*), so ``make test`` leaves these
 cases out and ``make test-responsiveness`` (``AIOCOLLECT_RESPONSIVENESS=1``) runs them, on
 a host with nothing else running: with more runnable processes than cores the round trip

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from aiocollect.transport import shm, shm_doorbell, shm_reader, shm_writer, tcp
+from aiocollect.transport import shm, shm_doorbell, shm_reader, shm_writer, tcp, tcp_link
 from aiocollect.transport.base import TRANSPORT_HOOKS
 
 
@@ -83,4 +83,4 @@ def test_shm_link_is_not_a_tcp_link() -> None:
     """Both are stream links; neither is the other (``isinstance(link, TcpLink)`` means a
     plain TCP link)."""
     assert issubclass(shm.ShmLink, tcp.StreamLink)
-    assert not issubclass(shm.ShmLink, tcp.TcpLink)
+    assert not issubclass(shm.ShmLink, tcp_link.TcpLink)

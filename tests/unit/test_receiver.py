@@ -1,7 +1,9 @@
 """Receivers posted with Link.post (what one-frame operations are, engine/small.py):
 ``landed()`` called synchronously as the frame lands, a staged frame copied at post time
-instead (no call), ``failed(exc)`` when the link fails, a mismatching staged frame refused,
-and a receiver that raises does not break the link's reading.
+instead (no call), ``failed(exc)`` when the link fails, even when it fails while a frame
+beside the current one begins or ends (an ABORT on a TCP link's lane while a bulk frame
+is arriving on its own connection), a mismatching staged frame refused, and a receiver
+that raises does not break the link's reading.
 
 The link under test is the real mailbox (aiocollect.transport.base.Link); the transport
 half is a minimal in-test subclass that feeds whole frames the way every transport does
@@ -16,7 +18,7 @@ import pytest
 
 from aiocollect.errors import MismatchError, PeerDisconnected
 from aiocollect.transport.base import Link
-from aiocollect.transport.wire import DATA, Header, Key
+from aiocollect.transport.wire import ABORT, DATA, Header, Key
 
 
 class _Events:
@@ -161,3 +163,50 @@ async def test_post_recv_futures_still_work() -> None:
     staged_first.feed(9, b"z")
     assert staged_first.post_recv(_key(9), memoryview(bytearray(1))).done()
     await asyncio.sleep(0)
+
+
+class _Failing(_Events):
+    """The fabric's part: an ABORT or a reported error fails the link, synchronously."""
+
+    def __init__(self) -> None:
+        self.err = PeerDisconnected("rank 1 aborted the group", 1)
+
+    def on_control(self, link: Link, kind: int, payload: bytes) -> None:
+        assert kind == ABORT
+        link.fail(self.err)
+
+    def on_error(self, link: Link, exc: BaseException) -> None:
+        link.fail(exc)
+
+
+def _mid_frame(events: _Events) -> tuple[_FedLink, _Receiver]:
+    """A link whose current frame (slot 1, 8 bytes, its receive posted) is half-arrived."""
+    link = _FedLink(events, 1 << 20)
+    link.peer = 1
+    recv = _Receiver(8)
+    link.post(_key(1), recv)
+    dest = link._begin_frame(Header(DATA, 1, 0, 1, 0, 0, 0, 1, -1, 8, 8))
+    assert dest is not None
+    dest[:4] = b"half"
+    return link, recv
+
+
+@pytest.mark.timeout(10)
+async def test_an_abort_beside_the_current_frame_fails_its_receive() -> None:
+    events = _Failing()
+    link, recv = _mid_frame(events)
+    begun = link._begin_aside(Header(ABORT, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
+    assert begun is not None
+    link._end_aside(begun[1])
+    assert recv.calls == [("failed", events.err)]
+    with pytest.raises(PeerDisconnected):
+        link.post(_key(2), _Receiver(1))
+
+
+@pytest.mark.timeout(10)
+async def test_a_refused_frame_beside_the_current_one_fails_its_receive() -> None:
+    link, recv = _mid_frame(_Failing())
+    link.post(_key(3), _Receiver(2))
+    assert link._begin_aside(Header(DATA, 1, 0, 1, 0, 0, 0, 3, -1, 5, 5)) is None  # 5 != 2
+    assert [call for call, _ in recv.calls] == ["failed"]
+    assert isinstance(recv.calls[0][1], MismatchError)

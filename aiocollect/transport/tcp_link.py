@@ -1,0 +1,321 @@
+"""A TCP (or TLS) link and its small-frame lane: a second connection between the same two
+ranks that carries small frames, so that they never wait behind the bulk bytes already in
+the main connection's socket buffers (which user space cannot reorder).
+
+- Setting up: the rank that connected the link dials the lane right after, through the
+  same listener and the same handshake, with ``lane: true`` in its hello
+  (:mod:`aiocollect.rendezvous.ondemand`); the peer's listener hands that connection to the
+  link (:meth:`TcpLink.take_lane`). Until the lane is up, every frame takes the main
+  connection. ``AIOCOLLECT_TCP_LANES=1`` turns lanes off (one connection per link).
+- Which frames: a frame whose payload is below ``min(LANE_MAX, max_frame)`` bytes and which
+  begins its stream (chunk 0): a one-frame message or operation, a control frame. A stream
+  of several frames begins with a full chunk (``chunk_bytes``, at least that limit), so all
+  its frames take the main connection: the frames of one stream keep their order. The
+  choice costs the send path one comparison per frame where a link has no lane
+  (:meth:`~aiocollect.transport.stream_send.SendSide.send`).
+- Reading: the lane's frames enter the link's mailbox beside the main connection's current
+  frame (``_begin_aside``), or in one step. One that fails the link (an ABORT, a refused
+  frame) fails the current frame's receive as well (the mailbox does).
+- Closing: a GOODBYE goes on both connections, and the link passes it on only once both
+  copies arrived (or the lane ended), so that nothing the peer sent before it on either
+  connection is still on its way when the group hears that the peer closed. An ABORT goes
+  on both too (the first to arrive counts): on the lane it overtakes bulk, on the link's
+  connection it comes before that connection's end. Losing either connection breaks the
+  link, as losing its one connection does without a lane: a lane that fails, at once; a
+  lane the peer closed, once the link's own connection has stayed open ``LINGER`` seconds
+  longer (a peer that closes the link closes both).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiocollect._fdlimit import descriptors_per_link
+from aiocollect.errors import InternalError, PeerDisconnected
+from aiocollect.transport.base import Aside, Handshaker, Link, LinkEvents
+from aiocollect.transport.stream_send import BULK_MIN
+from aiocollect.transport.tcp import StreamLink
+from aiocollect.transport.wire import GOODBYE, Header
+
+log = logging.getLogger("aiocollect.transport.tcp")
+
+#: Frames with a payload below this (and below the link's ``max_frame``) that begin their
+#: stream take the lane: what is not bulk (``stream_send.BULK_MIN``).
+LANE_MAX = BULK_MIN
+
+
+def lanes_enabled() -> bool:
+    """Whether TCP links open their small-frame lane (``AIOCOLLECT_TCP_LANES``, default 2:
+    yes; 1: no)."""
+    return descriptors_per_link() == 2
+
+
+class TcpLink(StreamLink):
+    """A peer link over one TCP (or TLS) connection, and its small-frame lane once it is up
+    (module docstring)."""
+
+    def __init__(self, events: LinkEvents, max_frame: int, handshaker: Handshaker) -> None:
+        super().__init__(events, max_frame, handshaker)
+        self._lane: LaneLink | None = None
+        #: The lane is being dialed (by this side), or up and not ended.
+        self._lane_open = False
+        #: The main connection's GOODBYE while the lane may still bring frames sent before
+        #: its own copy; whether the lane's copy arrived; set while the lane ends a frame.
+        self._held_goodbye: bytes | None = None
+        self._lane_goodbye = False
+        self.lane_frame = False
+        #: Whether the last GOODBYE read on the link's own connection says that a copy
+        #: went on the lane (its chunk field, ``stream_send.LANE_COPY``).
+        self._goodbye_copied = False
+
+    # -- the lane's setup ---------------------------------------------------------------------
+
+    def wants_lane(self) -> bool:
+        """Whether this link should get a lane: lanes are on, it has none and is open."""
+        return (
+            lanes_enabled()
+            and self._lane is None
+            and not self._lane_open
+            and not (self.closed or self.lost)
+            and self.handshake is None
+        )
+
+    def lane_coming(self) -> None:
+        """This side dials the lane now: a GOODBYE waits for its copy on the lane (or for
+        the lane's end) from now on."""
+        self._lane_open = True
+        self._hold_goodbyes()
+
+    def lane_failed(self, exc: BaseException) -> None:
+        """The lane this side dialed could not be made: the link goes on without one."""
+        log.debug("link to %s: no small-frame lane: %r", self.describe(), exc)
+        self._lane_open = False
+        self._release_goodbye()
+
+    def take_lane(self, conn: StreamLink) -> bool:
+        """Make ``conn`` (an accepted connection whose lane handshake with this link's
+        peer succeeded, paused since) this link's lane. False if the link has ended or has
+        one already (the caller closes ``conn``)."""
+        if self._lane is not None or self.closed or self.lost or conn.transport is None:
+            return False
+        lane = LaneLink(self, None, self.max_frame)
+        lane.adopt(conn)
+        self._lane_open = True
+        self._hold_goodbyes()
+        self.attach_lane(lane)
+        return True
+
+    def attach_lane(self, lane: LaneLink) -> None:
+        """Start sending small frames on ``lane``, whose handshake succeeded."""
+        if self.closed or self.lost or lane.transport is None or lane.lost:
+            lane.abort()
+            self.lane_failed(PeerDisconnected("the link ended first", self.peer))
+            return
+        self._lane = lane
+        self._lane_open = True
+        self._lane_write = lane.transport.write
+        self._lane_max = min(LANE_MAX, self.max_frame)
+        lane.start_reading()
+
+    def _hold_goodbyes(self) -> None:
+        """From now on a GOODBYE is passed on once both copies arrived."""
+        if not isinstance(self.events, _GoodbyeHold):
+            self.events = _GoodbyeHold(self.events, self)
+
+    # -- the lane's end -----------------------------------------------------------------------
+
+    def lane_lost(self, lane: LaneLink, exc: BaseException | None) -> None:
+        """The lane's connection ended: small frames take the main connection again. Unless
+        this link is closing, the link breaks: at once where the lane failed (``exc``),
+        else (the peer closed it) once ``LINGER`` seconds pass without the main connection
+        ending too, as it does when the peer closes the link."""
+        self._lane_max = 0
+        self._lane_open = False
+        self._release_goodbye()
+        if self.closed or self.lost or self.transport is None:
+            return
+        if exc is None:
+            self.reset_later()
+            return
+        log.warning("link to %s: its small-frame lane failed (%s)", self.describe(), exc)
+        self.transport.abort()  # connection_lost reports the link's end
+
+    def on_goodbye(self, payload: bytes) -> bool:
+        """A GOODBYE arrived: True to pass it on now, False to hold or drop it. The main
+        connection's copy passes at once unless the peer sent a copy on the lane (its
+        header says so) that has not arrived, while the lane may still bring it; the
+        lane's copy passes the main one's if that is held."""
+        if self.lane_frame:
+            self._lane_goodbye = True
+            held, self._held_goodbye = self._held_goodbye, None
+            return held is not None  # (else the main connection's copy passes, later)
+        if self._lane_goodbye or not self._goodbye_copied or not self._lane_open:
+            return True
+        self._held_goodbye = payload
+        return False
+
+    def _release_goodbye(self) -> None:
+        """The lane ended or never came: pass on the main connection's GOODBYE if held."""
+        held, self._held_goodbye = self._held_goodbye, None
+        if held is not None:
+            self.events.on_control(self, GOODBYE, held)
+
+    def open_frame(self, h: Header) -> memoryview | None:
+        if h.kind == GOODBYE:  # (a call per frame read in the general way: bulk, control)
+            self._goodbye_copied = h.chunk == 1
+        return super().open_frame(h)
+
+    # -- the link's end, for both connections -----------------------------------------------
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lane_max = 0
+        lane = self._lane
+        if lane is not None and not lane.lost:
+            lane.abort()
+        super().connection_lost(exc)
+
+    def close(self) -> None:
+        lane = self._lane
+        if lane is not None:
+            self._lane_max = 0
+            lane.close()
+        super().close()
+
+    def abort(self) -> None:
+        self._lane_max = 0
+        if self._lane is not None:
+            self._lane.abort()
+        super().abort()
+
+    async def wait_closed(self) -> None:
+        await super().wait_closed()
+        if self._lane is not None:
+            await self._lane.wait_closed()
+
+    def _staging_full(self) -> None:
+        super()._staging_full()
+        if self._lane is not None:
+            self._lane.pause_for_staging(True)
+
+    def _staging_relieved(self) -> None:
+        super()._staging_relieved()
+        if self._lane is not None:
+            self._lane.pause_for_staging(False)
+
+
+class LaneLink(StreamLink):
+    """The small-frame lane of a :class:`TcpLink` (``owner``): a stream link whose frames
+    go into its owner's mailbox, beside the frame the owner's connection is reading. Its
+    own ``events`` report only its errors and its end to the owner."""
+
+    def __init__(
+        self,
+        owner: TcpLink,
+        handshaker: Handshaker | None,
+        max_frame: int,
+    ) -> None:
+        events = _LaneEvents(owner)
+        if handshaker is None:  # (an accepted connection: adopted after its handshake)
+            handshaker = _Done()
+        super().__init__(events, max_frame, handshaker)
+        self.owner = owner
+        self._aside: Aside | None = None
+        # The one-step receives go straight to the owner's mailbox (no call added per frame).
+        self._take_posted = owner._take_posted  # type: ignore[method-assign]
+        self._whole_frame = owner._whole_frame  # type: ignore[method-assign]
+
+    def adopt(self, conn: StreamLink) -> None:
+        """Take over ``conn``'s connection (its handshake over, its reading paused)."""
+        transport = conn.transport
+        assert transport is not None
+        self.transport = transport
+        self.address, self.peer = conn.address, conn.peer
+        self._caps, self._tls = conn._caps, conn._tls
+        self.handshake = None
+        self.ready.set_result(self)
+        transport.set_protocol(self)
+
+    def start_reading(self) -> None:
+        """Read frames: the handshake paused this connection until its link took it."""
+        self._transport_paused = True
+        self._sync_reading()
+
+    def pause_for_staging(self, paused: bool) -> None:
+        """Pause reading while the owner's staging is full (``paused``), else resume."""
+        if paused:
+            self._staging_full()
+        else:
+            self._staging_relieved()
+
+    def describe(self) -> str:
+        return f"the small-frame lane of {self.owner.describe()}"
+
+    # -- frames into the owner's mailbox ------------------------------------------------------
+
+    def _begin_frame(self, h: Header) -> memoryview | None:
+        begun = self.owner._begin_aside(h)
+        if begun is None:
+            return None
+        view, self._aside = begun
+        return view
+
+    def _end_frame(self) -> None:
+        token, self._aside = self._aside, None
+        if token is not None:
+            owner = self.owner
+            owner.lane_frame = True  # (a GOODBYE ending now came on the lane)
+            try:
+                owner._end_aside(token)
+            finally:
+                owner.lane_frame = False
+
+
+class _LaneEvents:
+    """What a lane reports: its errors as its owner's, its end to its owner."""
+
+    def __init__(self, owner: TcpLink) -> None:
+        self.owner = owner
+
+    def on_header(self, link: Link, header: Header) -> None:
+        raise InternalError("a lane's frames go to its link's mailbox")
+
+    def on_control(self, link: Link, kind: int, payload: bytes) -> None:
+        raise InternalError("a lane's frames go to its link's mailbox")
+
+    def on_error(self, link: Link, exc: BaseException) -> None:
+        self.owner.events.on_error(self.owner, exc)
+
+    def on_lost(self, link: Link, exc: BaseException | None) -> None:
+        assert isinstance(link, LaneLink)
+        self.owner.lane_lost(link, exc)
+
+
+class _GoodbyeHold:
+    """A laned link's events: the fabric's, except that a GOODBYE is passed on once both
+    connections brought theirs (:meth:`TcpLink.on_goodbye`). ``on_header`` is the
+    fabric's own method (no call added per frame)."""
+
+    def __init__(self, events: LinkEvents, link: TcpLink) -> None:
+        self.inner = events
+        self.link = link
+        self.on_header = events.on_header
+        self.on_error = events.on_error
+        self.on_lost = events.on_lost
+
+    def on_control(self, link: Link, kind: int, payload: bytes) -> None:
+        if kind == GOODBYE and not self.link.on_goodbye(payload):
+            return
+        self.inner.on_control(link, kind, payload)
+
+
+class _Done:
+    """The handshaker of an adopted connection, whose handshake is over."""
+
+    def start(self) -> list[dict[str, object]]:
+        return []
+
+    def on_message(self, msg: dict[str, object]) -> tuple[list[dict[str, object]], int | None]:
+        raise InternalError("an adopted lane runs no handshake")
+
+
+__all__ = ["LANE_MAX", "LaneLink", "TcpLink", "lanes_enabled"]
