@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
 import msgpack
@@ -45,9 +45,9 @@ class Records(dict[int, dict[str, Any]]):
         return value
 
 
-#: Per event loop: the record sets read lately, by (group name, job, world size).
+#: Per event loop: the record sets read lately, by (store data, group name, job, world size).
 _shared: weakref.WeakKeyDictionary[
-    asyncio.AbstractEventLoop, dict[tuple[str, bytes, int], asyncio.Task[Records]]
+    asyncio.AbstractEventLoop, dict[tuple[Hashable, str, bytes, int], asyncio.Task[Records]]
 ] = weakref.WeakKeyDictionary()
 
 
@@ -99,17 +99,21 @@ async def read_all(
 ) -> Records:
     """Every rank's record of job ``job`` (once every rank has published: records never
     change then), read with ``multi_get`` in batches of :data:`RECORD_BATCH` by the first
-    rank of this event loop that asks, and shared with its other ranks of the job (a
-    process hosting R ranks of an N-rank group reads N records, not R x N; the last
-    ``SHARED_JOBS`` jobs are kept). A rank whose shared read failed reads on its own.
+    rank of this event loop that asks, and shared with its other ranks of the job whose
+    stores read the same data (``Store.shared_reads``; a process hosting R ranks of an
+    N-rank group reads N records, not R x N; the last ``SHARED_JOBS`` jobs are kept). A
+    rank whose shared read failed reads on its own.
 
     Raises:
         RendezvousError: a record is malformed, of another job, or not there before the
             deadline.
     """
+    shared = store.shared_reads
+    if shared is None:  # (a view of its own: a fault proxy's rewritten records)
+        return await _read_all(store, keys, name, job, world_size, deadline)
     loop = asyncio.get_running_loop()
     jobs = _shared.setdefault(loop, {})
-    key = (name, job, world_size)
+    key = (shared, name, job, world_size)
     task = jobs.get(key)
     if task is None:
         task = jobs[key] = loop.create_task(_read_all(store, keys, name, job, world_size, deadline))

@@ -7,7 +7,7 @@ wait for each other's. Keys are ``str``, values ``bytes``. All methods are corou
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from aiocollect.store._util import check_keys
 
@@ -35,6 +35,15 @@ class Store(abc.ABC):
     """
 
     timeout: float = DEFAULT_TIMEOUT
+
+    @property
+    def shared_reads(self) -> Hashable | None:
+        """What names this store's data within this process: two store objects with the
+        same value (not None) read the same value for a key, so the ranks of one event
+        loop may share one read of records that never change (the rendezvous records of a
+        job). None (the default): this object's reads are its own, as for a view that
+        rewrites what it reads."""
+        return None
 
     @abc.abstractmethod
     async def set(self, key: str, value: bytes) -> None:

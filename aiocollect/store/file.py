@@ -24,7 +24,7 @@ import hashlib
 import os
 import string
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from pathlib import Path
 
 from aiocollect._deadline import Deadline
@@ -80,6 +80,11 @@ class FileStore(Store):
 
     def __repr__(self) -> str:
         return f"FileStore({str(self.path)!r})"
+
+    @property
+    def shared_reads(self) -> Hashable:
+        """The directory (:attr:`Store.shared_reads`)."""
+        return ("file", os.path.realpath(self.path))
 
     def _file(self, key: str) -> Path:
         return self.path / escape_key(key)

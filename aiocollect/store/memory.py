@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import TypeAlias
 
 from aiocollect._deadline import Deadline
@@ -222,6 +222,11 @@ class MemoryStore(Store):
 
     def __repr__(self) -> str:
         return f"MemoryStore({self.name!r})"
+
+    @property
+    def shared_reads(self) -> Hashable:
+        """The shared table (:attr:`Store.shared_reads`)."""
+        return ("memory", id(self._table))
 
     async def set(self, key: str, value: bytes) -> None:
         """Publish ``value`` under ``key`` (overwrites).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from aiocollect.errors import StoreTimeout, UsageError
 from aiocollect.store._util import Lifecycle, check_key, check_keys
@@ -37,6 +37,12 @@ class PrefixStore(Store):
 
     def __repr__(self) -> str:
         return f"PrefixStore({self.prefix!r}, {self.store!r})"
+
+    @property
+    def shared_reads(self) -> Hashable | None:
+        """The inner store's, with the prefix (:attr:`Store.shared_reads`)."""
+        inner = self.store.shared_reads
+        return None if inner is None else ("prefix", inner, self.prefix)
 
     def _key(self, key: str) -> str:
         return self._head + check_key(key)

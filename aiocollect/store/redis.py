@@ -9,7 +9,7 @@ rendezvous needs only a handful of short waits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from aiocollect._deadline import Deadline
@@ -75,6 +75,11 @@ class RedisStore(Store):
 
     def __repr__(self) -> str:
         return f"RedisStore({_redacted(self.url)!r})"
+
+    @property
+    def shared_reads(self) -> Hashable:
+        """The server's URL (:attr:`Store.shared_reads`)."""
+        return ("redis", self.url)
 
     async def _call(self, what: str, command: str, *args: object) -> Any:
         """Run one Redis command, mapping client errors to StoreError."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from aiocollect import _auth
@@ -95,6 +95,11 @@ class TCPStore(Store):
 
     def __repr__(self) -> str:
         return f"TCPStore({self.address!r})"
+
+    @property
+    def shared_reads(self) -> Hashable:
+        """The server's address (:attr:`Store.shared_reads`)."""
+        return ("tcp", self.host, self.port)
 
     # -- connection -----------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import asyncio
 import collections
 import itertools
 import sys
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import pytest
 
@@ -33,6 +33,10 @@ class CountingStore(Store):
         self.inner = inner
         self.counts = counts
         self.timeout = inner.timeout
+
+    @property
+    def shared_reads(self) -> Hashable | None:
+        return self.inner.shared_reads  # (it reads what the inner store holds)
 
     async def set(self, key: str, value: bytes) -> None:
         self.counts["set"] += 1
