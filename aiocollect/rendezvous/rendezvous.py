@@ -206,12 +206,12 @@ async def rendezvous(
             "links": cfg.links,
         }
         # (the ranks of one process form at once: each counts the others' links too)
-        short = _fdlimit.reserve(len(wanted))
+        short = _fdlimit.reserve(0 if transport.in_process else len(wanted))
         if short is not None:  # every rank of the job learns it (not only this one)
             why = _fdlimit.links_exhausted(cfg.rank, 0, short)
             await claim.refuse(why)
             raise RendezvousError(why)
-        reserved = len(wanted)
+        reserved = 0 if transport.in_process else len(wanted)
         await claim.publish(record)
         peers = await _read_records(claim, cfg, record)
         endpoint.chunk_bytes = cfg.chunk_bytes or peers.derived(

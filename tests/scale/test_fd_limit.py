@@ -159,3 +159,32 @@ async def test_links_on_demand_beyond_the_limit_fail_fast() -> None:
         assert "ran out of file descriptors" in line, line
         assert "RLIMIT_NOFILE" in line, line
     assert len([line for line in text.splitlines() if line.startswith("LOG")]) <= 20, text
+
+
+IN_PROCESS = """
+import asyncio, resource, sys
+import numpy as np
+import aiocollect as ac
+from aiocollect.testing import run_ranks
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+async def body(g):
+    x = np.ones(1, np.int64)
+    await g.allreduce(x)
+    return int(x[0])
+
+print(asyncio.run(run_ranks(64, body, transport="memory", timeout=60)) == [64] * 64)
+"""
+
+
+def test_in_process_links_need_no_descriptors() -> None:
+    """64 ranks on one loop over in-process links (64 x 63 of them, which hold no
+    descriptor) form under a limit of 256 descriptors: the descriptor check counts
+    only links that hold one."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", IN_PROCESS], capture_output=True, text=True, timeout=80
+    )
+    assert out.stdout.strip() == "True", out.stdout + out.stderr[-3000:]
