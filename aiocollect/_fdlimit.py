@@ -104,16 +104,18 @@ def descriptors_per_link() -> int:
 _reserved = 0
 
 
-def too_few(links: int) -> str | None:
-    """Why this process cannot open ``links`` more links (``descriptors_per_link()`` each,
-    plus ``SPARE`` and the links reserved by :func:`reserve`) under its soft RLIMIT_NOFILE,
-    or None where it can (or cannot tell).
+def too_few(links: int, per: int | None = None) -> str | None:
+    """Why this process cannot open ``links`` more links (``per`` descriptors each, plus
+    ``SPARE`` and the links reserved by :func:`reserve`) under its soft RLIMIT_NOFILE, or
+    None where it can (or cannot tell).
 
     Args:
         links: the links about to be opened.
+        per: descriptors a link holds (default :func:`descriptors_per_link`: 2 where TCP
+            links have lanes; a transport's links without lanes hold 1).
     """
     now, lim = open_count(), limits()
-    per = descriptors_per_link()
+    per = descriptors_per_link() if per is None else per
     need = (_reserved + links) * per
     if now is None or lim is None or lim[0] < 0 or now + need + SPARE <= lim[0]:
         return None
@@ -126,16 +128,17 @@ def too_few(links: int) -> str | None:
     return f"{now} descriptors are open and {links} links would need {each}"
 
 
-def reserve(links: int) -> str | None:
+def reserve(links: int, per: int | None = None) -> str | None:
     """Count ``links`` about to be made by a rank of this process (the ranks of one
     process link at once: each checks the others' links too), or say why they do not
     fit (:func:`too_few`; nothing is then counted). :func:`release` ends the count.
 
     Args:
         links: the links about to be made.
+        per: descriptors each holds (:func:`too_few`).
     """
     global _reserved
-    short = too_few(links)
+    short = too_few(links, per)
     if short is None:
         _reserved += links
     return short

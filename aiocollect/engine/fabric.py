@@ -148,7 +148,9 @@ class Fabric:
             return
         if dialer is None:
             raise InternalError(f"rank {self.rank} has no link to ranks {missing}")
-        short = _fdlimit.reserve(len(missing))
+        listener = dialer.listener
+        per = 1 if listener is None else min(2, listener.record.get("lanes", 1))
+        short = _fdlimit.reserve(len(missing), per=per)
         if short is not None:  # (fails the group: every rank learns it from the ABORT)
             raise PeerDisconnected(
                 _fdlimit.links_exhausted(self.rank, len(links), short), rank=missing[0]

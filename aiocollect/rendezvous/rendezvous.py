@@ -206,7 +206,10 @@ async def rendezvous(
             "links": cfg.links,
         }
         # (the ranks of one process form at once: each counts the others' links too)
-        short = _fdlimit.reserve(0 if transport.in_process else len(wanted))
+        # (a TCP link with its lane holds two descriptors: where the listener offers lanes)
+        short = _fdlimit.reserve(
+            0 if transport.in_process else len(wanted), per=min(2, record.get("lanes", 1))
+        )
         if short is not None:  # every rank of the job learns it (not only this one)
             why = _fdlimit.links_exhausted(cfg.rank, 0, short)
             await claim.refuse(why)
