@@ -20,6 +20,7 @@ def test_the_count_is_per_descriptor_a_link_holds() -> None:
     room = soft - now - _fdlimit.SPARE  # descriptors the check may still hand out
     assert _fdlimit.too_few(room, per=1) is None
     short = _fdlimit.too_few(room // 2 + 1, per=2)
-    assert short is not None and "2 each (a TCP link and its small-frame lane)" in short
+    assert short is not None
+    assert "2 each (a TCP link and its small-frame lane)" in short
     assert _fdlimit.too_few(room // 2 + 1, per=1) is None
     assert "one each" in (_fdlimit.too_few(room + 1, per=1) or "")
