@@ -98,8 +98,8 @@ class Dialer:
         self._outgoing: set[int] = set()
         self._incoming: set[int] = set()
         #: Set whenever a lane arrives or this rank's lane connect ends; this rank's lane
-        #: connects (not cancelled by :meth:`refuse`: they end within ``LANE_TIMEOUT`` of
-        #: their slot, and take none once this rank refuses links).
+        #: connects (which :meth:`refuse` cancels too: a lane given up while it is set up
+        #: leaves its link as it was).
         self._lane_arrived = asyncio.Event()
         self._lane_tasks: set[asyncio.Task[None]] = set()
         self._waiters: dict[int, asyncio.Future[Link]] = {}
@@ -282,8 +282,8 @@ class Dialer:
 
     async def _connect_lane(self, peer: int, link: TcpLink) -> None:
         """Make ``link``'s small-frame lane, in one of the ``CONNECTS`` slots, within
-        ``LANE_TIMEOUT`` seconds of taking it (the link goes on without one if that fails;
-        a lane made once this rank refuses links is closed)."""
+        ``LANE_TIMEOUT`` seconds of taking it (the link goes on without one if that fails
+        or is cancelled; a lane made once this rank refuses links is closed)."""
         listener = self.listener
         assert isinstance(listener, SocketListener)
         hs = ConnectorHandshake(
@@ -295,8 +295,10 @@ class Dialer:
                     raise PeerDisconnected(self.refusing or "the link ended first", peer)
                 async with asyncio.timeout(LANE_TIMEOUT):
                     lane = await listener.connect_lane(self.records[peer], hs, link)
-        except Exception as exc:
+        except BaseException as exc:
             link.lane_failed(exc)
+            if not isinstance(exc, Exception):
+                raise
         else:
             if self.refusing is None:
                 link.attach_lane(lane)
@@ -320,18 +322,17 @@ class Dialer:
 
     def refuse(self, reason: str) -> None:
         """Make no more links (the group closed or broke): connects under way end, links
-        that complete later are reset, and waiters fail."""
+        that complete later are reset, waiters fail, and lanes under way are given up."""
         if self.refusing is not None:
             return
         self.refusing = reason
-        for task in list(self._tasks):
+        for task in [*self._tasks, *self._lane_tasks]:
             task.cancel()
         for peer in list(self._waiters):
             self._failed(peer, RendezvousError(f"rank {self.rank} makes no more links: {reason}"))
 
     async def wait_closed(self) -> None:
-        """Wait for the connects that :meth:`refuse` cancelled, and the lane connects, to
-        end."""
+        """Wait for the connects and lane connects that :meth:`refuse` cancelled to end."""
         for task in [*self._tasks, *self._lane_tasks]:
             with contextlib.suppress(BaseException):
                 await task
