@@ -6,6 +6,7 @@
     connector -> acceptor   {t: "hello", v, group, rank, peer, world, job, nonce_c, mac_c,
                              lane}
     acceptor -> connector   {t: "welcome", rank, mac_a}   or   {t: "reject", kind, error}
+    connector -> acceptor   {t: "attached"}                 (a lane's only)
 
 ``mac_c = HMAC(secret, "connector" | nonce_c | nonce_a | context)`` and
 ``mac_a = HMAC(secret, "acceptor" | nonce_a | nonce_c | context)`` with the context binding
@@ -15,7 +16,11 @@ empty and not checked; with one, nothing but the handshake is read before both p
 ``lane`` (optional, default false) says the connection is the small-frame lane of the
 pair's link, which the connector made just before (transport/tcp_link.py): the acceptor
 admits it with ``admit_lane`` instead of ``admit``, and it is bound into the MACs' context
-(a lane's proof cannot pass for a link's, nor the reverse).
+(a lane's proof cannot pass for a link's, nor the reverse). A lane's handshake ends, on
+the acceptor, with a fourth message: ``attached``, which the connector sends once it has
+made the connection its link's lane (``tcp_link.LANE_ATTACHED``). Until then the connector
+may still give the lane up (its connect timed out, its link ended) without the acceptor
+having taken it: a lane the acceptor took is one its peer sends on.
 
 ``job`` is the group's job nonce (:mod:`aiocollect.rendezvous.claims`): a connection from a
 rank of another job on the same store, with the same name, ranks and world size, is
@@ -30,6 +35,7 @@ from typing import Any
 from aiocollect import _auth
 from aiocollect.errors import AuthenticationError, ProtocolError, RendezvousError
 from aiocollect.transport.base import Rejection
+from aiocollect.transport.tcp_link import LANE_ATTACHED
 
 PROTOCOL_VERSION = 1
 
@@ -52,7 +58,8 @@ class AcceptorHandshake:
     """The listening side. ``admit(rank)`` returns an error string (or the error itself)
     to refuse a rank (e.g. a duplicate connection), or None; ``admit_lane(rank)`` the same
     for the small-frame lane of the rank's link (None: lanes are refused). ``job`` is this
-    group's job nonce. ``lane`` is True once a lane's hello was admitted."""
+    group's job nonce. ``lane`` is True once a lane's hello was admitted: the handshake then
+    ends when the connector's ``attached`` message arrives (module docstring)."""
 
     def __init__(
         self,
@@ -72,6 +79,7 @@ class AcceptorHandshake:
         self.job = job
         self.nonce = _auth.new_nonce()
         self.lane = False
+        self._peer = -1  # (the lane's connector, once admitted)
 
     def start(self) -> list[dict[str, Any]]:
         return [{"t": "challenge", "v": PROTOCOL_VERSION, "nonce": self.nonce}]
@@ -80,6 +88,10 @@ class AcceptorHandshake:
         return Rejection({"t": "reject", "kind": kind, "error": str(error)}, error)
 
     def on_message(self, msg: dict[str, Any]) -> tuple[list[dict[str, Any]], int | None]:
+        if self.lane:
+            if msg.get("t") != LANE_ATTACHED:
+                raise ProtocolError(f"expected an {LANE_ATTACHED} message, got {msg.get('t')!r}")
+            return [], self._peer
         if msg.get("t") != "hello":
             raise ProtocolError(f"expected a hello message, got {msg.get('t')!r}")
         nonce = _field(msg, "nonce", bytes)
@@ -142,6 +154,9 @@ class AcceptorHandshake:
         reply = {"t": "welcome", "rank": self.rank, "mac": b""}
         if self.secret is not None:
             reply["mac"] = _auth.proof(self.secret, b"acceptor", self.nonce, nonce, ctx)
+        if lane:
+            self._peer = peer
+            return [reply], None  # (over once the connector says it attached the lane)
         return [reply], peer
 
 

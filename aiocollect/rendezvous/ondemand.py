@@ -18,10 +18,15 @@ A TCP link gets its small-frame lane (transport/tcp_link.py) where both ranks' r
 offer lanes (``"lanes": 2``, transport/tcp_listener.py), from the rank that connected it:
 once the link is made, that rank connects again with a lane's hello (the link carries
 every frame until its lane is up); the peer admits a lane only from a rank it has a link
-to, and hands it to that link (:meth:`Dialer.admit_lane`, :meth:`Dialer.on_link`). A rank
-that closes its listener once every peer is linked does so once the lanes are made
-(:meth:`Dialer.lanes_in`). A lane that cannot be made leaves the link on its one
-connection.
+to, and hands it to that link once the connecting rank has made it the link's lane
+(:meth:`Dialer.admit_lane`, :meth:`Dialer.on_link`; the handshake's ``attached``). Lane
+connects take the same ``CONNECTS`` slots as link connects (a pair's lane doubles its
+connects: without the bound, the listeners' backlogs overflow when many pairs link at
+once, as an alltoall over links on demand makes them), and a lane's ``LANE_TIMEOUT``
+counts from its slot. A rank that closes its listener once every peer is linked does so
+once the lanes are made (:meth:`Dialer.lanes_in`). A lane that cannot be made, or is
+given up while it is set up (on either rank), leaves the link on its one connection; the
+rank that dialed it says so at DEBUG.
 """
 
 from __future__ import annotations
@@ -52,8 +57,9 @@ RETRY_FIRST = 0.01
 RETRY_MAX = 0.5
 #: The words of a refusal that means "use the link your peer is making".
 STANDS = "the peer's own link stands"
-#: Seconds a rank's connect of a small-frame lane may take (handshake included).
-LANE_TIMEOUT = 5.0
+#: Seconds a rank's connect of a small-frame lane may take (handshake included), from
+#: when it got its slot.
+LANE_TIMEOUT = 30.0
 
 
 class Dialer:
@@ -91,15 +97,15 @@ class Dialer:
         self.linked: dict[int, Link] = {}
         self._outgoing: set[int] = set()
         self._incoming: set[int] = set()
-        #: Peers whose lane's handshake was admitted and whose lane has not arrived yet;
-        #: set whenever a lane arrives or this rank's lane connect ends; this rank's lane
-        #: connects (not cancelled by :meth:`refuse`: they end within ``LANE_TIMEOUT``).
-        self._lanes: set[int] = set()
+        #: Set whenever a lane arrives or this rank's lane connect ends; this rank's lane
+        #: connects (which :meth:`refuse` cancels too: a lane given up while it is set up
+        #: leaves its link as it was).
         self._lane_arrived = asyncio.Event()
         self._lane_tasks: set[asyncio.Task[None]] = set()
         self._waiters: dict[int, asyncio.Future[Link]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(CONNECTS)
+        self._lane_slots = asyncio.Semaphore(CONNECTS)
         #: Why no more links are made (the group closed or broke), or None.
         self.refusing: str | None = None
 
@@ -124,18 +130,16 @@ class Dialer:
         link = self.linked.get(peer)
         if self.refusing is not None or not isinstance(link, TcpLink) or not link.wants_lane():
             return Superseded(f"rank {self.rank} takes no small-frame lane from rank {peer}")
-        self._lanes.add(peer)
         return None
 
     def on_link(self, link: Link) -> None:
         """A link whose handshake succeeded (accepted or connected), or an accepted
         small-frame lane (handed to its link)."""
         peer = link.peer
-        if peer in self._lanes:
-            self._lanes.discard(peer)
+        if isinstance(link, StreamLink) and link.is_lane:
             owner = self.linked.get(peer)
             taken = False
-            if isinstance(owner, TcpLink) and isinstance(link, StreamLink):
+            if isinstance(owner, TcpLink):
                 taken = owner.take_lane(link)
             if not taken:
                 link.abort()
@@ -277,19 +281,24 @@ class Dialer:
                     await self._lane_arrived.wait()
 
     async def _connect_lane(self, peer: int, link: TcpLink) -> None:
-        """Make ``link``'s small-frame lane within ``LANE_TIMEOUT`` seconds (the link goes
-        on without one if that fails; a lane made once this rank refuses links is
-        closed)."""
+        """Make ``link``'s small-frame lane, in one of the ``CONNECTS`` slots, within
+        ``LANE_TIMEOUT`` seconds of taking it (the link goes on without one if that fails
+        or is cancelled; a lane made once this rank refuses links is closed)."""
         listener = self.listener
         assert isinstance(listener, SocketListener)
         hs = ConnectorHandshake(
             self.name, self.rank, peer, self.world_size, self.secret, job=self.job, lane=True
         )
         try:
-            async with asyncio.timeout(LANE_TIMEOUT):
-                lane = await listener.connect_lane(self.records[peer], hs, link)
-        except Exception as exc:
+            async with self._lane_slots:
+                if self.refusing is not None or link.closed or link.lost:
+                    raise PeerDisconnected(self.refusing or "the link ended first", peer)
+                async with asyncio.timeout(LANE_TIMEOUT):
+                    lane = await listener.connect_lane(self.records[peer], hs, link)
+        except BaseException as exc:
             link.lane_failed(exc)
+            if not isinstance(exc, Exception):
+                raise
         else:
             if self.refusing is None:
                 link.attach_lane(lane)
@@ -313,18 +322,17 @@ class Dialer:
 
     def refuse(self, reason: str) -> None:
         """Make no more links (the group closed or broke): connects under way end, links
-        that complete later are reset, and waiters fail."""
+        that complete later are reset, waiters fail, and lanes under way are given up."""
         if self.refusing is not None:
             return
         self.refusing = reason
-        for task in list(self._tasks):
+        for task in [*self._tasks, *self._lane_tasks]:
             task.cancel()
         for peer in list(self._waiters):
             self._failed(peer, RendezvousError(f"rank {self.rank} makes no more links: {reason}"))
 
     async def wait_closed(self) -> None:
-        """Wait for the connects that :meth:`refuse` cancelled, and the lane connects, to
-        end."""
+        """Wait for the connects and lane connects that :meth:`refuse` cancelled to end."""
         for task in [*self._tasks, *self._lane_tasks]:
             with contextlib.suppress(BaseException):
                 await task

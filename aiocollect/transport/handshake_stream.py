@@ -21,6 +21,12 @@ from aiocollect.transport.base import Handshaker, Rejection
 from aiocollect.transport.wire import LENGTH_PREFIX, MAX_HANDSHAKE
 
 
+def pack(msg: dict[str, Any]) -> bytes:
+    """One handshake message as it goes on the stream: its length, then its msgpack."""
+    data: bytes = msgpack.packb(msg, use_bin_type=True)
+    return LENGTH_PREFIX.pack(len(data)) + data
+
+
 class HandshakeStream:
     """Runs ``handshaker`` over a byte stream written with ``write``.
 
@@ -45,8 +51,7 @@ class HandshakeStream:
 
     def send(self, msg: dict[str, Any]) -> None:
         """Write one handshake message (a reply, or a listener's own refusal)."""
-        data = msgpack.packb(msg, use_bin_type=True)
-        self._write(LENGTH_PREFIX.pack(len(data)) + data)
+        self._write(pack(msg))
 
     def buffer(self) -> memoryview:
         """Where the next bytes read go: the rest of the current prefix or message."""

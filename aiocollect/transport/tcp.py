@@ -28,7 +28,7 @@ from typing import cast
 import msgpack
 
 from aiocollect.errors import PeerDisconnected, ProtocolError
-from aiocollect.transport.base import COPIES, Handshaker, LinkCaps, LinkEvents
+from aiocollect.transport.base import COPIES, Handshaker, LinkCaps, LinkEvents, Superseded
 from aiocollect.transport.handshake_stream import HandshakeStream
 from aiocollect.transport.interface import Screen
 from aiocollect.transport.mailbox import land
@@ -89,7 +89,8 @@ class StreamLink(SendSide, asyncio.BufferedProtocol):
       (the peer's, for messages), ``ready`` (resolves to the link once the handshake is
       over), ``gone`` (set once the connection ended), ``lost`` (the same as a plain flag,
       for hot paths), ``discarding`` (nothing more is read into the mailbox; a subclass
-      that stops reading sets it), ``handshake`` (until the handshake is over).
+      that stops reading sets it), ``handshake`` (until the handshake is over),
+      ``is_lane`` (its handshake made it a TCP link's small-frame lane: tcp_link.py).
     - Hooks to override, calling this class's version for what they do not take over:
       the protocol's ``get_buffer``/``buffer_updated`` (bytes read from the socket),
       ``connection_lost``, ``pause_writing``/``resume_writing`` (the socket's flow
@@ -127,6 +128,7 @@ class StreamLink(SendSide, asyncio.BufferedProtocol):
         self._transport_paused = False  # what the transport was last told
         self._linger: asyncio.TimerHandle | None = None
         self.screen: Screen | None = None
+        self.is_lane = False
         self._caps = COPIES  # local is known once connected
         #: The socket of a link to another host, whose acknowledgements are watched.
         self._remote: socket.socket | None = None
@@ -191,13 +193,15 @@ class StreamLink(SendSide, asyncio.BufferedProtocol):
             )
             self._drain.exception()  # mark retrieved: waiters may have gone
         if not self.ready.done():
-            self.ready.set_exception(
-                PeerDisconnected(
-                    f"connection to {self.address} closed during the handshake"
-                    + (f": {exc}" if exc else ""),
-                    None,
-                )
+            why = f"connection to {self.address} closed during the handshake" + (
+                f": {exc}" if exc else ""
             )
+            handshake = self.handshake
+            if handshake is not None and getattr(handshake.handshaker, "lane", False):
+                # a small-frame lane given up while set up: its link goes on without it
+                self.ready.set_exception(Superseded(f"a small-frame lane's {why}"))
+            else:
+                self.ready.set_exception(PeerDisconnected(why, None))
             return
         if self.ready.cancelled() or self.ready.exception() is not None:
             return  # a rejected handshake: this connection never joined the group
@@ -383,6 +387,7 @@ class StreamLink(SendSide, asyncio.BufferedProtocol):
             if getattr(handshake.handshaker, "lane", False) and self.transport is not None:
                 # A link's second connection: nothing more is read until the link takes
                 # it over (tcp_link.py), or closes it.
+                self.is_lane = True
                 self._transport_paused = True
                 self.transport.pause_reading()
             self.ready.set_result(self)

@@ -4,9 +4,14 @@ the main connection's socket buffers (which user space cannot reorder).
 
 - Setting up: the rank that connected the link dials the lane right after, through the
   same listener and the same handshake, with ``lane: true`` in its hello
-  (:mod:`aiocollect.rendezvous.ondemand`); the peer's listener hands that connection to the
-  link (:meth:`TcpLink.take_lane`). Until the lane is up, every frame takes the main
-  connection. ``AIOCOLLECT_TCP_LANES=1`` turns lanes off (one connection per link).
+  (:mod:`aiocollect.rendezvous.ondemand`). Once the handshake succeeded it makes the
+  connection its link's lane and says so on it (:meth:`TcpLink.attach_lane` writes the
+  handshake message ``attached``, ``LANE_ATTACHED``); only then does the peer's listener
+  hand the connection to the link (:meth:`TcpLink.take_lane`). So a lane given up while
+  it is set up (a connect that timed out, on either side of the peer's welcome) was taken
+  by neither link: each goes on with its one connection, as where a peer offers no lanes.
+  Until the lane is up, every frame takes the main connection. ``AIOCOLLECT_TCP_LANES=1``
+  turns lanes off (one connection per link).
 - Which frames: a frame whose payload is below ``min(LANE_MAX, max_frame)`` bytes and which
   begins its stream (chunk 0): a one-frame message or operation, a control frame. A stream
   of several frames begins with a full chunk (``chunk_bytes``, at least that limit), so all
@@ -33,6 +38,7 @@ import logging
 from aiocollect._fdlimit import descriptors_per_link
 from aiocollect.errors import InternalError, PeerDisconnected
 from aiocollect.transport.base import Aside, Handshaker, Link, LinkEvents
+from aiocollect.transport.handshake_stream import pack
 from aiocollect.transport.stream_send import BULK_MIN
 from aiocollect.transport.tcp import StreamLink
 from aiocollect.transport.wire import GOODBYE, Header
@@ -42,6 +48,10 @@ log = logging.getLogger("aiocollect.transport.tcp")
 #: Frames with a payload below this (and below the link's ``max_frame``) that begin their
 #: stream take the lane: what is not bulk (``stream_send.BULK_MIN``).
 LANE_MAX = BULK_MIN
+#: The handshake message (its ``t``) that ends a lane's handshake: the connector made the
+#: connection its link's lane (rendezvous/handshake.py).
+LANE_ATTACHED = "attached"
+_ATTACHED = pack({"t": LANE_ATTACHED})
 
 
 def lanes_enabled() -> bool:
@@ -96,21 +106,30 @@ class TcpLink(StreamLink):
         """Make ``conn`` (an accepted connection whose lane handshake with this link's
         peer succeeded, paused since) this link's lane. False if the link has ended or has
         one already (the caller closes ``conn``)."""
-        if self._lane is not None or self.closed or self.lost or conn.transport is None:
+        if self._lane is not None or self.closed or self.lost:
+            return False
+        if conn.transport is None or conn.lost:
             return False
         lane = LaneLink(self, None, self.max_frame)
         lane.adopt(conn)
-        self._lane_open = True
         self._hold_goodbyes()
-        self.attach_lane(lane)
+        self._use_lane(lane)
         return True
 
     def attach_lane(self, lane: LaneLink) -> None:
-        """Start sending small frames on ``lane``, whose handshake succeeded."""
+        """Make ``lane`` (dialed by this side, its handshake succeeded) this link's lane:
+        tell the peer (``LANE_ATTACHED``, before any frame) and send small frames on it.
+        From now on, losing it breaks the link."""
         if self.closed or self.lost or lane.transport is None or lane.lost:
             lane.abort()
             self.lane_failed(PeerDisconnected("the link ended first", self.peer))
             return
+        lane.transport.write(_ATTACHED)
+        self._use_lane(lane)
+
+    def _use_lane(self, lane: LaneLink) -> None:
+        """Send small frames on ``lane`` and read its frames, from now on."""
+        assert lane.transport is not None
         self._lane = lane
         self._lane_open = True
         self._lane_write = lane.transport.write
@@ -128,7 +147,10 @@ class TcpLink(StreamLink):
         """The lane's connection ended: small frames take the main connection again. Unless
         this link is closing, the link breaks: at once where the lane failed (``exc``),
         else (the peer closed it) once ``LINGER`` seconds pass without the main connection
-        ending too, as it does when the peer closes the link."""
+        ending too, as it does when the peer closes the link. A lane this side dialed and
+        gave up before making it this link's lane (:meth:`attach_lane`) changes nothing."""
+        if lane is not self._lane:
+            return
         self._lane_max = 0
         self._lane_open = False
         self._release_goodbye()
@@ -318,4 +340,4 @@ class _Done:
         raise InternalError("an adopted lane runs no handshake")
 
 
-__all__ = ["LANE_MAX", "LaneLink", "TcpLink", "lanes_enabled"]
+__all__ = ["LANE_ATTACHED", "LANE_MAX", "LaneLink", "TcpLink", "lanes_enabled"]

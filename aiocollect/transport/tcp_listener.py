@@ -160,6 +160,7 @@ class SocketListener(Listener):
             handshake. What the handshaker raises (the peer refused the lane).
         """
         lane = LaneLink(link, handshaker, self.setup.max_frame)
+        lane.ready.add_done_callback(_retrieve)  # (a cancelled connect leaves it unawaited)
         try:
             await self.dial(record, lane)
             await lane.ready
@@ -186,6 +187,7 @@ class SocketListener(Listener):
     async def connect(self, record: Record, handshaker: Handshaker) -> Link:
         rank, peer = self.setup.rank, int(record["rank"])
         link = self.make_link(handshaker, record)
+        link.ready.add_done_callback(_retrieve)  # (a cancelled connect leaves it unawaited)
         try:
             await self.dial(record, link)
             return await link.ready
@@ -211,6 +213,13 @@ class SocketListener(Listener):
                 link.ready.set_exception(Superseded("this rank stopped accepting links"))
             link.abort()
         self._handshaking.clear()
+
+
+def _retrieve(ready: asyncio.Future[StreamLink]) -> None:
+    """Mark a connecting link's failed handshake as seen: whoever connected it raises it,
+    unless its connect was cancelled first (then the failure is no news to report)."""
+    if not ready.cancelled():
+        ready.exception()
 
 
 class TcpTransport(Transport):

@@ -8,6 +8,10 @@ links have one too."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
+import socket
+import struct
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -20,7 +24,9 @@ from aiocollect.errors import AiocollectError
 from aiocollect.store import MemoryStore
 from aiocollect.testing.certs import Certs
 from aiocollect.testing.spawn import SpawnedRanks
+from aiocollect.transport import tcp
 from aiocollect.transport.tcp_link import TcpLink
+from aiocollect.transport.tcp_listener import SocketListener
 
 if TYPE_CHECKING:
     from aiocollect.group import Group
@@ -208,3 +214,109 @@ async def test_in_process_ranks_lane_their_links(transport: str, certs: Certs) -
 
     results = await asyncio.gather(*(one(r) for r in range(n)))
     assert all(all(r) for r in results), results
+
+
+async def _lazy_alltoall(n: int, name: str) -> list[ac.Group]:
+    """Open ``n`` ranks in this process over TCP with links on demand, run an alltoall
+    (which links every pair at once) and check every rank's result; the groups, open."""
+    store = MemoryStore(name)
+
+    async def one(rank: int) -> ac.Group:
+        g = await ac.open_group(
+            rank, n, store=store, transport="tcp", name=name, links="lazy", timeout=30
+        )
+        out = await g.alltoall(np.arange(n, dtype=np.int64) + n * rank)
+        assert (out == np.arange(n) * n + rank).all(), (rank, out)
+        return g
+
+    return list(await asyncio.gather(*(one(r) for r in range(n))))
+
+
+def _unbroken(groups: list[ac.Group]) -> None:
+    """Every rank's links are all open (none broke)."""
+    for g in groups:
+        for link in _stream_links(g):
+            peer = link.peer
+            assert not link.closed, f"rank {g.rank}: the link to {peer} closed"
+            assert not link.lost, f"rank {g.rank}: the link to {peer} broke"
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What was logged at WARNING or above (a lane given up must say nothing there; nor
+    may a future's exception go unretrieved)."""
+    gc.collect()  # (an unretrieved future's exception is logged when it is collected)
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.timeout(60)
+async def test_a_lane_given_up_after_the_welcome_leaves_its_link(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Links on demand: the lanes dialed to rank 0 are given up right after rank 0
+    welcomed them, as a lane connect that timed out then: rank 1's reset, the others'
+    closed. Rank 0 never took them, so no link breaks, not even once a lane closed by its
+    peer has lingered (shortened here to 0.2 s); those links carry on over their one
+    connection, the others are laned, every result is exact, and nothing is logged at
+    WARNING."""
+    n = 4
+    real = SocketListener.connect_lane
+
+    async def giving_up(
+        self: SocketListener, record: dict[str, Any], handshaker: Any, link: TcpLink
+    ) -> Any:
+        lane = await real(self, record, handshaker, link)
+        if record["rank"] == 0:
+            if link.peer == 0 and self.setup.rank == 1:  # (a reset, not a close)
+                assert lane.transport is not None
+                sock = lane.transport.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            lane.abort()
+            raise TimeoutError
+        return lane
+
+    monkeypatch.setattr(SocketListener, "connect_lane", giving_up)
+    monkeypatch.setattr(tcp, "LINGER", 0.2)
+    caplog.set_level(logging.DEBUG, logger="aiocollect")
+    groups = await _lazy_alltoall(n, f"lane-given-up-{uuid.uuid4().hex[:12]}")
+    try:
+        for g in groups[1:]:  # (those of rank 0 are laned where rank 0 dialed them)
+            laned = [await _until_laned(g, p) for p in range(1, n) if p != g.rank]
+            assert all(laned), (g.rank, laned)
+        ends = [asyncio.ensure_future(link.gone.wait()) for link in _stream_links(groups[0])]
+        done, _ = await asyncio.wait(ends, timeout=1.0)  # (five times the linger)
+        for end in ends:
+            end.cancel()
+        assert not done, "a link of rank 0 ended"
+        x = [np.full(1, g.rank, np.int64) for g in groups]
+        await asyncio.gather(*(g.allreduce(v) for g, v in zip(groups, x, strict=True)))
+        assert all(v[0] == n * (n - 1) // 2 for v in x)
+        _unbroken(groups)
+    finally:
+        await asyncio.gather(*(g.aclose() for g in groups))
+    assert not _warnings(caplog)
+    assert any("no small-frame lane" in r.getMessage() for r in caplog.records)
+
+
+def _stream_links(group: ac.Group) -> list[TcpLink]:
+    links = list(group._fabric.links.values())
+    assert all(isinstance(link, TcpLink) for link in links)
+    return links  # type: ignore[return-value]
+
+
+@pytest.mark.timeout(60)
+async def test_lazy_alltoall_lanes_every_link(caplog: pytest.LogCaptureFixture) -> None:
+    """Twelve ranks in one process link every pair at once (an alltoall over links on
+    demand): every result is exact, every link gets its lane, none breaks, and nothing is
+    logged at WARNING."""
+    n = 12
+    caplog.set_level(logging.WARNING)
+    groups = await _lazy_alltoall(n, f"lane-lazy-{uuid.uuid4().hex[:12]}")
+    try:
+        for g in groups:
+            laned = [await _until_laned(g, p) for p in range(n) if p != g.rank]
+            assert all(laned), (g.rank, laned)
+        await asyncio.gather(*(g.barrier() for g in groups))
+        _unbroken(groups)
+    finally:
+        await asyncio.gather(*(g.aclose() for g in groups))
+    assert not _warnings(caplog)

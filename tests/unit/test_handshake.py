@@ -14,6 +14,7 @@ from aiocollect.rendezvous.handshake import (
     ConnectorHandshake,
 )
 from aiocollect.transport.base import Rejection
+from aiocollect.transport.tcp_link import LANE_ATTACHED
 
 Msg = dict[str, Any]
 
@@ -176,3 +177,19 @@ def test_connector_refuses_another_protocol_version() -> None:
     c = ConnectorHandshake("g", 2, 0, 3, None)
     with pytest.raises(RendezvousError, match="speaks protocol"):
         c.on_message({"t": "challenge", "v": PROTOCOL_VERSION + 1, "nonce": b"n"})
+
+
+@pytest.mark.parametrize("secret", [None, b"s3cret"])
+def test_a_lanes_handshake_ends_with_the_connectors_attached(secret: bytes | None) -> None:
+    """A lane's hello admitted: the acceptor welcomes it but knows its peer only once the
+    connector says it made the connection its link's lane; anything else is refused."""
+    acc = AcceptorHandshake("g", 0, 3, secret, lambda peer: "no links", admit_lane=lambda p: None)
+    con = ConnectorHandshake("g", 2, 0, 3, secret, lane=True)
+    hello, _ = con.on_message(_wire(acc.start()[0]))
+    welcome, a_peer = acc.on_message(_wire(hello[0]))
+    assert a_peer is None
+    assert acc.lane
+    assert con.on_message(_wire(welcome[0])) == ([], 0)
+    assert acc.on_message(_wire({"t": LANE_ATTACHED})) == ([], 2)
+    with pytest.raises(ProtocolError, match="attached"):
+        acc.on_message(_wire({"t": "hello"}))
