@@ -48,7 +48,10 @@ async def test_algorithms(axis: Axis, n: int) -> None:
     argnames="n", values={"auto": [2, 5], "shm": [2, 8]}, default=[], where="processes"
 )
 async def test_algorithms_in_processes(axis: Axis, n: int) -> None:
-    dtypes = [np.dtype(np.bool_), np.dtype(np.int64), np.dtype(np.float64)]
+    """The sweep between processes (pulls read another process's memory there): bool (item
+    size 1, every integer op) and float64 (item size 8, AVG); int64 would repeat float64's
+    item size and counts and bool's ops, whose kernels test_algorithms_memory checks."""
+    dtypes = [np.dtype(np.bool_), np.dtype(np.float64)]
     res = await axis.spawn(n, sweep_algorithms, dtypes, timeout=250, chunk_bytes=CHUNK)
     assert len(set(res)) == 1
 
