@@ -64,10 +64,12 @@ demo: install
 test: install system-deps
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses 4 $(PYTEST_ARGS)
 
-# The whole stress matrix (every transport and mode x both loops x worlds 2-4, 8 rounds);
-# make test runs a subset of it (docs/testing.md).
+# The whole stress matrix (every transport and mode x both loops x worlds 2-4, 8 rounds),
+# and 500 open/close cycles of the lifecycle leak test; make test runs a subset of both
+# (docs/testing.md).
 stress: install
-	AIOCOLLECT_STRESS=full AIOCOLLECT_AXIS=full $(PY) -m pytest -q tests/stress $(PYTEST_ARGS)
+	AIOCOLLECT_STRESS=full AIOCOLLECT_AXIS=full $(PY) -m pytest -q tests/stress \
+	  tests/failure/test_lifecycle.py::test_open_close_cycles_leak_no_fds_or_tasks $(PYTEST_ARGS)
 
 # A small send/recv round trip within a bound while bulk allreduces run (tcp, auto; both
 # loops): a target the library does not meet yet on a shared two-core host, so make test

@@ -105,8 +105,10 @@ async def test_deadline_names_the_rank_that_never_called() -> None:
     assert "have not called it" in str(err), err
 
 
-@pytest.mark.parametrize("transport", ["tcp", "auto"])
-@pytest.mark.parametrize("size", [4, 1 << 20])  # the one-frame path, the Task path
+#: The one-frame path over TCP, the Task path over the default transport: the deadline heap
+#: and its ticker are the group's, the same over every link; the link only carries the
+#: relayed timeout to rank 1, which each transport does in one of the two cases.
+@pytest.mark.parametrize(("size", "transport"), [(4, "tcp"), (1 << 20, "auto")])
 async def test_a_far_deadline_expires_on_time(transport: str, size: int) -> None:
     """A deadline ``WATCH_AT_TICK`` or more away goes on the deadline heap by the group's
     progress ticker, not by the call (design.md, *Deadlines*): operations that finish

@@ -16,6 +16,7 @@ test's bound.
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -102,11 +103,34 @@ async def test_stress_in_processes(axis: Axis, loop: str, world: int) -> None:
     _check(res, world)
 
 
-@pytest.mark.transports(argnames="world", default=WORLDS if FULL else [2, 4], where="in_process")
-async def test_stress_in_one_process(axis: Axis, world: int) -> None:
-    """Ranks in one process (memory links); run on asyncio and uvloop (tests/conftest.py)."""
+#: The in-process worlds on each loop. Over memory links every rank is on the one loop,
+#: which only runs their callbacks in the order they were scheduled (asyncio and uvloop
+#: alike): ``make test`` runs world 4 on asyncio and world 2 on uvloop, each loop and each
+#: world once; ``make stress`` every world on both.
+IN_PROCESS = {
+    "asyncio": WORLDS if FULL else [4],
+    "uvloop": WORLDS if FULL else [2],
+}
+
+
+async def _in_one_process(axis: Axis, world: int) -> None:
     res = await axis.run(world, targets.stress, 7 * world, ROUNDS, OPS, timeout=op_timeout())
     _check(res, world)
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+@pytest.mark.transports(argnames="world", default=IN_PROCESS["asyncio"], where="in_process")
+async def test_stress_in_one_process(axis: Axis, world: int) -> None:
+    """Ranks in one process (memory links), on asyncio."""
+    await _in_one_process(axis, world)
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.transports(argnames="world", default=IN_PROCESS["uvloop"], where="in_process")
+async def test_stress_in_one_process_on_uvloop(axis: Axis, world: int) -> None:
+    """Ranks in one process (memory links), on uvloop."""
+    assert type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+    await _in_one_process(axis, world)
 
 
 def test_plan_straddles_every_threshold() -> None:

@@ -62,15 +62,34 @@ def valid_ops(dtype: np.dtype[Any]) -> list[ac.ReduceOp]:
 def data(
     rank: int, count: int, dtype: np.dtype[Any], seed: int = 0, op: Any = None
 ) -> np.ndarray[Any, Any]:
-    """Per-rank deterministic data; PROD gets values near 1 so products stay finite."""
+    """Per-rank deterministic data; PROD gets values near 1 so products stay finite. A new
+    writable array on every call (a test may reduce into it); the values are made once per
+    arguments (:func:`_made`): in a sweep every rank of the process builds every rank's
+    input for its reference, and drawing them took a sixth of an 8-rank sweep's time."""
+    return _made(rank, count, dtype, seed, op is ac.ReduceOp.PROD).copy()
+
+
+@functools.lru_cache(maxsize=4096)
+def _made(
+    rank: int, count: int, dtype: np.dtype[Any], seed: int, prod: bool
+) -> np.ndarray[Any, Any]:
+    """The values of :func:`data`, read-only (``prod``: near 1, for PROD)."""
+    out = _draw(rank, count, dtype, seed, prod)
+    out.flags.writeable = False
+    return out
+
+
+def _draw(
+    rank: int, count: int, dtype: np.dtype[Any], seed: int, prod: bool
+) -> np.ndarray[Any, Any]:
     rng = np.random.default_rng(seed * 1000 + rank * 7 + count)
     kind = dtype.kind if dtype != BF16 else "f"
     if kind == "b":
         return rng.integers(0, 2, count).astype(bool)
     if kind in "iu":
-        hi = 4 if op is ac.ReduceOp.PROD else 100
+        hi = 4 if prod else 100
         return rng.integers(0, hi, count).astype(dtype)
-    base = rng.uniform(0.5, 1.5, count) if op is ac.ReduceOp.PROD else rng.uniform(-4, 4, count)
+    base = rng.uniform(0.5, 1.5, count) if prod else rng.uniform(-4, 4, count)
     if kind == "c":
         return (base + 1j * rng.uniform(-1, 1, count)).astype(dtype)
     return base.astype(dtype)
