@@ -13,6 +13,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from collections.abc import Mapping
+from typing import Any
 
 try:
     import resource
@@ -99,23 +101,27 @@ def descriptors_per_link() -> int:
     return 1 if os.environ.get(LANES_ENV, "").strip() == "1" else 2
 
 
+def link_descriptors(record: Mapping[str, Any]) -> int:
+    """Descriptors each link of the listener that published ``record`` holds: 2 where it
+    offers small-frame lanes (its ``"lanes": 2``: TCP, TLS), else 1 (shared memory, unix)."""
+    return 2 if record.get("lanes") == 2 else 1
+
+
 #: Links that ranks of this process are making now (:func:`reserve`): each will hold a
 #: descriptor that :func:`open_count` may not count yet.
 _reserved = 0
 
 
-def too_few(links: int, per: int | None = None) -> str | None:
+def too_few(links: int, per: int) -> str | None:
     """Why this process cannot open ``links`` more links (``per`` descriptors each, plus
     ``SPARE`` and the links reserved by :func:`reserve`) under its soft RLIMIT_NOFILE, or
     None where it can (or cannot tell).
 
     Args:
         links: the links about to be opened.
-        per: descriptors a link holds (default :func:`descriptors_per_link`: 2 where TCP
-            links have lanes; a transport's links without lanes hold 1).
+        per: descriptors a link holds (:func:`link_descriptors`).
     """
     now, lim = open_count(), limits()
-    per = descriptors_per_link() if per is None else per
     need = (_reserved + links) * per
     if now is None or lim is None or lim[0] < 0 or now + need + SPARE <= lim[0]:
         return None
@@ -128,7 +134,7 @@ def too_few(links: int, per: int | None = None) -> str | None:
     return f"{now} descriptors are open and {links} links would need {each}"
 
 
-def reserve(links: int, per: int | None = None) -> str | None:
+def reserve(links: int, per: int) -> str | None:
     """Count ``links`` about to be made by a rank of this process (the ranks of one
     process link at once: each checks the others' links too), or say why they do not
     fit (:func:`too_few`; nothing is then counted). :func:`release` ends the count.

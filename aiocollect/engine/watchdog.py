@@ -82,9 +82,8 @@ def asked(op: Waiting, me: int) -> list[int]:
     ranks = op.ranks
     n, at = len(ranks), ranks.index(me)
     silent = set(op.silent_peers())
-    order = [(at + k) % n for k in range(1, n)]
-    chosen = [q for q in order if q in silent] + [q for q in order if q not in silent]
-    return [ranks[q] for q in chosen[:SURVEY_MOST]]
+    order = sorted(((at + k) % n for k in range(1, n)), key=lambda q: q not in silent)
+    return [ranks[q] for q in order[:SURVEY_MOST]]
 
 
 class Watchdog:

@@ -206,15 +206,14 @@ async def rendezvous(
             "links": cfg.links,
         }
         # (the ranks of one process form at once: each counts the others' links too)
-        # (a TCP link with its lane holds two descriptors: where the listener offers lanes)
-        short = _fdlimit.reserve(
-            0 if transport.in_process else len(wanted), per=min(2, record.get("lanes", 1))
-        )
+        # (in-process links hold no descriptor)
+        linking = 0 if transport.in_process else len(wanted)
+        short = _fdlimit.reserve(linking, _fdlimit.link_descriptors(record))
         if short is not None:  # every rank of the job learns it (not only this one)
             why = _fdlimit.links_exhausted(cfg.rank, 0, short)
             await claim.refuse(why)
             raise RendezvousError(why)
-        reserved = 0 if transport.in_process else len(wanted)
+        reserved = linking
         await claim.publish(record)
         peers = await _read_records(claim, cfg, record)
         endpoint.chunk_bytes = cfg.chunk_bytes or peers.derived(
