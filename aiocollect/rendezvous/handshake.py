@@ -143,10 +143,8 @@ class AcceptorHandshake:
                     f"with group name {self.group!r}?"
                 ),
             )
-        if lane and self.admit_lane is None:
-            refusal: str | RendezvousError | None = "this rank takes no small-frame lanes"
-        else:
-            refusal = (self.admit_lane if lane and self.admit_lane else self.admit)(peer)
+        admit = self.admit_lane if lane else self.admit
+        refusal = "this rank takes no small-frame lanes" if admit is None else admit(peer)
         if refusal is not None:
             error = refusal if isinstance(refusal, RendezvousError) else RendezvousError(refusal)
             raise self._reject("group", error)
