@@ -34,6 +34,8 @@ the main connection's socket buffers (which user space cannot reorder).
 from __future__ import annotations
 
 import logging
+import sys
+from collections.abc import Callable
 
 from aiocollect._fdlimit import descriptors_per_link
 from aiocollect.errors import InternalError, PeerDisconnected
@@ -52,6 +54,9 @@ LANE_MAX = BULK_MIN
 #: connection its link's lane (rendezvous/handshake.py).
 LANE_ATTACHED = "attached"
 _ATTACHED = pack({"t": LANE_ATTACHED})
+#: A payload size no frame reaches (``TcpLink._bulk_read_at`` of a link whose lane is
+#: not this side's to dial, or is dialed already).
+_NEVER = sys.maxsize
 
 
 def lanes_enabled() -> bool:
@@ -77,6 +82,11 @@ class TcpLink(StreamLink):
         #: Whether the last GOODBYE read on the link's own connection says that a copy
         #: went on the lane (its chunk field, ``stream_send.LANE_COPY``).
         self._goodbye_copied = False
+        #: Called once this link first carries bulk, where its lane is this side's to dial
+        #: (:meth:`arm_lane`); frames read with a payload of this many bytes or more call
+        #: it (never, unless armed: the read side's general path compares, once per frame).
+        self._lane_due: Callable[[TcpLink], None] | None = None
+        self._bulk_read_at = _NEVER
 
     # -- the lane's setup ---------------------------------------------------------------------
 
@@ -89,6 +99,22 @@ class TcpLink(StreamLink):
             and not (self.closed or self.lost)
             and self.handshake is None
         )
+
+    def arm_lane(self, dial: Callable[[TcpLink], None]) -> None:
+        """Call ``dial(self)`` (which dials this link's lane, on this side) once the link first
+        carries bulk: this side sends, or reads, a frame of ``BULK_MIN`` bytes or more.
+        Only the send path's bulk branch and the read path's general branch look."""
+        self._lane_due = dial
+        self._first_bulk = self._bulk_now
+        self._bulk_read_at = BULK_MIN
+
+    def _bulk_now(self) -> None:
+        """The link's first bulk frame, sent or read: dial its lane (once)."""
+        dial, self._lane_due = self._lane_due, None
+        self._first_bulk = None
+        self._bulk_read_at = _NEVER
+        if dial is not None and self.wants_lane():
+            dial(self)
 
     def lane_coming(self) -> None:
         """This side dials the lane now: a GOODBYE waits for its copy on the lane (or for
@@ -185,6 +211,8 @@ class TcpLink(StreamLink):
     def open_frame(self, h: Header) -> memoryview | None:
         if h.kind == GOODBYE:  # (a call per frame read in the general way: bulk, control)
             self._goodbye_copied = h.chunk == 1
+        elif h.length >= self._bulk_read_at:  # (the peer's first bulk frame: a lane now)
+            self._bulk_now()
         return super().open_frame(h)
 
     # -- the link's end, for both connections -----------------------------------------------

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.timeout(30)
 async def test_a_goodbye_is_copied_to_the_lane(size: int, mid_bulk: bool) -> None:
     async with tcp_pair()(Recorder(), Recorder(), 64 << 20) as (a, b):
         assert isinstance(a, tcp.StreamLink)
+        assert isinstance(b, tcp.StreamLink)
         assert b.transport is not None
         on_lane: list[bytes] = []
         a._lane_max, a._lane_write = LANE_MAX, on_lane.append
