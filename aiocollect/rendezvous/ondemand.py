@@ -15,16 +15,18 @@ this process out of descriptors fails at once, with a message naming the limit, 
 open and what to do (``_fdlimit.links_exhausted``).
 
 A TCP link gets its small-frame lane (transport/tcp_link.py) where both ranks' records
-offer lanes (``"lanes": 2``, transport/tcp_listener.py), from the rank that connected it:
-once the link is made, that rank connects again with a lane's hello (the link carries
-every frame until its lane is up); the peer admits a lane only from a rank it has a link
-to, and hands it to that link once the connecting rank has made it the link's lane
-(:meth:`Dialer.admit_lane`, :meth:`Dialer.on_link`; the handshake's ``attached``). Lane
-connects take the same ``CONNECTS`` slots as link connects (a pair's lane doubles its
-connects: without the bound, the listeners' backlogs overflow when many pairs link at
-once, as an alltoall over links on demand makes them), and a lane's ``LANE_TIMEOUT``
-counts from its slot. A rank that closes its listener once every peer is linked does so
-once the lanes are made (:meth:`Dialer.lanes_in`). A lane that cannot be made, or is
+offer lanes (``"lanes": 2``, transport/tcp_listener.py), from the rank that connected it,
+once the link first carries bulk (:meth:`TcpLink.arm_lane`: that rank sends, or reads, a
+frame of ``BULK_MIN`` bytes or more): that rank connects again with a lane's hello (the
+link carries every frame until its lane is up), where its process has a descriptor to
+spare (``_fdlimit.reserve_lane``); the peer admits a lane only from a rank it has a link
+to, while it has a descriptor to spare too, and hands it to that link once the connecting
+rank has made it the link's lane (:meth:`Dialer.admit_lane`, :meth:`Dialer.on_link`; the
+handshake's ``attached``). Lane connects take ``CONNECTS`` slots of their own (a pair's
+lane doubles its connects: without the bound, the listeners' backlogs overflow when many
+pairs start bulk at once, as an alltoall of large blocks over links on demand makes
+them), and a lane's ``LANE_TIMEOUT`` counts from its slot. A rank whose links take lanes
+keeps its listener open with the group (rendezvous.py). A lane that cannot be made, or is
 given up while it is set up (on either rank), leaves the link on its one connection; the
 rank that dialed it says so at DEBUG.
 """

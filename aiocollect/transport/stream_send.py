@@ -14,7 +14,10 @@ across streams changes nothing they rely on. ``write_buffer_size`` counts both q
 
 A TCP link with a small-frame lane (:mod:`aiocollect.transport.tcp_link`) writes the small
 frames that begin their stream (chunk 0) on the lane's own connection instead: one
-comparison per frame (``_lane_max`` is 0 without a lane) chooses.
+comparison per frame (``_lane_max`` is 0 without a lane) chooses. ABORT and GOODBYE go on
+both connections, whatever their size and whatever the link's own connection is writing
+(``_on_both``). A link whose lane is due once it carries bulk is told so by the bulk
+branch alone (``_first_bulk``, called once): the small-frame path does not look.
 
 A payload over ``PIECE`` goes to the transport in pieces, one per loop turn, so that no
 single write holds the event loop for long; frames sent meanwhile wait for the end of that

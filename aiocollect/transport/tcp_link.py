@@ -2,16 +2,40 @@
 ranks that carries small frames, so that they never wait behind the bulk bytes already in
 the main connection's socket buffers (which user space cannot reorder).
 
-- Setting up: the rank that connected the link dials the lane right after, through the
-  same listener and the same handshake, with ``lane: true`` in its hello
-  (:mod:`aiocollect.rendezvous.ondemand`). Once the handshake succeeded it makes the
-  connection its link's lane and says so on it (:meth:`TcpLink.attach_lane` writes the
-  handshake message ``attached``, ``LANE_ATTACHED``); only then does the peer's listener
-  hand the connection to the link (:meth:`TcpLink.take_lane`). So a lane given up while
-  it is set up (a connect that timed out, on either side of the peer's welcome) was taken
-  by neither link: each goes on with its one connection, as where a peer offers no lanes.
-  Until the lane is up, every frame takes the main connection. ``AIOCOLLECT_TCP_LANES=1``
-  turns lanes off (one connection per link).
+- When: a lane is dialed only once its link first carries bulk, that is when either rank
+  sends a frame of ``BULK_MIN`` (64 KiB) bytes or more on it: only then can a small frame
+  find bulk ahead of it, and a link that only ever carries small frames keeps one
+  connection (one descriptor, one connect). Until the lane is up, every frame takes the
+  main connection: the first bulk transfer does not wait for it, and small frames take the
+  lane as soon as it is up. The trigger costs the small-frame path nothing: the send side
+  looks in its bulk branch only (``SendSide._first_bulk``, unset once called), the read
+  side in its general branch only (:meth:`TcpLink.open_frame`; a bulk frame never fits the
+  read-ahead buffer, so it always comes that way); both are disarmed once the lane is due.
+- Who dials: always the rank that connected the link (:meth:`TcpLink.arm_lane`, set up by
+  :mod:`aiocollect.rendezvous.ondemand`), when it sends bulk or reads the peer's first bulk
+  frame. The peer's first bulk frame is the one that needs the lane on the peer's side, and
+  it reaches the connecting rank at once (bulk frames behind it wait, not it), so the
+  lane comes up about one connect and handshake after the first bulk send of either rank.
+  Having one rank dial keeps the handshake as it is (the acceptor admits a lane only for a
+  link it accepted from that rank), needs no tie-break between two ranks dialing at once
+  (each direction of a ring allreduce carries bulk), and sends the lane the same way as its
+  link: through the same listener address, so through the same fault proxy in tests
+  (``testing/proxynet.py`` gives each (reader, target) pair its own), and over TLS with the
+  same certificates. A link of a sub-group made by ``split`` is its parent's link, with
+  its lane; an elastic generation's links are new links, armed alike. The listener of a
+  group whose links take lanes therefore stays open with the group.
+- Setting up: the connecting rank dials through the peer's listener with the same
+  handshake, ``lane: true`` in its hello (:mod:`aiocollect.rendezvous.ondemand`), where
+  its process has a descriptor to spare (``_fdlimit.reserve_lane``; the acceptor checks
+  too, ``_fdlimit.lane_fits``): a lane is optional, so the descriptor checks count one per
+  link and a group that fits with one connection per link is never refused for lanes.
+  Once the handshake succeeded it makes the connection its link's lane and says so on it
+  (:meth:`TcpLink.attach_lane` writes the handshake message ``attached``,
+  ``LANE_ATTACHED``); only then does the peer's listener hand the connection to the link
+  (:meth:`TcpLink.take_lane`). So a lane given up while it is set up (a connect that timed
+  out, on either side of the peer's welcome) was taken by neither link: each goes on with
+  its one connection, as where a peer offers no lanes. ``AIOCOLLECT_TCP_LANES=1`` turns
+  lanes off (one connection per link).
 - Which frames: a frame whose payload is below ``min(LANE_MAX, max_frame)`` bytes and which
   begins its stream (chunk 0): a one-frame message or operation, a control frame. A stream
   of several frames begins with a full chunk (``chunk_bytes``, at least that limit), so all
@@ -87,6 +111,11 @@ class TcpLink(StreamLink):
         #: it (never, unless armed: the read side's general path compares, once per frame).
         self._lane_due: Callable[[TcpLink], None] | None = None
         self._bulk_read_at = _NEVER
+
+    @property
+    def laned(self) -> bool:
+        """Whether the link's small-frame lane is up (two connections)."""
+        return self._lane is not None
 
     # -- the lane's setup ---------------------------------------------------------------------
 
