@@ -126,6 +126,7 @@ async def _check(groups: list[ac.Group], world_size: int, alltoall: bool) -> dic
     figures["allreduce_1MiB_s"] = await step("allreduce 1 MiB", large)
     figures["broadcast_s"] = await step("broadcast", broadcast)
     figures["barrier_s"] = await step("barrier", barrier)
+    figures["links_after_collectives"] = max(len(g._fabric.links) for g in groups)
     figures["sockets_after_collectives"] = max(_sockets(g) for g in groups)
     if alltoall and _mesh_fits(len(groups), world_size):  # (alltoall links every pair)
         figures["alltoall_s"] = await step("alltoall", exchange)
@@ -171,9 +172,10 @@ async def _child(
 @dataclass
 class ManyResult:
     """What :func:`run_many` measured: the slowest process's seconds for each step (from
-    the process's start, then per step), the most links of any rank at open and its most
-    sockets after allreduce, broadcast and barrier (links and the lanes of those that
-    carried bulk; before alltoall links every pair), and the wall time of the whole run."""
+    the process's start, then per step), the most links of any rank at open (which are
+    its sockets then) and after allreduce, broadcast and barrier, and its most sockets
+    then (its links and the small-frame lanes of those that carried bulk; before alltoall
+    links every pair), and the wall time of the whole run."""
 
     ranks: int
     links: str
