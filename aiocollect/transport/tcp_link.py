@@ -109,7 +109,7 @@ class TcpLink(StreamLink):
         #: Called once this link first carries bulk, where its lane is this side's to dial
         #: (:meth:`arm_lane`); frames read with a payload of this many bytes or more call
         #: it (never, unless armed: the read side's general path compares, once per frame).
-        self._lane_due: Callable[[TcpLink], None] | None = None
+        self._dial_lane: Callable[[TcpLink], None] | None = None
         self._bulk_read_at = _NEVER
 
     @property
@@ -133,13 +133,13 @@ class TcpLink(StreamLink):
         """Call ``dial(self)`` (which dials this link's lane, on this side) once the link first
         carries bulk: this side sends, or reads, a frame of ``BULK_MIN`` bytes or more.
         Only the send path's bulk branch and the read path's general branch look."""
-        self._lane_due = dial
+        self._dial_lane = dial
         self._first_bulk = self._bulk_now
         self._bulk_read_at = BULK_MIN
 
     def _bulk_now(self) -> None:
         """The link's first bulk frame, sent or read: dial its lane (once)."""
-        dial, self._lane_due = self._lane_due, None
+        dial, self._dial_lane = self._dial_lane, None
         self._first_bulk = None
         self._bulk_read_at = _NEVER
         if dial is not None and self.wants_lane():
