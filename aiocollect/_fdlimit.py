@@ -1,11 +1,15 @@
 """The process's limit on open file descriptors: raising the soft limit towards the hard one,
 and the message to give when it is reached anyway.
 
-Every peer link and every store connection holds a descriptor (a TCP link two: its
-connection and its small-frame lane, unless ``AIOCOLLECT_TCP_LANES=1``), and a common soft limit is
+Every peer link and every store connection holds a descriptor, and a common soft limit is
 1024 (while the hard limit is often far higher): a store serving thousands of ranks, or a
 process running many ranks, needs more. :func:`raise_soft_limit` is called once by
 ``aiocollect store`` and by ``open_group``.
+
+A TCP link that carries bulk takes a second descriptor for its small-frame lane
+(transport/tcp_link.py), but only where one is to spare (:func:`lane_fits`): the lane is
+optional, so the checks before linking count one descriptor per link, and a group that
+fits with one connection per link is never refused for its lanes.
 """
 
 from __future__ import annotations
@@ -13,8 +17,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Mapping
-from typing import Any
 
 try:
     import resource
@@ -90,21 +92,16 @@ def open_count() -> int | None:
         return None
 
 
-#: The environment variable that sets how many TCP connections a TCP or TLS link holds: 2
-#: (the default: its connection and its small-frame lane, transport/tcp_lane.py) or 1.
+#: The environment variable that sets how many TCP connections a TCP or TLS link may hold:
+#: 2 (the default: its connection and, once it carries bulk, its small-frame lane,
+#: transport/tcp_link.py) or 1.
 LANES_ENV = "AIOCOLLECT_TCP_LANES"
 
 
 def descriptors_per_link() -> int:
-    """Descriptors one link may hold: 2 where a TCP link has its small-frame lane (the
+    """Descriptors one link may hold: 2 where a TCP link may take its small-frame lane (the
     default), 1 with ``AIOCOLLECT_TCP_LANES=1``. Any other value than 1 counts as 2."""
     return 1 if os.environ.get(LANES_ENV, "").strip() == "1" else 2
-
-
-def link_descriptors(record: Mapping[str, Any]) -> int:
-    """Descriptors each link of the listener that published ``record`` holds: 2 where it
-    offers small-frame lanes (its ``"lanes": 2``: TCP, TLS), else 1 (shared memory, unix)."""
-    return 2 if record.get("lanes") == 2 else 1
 
 
 #: Links that ranks of this process are making now (:func:`reserve`): each will hold a
@@ -112,42 +109,74 @@ def link_descriptors(record: Mapping[str, Any]) -> int:
 _reserved = 0
 
 
-def too_few(links: int, per: int) -> str | None:
-    """Why this process cannot open ``links`` more links (``per`` descriptors each, plus
+def too_few(links: int) -> str | None:
+    """Why this process cannot open ``links`` more links (a descriptor each, plus
     ``SPARE`` and the links reserved by :func:`reserve`) under its soft RLIMIT_NOFILE, or
-    None where it can (or cannot tell).
+    None where it can (or cannot tell). A small-frame lane is not counted: one is taken
+    only where a descriptor is to spare (:func:`reserve_lane`).
 
     Args:
         links: the links about to be opened.
-        per: descriptors a link holds (:func:`link_descriptors`).
     """
     now, lim = open_count(), limits()
-    need = (_reserved + links) * per
+    need = _reserved + links
     if now is None or lim is None or lim[0] < 0 or now + need + SPARE <= lim[0]:
         return None
-    each = "one each" if per == 1 else f"{per} each (a TCP link and its small-frame lane)"
     if _reserved:
         return (
             f"{now} descriptors are open, {_reserved} more links are being made by ranks of "
-            f"this process, and {links} links would need {each}"
+            f"this process, and {links} links would need one each"
         )
-    return f"{now} descriptors are open and {links} links would need {each}"
+    return f"{now} descriptors are open and {links} links would need one each"
 
 
-def reserve(links: int, per: int) -> str | None:
+def reserve(links: int) -> str | None:
     """Count ``links`` about to be made by a rank of this process (the ranks of one
     process link at once: each checks the others' links too), or say why they do not
     fit (:func:`too_few`; nothing is then counted). :func:`release` ends the count.
 
     Args:
         links: the links about to be made.
-        per: descriptors each holds (:func:`too_few`).
     """
     global _reserved
-    short = too_few(links, per)
+    short = too_few(links)
     if short is None:
         _reserved += links
     return short
+
+
+_lanes_short_said = False
+
+
+def reserve_lane() -> bool:
+    """Count a TCP link's small-frame lane that a rank of this process is about to dial
+    (as :func:`reserve` counts a link; :func:`release` ends the count once the dial
+    ended), or, where this process has no descriptor to spare for it, say False: the
+    link then keeps its one connection (said once per process, at DEBUG). Reads
+    ``/proc/self/fd``: called once per link, when it first carries bulk, never per frame."""
+    return _lane_room(reserve(1))
+
+
+def lane_fits() -> bool:
+    """Whether this process may keep a small-frame lane it just accepted (its descriptor,
+    open already, is counted): ``SPARE`` descriptors are still free. (Links reserved by
+    :func:`reserve` are not counted here: a rank of this process dialing a lane to another
+    holds a reservation for a socket that is open by now.) Where not, the link keeps its
+    one connection (said once per process, at DEBUG)."""
+    now, lim = open_count(), limits()
+    if now is None or lim is None or lim[0] < 0 or now + SPARE <= lim[0]:
+        return True
+    return _lane_room(f"{now} descriptors are open, {SPARE} are kept free")
+
+
+def _lane_room(short: str | None) -> bool:
+    global _lanes_short_said
+    if short is None:
+        return True
+    if not _lanes_short_said:
+        _lanes_short_said = True
+        log.debug("links that carry bulk keep one connection (no small-frame lane): %s", short)
+    return False
 
 
 def release(links: int) -> None:

@@ -148,9 +148,7 @@ class Fabric:
             return
         if dialer is None:
             raise InternalError(f"rank {self.rank} has no link to ranks {missing}")
-        listener = dialer.listener
-        per = 1 if listener is None else _fdlimit.link_descriptors(listener.record)
-        short = _fdlimit.reserve(len(missing), per)
+        short = _fdlimit.reserve(len(missing))  # (a lane only where one is to spare)
         if short is not None:  # (fails the group: every rank learns it from the ABORT)
             raise PeerDisconnected(
                 _fdlimit.links_exhausted(self.rank, len(links), short), rank=missing[0]

@@ -15,16 +15,18 @@ this process out of descriptors fails at once, with a message naming the limit, 
 open and what to do (``_fdlimit.links_exhausted``).
 
 A TCP link gets its small-frame lane (transport/tcp_link.py) where both ranks' records
-offer lanes (``"lanes": 2``, transport/tcp_listener.py), from the rank that connected it:
-once the link is made, that rank connects again with a lane's hello (the link carries
-every frame until its lane is up); the peer admits a lane only from a rank it has a link
-to, and hands it to that link once the connecting rank has made it the link's lane
-(:meth:`Dialer.admit_lane`, :meth:`Dialer.on_link`; the handshake's ``attached``). Lane
-connects take the same ``CONNECTS`` slots as link connects (a pair's lane doubles its
-connects: without the bound, the listeners' backlogs overflow when many pairs link at
-once, as an alltoall over links on demand makes them), and a lane's ``LANE_TIMEOUT``
-counts from its slot. A rank that closes its listener once every peer is linked does so
-once the lanes are made (:meth:`Dialer.lanes_in`). A lane that cannot be made, or is
+offer lanes (``"lanes": 2``, transport/tcp_listener.py), from the rank that connected it,
+once the link first carries bulk (:meth:`TcpLink.arm_lane`: that rank sends, or reads, a
+frame of ``BULK_MIN`` bytes or more): that rank connects again with a lane's hello (the
+link carries every frame until its lane is up), where its process has a descriptor to
+spare (``_fdlimit.reserve_lane``); the peer admits a lane only from a rank it has a link
+to, while it has a descriptor to spare too, and hands it to that link once the connecting
+rank has made it the link's lane (:meth:`Dialer.admit_lane`, :meth:`Dialer.on_link`; the
+handshake's ``attached``). Lane connects take ``CONNECTS`` slots of their own (a pair's
+lane doubles its connects: without the bound, the listeners' backlogs overflow when many
+pairs start bulk at once, as an alltoall of large blocks over links on demand makes
+them), and a lane's ``LANE_TIMEOUT`` counts from its slot. A rank whose links take lanes
+keeps its listener open with the group (rendezvous.py). A lane that cannot be made, or is
 given up while it is set up (on either rank), leaves the link on its one connection; the
 rank that dialed it says so at DEBUG.
 """
@@ -97,10 +99,8 @@ class Dialer:
         self.linked: dict[int, Link] = {}
         self._outgoing: set[int] = set()
         self._incoming: set[int] = set()
-        #: Set whenever a lane arrives or this rank's lane connect ends; this rank's lane
-        #: connects (which :meth:`refuse` cancels too: a lane given up while it is set up
-        #: leaves its link as it was).
-        self._lane_arrived = asyncio.Event()
+        #: This rank's lane connects (which :meth:`refuse` cancels too: a lane given up
+        #: while it is set up leaves its link as it was).
         self._lane_tasks: set[asyncio.Task[None]] = set()
         self._waiters: dict[int, asyncio.Future[Link]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -125,10 +125,16 @@ class Dialer:
 
     def admit_lane(self, peer: int) -> str | RendezvousError | None:
         """The acceptor handshake's check of a small-frame lane from ``peer``: admitted
-        only for a TCP link to it that has none yet (refusals are quiet: the link goes on
+        only for a TCP link to it that has none yet, while this process has a descriptor
+        to spare for it (:func:`_fdlimit.lane_fits`; refusals are quiet: the link goes on
         without a lane)."""
         link = self.linked.get(peer)
-        if self.refusing is not None or not isinstance(link, TcpLink) or not link.wants_lane():
+        if (
+            self.refusing is not None
+            or not isinstance(link, TcpLink)
+            or not link.wants_lane()
+            or not _fdlimit.lane_fits()
+        ):
             return Superseded(f"rank {self.rank} takes no small-frame lane from rank {peer}")
         return None
 
@@ -143,7 +149,6 @@ class Dialer:
                 taken = owner.take_lane(link)
             if not taken:
                 link.abort()
-            self._lane_arrived.set()
             return
         self._incoming.discard(peer)
         if self.refusing is not None or peer in self.linked:
@@ -181,13 +186,14 @@ class Dialer:
 
     def _spawn(
         self, coro: Coroutine[None, None, None], tasks: set[asyncio.Task[None]] | None = None
-    ) -> None:
+    ) -> asyncio.Task[None]:
         """Run ``coro`` as a task kept in ``tasks`` (default: the connects, which
-        :meth:`refuse` cancels) until it ends."""
+        :meth:`refuse` cancels) until it ends; returns the task."""
         kept = self._tasks if tasks is None else tasks
         task = asyncio.ensure_future(coro)
         kept.add(task)
         task.add_done_callback(kept.discard)
+        return task
 
     async def dial(self, peer: int, deadline: Deadline) -> Link:
         """The link to world rank ``peer``, connected now if there is none yet.
@@ -241,8 +247,7 @@ class Dialer:
                         self.on_link(link)
                         if self._lane_wanted(peer, link):
                             assert isinstance(link, TcpLink)
-                            link.lane_coming()  # (before the loop reads a frame of it)
-                            self._spawn(self._connect_lane(peer, link), self._lane_tasks)
+                            link.arm_lane(self._lane_due)
                         return
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, RETRY_MAX)
@@ -261,24 +266,16 @@ class Dialer:
             and link.wants_lane()
         )
 
-    async def lanes_in(self, timeout: float) -> None:
-        """Wait (at most ``timeout`` seconds) until the lanes this rank connects have been
-        made or have failed, and the lanes of the links it accepted have arrived where
-        both records offer lanes."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
-        while self.refusing is None:
-            missing = bool(self._lane_tasks) or any(
-                p > self.rank and self._lane_wanted(p, link) and not link.closed
-                for p, link in self.linked.items()
-            )
-            left = end - loop.time()
-            if not missing or left <= 0:
-                return
-            self._lane_arrived.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(left):
-                    await self._lane_arrived.wait()
+    def _lane_due(self, link: TcpLink) -> None:
+        """``link`` (connected by this rank) carries bulk for the first time:
+        dial its small-frame lane, unless this rank makes no more links or this process
+        has no descriptor to spare (:func:`_fdlimit.reserve_lane`; the link then keeps its
+        one connection)."""
+        if self.refusing is not None or not _fdlimit.reserve_lane():
+            return
+        link.lane_coming()
+        task = self._spawn(self._connect_lane(link.peer, link), self._lane_tasks)
+        task.add_done_callback(_release_lane)  # (also where it is cancelled before it ran)
 
     async def _connect_lane(self, peer: int, link: TcpLink) -> None:
         """Make ``link``'s small-frame lane, in one of the ``CONNECTS`` slots, within
@@ -305,8 +302,6 @@ class Dialer:
             else:
                 lane.close()
                 link.lane_failed(PeerDisconnected(self.refusing, peer))
-        finally:
-            self._lane_arrived.set()
 
     async def _link(self, peer: int) -> Link:
         assert self.listener is not None
@@ -336,6 +331,12 @@ class Dialer:
         for task in [*self._tasks, *self._lane_tasks]:
             with contextlib.suppress(BaseException):
                 await task
+
+
+def _release_lane(task: asyncio.Task[None]) -> None:
+    """A lane's dial ended: its descriptor is counted by ``open_count`` (or was closed)."""
+    del task
+    _fdlimit.release(1)
 
 
 def _retrieve(fut: asyncio.Future[Link]) -> None:

@@ -40,10 +40,6 @@ from aiocollect.transport.interface import LinkSetup, Listener, Record, Screen
 #: Seconds a rank waits for its links before it also watches for another rank's report
 #: that linking failed (one store request, made only by groups slower than this).
 WATCH_AFTER = 1.0
-#: Seconds a rank whose every peer is linked waits for the links' small-frame lanes
-#: before it closes its listener (they follow the links at once; one that never comes
-#: leaves its link on one connection).
-LANES_WAIT = 5.0
 #: Most ranks a rank 0 that gives up waits for when a record names a larger world size (a
 #: record is another process's word: it bounds the wait, not the memory it may take).
 MAX_LINGER_RANKS = 1 << 16
@@ -93,31 +89,18 @@ class Endpoint:
     #: This rank's links, made and to make (None until the rendezvous made it).
     dialer: Dialer | None = None
 
-    #: Closes the listener once the links' lanes are made (:meth:`close_once_laned`).
-    _closing: asyncio.Task[None] | None = None
-
     def close(self) -> None:
         """Stop accepting and connecting."""
-        if self._closing is not None:
-            self._closing.cancel()
         if self.dialer is not None:
             self.dialer.refuse("the group is closed")
         self.listener.close()
 
-    def close_once_laned(self) -> None:
-        """Every peer is linked: :meth:`close` once the links' small-frame lanes are made
-        (at most ``LANES_WAIT`` seconds from now), in the background."""
-        dialer = self.dialer
-        if dialer is None:
+    def close_once_linked(self) -> None:
+        """Every peer is linked: :meth:`close`, unless the links may take small-frame lanes
+        (``"lanes": 2`` in the listener's record): those are dialed through the listener
+        whenever a link first carries bulk, so it stays open with the group."""
+        if self.listener.record.get("lanes") != 2:
             self.close()
-            return
-
-        async def later() -> None:
-            await dialer.lanes_in(LANES_WAIT)
-            self._closing = None
-            self.close()
-
-        self._closing = asyncio.ensure_future(later())
 
     async def release(self) -> None:
         """Give back this rank's claim (rank 0 ends the job's epoch on the store); best
@@ -208,7 +191,7 @@ async def rendezvous(
         # (the ranks of one process form at once: each counts the others' links too)
         # (in-process links hold no descriptor)
         linking = 0 if transport.in_process else len(wanted)
-        short = _fdlimit.reserve(linking, _fdlimit.link_descriptors(record))
+        short = _fdlimit.reserve(linking)  # (a lane only where one is to spare)
         if short is not None:  # every rank of the job learns it (not only this one)
             why = _fdlimit.links_exhausted(cfg.rank, 0, short)
             await claim.refuse(why)
@@ -255,9 +238,8 @@ async def rendezvous(
         await claim.release(f"rendezvous failed on rank 0: {exc!r}")
         raise
     if wanted == others:
-        # every peer is linked: accept nobody else once the links' lanes are made (they
-        # follow the links at once)
-        endpoint.close_once_laned()
+        # every peer is linked: accept nobody else (but lanes, where links take them)
+        endpoint.close_once_linked()
     return endpoint, links
 
 

@@ -35,6 +35,7 @@ import numpy as np
 
 import aiocollect as ac
 from aiocollect import _fdlimit
+from aiocollect.transport.tcp_link import TcpLink
 
 #: Elements of the large allreduce (float32: 1 MiB).
 LARGE = 1 << 18
@@ -125,11 +126,20 @@ async def _check(groups: list[ac.Group], world_size: int, alltoall: bool) -> dic
     figures["allreduce_1MiB_s"] = await step("allreduce 1 MiB", large)
     figures["broadcast_s"] = await step("broadcast", broadcast)
     figures["barrier_s"] = await step("barrier", barrier)
-    figures["sockets_after_collectives"] = max(len(g._fabric.links) for g in groups)
+    figures["links_after_collectives"] = max(len(g._fabric.links) for g in groups)
+    figures["sockets_after_collectives"] = max(_sockets(g) for g in groups)
     if alltoall and _mesh_fits(len(groups), world_size):  # (alltoall links every pair)
         figures["alltoall_s"] = await step("alltoall", exchange)
     figures["split_s"] = await step("split", split)
     return figures
+
+
+def _sockets(g: ac.Group) -> int:
+    """The rank's sockets to its peers: a connection per link, and the small-frame lanes
+    of those TCP links that carried bulk."""
+    return sum(
+        2 if isinstance(link, TcpLink) and link.laned else 1 for link in g._fabric.links.values()
+    )
 
 
 def _mesh_fits(per: int, world_size: int) -> bool:
@@ -162,9 +172,10 @@ async def _child(
 @dataclass
 class ManyResult:
     """What :func:`run_many` measured: the slowest process's seconds for each step (from
-    the process's start, then per step), the most links of any rank at open and after
-    allreduce, broadcast and barrier (before alltoall links every pair), and the wall
-    time of the whole run."""
+    the process's start, then per step), the most links of any rank at open (which are
+    its sockets then) and after allreduce, broadcast and barrier, and its most sockets
+    then (its links and the small-frame lanes of those that carried bulk; before alltoall
+    links every pair), and the wall time of the whole run."""
 
     ranks: int
     links: str

@@ -14,7 +14,10 @@ across streams changes nothing they rely on. ``write_buffer_size`` counts both q
 
 A TCP link with a small-frame lane (:mod:`aiocollect.transport.tcp_link`) writes the small
 frames that begin their stream (chunk 0) on the lane's own connection instead: one
-comparison per frame (``_lane_max`` is 0 without a lane) chooses.
+comparison per frame (``_lane_max`` is 0 without a lane) chooses. ABORT and GOODBYE go on
+both connections, whatever their size and whatever the link's own connection is writing
+(``_on_both``). A link whose lane is due once it carries bulk is told so by the bulk
+branch alone (``_first_bulk``, called once): the small-frame path does not look.
 
 A payload over ``PIECE`` goes to the transport in pieces, one per loop turn, so that no
 single write holds the event loop for long; frames sent meanwhile wait for the end of that
@@ -106,6 +109,9 @@ class SendSide(Link):
         #: ``_lane_write`` writes to (tcp_link.py sets both).
         self._lane_max = 0
         self._lane_write: Callable[[bytes], None] = _no_lane
+        #: Called on the link's first bulk send, where set (a TCP link whose lane is
+        #: dialed only once the link carries bulk: tcp_link.py); it unsets itself.
+        self._first_bulk: Callable[[], None] | None = None
 
     def pause_writing(self) -> None:
         if self._drain is None or self._drain.done():
@@ -138,29 +144,28 @@ class SendSide(Link):
                 self._lane_write(header + payload if n else header)
                 return None
             if kind in (ABORT, GOODBYE):  # on both (ABORT: the first one counts;
-                self._lane_write(header + payload)  # GOODBYE: the peer waits for both)
-                if kind == GOODBYE:
-                    header = header[:CHUNK_AT] + LANE_COPY + header[SEQ_AT:]
+                header = self._on_both(header, payload)  # GOODBYE: the peer waits for both)
         self._copied = False
-        if self._partial is not None:  # after the frame being written in pieces
+        if n >= BULK_MIN:
+            if self._first_bulk is not None:  # (once: this link's lane is wanted now)
+                self._first_bulk()
+            if self._lane_max and header[KIND_AT] == GOODBYE:  # (a large one: both as well)
+                header = self._on_both(header, payload)
+            if self._partial is not None or self._bulk or self._must_wait(transport, n):
+                self._bulk_queue.push(header, payload, stream_of(header))
+                return DRAIN
+            if self._piece and n > self._piece:
+                self._write_in_pieces(transport, header, payload)
+                return DRAIN
+        elif self._partial is not None:  # after the frame being written in pieces
             stream = stream_of(header)
-            if n >= BULK_MIN or stream in self._bulk_queue.streams:  # (order in a stream)
+            if stream in self._bulk_queue.streams:  # behind its stream's queued frames
                 self._bulk_queue.push(header, payload, stream)
                 return DRAIN
             self._behind.append(header + bytes(payload))
             self._piece_bytes += len(header) + n
             self._copied = True
             return None
-        if n >= BULK_MIN:
-            if self._lane_max and header[KIND_AT] == GOODBYE:  # (a large one: both as well)
-                self._lane_write(header + payload)
-                header = header[:CHUNK_AT] + LANE_COPY + header[SEQ_AT:]
-            if self._bulk or self._must_wait(transport, n):
-                self._bulk_queue.push(header, payload, stream_of(header))
-                return DRAIN
-            if self._piece and n > self._piece:
-                self._write_in_pieces(transport, header, payload)
-                return DRAIN
         elif self._bulk:
             stream = stream_of(header)
             if stream in self._bulk_queue.streams:  # behind its stream's queued frames
@@ -173,6 +178,15 @@ class SendSide(Link):
         transport.write(header + payload if n else header)
         self._copied = True
         return None
+
+    def _on_both(self, header: bytes, payload: memoryview | bytes) -> bytes:
+        """Write an ABORT or GOODBYE frame on the lane as well, whatever the link's own
+        connection is writing; returns the header for the link's own connection (a
+        GOODBYE's says that a copy went on the lane)."""
+        self._lane_write(header + payload)
+        if header[KIND_AT] == GOODBYE:
+            return header[:CHUNK_AT] + LANE_COPY + header[SEQ_AT:]
+        return header
 
     def pace_writes(self, pieces: bool) -> None:
         """Plain TCP: payloads over ``PIECE`` in pieces (``pieces``) or whole; TLS links

@@ -2,16 +2,40 @@
 ranks that carries small frames, so that they never wait behind the bulk bytes already in
 the main connection's socket buffers (which user space cannot reorder).
 
-- Setting up: the rank that connected the link dials the lane right after, through the
-  same listener and the same handshake, with ``lane: true`` in its hello
-  (:mod:`aiocollect.rendezvous.ondemand`). Once the handshake succeeded it makes the
-  connection its link's lane and says so on it (:meth:`TcpLink.attach_lane` writes the
-  handshake message ``attached``, ``LANE_ATTACHED``); only then does the peer's listener
-  hand the connection to the link (:meth:`TcpLink.take_lane`). So a lane given up while
-  it is set up (a connect that timed out, on either side of the peer's welcome) was taken
-  by neither link: each goes on with its one connection, as where a peer offers no lanes.
-  Until the lane is up, every frame takes the main connection. ``AIOCOLLECT_TCP_LANES=1``
-  turns lanes off (one connection per link).
+- When: a lane is dialed only once its link first carries bulk, that is when either rank
+  sends a frame of ``BULK_MIN`` (64 KiB) bytes or more on it: only then can a small frame
+  find bulk ahead of it, and a link that only ever carries small frames keeps one
+  connection (one descriptor, one connect). Until the lane is up, every frame takes the
+  main connection: the first bulk transfer does not wait for it, and small frames take the
+  lane as soon as it is up. The trigger costs the small-frame path nothing: the send side
+  looks in its bulk branch only (``SendSide._first_bulk``, unset once called), the read
+  side in its general branch only (:meth:`TcpLink.open_frame`; a bulk frame never fits the
+  read-ahead buffer, so it always comes that way); both are disarmed once the lane is due.
+- Who dials: always the rank that connected the link (:meth:`TcpLink.arm_lane`, set up by
+  :mod:`aiocollect.rendezvous.ondemand`), when it sends bulk or reads the peer's first bulk
+  frame. The peer's first bulk frame is the one that needs the lane on the peer's side, and
+  it reaches the connecting rank at once (bulk frames behind it wait, not it), so the
+  lane comes up about one connect and handshake after the first bulk send of either rank.
+  Having one rank dial keeps the handshake as it is (the acceptor admits a lane only for a
+  link it accepted from that rank), needs no tie-break between two ranks dialing at once
+  (each direction of a ring allreduce carries bulk), and sends the lane the same way as its
+  link: through the same listener address, so through the same fault proxy in tests
+  (``testing/proxynet.py`` gives each (reader, target) pair its own), and over TLS with the
+  same certificates. A link of a sub-group made by ``split`` is its parent's link, with
+  its lane; an elastic generation's links are new links, armed alike. The listener of a
+  group whose links take lanes therefore stays open with the group.
+- Setting up: the connecting rank dials through the peer's listener with the same
+  handshake, ``lane: true`` in its hello (:mod:`aiocollect.rendezvous.ondemand`), where
+  its process has a descriptor to spare (``_fdlimit.reserve_lane``; the acceptor checks
+  too, ``_fdlimit.lane_fits``): a lane is optional, so the descriptor checks count one per
+  link and a group that fits with one connection per link is never refused for lanes.
+  Once the handshake succeeded it makes the connection its link's lane and says so on it
+  (:meth:`TcpLink.attach_lane` writes the handshake message ``attached``,
+  ``LANE_ATTACHED``); only then does the peer's listener hand the connection to the link
+  (:meth:`TcpLink.take_lane`). So a lane given up while it is set up (a connect that timed
+  out, on either side of the peer's welcome) was taken by neither link: each goes on with
+  its one connection, as where a peer offers no lanes. ``AIOCOLLECT_TCP_LANES=1`` turns
+  lanes off (one connection per link).
 - Which frames: a frame whose payload is below ``min(LANE_MAX, max_frame)`` bytes and which
   begins its stream (chunk 0): a one-frame message or operation, a control frame. A stream
   of several frames begins with a full chunk (``chunk_bytes``, at least that limit), so all
@@ -34,6 +58,8 @@ the main connection's socket buffers (which user space cannot reorder).
 from __future__ import annotations
 
 import logging
+import sys
+from collections.abc import Callable
 
 from aiocollect._fdlimit import descriptors_per_link
 from aiocollect.errors import InternalError, PeerDisconnected
@@ -52,6 +78,9 @@ LANE_MAX = BULK_MIN
 #: connection its link's lane (rendezvous/handshake.py).
 LANE_ATTACHED = "attached"
 _ATTACHED = pack({"t": LANE_ATTACHED})
+#: A payload size no frame reaches (``TcpLink._bulk_read_at`` of a link whose lane is
+#: not this side's to dial, or is dialed already).
+_NEVER = sys.maxsize
 
 
 def lanes_enabled() -> bool:
@@ -77,6 +106,16 @@ class TcpLink(StreamLink):
         #: Whether the last GOODBYE read on the link's own connection says that a copy
         #: went on the lane (its chunk field, ``stream_send.LANE_COPY``).
         self._goodbye_copied = False
+        #: Called once this link first carries bulk, where its lane is this side's to dial
+        #: (:meth:`arm_lane`); frames read with a payload of this many bytes or more call
+        #: it (never, unless armed: the read side's general path compares, once per frame).
+        self._dial_lane: Callable[[TcpLink], None] | None = None
+        self._bulk_read_at = _NEVER
+
+    @property
+    def laned(self) -> bool:
+        """Whether the link's small-frame lane is up (two connections)."""
+        return self._lane is not None
 
     # -- the lane's setup ---------------------------------------------------------------------
 
@@ -89,6 +128,22 @@ class TcpLink(StreamLink):
             and not (self.closed or self.lost)
             and self.handshake is None
         )
+
+    def arm_lane(self, dial: Callable[[TcpLink], None]) -> None:
+        """Call ``dial(self)`` (which dials this link's lane, on this side) once the link first
+        carries bulk: this side sends, or reads, a frame of ``BULK_MIN`` bytes or more.
+        Only the send path's bulk branch and the read path's general branch look."""
+        self._dial_lane = dial
+        self._first_bulk = self._bulk_now
+        self._bulk_read_at = BULK_MIN
+
+    def _bulk_now(self) -> None:
+        """The link's first bulk frame, sent or read: dial its lane (once)."""
+        dial, self._dial_lane = self._dial_lane, None
+        self._first_bulk = None
+        self._bulk_read_at = _NEVER
+        if dial is not None and self.wants_lane():
+            dial(self)
 
     def lane_coming(self) -> None:
         """This side dials the lane now: a GOODBYE waits for its copy on the lane (or for
@@ -185,6 +240,8 @@ class TcpLink(StreamLink):
     def open_frame(self, h: Header) -> memoryview | None:
         if h.kind == GOODBYE:  # (a call per frame read in the general way: bulk, control)
             self._goodbye_copied = h.chunk == 1
+        elif h.length >= self._bulk_read_at:  # (the peer's first bulk frame: a lane now)
+            self._bulk_now()
         return super().open_frame(h)
 
     # -- the link's end, for both connections -----------------------------------------------

@@ -35,7 +35,7 @@ logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
 
 async def main() -> None:
     if low == "1" or (low == "3" and rank == 3):
-        per_link = _fdlimit.descriptors_per_link()  # (2 with the small-frame lanes)
+        per_link = 1  # (a lane only where a descriptor is to spare)
         limit = _fdlimit.open_count() + _fdlimit.SPARE + per_link * len(neighbours(n, rank)) + EXTRA
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
     start = time.monotonic()

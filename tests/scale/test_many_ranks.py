@@ -22,7 +22,9 @@ def test_two_processes_of_six_ranks(capfd: pytest.CaptureFixture[str]) -> None:
     result = run_many(2, 6, timeout=100)
     most = max(len(neighbours(12, r)) for r in range(12))
     assert result.figures["sockets_at_open"] == most
-    assert result.figures["sockets_after_collectives"] == most
+    assert result.figures["links_after_collectives"] == most
+    # (a lane only on the links that carried the 1 MiB allreduce's bulk)
+    assert most <= result.figures["sockets_after_collectives"] <= 2 * most
     progress = capfd.readouterr().err.splitlines()
     for ranks in ("0-5", "6-11"):
         steps = [line.split(": ")[2].rsplit(" ", 2)[0] for line in progress if f" {ranks}:" in line]
@@ -47,6 +49,4 @@ def test_large_groups(procs: int, per: int) -> None:
     n = procs * per
     result = run_many(procs, per, timeout=1700)
     print(f"{n} ranks: {result.figures}, {result.wall_s:.1f} s")
-    assert result.figures["sockets_after_collectives"] <= max(
-        len(neighbours(n, r)) for r in range(n)
-    )
+    assert result.figures["links_after_collectives"] <= max(len(neighbours(n, r)) for r in range(n))

@@ -1,9 +1,12 @@
 """The small-frame lane of a TCP link (transport/tcp_link.py), with real processes over
-loopback: it is set up with the link, messages of one (source, tag) arrive in order
-whichever connection each took, small ones overtake bulk ones of other tags, losing the
-lane breaks the link on both ranks, an ABORT on the lane ends a receive whose frame is
-arriving on the link's own connection, ``AIOCOLLECT_TCP_LANES=1`` turns it off, and TLS
-links have one too."""
+loopback: a link that carries only small frames has none, its first bulk frame (sent by
+either rank) brings it up and the next small frame takes it, messages of one (source,
+tag) arrive in order whichever connection each took, small ones overtake bulk ones of
+other tags, losing the lane breaks the link on both ranks, an ABORT on the lane ends a
+receive whose frame is arriving on the link's own connection, ``AIOCOLLECT_TCP_LANES=1``
+turns it off, TLS links have one too, a lane that cannot be made (or finds no descriptor
+to spare) leaves its link on one connection, and a group whose descriptor limit fits one
+connection per link but not two forms and works."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import gc
 import logging
 import socket
 import struct
+import sys
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -25,8 +29,11 @@ from aiocollect.store import MemoryStore
 from aiocollect.testing.certs import Certs
 from aiocollect.testing.spawn import SpawnedRanks
 from aiocollect.transport import tcp
-from aiocollect.transport.tcp_link import TcpLink
+from aiocollect.transport.stream_send import BULK_MIN
+from aiocollect.transport.tcp_link import TcpLink, lanes_enabled
 from aiocollect.transport.tcp_listener import SocketListener
+from aiocollect.transport.wire import HEADER_SIZE
+from tests.support.procs import reap
 
 if TYPE_CHECKING:
     from aiocollect.group import Group
@@ -42,8 +49,8 @@ def _lane_of(group: Group, peer: int) -> Any:
 
 
 async def _until_laned(group: Group, peer: int) -> bool:
-    """Whether the link to ``peer`` has its lane within 5 s (it comes right after the
-    link; the rank that accepted it learns of it last)."""
+    """Whether the link to ``peer`` has its lane within 5 s (it comes once the link first
+    carried bulk; the rank that accepted it learns of it last)."""
     for _ in range(500):
         if _lane_of(group, peer) is not None:
             return True
@@ -51,14 +58,25 @@ async def _until_laned(group: Group, peer: int) -> bool:
     return False
 
 
+async def _bulk(group: Group) -> None:
+    """An allreduce of 1 MiB: every link of the ring carries bulk frames."""
+    await group.allreduce(np.ones(1 << 18, np.float32))
+
+
 async def ordered_rank(group: Group) -> dict[str, Any]:
-    """Rank 1 sends SIZES on tag 5 (then a large message on tag 1 and a small one on tag
-    2); rank 0 receives them and checks each; both report whether the link is laned."""
+    """Both ranks report whether their link had a lane after small frames only and once
+    it carried bulk; then rank 1 sends SIZES on tag 5 (then a large message on tag 1 and
+    a small one on tag 2); rank 0 receives them and checks each."""
     peer = 1 - group.rank
     await group.barrier()
-    laned = await _until_laned(group, peer)
+    await group.allreduce(np.ones(4, np.float32))
     await group.barrier()
-    report: dict[str, Any] = {"laned": laned}
+    report: dict[str, Any] = {"small_only": _lane_of(group, peer) is not None}
+    await _bulk(group)
+    # (with lanes off, no lane is waited for: none comes)
+    report["laned"] = await _until_laned(group, peer) if lanes_enabled() else False
+    assert report["laned"] or _lane_of(group, peer) is None
+    await group.barrier()
     if group.rank == 1:
         for i, n in enumerate(SIZES):
             await group.send(np.full(n, i, np.uint8), 0, tag=5)
@@ -90,6 +108,7 @@ async def test_messages_of_a_tag_in_order_small_ones_overtake(
     monkeypatch.setenv("AIOCOLLECT_TCP_LANES", lanes)
     reports = await spawned(2, ordered_rank, transport="tcp", timeout=50)
     assert [r["laned"] for r in reports] == [lanes == "2"] * 2, reports
+    assert not any(r["small_only"] for r in reports), reports
     assert reports[0]["small_first"], reports
 
 
@@ -97,7 +116,7 @@ async def lane_lost_rank(group: Group) -> str:
     """Rank 0 resets its link's lane while both ranks wait for a message: each must fail
     within seconds (the link breaks as if its one connection were lost)."""
     peer = 1 - group.rank
-    await group.barrier()
+    await _bulk(group)
     assert await _until_laned(group, peer)
     await group.barrier()
     pending = group.recv(np.empty(4, np.uint8), peer, tag=3, timeout=30)
@@ -137,6 +156,7 @@ async def test_abort_on_the_lane_ends_a_receive_mid_bulk() -> None:
         async with ac.open_group(
             rank, 2, store=store, transport="tcp", name=unique_name, links="eager", timeout=30
         ) as g:
+            await _bulk(g)
             assert await _until_laned(g, 1 - rank)
             await g.barrier()
             if rank == 0:
@@ -185,8 +205,10 @@ def test_descriptor_count_includes_lanes(monkeypatch: pytest.MonkeyPatch) -> Non
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", ["tcp", "tls"])
 async def test_in_process_ranks_lane_their_links(transport: str, certs: Certs) -> None:
-    """Ranks in one process (TCP and TLS): every link has its lane, messages of a tag
-    arrive in order, and the group closes cleanly (its GOODBYEs came on both)."""
+    """Ranks in one process (TCP and TLS): no link has a lane after small operations;
+    once an allreduce of 1 MiB ran, every link (all three are on its ring) has its lane,
+    messages of a tag arrive in order, and the group closes cleanly (its GOODBYEs came on
+    both)."""
     n = 3
     unique_name = f"lane-{uuid.uuid4().hex[:12]}"
     store = MemoryStore(unique_name)
@@ -202,6 +224,11 @@ async def test_in_process_ranks_lane_their_links(transport: str, certs: Certs) -
             links="eager",
             timeout=30,
         ) as g:
+            await g.barrier()
+            await g.allreduce(np.ones(4, np.float32))
+            assert all(_lane_of(g, p) is None for p in range(n) if p != rank)
+            await g.barrier()  # (no rank sends bulk before every rank looked)
+            await _bulk(g)
             laned = [await _until_laned(g, p) for p in range(n) if p != rank]
             dst, src = (rank + 1) % n, (rank - 1) % n
             sends = [g.send(np.full(k, i, np.uint8), dst, tag=4) for i, k in enumerate(SIZES)]
@@ -216,17 +243,23 @@ async def test_in_process_ranks_lane_their_links(transport: str, certs: Certs) -
     assert all(all(r) for r in results), results
 
 
+#: Elements per peer of an alltoall whose every block is a bulk frame (128 KiB).
+BLOCK = 16384
+
+
 async def _lazy_alltoall(n: int, name: str) -> list[ac.Group]:
-    """Open ``n`` ranks in this process over TCP with links on demand, run an alltoall
-    (which links every pair at once) and check every rank's result; the groups, open."""
+    """Open ``n`` ranks in this process over TCP with links on demand, run an alltoall of
+    128 KiB blocks (which links every pair at once, each link carrying bulk) and check
+    every rank's result; the groups, open."""
     store = MemoryStore(name)
 
     async def one(rank: int) -> ac.Group:
         g = await ac.open_group(
             rank, n, store=store, transport="tcp", name=name, links="lazy", timeout=30
         )
-        out = await g.alltoall(np.arange(n, dtype=np.int64) + n * rank)
-        assert (out == np.arange(n) * n + rank).all(), (rank, out)
+        x = np.repeat(np.arange(n, dtype=np.int64) + n * rank, BLOCK)
+        out = await g.alltoall(x)
+        assert (out == np.repeat(np.arange(n) * n + rank, BLOCK)).all(), rank
         return g
 
     return list(await asyncio.gather(*(one(r) for r in range(n))))
@@ -305,9 +338,9 @@ def _stream_links(group: ac.Group) -> list[TcpLink]:
 
 @pytest.mark.timeout(60)
 async def test_lazy_alltoall_lanes_every_link(caplog: pytest.LogCaptureFixture) -> None:
-    """Twelve ranks in one process link every pair at once (an alltoall over links on
-    demand): every result is exact, every link gets its lane, none breaks, and nothing is
-    logged at WARNING."""
+    """Twelve ranks in one process link every pair at once (an alltoall of bulk blocks
+    over links on demand): every result is exact, every link gets its lane, none breaks,
+    and nothing is logged at WARNING."""
     n = 12
     caplog.set_level(logging.WARNING)
     groups = await _lazy_alltoall(n, f"lane-lazy-{uuid.uuid4().hex[:12]}")
@@ -320,3 +353,144 @@ async def test_lazy_alltoall_lanes_every_link(caplog: pytest.LogCaptureFixture) 
     finally:
         await asyncio.gather(*(g.aclose() for g in groups))
     assert not _warnings(caplog)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sender", [0, 1])
+async def test_the_first_bulk_frame_brings_the_lane_up(sender: int) -> None:
+    """Two ranks in one process (rank 1 connected the link, rank 0 accepted it): frames
+    below 64 KiB leave the link on one connection; the first frame of 64 KiB, sent by
+    either rank, brings its lane up on both, and the next small frame takes it."""
+    unique_name = f"lane-first-bulk-{uuid.uuid4().hex[:12]}"
+    store = MemoryStore(unique_name)
+
+    async def one(rank: int) -> list[int]:
+        async with ac.open_group(
+            rank, 2, store=store, transport="tcp", name=unique_name, links="eager", timeout=30
+        ) as g:
+            peer = 1 - rank
+            link = g._fabric.links[peer]
+            assert isinstance(link, TcpLink)
+            for tag, n in enumerate((BULK_MIN - 1, BULK_MIN)):
+                await g.barrier()
+                assert _lane_of(g, peer) is None, f"a lane before a frame of {n} B"
+                if rank == sender:
+                    await g.send(np.full(n, 1, np.uint8), peer, tag=tag)
+                else:
+                    buf = np.empty(n, np.uint8)
+                    await g.recv(buf, peer, tag=tag)
+                    assert (buf == 1).all()
+            assert await _until_laned(g, peer)
+            await g.barrier()
+            on_lane: list[int] = []
+            lane_write = link._lane_write
+
+            def counted(data: bytes) -> None:
+                on_lane.append(len(data))
+                lane_write(data)
+
+            link._lane_write = counted
+            if rank == 1 - sender:  # (the other way now: a small reply)
+                await g.send(np.full(8, 2, np.uint8), peer, tag=5)
+            else:
+                buf = np.empty(8, np.uint8)
+                await g.recv(buf, peer, tag=5)
+                assert (buf == 2).all()
+            return on_lane
+
+    written = await asyncio.gather(*(one(r) for r in range(2)))
+    assert written[1 - sender][:1] == [HEADER_SIZE + 8], written  # (then its GOODBYE)
+
+
+@pytest.mark.timeout(60)
+async def test_a_lane_that_cannot_be_dialed_leaves_its_link(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every lane connect is refused: the links carry bulk and small frames on their one
+    connection, every result is exact, no link breaks, and it is said at DEBUG only."""
+
+    async def refused(
+        self: SocketListener, record: dict[str, Any], handshaker: Any, link: TcpLink
+    ) -> Any:
+        raise ConnectionRefusedError(111, "refused")
+
+    monkeypatch.setattr(SocketListener, "connect_lane", refused)
+    caplog.set_level(logging.DEBUG, logger="aiocollect")
+    n = 3
+    unique_name = f"lane-refused-{uuid.uuid4().hex[:12]}"
+    store = MemoryStore(unique_name)
+
+    async def one(rank: int) -> None:
+        async with ac.open_group(
+            rank, n, store=store, transport="tcp", name=unique_name, links="eager", timeout=30
+        ) as g:
+            for _ in range(2):
+                x = np.full(1 << 18, rank + 1.0, np.float32)
+                await g.allreduce(x)
+                assert (x == n * (n + 1) / 2).all()
+            y = np.full(4, rank + 1.0)
+            await g.allreduce(y)
+            assert (y == n * (n + 1) / 2).all()
+            assert all(_lane_of(g, p) is None for p in range(n) if p != rank)
+            _unbroken([g])
+
+    await asyncio.gather(*(one(r) for r in range(n)))
+    assert not _warnings(caplog)
+    assert any("no small-frame lane" in r.getMessage() for r in caplog.records)
+
+
+FD_SCRIPT = """
+import asyncio, logging, resource
+import numpy as np
+import aiocollect as ac
+from aiocollect import _fdlimit
+from aiocollect.store import MemoryStore
+
+logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
+N = 8
+
+async def main() -> None:
+    ends = N * (N - 1)  # (both ends of every link are in this process)
+    limit = _fdlimit.open_count() + _fdlimit.SPARE + ends + N + 24  # (N listeners)
+    assert limit < _fdlimit.open_count() + _fdlimit.SPARE + 2 * ends  # (not two per link)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+    store = MemoryStore("fd-lanes")
+    groups = await asyncio.gather(*(
+        ac.open_group(r, N, store=store, transport="tcp", name="fd-lanes", links="eager",
+                      timeout=30)
+        for r in range(N)
+    ))
+    for size in (1 << 18, 4):
+        xs = [np.full(size, r + 1.0, np.float32) for r in range(N)]
+        await asyncio.gather(*(g.allreduce(x) for g, x in zip(groups, xs)))
+        assert all((x == N * (N + 1) / 2).all() for x in xs)
+    assert _fdlimit.open_count() <= limit
+    lanes = sum(link._lane is not None for g in groups for link in g._fabric.links.values())
+    await asyncio.gather(*(g.aclose() for g in groups))
+    print("ok" if lanes else "no lane", lanes, flush=True)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.timeout(60)
+async def test_a_limit_that_fits_one_connection_per_link_forms_and_works() -> None:
+    """Eight ranks in one process, the full mesh, under a descriptor limit that fits one
+    connection per link but not two: the group forms (the checks count one descriptor per
+    link), a 1 MiB allreduce (bulk on the ring) and a small one are exact, and the lanes
+    taken (some, in the room beyond ``_fdlimit.SPARE``) stay within the limit."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        FD_SCRIPT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), 50)
+    finally:
+        await reap([proc])
+    lines = out.decode().strip().splitlines()
+    assert lines, out.decode()
+    assert lines[-1].startswith("ok"), out.decode()
+    assert not [line for line in lines if line.startswith("LOG")], out.decode()
