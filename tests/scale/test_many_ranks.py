@@ -5,6 +5,7 @@ barrier, alltoall and split are exact on every rank. The large groups run under
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -50,3 +51,5 @@ def test_large_groups(procs: int, per: int) -> None:
     result = run_many(procs, per, timeout=1700)
     print(f"{n} ranks: {result.figures}, {result.wall_s:.1f} s")
     assert result.figures["links_after_collectives"] <= max(len(neighbours(n, r)) for r in range(n))
+    # the target for large groups: at most 2 log2(N) + 8 sockets per rank (lanes included)
+    assert result.figures["sockets_after_collectives"] <= 2 * math.log2(n) + 8
