@@ -44,6 +44,12 @@ q of its buffer (slot ``PUSH_RS``) for the reduce-scatter and, instead of the do
 its final block (``PUSH_AG``). So the algorithm is correct over any links, and fast where
 it reads.
 
+*The bulk worker.* Where the group has one (``AIOCOLLECT_BULK_THREAD``:
+:mod:`aiocollect.engine.bulk`), the reads and folds of blocks of ``bulk.MIN_BYTES`` or more
+run there, ``bulk.HOP`` bytes per hop, in the same pieces, instead of on the loop's thread
+between ``give_way`` turns; everything else (the frames, the order of the steps) is the
+same.
+
 The reduce-scatter, allgather and broadcast of this module are parts of the same scheme
 (their docstrings say which).
 
