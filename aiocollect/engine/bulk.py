@@ -13,7 +13,7 @@ frames meanwhile; the work itself releases the GIL (numpy's loops on large array
 ``AIOCOLLECT_BULK_THREAD`` (:data:`ENV`): ``0`` (the default: the loop's thread does the
 work in pieces, giving the loop way between them), ``auto`` (a worker where the host's rank
 processes outnumber the cores this process may run on), ``1`` (always). Off by default: it
-costs 10-25 % of the bulk bandwidth where it is on (docs/design.md).
+costs up to 23 % of the bulk bandwidth where it is on (docs/design.md).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ ENV = "AIOCOLLECT_BULK_THREAD"
 #: The worker thread's nice value (0 is the loop's; 19 the lowest priority).
 NICE = 10
 #: Bytes of work per hop to the worker (a hop's end wakes the loop's thread, which hands
-#: the worker the next): 4 MiB served 2,700-3,700 pulls/s in
-#: examples/parameter_server_load.py at 4 ranks during 64 MiB allreduces, whole blocks
-#: per hop 2,100 (docs/design.md, *Bulk work at low priority*).
+#: the worker the next): 4 MiB served 2,155-3,367 pulls/s in
+#: examples/parameter_server_load.py at 4 ranks during 64 MiB allreduces, whole blocks per
+#: hop 2,085-2,153 (docs/design.md, *Bulk work at low priority*).
 HOP = 4 << 20
 #: Work smaller than this stays on the loop's thread (the hops would cost more than the
 #: work holds the loop).
