@@ -44,6 +44,12 @@ q of its buffer (slot ``PUSH_RS``) for the reduce-scatter and, instead of the do
 its final block (``PUSH_AG``). So the algorithm is correct over any links, and fast where
 it reads.
 
+*The bulk worker.* Where the group has one (``AIOCOLLECT_BULK_THREAD``:
+:mod:`aiocollect.engine.bulk`), the reads and folds of blocks of ``bulk.MIN_BYTES`` or more
+run there, ``bulk.HOP`` bytes per hop, in the same pieces, instead of on the loop's thread
+between ``give_way`` turns; everything else (the frames, the order of the steps) is the
+same.
+
 The reduce-scatter, allgather and broadcast of this module are parts of the same scheme
 (their docstrings say which).
 
@@ -55,11 +61,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from collections.abc import Sequence
 
 import numpy as np
 
 from aiocollect._buffers import Array, byte_view
+from aiocollect.engine import bulk
 from aiocollect.engine.op import Op, flat_blocks, split_even
 from aiocollect.engine.reduce import apply, copy_into, divide, reduce_into
 from aiocollect.engine.scratch import SCRATCH
@@ -192,8 +200,15 @@ class _Exchange:
 
     async def read(self, q: int, dest: memoryview, token: bytes, offset: int) -> None:
         """Copy ``len(dest)`` bytes from ``offset`` of what rank ``q`` exposed as
-        ``token``, ``AG_STEP`` at a time, giving the event loop way after each."""
+        ``token``, ``AG_STEP`` at a time: in the group's bulk worker where it has one
+        (``bulk.HOP`` per hop), else giving the event loop way after each piece."""
         link = self.op.link(q)
+        worker = self.op.fabric.bulk
+        if worker is not None and len(dest) >= bulk.MIN_BYTES:
+            for lo in range(0, len(dest), bulk.HOP):
+                e = min(len(dest), lo + bulk.HOP)
+                await worker.run(_read, link, token, offset + lo, dest[lo:e])
+            return
         lo, hi = 0, len(dest)
         while lo < hi:
             e = min(hi, lo + AG_STEP)
@@ -213,16 +228,18 @@ class _Exchange:
     ) -> None:
         """``dest = ufunc(dest, x)`` (with ``base``: ``ufunc(base, x)``), where ``x`` is
         ``dest.nbytes`` bytes from ``offset`` of what rank ``q`` exposed as ``token``, read
-        ``scratch.size`` elements at a time into ``scratch``, giving the event loop way
-        after each."""
-        link = self.op.link(q)
-        sview = byte_view(scratch)
-        itemsize, step = dest.itemsize, scratch.size
-        first = dest if base is None else base
-        for s in range(0, dest.size, step):
-            m = min(step, dest.size - s)
-            link.read_exposed(token, offset + s * itemsize, sview[: m * itemsize])
-            apply(ufunc, first[s : s + m], scratch[:m], dest[s : s + m])
+        ``scratch.size`` elements at a time into ``scratch``: in the group's bulk worker
+        where it has one (``bulk.HOP`` per hop), else giving the event loop way after each
+        piece."""
+        fold = _Fold(self.op.link(q), token, offset, dest, ufunc, scratch, base)
+        worker = self.op.fabric.bulk
+        if worker is not None and dest.nbytes >= bulk.MIN_BYTES:
+            hop = max(scratch.size, bulk.HOP // dest.itemsize)
+            for s in range(0, dest.size, hop):
+                await worker.run(fold.pieces, s, min(dest.size, s + hop))
+            return
+        for s in range(0, dest.size, scratch.size):
+            fold(s, min(dest.size, s + scratch.size))
             await give_way()
 
     async def push(self, slot: int, parts: Sequence[Array]) -> None:
@@ -249,6 +266,56 @@ class _Exchange:
         """Wait until every peer that reads this rank's buffer has said it finished."""
         for q, fut in self._fins:
             await _arrival(self.op, q, fut)
+
+
+class _Fold:
+    """One fold of :meth:`_Exchange.fold`, callable on any thread for a range of
+    elements."""
+
+    def __init__(
+        self,
+        link: Link,
+        token: bytes,
+        offset: int,
+        dest: Array,
+        ufunc: np.ufunc,
+        scratch: Array,
+        base: Array | None,
+    ) -> None:
+        self.link, self.token, self.offset = link, token, offset
+        self.dest, self.ufunc, self.scratch = dest, ufunc, scratch
+        self.first = dest if base is None else base
+        self.sview = byte_view(scratch)
+
+    def __call__(self, lo: int, hi: int) -> None:
+        """Fold elements ``lo`` .. ``hi`` of the destination, ``scratch.size`` at a time."""
+        step, itemsize = self.scratch.size, self.dest.itemsize
+        for s in range(lo, hi, step):
+            m = min(step, hi - s)
+            self.link.read_exposed(
+                self.token, self.offset + s * itemsize, self.sview[: m * itemsize]
+            )
+            apply(self.ufunc, self.first[s : s + m], self.scratch[:m], self.dest[s : s + m])
+
+    def pieces(self, halt: threading.Event, lo: int, hi: int) -> None:
+        """Fold elements ``lo`` .. ``hi`` in the bulk worker, a piece (``scratch.size``) at
+        a time, stopping between pieces once ``halt`` is set (the operation was
+        cancelled)."""
+        step = self.scratch.size
+        for s in range(lo, hi, step):
+            if halt.is_set():
+                return
+            self(s, min(hi, s + step))
+
+
+def _read(halt: threading.Event, link: Link, token: bytes, offset: int, dest: memoryview) -> None:
+    """``len(dest)`` bytes from ``offset`` of ``token`` in the bulk worker, ``AG_STEP`` at
+    a time, stopping between pieces once ``halt`` is set (the operation was cancelled)."""
+    for lo in range(0, len(dest), AG_STEP):
+        if halt.is_set():
+            return
+        e = min(len(dest), lo + AG_STEP)
+        link.read_exposed(token, offset + lo, dest[lo:e])
 
 
 async def _arrival(op: Op, q: int, fut: asyncio.Future[None]) -> None:

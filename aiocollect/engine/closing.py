@@ -81,8 +81,10 @@ class Closer:
         return None
 
     def close_links(self) -> None:
-        """Close every link gracefully (flush, half-close)."""
+        """Close every link gracefully (flush, half-close), and end the bulk worker."""
         self._fabric.closing = True
+        if self._fabric.bulk is not None:
+            self._fabric.bulk.close()
         self._fabric.liveness.cancel_exit_waits()
         for link in list(self._fabric.links.values()):
             link.close()

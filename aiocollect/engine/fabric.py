@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from aiocollect import _fdlimit
 from aiocollect._deadline import Deadline
+from aiocollect.engine.bulk import Bulk, wanted
 from aiocollect.engine.closing import Closer, decode_abort, decode_goodbye, encode_abort
 from aiocollect.engine.liveness import Liveness, few
 from aiocollect.engine.op_registry import OpRegistry
@@ -90,6 +91,9 @@ class Fabric:
         #: None where every link was.
         self.dialer: Dialer | None = None
         self._pieces = False
+        #: The pull collectives' bulk worker where the environment asks for one
+        #: (engine/bulk.py), else None: set by :meth:`attach`, closed with the links.
+        self.bulk: Bulk | None = None
 
     def attach(
         self,
@@ -102,12 +106,17 @@ class Fabric:
         (``pulls``: every rank reads every other's memory; ``hosts``: per world rank, the
         index of its host), and tell every link how to
         pace its writes: in pieces where this host has a core per rank process, whole
-        where ranks share cores (:meth:`Link.pace_writes`). Where some peer is not linked
-        yet, ``dialer`` makes those links on demand (:meth:`on_demand`)."""
+        where ranks share cores (:meth:`Link.pace_writes`), and give the pull collectives
+        a bulk worker thread where ``AIOCOLLECT_BULK_THREAD`` asks for one
+        (:mod:`aiocollect.engine.bulk`). Where
+        some peer is not linked yet, ``dialer`` makes those links on demand
+        (:meth:`on_demand`)."""
         self.links.update(links)
         self.pulls = pulls
         self.hosts = list(hosts)
         pieces = self._pieces = core_each(self.links.values())
+        if self.bulk is None and wanted(shared_cores=not pieces):
+            self.bulk = Bulk()
         for link in self.links.values():
             link.pace_writes(pieces)
         if dialer is not None and len(self.links) < self.world_size - 1:

@@ -173,7 +173,9 @@ class RingReader(StreamLink):
         into ``into`` (``process_vm_readv``; only where this side's pull check worked:
         ``caps.reads``). A token that is malformed, a range outside the exposed length, or
         a range the peer's memory does not back is malformed input: the link fails (the
-        group breaks) and so does the call (:meth:`Link.read_exposed`).
+        group breaks) and so does the call (:meth:`Link.read_exposed`). Callable from a
+        worker thread too (the pull collectives' bulk worker, engine/bulk.py): the link's
+        failure is then reported on the event loop's thread.
 
         Raises:
             PeerDisconnected: the link is down, or the peer process is gone.
@@ -194,14 +196,26 @@ class RingReader(StreamLink):
             ) from None
         except ValueError as exc:
             err = ProtocolError(f"{self.describe()} sent a bad one-sided token: {exc}")
-            self._rx_failed(err)
+            self._read_failed(err)
             raise err from None
         except OSError as exc:
             err = ProtocolError(
                 f"{self.describe()} gave an address its memory does not back ({exc})"
             )
-            self._rx_failed(err)
+            self._read_failed(err)
             raise err from None
+
+    def _read_failed(self, err: ProtocolError) -> None:
+        """Fail the link for a bad one-sided read (:meth:`read_exposed`), on the event
+        loop's thread whichever thread read."""
+        try:
+            here = asyncio.get_running_loop() is self._loop
+        except RuntimeError:  # (no loop runs in this thread: a worker thread)
+            here = False
+        if here:
+            self._rx_failed(err)
+        else:
+            self._loop.call_soon_threadsafe(self._rx_failed, err)
 
     def detach(self) -> None:
         """Let go of the incoming ring (its segment is being closed)."""

@@ -69,11 +69,11 @@ async def gather_scatter_mix(g: ac.Group, in_flight: int) -> dict[str, Any]:
     return chosen
 
 
-async def bad_record(g: ac.Group, fault: str) -> str:
-    """Rank 1 lies in the pull allreduce's token frame: its token names memory its process
-    does not map (``address``), 8 bytes fewer than its buffer (``range``), or is cut short
-    (``token``), or the frame gives the wrong buffer length (``length``); every rank
-    reports what it got (the process goes on)."""
+async def bad_record(g: ac.Group, fault: str, count: int = select.PULL_MIN // 4) -> str:
+    """Rank 1 lies in the pull allreduce's token frame (of ``count`` float32): its token
+    names memory its process does not map (``address``), 8 bytes fewer than its buffer
+    (``range``), or is cut short (``token``), or the frame gives the wrong buffer length
+    (``length``); every rank reports what it got (the process goes on)."""
     if g.rank == 1:
         real = pull._record
 
@@ -90,7 +90,7 @@ async def bad_record(g: ac.Group, fault: str) -> str:
             return real(token, nbytes + 8, push)
 
         pull._record = record
-    buf = np.ones(select.PULL_MIN // 4, np.float32)
+    buf = np.ones(count, np.float32)
     try:
         await asyncio.wait_for(g.allreduce(buf, algorithm="pull", timeout=20), 30)
     except ac.AiocollectError as exc:
