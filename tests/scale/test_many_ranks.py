@@ -44,11 +44,12 @@ def test_two_processes_of_six_ranks(capfd: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.scale
 @pytest.mark.skipif(not LARGE, reason="make scale (AIOCOLLECT_SCALE=1)")
-@pytest.mark.timeout(1800)
-@pytest.mark.parametrize(("procs", "per"), [(4, 128), (8, 128)])
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize(("procs", "per"), [(4, 128), (8, 128), (16, 256)])
 def test_large_groups(procs: int, per: int) -> None:
     n = procs * per
-    result = run_many(procs, per, timeout=1700)
+    # (4,096 ranks on a small host take long: up to an hour)
+    result = run_many(procs, per, timeout=1700 if n <= 1024 else 3500)
     print(f"{n} ranks: {result.figures}, {result.wall_s:.1f} s")
     assert result.figures["links_after_collectives"] <= max(len(neighbours(n, r)) for r in range(n))
     # the target for large groups: at most 2 log2(N) + 8 sockets per rank (lanes included)
