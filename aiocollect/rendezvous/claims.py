@@ -26,7 +26,8 @@ Keys, under ``P = aiocollect/<name>``::
 
 Store requests per rank do not grow with the world size: a rank writes its record, its
 ``here`` marker and one ``add``, waits for one key, and reads the records in batches of
-:data:`~aiocollect.rendezvous.records.RECORD_BATCH` (rank 0 deletes three keys per rank at close).
+:data:`~aiocollect.rendezvous.records.RECORD_BATCH`, or (groups of more than 16) the digest
+and its peers' records (rank 0 deletes three keys per rank at close).
 
 Rules:
 

@@ -4,8 +4,10 @@ Every rank first claims its rank (:mod:`aiocollect.rendezvous.claims`: atomic cl
 per-job nonce, so two jobs on one store never mix), starts a listener, publishes a record
 (address, host identity, settings, job nonce) under ``aiocollect/<name>/rank/<r>``, compares
 its settings with rank 0's record, waits until every rank of its job has published (one
-key, set by the last to arrive), reads the records in batches with ``multi_get``, connects
-to every lower rank and accepts every higher one. Handshakes check version, group name,
+key, set by the last to arrive), reads the records in batches with ``multi_get`` (in a
+group of more than 16 ranks, rank 0 alone does, and publishes a digest of them that the
+others read with the records of the peers they link: :mod:`aiocollect.rendezvous.digest`),
+connects to the lower ranks it links and accepts the higher ones. Handshakes check version, group name,
 ranks, job nonce and the secret. A rank makes a fixed number of store requests however
 large the group (docs/multinode.md, "Forming large groups").
 

@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -39,6 +40,10 @@ from aiocollect.store import Store, open_store
 
 #: Elements of the large allreduce (float32: 1 MiB).
 LARGE = 1 << 18
+#: The figures reported as the mean over the processes (every other: the most of any).
+MEAN_FIGURES = frozenset(
+    {"store_requests_per_rank", "store_bytes_per_rank", "records_read_per_rank"}
+)
 
 
 async def open_ranks(
@@ -238,8 +243,9 @@ async def _child(
 class ManyResult:
     """What :func:`run_many` measured: the slowest process's seconds for each step (from
     the process's start, then per step), the most links of any rank at open and after
-    allreduce, broadcast and barrier (before alltoall links every pair), and the wall
-    time of the whole run."""
+    allreduce, broadcast and barrier (before alltoall links every pair), the store
+    requests, bytes and records read per rank while the group formed (the mean over every
+    rank), and the wall time of the whole run."""
 
     ranks: int
     links: str
@@ -341,7 +347,11 @@ def run_many(
                 f"error):\n{out[-3000:]}"
             )
         results.append(json.loads(last[0]))
-    figures = {k: max(r[k] for r in results) for k in results[0]}
+    # (store traffic: the mean per rank over every process; the rest: the slowest process)
+    figures = {
+        k: (statistics.fmean if k in MEAN_FIGURES else max)(r[k] for r in results)
+        for k in results[0]
+    }
     return ManyResult(procs * per, links, figures, time.monotonic() - start)
 
 
