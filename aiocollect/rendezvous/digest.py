@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 #: the store little, and a rank need not wait for rank 0's digest (docs/multinode.md,
 #: "Forming large groups", has the measurements).
 DIGEST_MIN = 16
+#: Ranks of a group on one event loop (reading through stores that share their reads) from
+#: which they read every record, once for all of them, rather than the digest: the store
+#: then serves each record to at most one in this many ranks.
+LOOP_READS_ALL = 32
 #: The digest's format (a rank refuses a digest of another format).
 FORMAT = 1
 #: Record fields a stand-in (:class:`StandIns`) takes from its host, not from the group.
@@ -49,9 +53,18 @@ SLICES = (0.5, 8.0)
 
 
 def used(world_size: int) -> bool:
-    """Whether a group of ``world_size`` ranks forms through a digest (every rank of a job
-    has the same world size, or the job fails before the digest is read)."""
+    """Whether rank 0 of a group of ``world_size`` ranks publishes a digest (every rank of
+    a job has the same world size, or the job fails before the digest is read)."""
     return world_size > DIGEST_MIN
+
+
+def read_through(world_size: int, cache: records.RecordCache) -> bool:
+    """Whether a rank (not rank 0) of a group of ``world_size`` ranks reads the digest,
+    rather than every record: where rank 0 publishes one and fewer than
+    :data:`LOOP_READS_ALL` ranks of the group share this rank's event loop and its
+    reads (``cache.ranks``, counted once every rank has arrived; each rank's choice is
+    its own: both ways give it the same view)."""
+    return used(world_size) and cache.ranks < LOOP_READS_ALL
 
 
 @dataclass(frozen=True)

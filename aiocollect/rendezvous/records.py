@@ -181,6 +181,9 @@ class RecordCache:
 
     def __init__(self, keys: Keys, name: str, job: bytes) -> None:
         self.keys, self.name, self.job = keys, name, job
+        #: Ranks of the job on this event loop that came to read (:func:`cache_for`'s
+        #: callers count themselves in).
+        self.ranks = 0
         #: The records read, by rank.
         self.records: dict[int, dict[str, Any]] = {}
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}

@@ -5,9 +5,9 @@ per-job nonce, so two jobs on one store never mix), starts a listener, publishes
 (address, host identity, settings, job nonce) under ``aiocollect/<name>/rank/<r>``, compares
 its settings with rank 0's record, waits until every rank of its job has published (one
 key, set by the last to arrive), reads the records in batches with ``multi_get`` (in a
-group of more than 16 ranks, rank 0 alone does, and publishes a digest of them that the
-others read with the records of the peers they link: :mod:`aiocollect.rendezvous.digest`),
-connects to the lower ranks it links and accepts the higher ones. Handshakes check version, group name,
+group of more than 16 ranks, rank 0 publishes a digest of them that the others read with
+the records of the peers they link: :mod:`aiocollect.rendezvous.digest`), connects to the
+lower ranks it links and accepts the higher ones. Handshakes check version, group name,
 ranks, job nonce and the secret. A rank makes a fixed number of store requests however
 large the group (docs/multinode.md, "Forming large groups").
 
@@ -368,8 +368,9 @@ async def _read_records(
 ) -> digest.View:
     """What this rank learns from the records, once all are published: every rank's
     record, checked against this rank's settings and given to ``listener.prepare``; or,
-    in a group that forms through a digest (ranks >= 1 of a group larger than
-    ``digest.DIGEST_MIN``), rank 0's digest and the records of the ``wanted`` peers.
+    where the group forms through a digest (ranks >= 1 of a group larger than
+    ``digest.DIGEST_MIN``, with fewer than ``digest.LOOP_READS_ALL`` of its ranks on this
+    event loop), rank 0's digest and the records of the ``wanted`` peers.
 
     Raises:
         RendezvousTimeout: some ranks never published (named), or rank 0's digest never
@@ -380,13 +381,14 @@ async def _read_records(
     """
     if cfg.rank != 0:
         await _check_first(claim, cfg, mine)
+    cache = records.cache_for(claim.store, claim.keys, cfg.name, claim.job, cfg.world_size)
+    cache.ranks += 1
     await claim.wait_records(cfg.deadline)
     through_digest = digest.used(cfg.world_size)
-    if cfg.rank != 0 and through_digest:
+    if cfg.rank != 0 and digest.read_through(cfg.world_size, cache):
         found = await digest.read(claim, cfg.deadline)
         if found.error is not None:
             raise RendezvousError(found.error)
-        cache = records.cache_for(claim.store, claim.keys, cfg.name, claim.job, cfg.world_size)
         view = digest.of_digest(found, digest.PeerRecords(claim.store, cache, cfg.rank, mine))
         listener.prepare(view.stand_ins)
         await view.records.fetch(sorted(wanted))

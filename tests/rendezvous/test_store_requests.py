@@ -9,9 +9,12 @@ it links, not every rank's, and a peer's at first use, the peers of one alltoall
 request. A mismatch that only the digest finds fails every rank with rank 0's message,
 and a rank 0 that dies before publishing the digest fails every other rank at once.
 
-Run as a script to print the table of docs/multinode.md ("Forming large groups")::
+Run as a script to print the table of docs/multinode.md ("Forming large groups"), or with
+``--digest`` the formation times through the digest and with every rank reading every
+record (docs/design.md, "The rendezvous digest")::
 
     PYTHONPATH=. python tests/rendezvous/test_store_requests.py 8 64 256
+    PYTHONPATH=. python tests/rendezvous/test_store_requests.py --digest 8 17 32 64
 """
 
 from __future__ import annotations
@@ -244,6 +247,39 @@ async def test_a_rank_0_that_dies_before_its_digest_fails_every_rank(tmp_path: P
     assert took < 30, took
 
 
+async def _formation_s(n: int) -> float:
+    """Seconds ``n`` ranks on this loop take to form (TCP links, each rank's store a view
+    that reads on its own, as one rank per process reads)."""
+    inner = MemoryStore(f"count-{next(_ids)}")
+    stores = [OwnReads(inner, collections.Counter()) for _ in range(n)]
+    start = time.perf_counter()
+    groups = await asyncio.gather(
+        *(ac.open_group(r, n, store=stores[r], transport="tcp", timeout=60) for r in range(n))
+    )
+    took = time.perf_counter() - start
+    await asyncio.gather(*(g.aclose() for g in groups))
+    await inner.close()
+    return took
+
+
+async def _digest_or_not(sizes: list[int], rounds: int = 7) -> None:
+    """Formation through the digest against every rank reading every record, paired."""
+    chosen = digest.DIGEST_MIN
+    try:
+        for n in sizes:
+            times: dict[str, list[float]] = {"digest": [], "every record": []}
+            for _ in range(rounds):
+                for how, threshold in (("digest", 1), ("every record", 1 << 30)):
+                    digest.DIGEST_MIN = threshold
+                    times[how].append(await _formation_s(n))
+            shown = ", ".join(
+                f"{k} {sorted(v)[rounds // 2] * 1e3:.0f} ms" for k, v in times.items()
+            )
+            print(f"{n:5d} ranks form: {shown} (medians of {rounds})")
+    finally:
+        digest.DIGEST_MIN = chosen
+
+
 async def _main(sizes: list[int]) -> None:
     for n in sizes:
         per_rank, counts = await requests_per_rank(n)
@@ -253,4 +289,7 @@ async def _main(sizes: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(_main([int(a) for a in sys.argv[1:]] or [8, 64, 256]))
+    if sys.argv[1:2] == ["--digest"]:
+        asyncio.run(_digest_or_not([int(a) for a in sys.argv[2:]] or [8, 17, 32, 64]))
+    else:
+        asyncio.run(_main([int(a) for a in sys.argv[1:]] or [8, 64, 256]))
