@@ -19,12 +19,15 @@ Keys, under ``P = aiocollect/<name>``::
     P/job/<nonce>/arrived   counter: ranks that published their record in that job
     P/job/<nonce>/ready     set by the rank whose ``add`` made ``arrived`` the world size
                             (empty), or by a rank whose settings differ from rank 0's (why)
+    P/job/<nonce>/digest    (groups of more than 16 ranks) rank 0's digest of the records
+                            (:mod:`aiocollect.rendezvous.digest`)
     P/rank/<r>              rank r's rendezvous record (written once per job, read in
                             batches with ``multi_get`` once ``ready`` is set)
 
 Store requests per rank do not grow with the world size: a rank writes its record, its
 ``here`` marker and one ``add``, waits for one key, and reads the records in batches of
-:data:`~aiocollect.rendezvous.records.RECORD_BATCH` (rank 0 deletes three keys per rank at close).
+:data:`~aiocollect.rendezvous.records.RECORD_BATCH`, or (groups of more than 16) the digest
+and its peers' records (rank 0 deletes three keys per rank at close).
 
 Rules:
 
@@ -342,7 +345,7 @@ class Claim:
                 for r in range(self.world_size)
                 for what in ("claim", "owner", "here")
             ),
-            *(self.store.delete(k.job_wide(self.job, what)) for what in ("arrived", "ready")),
+            *(self.store.delete(k.job_wide(self.job, w)) for w in ("arrived", "ready", "digest")),
         )
 
 

@@ -42,8 +42,9 @@ from aiocollect import _fdlimit
 from aiocollect._deadline import Deadline
 from aiocollect.errors import PeerDisconnected, PeerTimeout, RendezvousError
 from aiocollect.rendezvous.handshake import ConnectorHandshake
+from aiocollect.rendezvous.records import Known, Records
 from aiocollect.transport.base import Link, Superseded
-from aiocollect.transport.interface import Listener, Record
+from aiocollect.transport.interface import Listener
 from aiocollect.transport.tcp import StreamLink
 from aiocollect.transport.tcp_link import TcpLink
 from aiocollect.transport.tcp_listener import SocketListener
@@ -91,9 +92,10 @@ class Dialer:
         self.secret = secret
         self.job = job
         self.deliver = deliver
-        #: The listener (connects go through it) and every rank's record, once read.
+        #: The listener (connects go through it) and the ranks' records, once the group's
+        #: are read (a peer's is fetched before its first connect, where it is not there).
         self.listener: Listener | None = None
-        self.records: dict[int, Record] = {}
+        self.records: Known = Records({})
         #: Peers linked (by either side) with their links, connecting to, and admitted by
         #: this rank.
         self.linked: dict[int, Link] = {}
@@ -222,6 +224,11 @@ class Dialer:
     async def _connect(self, peer: int, deadline: Deadline) -> None:
         pause = RETRY_FIRST
         try:
+            try:  # (the peers of one alltoall read theirs in one store request)
+                await self.records.fetch((peer,))
+            except Exception as exc:
+                self._failed(peer, _unread(self.rank, peer, exc))
+                return
             while True:
                 async with self._slots:
                     if peer in self.linked or self.refusing is not None:
@@ -262,7 +269,8 @@ class Dialer:
             isinstance(link, TcpLink)
             and isinstance(listener, SocketListener)
             and listener.lanes
-            and self.records.get(peer, {}).get("lanes") == 2
+            and peer in self.records
+            and self.records[peer].get("lanes") == 2
             and link.wants_lane()
         )
 
@@ -342,6 +350,13 @@ def _release_lane(task: asyncio.Task[None]) -> None:
 def _retrieve(fut: asyncio.Future[Link]) -> None:
     if not fut.cancelled():
         fut.exception()
+
+
+def _unread(rank: int, peer: int, exc: Exception) -> RendezvousError:
+    """The error of a connect to ``peer`` whose record could not be read (``exc``)."""
+    if isinstance(exc, RendezvousError):
+        return exc
+    return RendezvousError(f"rank {rank} could not read the record of rank {peer}: {exc}")
 
 
 def _retryable(exc: RendezvousError) -> bool:

@@ -1,12 +1,13 @@
-"""Where a group's rendezvous keys live on the store, and reading the ranks' records (the
-key layout and its rules: :mod:`aiocollect.rendezvous.claims`)."""
+"""Where a group's rendezvous keys live on the store, and reading the ranks' records: all
+of them at once (:func:`read_all`) or those a rank needs, when it needs them
+(:class:`RecordCache`). The key layout and its rules: :mod:`aiocollect.rendezvous.claims`."""
 
 from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Callable, Hashable
-from typing import Any, TypeVar
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any, Protocol, TypeVar
 
 import msgpack
 
@@ -28,6 +29,23 @@ SHARED_JOBS = 4
 T = TypeVar("T")
 
 
+class Known(Protocol):
+    """The records a rank has read (its links' dials look them up), and how it reads the
+    ones it lacks."""
+
+    def __contains__(self, rank: object) -> bool: ...
+
+    def __getitem__(self, rank: int) -> dict[str, Any]: ...
+
+    async def fetch(self, ranks: Iterable[int]) -> None:
+        """Read the records of ``ranks`` that are not read yet.
+
+        Raises:
+            RendezvousError: a record is malformed, of another job, or not there.
+            StoreError: the store failed.
+        """
+
+
 class Records(dict[int, dict[str, Any]]):
     """Every rank's record of one job, by rank: read-only, shared by the ranks of one
     event loop (:func:`read_all`), with what they derive from it (:meth:`derived`)."""
@@ -43,6 +61,9 @@ class Records(dict[int, dict[str, Any]]):
             self._derived[key] = make()
         value: T = self._derived[key]
         return value
+
+    async def fetch(self, ranks: Iterable[int]) -> None:
+        """Nothing to read: every rank's record is here (:class:`Known`)."""
 
 
 #: Per event loop: the record sets read lately, by (store data, group name, job, world size).
@@ -120,7 +141,9 @@ async def read_all(
         while len(jobs) > SHARED_JOBS:
             del jobs[next(iter(jobs))]
     try:
-        return await asyncio.shield(task)
+        read = await asyncio.shield(task)
+        cache_for(store, keys, name, job, world_size).records.update(read)
+        return read
     except (RendezvousError, errors.StoreError):
         if jobs.get(key) is task:
             del jobs[key]  # (another rank's deadline or store: not necessarily this one's)
@@ -146,6 +169,125 @@ async def _read_all(
         for r, raw in zip(ranks, raws, strict=True):
             records[r] = parse(name, job, r, raw)
     return Records(records)
+
+
+class RecordCache:
+    """The records of one job that the ranks of one event loop have read, each read once
+    (ranks whose stores read the same data, ``Store.shared_reads``, share one cache): a
+    rank asks for those it needs (:meth:`fetch`), and every record asked for in one turn
+    of the event loop, by any of its ranks, is read in one ``multi_get`` (per
+    :data:`RECORD_BATCH`), so the peers of one ``alltoall`` cost one request, not one each.
+    """
+
+    def __init__(self, keys: Keys, name: str, job: bytes) -> None:
+        self.keys, self.name, self.job = keys, name, job
+        #: Ranks of the job on this event loop that came to read (:func:`cache_for`'s
+        #: callers count themselves in).
+        self.ranks = 0
+        #: The records read, by rank.
+        self.records: dict[int, dict[str, Any]] = {}
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._batch: list[int] = []
+        self._store: Store | None = None  # (the store of the batch's first asker)
+        self._reads: set[asyncio.Task[None]] = set()
+
+    async def fetch(self, store: Store, ranks: Iterable[int]) -> None:
+        """Read the records of ``ranks`` not read yet (through ``store`` when this call
+        starts the turn's batch), waiting for those under way.
+
+        Raises:
+            RendezvousError: a record is malformed, of another job, or not there within
+                ``RECORD_GRACE`` (the ranks' ``ready`` key says they all are).
+            StoreError: the store failed.
+        """
+        waits: list[asyncio.Future[dict[str, Any]]] = []
+        for r in ranks:
+            if r in self.records:
+                continue
+            fut = self._pending.get(r)
+            if fut is None:
+                fut = self._pending[r] = asyncio.get_running_loop().create_future()
+                fut.add_done_callback(_retrieve)
+                if not self._batch:
+                    self._store = store
+                    asyncio.get_running_loop().call_soon(self._read_batch)
+                self._batch.append(r)
+            waits.append(fut)
+        if waits:
+            await asyncio.wait(waits)
+            for fut in waits:
+                exc = fut.exception()
+                if exc is not None:
+                    raise exc
+
+    def _read_batch(self) -> None:
+        batch, store = self._batch, self._store
+        self._batch, self._store = [], None
+        assert store is not None
+        task = asyncio.get_running_loop().create_task(self._read(store, batch))
+        self._reads.add(task)
+        task.add_done_callback(self._reads.discard)
+
+    async def _read(self, store: Store, ranks: list[int]) -> None:
+        for first in range(0, len(ranks), RECORD_BATCH):
+            part = ranks[first : first + RECORD_BATCH]
+            try:
+                raws = await store.multi_get(
+                    [self.keys.record(r) for r in part], timeout=RECORD_GRACE
+                )
+                found = [
+                    parse(self.name, self.job, r, raw) for r, raw in zip(part, raws, strict=True)
+                ]
+            except errors.StoreTimeout as exc:
+                gone = [int(k.rsplit("/", 1)[1]) for k in exc.keys if k.rsplit("/", 1)[1].isdigit()]
+                self._fail(ranks[first:], _disappeared(self.name, min(gone, default=part[0])))
+                return
+            except BaseException as exc:  # (a rank whose record is asked again reads again)
+                self._fail(ranks[first:], exc)
+                if not isinstance(exc, Exception):
+                    raise
+                return
+            for r, rec in zip(part, found, strict=True):
+                self.records[r] = rec
+                fut = self._pending.pop(r)
+                if not fut.done():
+                    fut.set_result(rec)
+
+    def _fail(self, ranks: list[int], exc: BaseException) -> None:
+        for r in ranks:
+            fut = self._pending.pop(r, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(
+                    exc if isinstance(exc, Exception) else errors.StoreError(repr(exc))
+                )
+
+
+#: Per event loop: the record caches of recent jobs, keyed as ``_shared``.
+_caches: weakref.WeakKeyDictionary[
+    asyncio.AbstractEventLoop, dict[tuple[Hashable, str, bytes, int], RecordCache]
+] = weakref.WeakKeyDictionary()
+
+
+def cache_for(store: Store, keys: Keys, name: str, job: bytes, world_size: int) -> RecordCache:
+    """The record cache of job ``job`` that this event loop's ranks reading through
+    ``store`` share (the last ``SHARED_JOBS`` jobs are kept), or a cache of its own for a
+    store whose reads are its own (``shared_reads`` None)."""
+    shared = store.shared_reads
+    if shared is None:
+        return RecordCache(keys, name, job)
+    jobs = _caches.setdefault(asyncio.get_running_loop(), {})
+    key = (shared, name, job, world_size)
+    cache = jobs.get(key)
+    if cache is None:
+        cache = jobs[key] = RecordCache(keys, name, job)
+        while len(jobs) > SHARED_JOBS:
+            del jobs[next(iter(jobs))]
+    return cache
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def parse(name: str, job: bytes, rank: int, raw: bytes) -> dict[str, Any]:

@@ -4,8 +4,10 @@ Every rank first claims its rank (:mod:`aiocollect.rendezvous.claims`: atomic cl
 per-job nonce, so two jobs on one store never mix), starts a listener, publishes a record
 (address, host identity, settings, job nonce) under ``aiocollect/<name>/rank/<r>``, compares
 its settings with rank 0's record, waits until every rank of its job has published (one
-key, set by the last to arrive), reads the records in batches with ``multi_get``, connects
-to every lower rank and accepts every higher one. Handshakes check version, group name,
+key, set by the last to arrive), reads the records in batches with ``multi_get`` (in a
+group of more than 16 ranks, rank 0 publishes a digest of them that the others read with
+the records of the peers they link: :mod:`aiocollect.rendezvous.digest`), connects to the
+lower ranks it links and accepts the higher ones. Handshakes check version, group name,
 ranks, job nonce and the secret. A rank makes a fixed number of store requests however
 large the group (docs/multinode.md, "Forming large groups").
 
@@ -27,9 +29,8 @@ from typing import Any
 from aiocollect import _fdlimit, _protect
 from aiocollect._deadline import Deadline
 from aiocollect.errors import RendezvousError, RendezvousTimeout
-from aiocollect.rendezvous import chunking, claims, records
+from aiocollect.rendezvous import chunking, claims, digest, records
 from aiocollect.rendezvous.handshake import PROTOCOL_VERSION, AcceptorHandshake
-from aiocollect.rendezvous.hosts import host_indices
 from aiocollect.rendezvous.ondemand import Dialer
 from aiocollect.store.base import Store
 from aiocollect.tls import TLSConfig
@@ -198,14 +199,10 @@ async def rendezvous(
             raise RendezvousError(why)
         reserved = linking
         await claim.publish(record)
-        peers = await _read_records(claim, cfg, record)
-        endpoint.chunk_bytes = cfg.chunk_bytes or peers.derived(
-            "chunk_bytes", lambda: chunking.group_chunk_bytes(peers)
-        )
-        endpoint.pulls = peers.derived("pulls", lambda: chunking.all_pull(peers))
-        endpoint.hosts = list(peers.derived("hosts", lambda: host_indices(peers, cfg.world_size)))
-        endpoint.listener.prepare(peers)
-        dialer.listener, dialer.records = endpoint.listener, peers
+        view = await _read_records(claim, cfg, record, endpoint.listener, wanted)
+        endpoint.chunk_bytes = cfg.chunk_bytes or view.chunk_bytes
+        endpoint.pulls, endpoint.hosts = view.pulls, view.hosts
+        dialer.listener, dialer.records = endpoint.listener, view.records
         if len(formed) == len(wanted):
             arrived.set()
         # the higher rank of a pair connects (the lower one accepts), as on demand
@@ -349,31 +346,68 @@ def _shown(key: str, value: Any) -> str:
 
 
 async def _read_records(
-    claim: claims.Claim, cfg: RendezvousConfig, mine: Record
-) -> records.Records:
-    """Every rank's record, once all are published, checked against this rank's settings.
+    claim: claims.Claim, cfg: RendezvousConfig, mine: Record, listener: Listener, wanted: set[int]
+) -> digest.View:
+    """What this rank learns from the records, once all are published: every rank's
+    record, checked against this rank's settings and given to ``listener.prepare``; or,
+    where the group forms through a digest (ranks >= 1 of a group larger than
+    ``digest.DIGEST_MIN``, with fewer than ``digest.LOOP_READS_ALL`` of its ranks on this
+    event loop), rank 0's digest and the records of the ``wanted`` peers.
 
     Raises:
-        RendezvousTimeout: some ranks never published (named).
-        RendezvousError: a rank's settings differ, or a record is malformed or of another
-            job.
+        RendezvousTimeout: some ranks never published (named), or rank 0's digest never
+            came.
+        RendezvousError: a rank's settings differ, a record is malformed or of another
+            job, or the listener cannot link to a rank (rank 0 publishes this error in
+            the digest: every rank of the group raises it).
     """
     if cfg.rank != 0:
         await _check_first(claim, cfg, mine)
+    cache = records.cache_for(claim.store, claim.keys, cfg.name, claim.job, cfg.world_size)
+    cache.ranks += 1
     await claim.wait_records(cfg.deadline)
+    through_digest = digest.used(cfg.world_size)
+    if cfg.rank != 0 and digest.read_through(cfg.world_size, cache):
+        found = await digest.read(claim, cfg.deadline)
+        if found.error is not None:
+            raise RendezvousError(found.error)
+        view = digest.of_digest(found, digest.PeerRecords(claim.store, cache, cfg.rank, mine))
+        listener.prepare(view.stand_ins)
+        await view.records.fetch(sorted(wanted))
+        return view
     peers = await claim.read_records(cfg.deadline)
     # (the ranks of one event loop share the records: those with the same settings check
     # them once)
     settings = ("checked", cfg.world_size, cfg.chunk_bytes, cfg.links, mine["transport"])
     try:
         peers.derived(settings, lambda: _check_all(cfg, peers, mine))
-    except RendezvousError:
-        if cfg.rank == 0:  # ranks started with a larger world size come too: wait for them
+    except RendezvousError as exc:
+        if cfg.rank == 0:
+            if through_digest:
+                await _publish_failure(claim, cfg, exc)
+            # ranks started with a larger world size come too: wait for them
             sizes = [rec.get("world_size") for rec in peers.values()]
             larger = max((n for n in sizes if isinstance(n, int)), default=cfg.world_size)
             await claim.linger(cfg.deadline, min(larger, MAX_LINGER_RANKS))
         raise
-    return peers
+    if cfg.rank == 0 and through_digest:
+        try:
+            listener.prepare(peers)
+        except RendezvousError as exc:
+            await _publish_failure(claim, cfg, exc)
+            raise
+        await digest.publish(claim, digest.make(claim.job, peers, cfg.world_size))
+    else:
+        listener.prepare(peers)
+    return digest.of_records(peers, cfg.world_size)
+
+
+async def _publish_failure(
+    claim: claims.Claim, cfg: RendezvousConfig, exc: RendezvousError
+) -> None:
+    """(Rank 0) Publish the digest that makes every rank of the group raise ``exc``'s
+    message."""
+    await digest.publish(claim, digest.Digest(claim.job, cfg.world_size, error=str(exc)))
 
 
 def _check_transport(cfg: RendezvousConfig, r: int, rec: Record, mine: Record) -> None:

@@ -24,10 +24,11 @@ import contextlib
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,19 +36,29 @@ import numpy as np
 
 import aiocollect as ac
 from aiocollect import _fdlimit
+from aiocollect.store import Store, open_store
 from aiocollect.transport.tcp_link import TcpLink
 
 #: Elements of the large allreduce (float32: 1 MiB).
 LARGE = 1 << 18
+#: The figures reported as the mean over the processes (every other: the most of any).
+MEAN_FIGURES = frozenset(
+    {"store_requests_per_rank", "store_bytes_per_rank", "records_read_per_rank"}
+)
 
 
-async def open_ranks(ranks: Sequence[int], world_size: int, **kwargs: Any) -> list[ac.Group]:
+async def open_ranks(
+    ranks: Sequence[int], world_size: int, stores: Sequence[Store] | None = None, **kwargs: Any
+) -> list[ac.Group]:
     """Open ranks ``ranks`` of a group of ``world_size`` on this event loop, at once.
 
     Args:
         ranks: the ranks this process hosts.
         world_size: the group's size.
-        **kwargs: as :func:`aiocollect.open_group` takes them (``store`` at least).
+        stores: each rank's store (in the order of ``ranks``), or None to give them all
+            ``kwargs["store"]``.
+        **kwargs: as :func:`aiocollect.open_group` takes them (``store`` at least, unless
+            ``stores`` is given).
 
     Returns:
         The groups, in the order of ``ranks``.
@@ -55,8 +66,13 @@ async def open_ranks(ranks: Sequence[int], world_size: int, **kwargs: Any) -> li
     Raises:
         BaseException: the first rank's error; the ranks that opened are aborted first.
     """
+    each: list[dict[str, Any]] = [
+        dict(kwargs) if stores is None else {**kwargs, "store": s}
+        for s in (stores if stores is not None else [None] * len(ranks))
+    ]
     made = await asyncio.gather(
-        *(ac.open_group(r, world_size, **kwargs) for r in ranks), return_exceptions=True
+        *(ac.open_group(r, world_size, **e) for r, e in zip(ranks, each, strict=True)),
+        return_exceptions=True,
     )
     failed = [g for g in made if isinstance(g, BaseException)]
     groups = [g for g in made if isinstance(g, ac.Group)]
@@ -65,6 +81,59 @@ async def open_ranks(ranks: Sequence[int], world_size: int, **kwargs: Any) -> li
             g.abort()
         raise failed[0]
     return groups
+
+
+class CountedStore(Store):
+    """A view of ``inner`` (reading the same data: ``shared_reads`` is the inner store's)
+    that counts its requests, the bytes of their keys and values, and the rendezvous
+    records it reads. Closing it closes ``inner``."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.timeout = inner.timeout
+        self.requests = self.bytes = self.records = 0
+
+    @property
+    def shared_reads(self) -> Hashable | None:
+        return self.inner.shared_reads
+
+    def _count(self, keys: Sequence[str], values: Sequence[bytes] = ()) -> None:
+        self.requests += 1
+        self.bytes += sum(len(k) for k in keys) + sum(len(v) for v in values)
+        self.records += sum("/rank/" in k for k in keys) if values else 0
+
+    async def set(self, key: str, value: bytes) -> None:
+        self._count([key], [value])
+        await self.inner.set(key, value)
+
+    async def get(self, key: str, *, timeout: float | None = None) -> bytes:
+        value = await self.inner.get(key, timeout=timeout)
+        self._count([key], [value])
+        return value
+
+    async def multi_get(self, keys: Sequence[str], *, timeout: float | None = None) -> list[bytes]:
+        values = await self.inner.multi_get(keys, timeout=timeout)
+        self._count(keys, values)
+        return values
+
+    async def add(self, key: str, amount: int) -> int:
+        self._count([key])
+        return await self.inner.add(key, amount)
+
+    async def wait(self, keys: Sequence[str], *, timeout: float | None = None) -> None:
+        self._count(keys)
+        await self.inner.wait(keys, timeout=timeout)
+
+    async def check(self, keys: Sequence[str]) -> list[bool]:
+        self._count(keys)
+        return await self.inner.check(keys)
+
+    async def delete(self, key: str) -> bool:
+        self._count([key])
+        return await self.inner.delete(key)
+
+    async def close(self) -> None:
+        await self.inner.close()
 
 
 async def _timed(groups: list[ac.Group], what: Any) -> float:
@@ -153,19 +222,30 @@ async def _child(
     url: str, first: int, per: int, world_size: int, links: str, alltoall: bool
 ) -> dict[str, Any]:
     start = time.monotonic()
-    groups = await open_ranks(
-        range(first, first + per), world_size, store=url, transport="tcp", links=links, timeout=600
-    )
-    figures: dict[str, Any] = {"formed_s": time.monotonic() - start}
-    _progress(groups, f"formed {figures['formed_s']:.2f} s")
-    figures["sockets_at_open"] = max(len(g._fabric.links) for g in groups)
+    stores = [
+        CountedStore((await open_store(url, rank=r, timeout=600))[0])
+        for r in range(first, first + per)
+    ]
     try:
-        figures.update(await _check(groups, world_size, alltoall))
-        figures["descriptors_per_rank"] = len(os.listdir("/proc/self/fd")) / per
+        groups = await open_ranks(
+            range(first, first + per), world_size, stores, transport="tcp", links=links, timeout=600
+        )
+        figures: dict[str, Any] = {"formed_s": time.monotonic() - start}
+        _progress(groups, f"formed {figures['formed_s']:.2f} s")
+        figures["sockets_at_open"] = max(len(g._fabric.links) for g in groups)
+        # (formation's store requests per rank, claiming included; bytes of keys and values)
+        figures["store_requests_per_rank"] = sum(s.requests for s in stores) / per
+        figures["store_bytes_per_rank"] = sum(s.bytes for s in stores) / per
+        figures["records_read_per_rank"] = sum(s.records for s in stores) / per
+        try:
+            figures.update(await _check(groups, world_size, alltoall))
+            figures["descriptors_per_rank"] = len(os.listdir("/proc/self/fd")) / per
+        finally:
+            closing = time.monotonic()
+            await asyncio.gather(*(g.aclose() for g in groups))
+            figures["close_s"] = time.monotonic() - closing
     finally:
-        closing = time.monotonic()
-        await asyncio.gather(*(g.aclose() for g in groups))
-        figures["close_s"] = time.monotonic() - closing
+        await asyncio.gather(*(s.close() for s in stores), return_exceptions=True)
     return figures
 
 
@@ -175,7 +255,8 @@ class ManyResult:
     the process's start, then per step), the most links of any rank at open (which are
     its sockets then) and after allreduce, broadcast and barrier, and its most sockets
     then (its links and the small-frame lanes of those that carried bulk; before alltoall
-    links every pair), and the wall time of the whole run."""
+    links every pair), the store requests, bytes and records read per rank while the
+    group formed (the mean over every rank), and the wall time of the whole run."""
 
     ranks: int
     links: str
@@ -277,7 +358,11 @@ def run_many(
                 f"error):\n{out[-3000:]}"
             )
         results.append(json.loads(last[0]))
-    figures = {k: max(r[k] for r in results) for k in results[0]}
+    # (store traffic: the mean per rank over every process; the rest: the slowest process)
+    figures = {
+        k: (statistics.fmean if k in MEAN_FIGURES else max)(r[k] for r in results)
+        for k in results[0]
+    }
     return ManyResult(procs * per, links, figures, time.monotonic() - start)
 
 

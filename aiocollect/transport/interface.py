@@ -18,7 +18,7 @@ is a stateless description, like gloo's transport, and the listener its per-rank
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,10 +66,12 @@ class Listener(abc.ABC):
     #: speaks) and the transport's own fields (its address, for instance).
     record: Record
 
-    def prepare(self, peers: dict[int, Record]) -> None:  # noqa: B027 - optional
+    def prepare(self, peers: Mapping[int, Record]) -> None:  # noqa: B027 - optional
         """Every rank's record (this rank's included), read before the first connect:
         check that this transport can link to each (raise RendezvousError, naming the
-        rank, if not) and size shared state by them.
+        rank, if not) and size shared state by them. In a group that forms through a
+        digest (aiocollect.rendezvous.digest) a record not read is a stand-in: the fields
+        every rank's record shares, and its host's identity where it is this rank's.
 
         Raises:
             RendezvousError: a peer this transport cannot link to.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from aiocollect.errors import RendezvousError
 from aiocollect.transport import cma, host, onesided, shm_ring, unix
@@ -96,14 +96,14 @@ class ShmListener(SocketListener):
             policy=self.policy,
         )
 
-    def prepare(self, peers: dict[int, Record]) -> None:
+    def prepare(self, peers: Mapping[int, Record]) -> None:
         if self.mode == "force":
             self._check_peers(peers)
         local = sum(1 for rec in peers.values() if host.same_host(rec))
         self.policy.spin = spin_budget(local)
         self.policy.capacity = shm_ring.configured_capacity(local)
 
-    def _check_peers(self, peers: dict[int, Record]) -> None:
+    def _check_peers(self, peers: Mapping[int, Record]) -> None:
         rank = self.setup.rank
         reason = shm_ring.unavailable()
         if reason is not None:

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from aiocollect.errors import RendezvousError
 from aiocollect.transport import host
@@ -42,7 +42,7 @@ class UnixListener(SocketListener):
     def where(self, record: Record) -> str:
         return str(record.get("path"))
 
-    def prepare(self, peers: dict[int, Record]) -> None:
+    def prepare(self, peers: Mapping[int, Record]) -> None:
         for rank, rec in peers.items():
             if not UNIX.accepts(rec):
                 raise RendezvousError(
