@@ -15,6 +15,12 @@ from __future__ import annotations
 #: Thresholds in bytes (per rank message size), measured; see docs/algorithms.md.
 ALLREDUCE_DOUBLING_MAX = 16 * 1024
 ALLREDUCE_HALVING_MAX = 64 * 1024
+#: Past ALLREDUCE_HALVING_MAX, halving-doubling still replaces the ring while the ring's
+#: blocks (S / n) are at most this: the ring's 2(n-1) steps grow with the group while
+#: halving-doubling's 2 log2(n) do not, for the same bytes per rank. At four ranks this is
+#: ALLREDUCE_HALVING_MAX's block (the measured crossover); at 1,024 ranks a 1 MiB
+#: allreduce's ring would take 2,046 steps of 1 KiB (docs/algorithms.md).
+RING_BLOCK_MIN = 16 * 1024
 BROADCAST_BINOMIAL_MAX = 512 * 1024
 DIRECT_BLOCK_MAX = 16 * 1024
 #: With two ranks recursive doubling (one exchange) beats the ring (two) up to here.
@@ -56,7 +62,7 @@ def allreduce(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False
         return "recursive_doubling" if nbytes <= TWO_RANK_DOUBLING_MAX else "ring"
     if nbytes <= ALLREDUCE_DOUBLING_MAX:
         return "star" if star(n, one_thread) else "recursive_doubling"
-    if nbytes <= ALLREDUCE_HALVING_MAX:
+    if nbytes <= ALLREDUCE_HALVING_MAX or nbytes <= RING_BLOCK_MIN * n:
         return "halving_doubling"
     return "ring"
 

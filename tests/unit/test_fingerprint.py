@@ -135,6 +135,13 @@ def test_choose_by_name_and_auto() -> None:
     assert reg.choose(None, select.ALLREDUCE_DOUBLING_MAX + 1, 4).name == "halving_doubling"
     assert reg.choose("auto", select.ALLREDUCE_HALVING_MAX, 4).name == "halving_doubling"
     assert reg.choose(None, select.ALLREDUCE_HALVING_MAX + 1, 4).name == "ring"
+    assert reg.choose(None, select.ALLREDUCE_HALVING_MAX + 1, 3).name == "ring"
+    # large groups: halving-doubling while the ring's blocks are small
+    block = select.RING_BLOCK_MIN
+    assert reg.choose(None, 8 * block, 8).name == "halving_doubling"
+    assert reg.choose(None, 8 * block + 1, 8).name == "ring"
+    assert reg.choose(None, 1 << 20, 1024).name == "halving_doubling"
+    assert reg.choose(None, 64 << 20, 1024).name == "ring"
     assert reg.choose(None, select.TWO_RANK_DOUBLING_MAX, 2).name == "recursive_doubling"
     assert reg.choose("recursive_doubling", 4, 4).program is doubling.small_program
     assert registry.BROADCAST.choose(None, 1 << 20, 4).name == "pipeline"
