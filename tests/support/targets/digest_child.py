@@ -11,41 +11,20 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import Sequence
 
 import aiocollect as ac
-from aiocollect.store import Store, open_store
+from aiocollect.store import open_store
+from aiocollect.testing.many import CountedStore
 
 
-class DiesAtDigest(Store):
-    """A view of ``inner`` whose process exits at the ``set`` of a digest key."""
-
-    def __init__(self, inner: Store) -> None:
-        self.inner = inner
-        self.timeout = inner.timeout
+class DiesAtDigest(CountedStore):
+    """A view of ``inner`` whose process exits at the ``set`` of a digest key (every other
+    request passes through, counted)."""
 
     async def set(self, key: str, value: bytes) -> None:
         if key.endswith("/digest"):
             os._exit(9)
-        await self.inner.set(key, value)
-
-    async def get(self, key: str, *, timeout: float | None = None) -> bytes:
-        return await self.inner.get(key, timeout=timeout)
-
-    async def multi_get(self, keys: Sequence[str], *, timeout: float | None = None) -> list[bytes]:
-        return await self.inner.multi_get(keys, timeout=timeout)
-
-    async def add(self, key: str, amount: int) -> int:
-        return await self.inner.add(key, amount)
-
-    async def wait(self, keys: Sequence[str], *, timeout: float | None = None) -> None:
-        await self.inner.wait(keys, timeout=timeout)
-
-    async def check(self, keys: Sequence[str]) -> list[bool]:
-        return await self.inner.check(keys)
-
-    async def delete(self, key: str) -> bool:
-        return await self.inner.delete(key)
+        await super().set(key, value)
 
 
 async def main(spec: str, name: str, world: int) -> None:
