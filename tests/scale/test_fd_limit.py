@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.procs import reap
+from tests.support.procs import reap, run_script
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -139,18 +139,7 @@ async def test_links_on_demand_beyond_the_limit_fail_fast() -> None:
     """16 ranks on one event loop, their limit lowered after the group formed: the
     alltoall that would link every pair fails on every rank at once naming the limit
     (not accept failures logged in a loop until the deadline)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        AFTER_FORMING,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), 60)
-    finally:
-        await reap([proc])
-    text = out.decode()
+    text = await run_script(AFTER_FORMING, 60)
     results = [line for line in text.splitlines() if line.startswith(("ok", "error"))]
     assert len(results) == 16, text
     for line in results:

@@ -1,9 +1,11 @@
-"""Rank processes: reaping the rendezvous tests' subprocesses, and waiting for and checking
-the spawned ranks of the process-killing failure tests."""
+"""Rank processes: reaping the rendezvous tests' subprocesses, running a script in a fresh
+interpreter, and waiting for and checking the spawned ranks of the process-killing failure
+tests."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -16,6 +18,23 @@ async def reap(procs: Iterable[asyncio.subprocess.Process]) -> None:
         if p.returncode is None:
             p.kill()
             await p.wait()
+
+
+async def run_script(script: str, timeout: float) -> str:
+    """Run ``python -c script`` and return its standard output and error, together, once it
+    exited (killed and reaped after ``timeout`` seconds: TimeoutError then)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        script,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    finally:
+        await reap([proc])
+    return out.decode()
 
 
 async def wait_ready(store_url: str, n: int, key: str) -> None:

@@ -15,7 +15,6 @@ import gc
 import logging
 import socket
 import struct
-import sys
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -33,7 +32,7 @@ from aiocollect.transport.stream_send import BULK_MIN
 from aiocollect.transport.tcp_link import TcpLink, lanes_enabled
 from aiocollect.transport.tcp_listener import SocketListener
 from aiocollect.transport.wire import HEADER_SIZE
-from tests.support.procs import reap
+from tests.support.procs import run_script
 
 if TYPE_CHECKING:
     from aiocollect.group import Group
@@ -479,18 +478,8 @@ async def test_a_limit_that_fits_one_connection_per_link_forms_and_works() -> No
     connection per link but not two: the group forms (the checks count one descriptor per
     link), a 1 MiB allreduce (bulk on the ring) and a small one are exact, and the lanes
     taken (some, in the room beyond ``_fdlimit.SPARE``) stay within the limit."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        FD_SCRIPT,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), 50)
-    finally:
-        await reap([proc])
-    lines = out.decode().strip().splitlines()
-    assert lines, out.decode()
-    assert lines[-1].startswith("ok"), out.decode()
-    assert not [line for line in lines if line.startswith("LOG")], out.decode()
+    text = await run_script(FD_SCRIPT, 50)
+    lines = text.strip().splitlines()
+    assert lines, text
+    assert lines[-1].startswith("ok"), text
+    assert not [line for line in lines if line.startswith("LOG")], text
