@@ -157,20 +157,16 @@ class SendSide(Link):
             if self._piece and n > self._piece:
                 self._write_in_pieces(transport, header, payload)
                 return DRAIN
-        elif self._partial is not None:  # after the frame being written in pieces
+        elif self._partial is not None or self._bulk:
             stream = stream_of(header)
             if stream in self._bulk_queue.streams:  # behind its stream's queued frames
                 self._bulk_queue.push(header, payload, stream)
                 return DRAIN
-            self._behind.append(header + bytes(payload))
-            self._piece_bytes += len(header) + n
-            self._copied = True
-            return None
-        elif self._bulk:
-            stream = stream_of(header)
-            if stream in self._bulk_queue.streams:  # behind its stream's queued frames
-                self._bulk_queue.push(header, payload, stream)
-                return DRAIN
+            if self._partial is not None:  # after the frame being written in pieces
+                self._behind.append(header + bytes(payload))
+                self._piece_bytes += len(header) + n
+                self._copied = True
+                return None
         if n > JOIN_MAX:
             transport.writelines((header, payload))
             return self.sent_mark(None)
