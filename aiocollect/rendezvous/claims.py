@@ -141,21 +141,29 @@ class Claim:
     job: bytes
     holder: Owner
     released: bool = False
+    #: Rank 0's record, once read (:meth:`first_record`).
+    first: dict[str, Any] | None = None
 
     @property
     def keys(self) -> Keys:
         return Keys(self.name)
 
-    async def publish(self, record: dict[str, Any]) -> None:
+    async def publish(self, record: dict[str, Any], deadline: Deadline | None = None) -> None:
         """Publish this rank's rendezvous record (with the job nonce), mark it present and
-        count it; the rank that makes the count the world size sets ``ready``."""
+        count it; the rank that makes the count the world size sets ``ready``, unless rank
+        0's record (read by a rank >= 1, waiting up to ``deadline``) has another world size:
+        then the ranks that disagree refuse the job instead."""
         k = self.keys
         await self.store.set(
             k.record(self.rank),
             bytes(msgpack.packb({**record, "job": self.job}, use_bin_type=True)),
         )
         await self.store.set(k.job(self.job, "here", self.rank), b"1")
-        if await self.store.add(k.job_wide(self.job, "arrived"), 1) == self.world_size:
+        if await self.store.add(k.job_wide(self.job, "arrived"), 1) == self.world_size and (
+            self.rank == 0
+            or (await self.first_record(deadline or Deadline.after(None))).get("world_size")
+            in (None, self.world_size)
+        ):
             await self.store.set(k.job_wide(self.job, "ready"), b"")
 
     async def refuse(self, why: str) -> None:
@@ -188,8 +196,10 @@ class Claim:
             RendezvousError: malformed, or (ranks >= 1) rank 0 ended the job before the
                 group formed.
         """
-        await self._await(self.keys.job(self.job, "here", 0), deadline)
-        return await self.read_record(0)
+        if self.first is None:
+            await self._await(self.keys.job(self.job, "here", 0), deadline)
+            self.first = await self.read_record(0)
+        return self.first
 
     async def wait_records(self, deadline: Deadline) -> None:
         """Wait until every rank of this job has published its record (``ready``).
@@ -230,21 +240,15 @@ class Claim:
         Raises:
             RendezvousTimeout, RendezvousError: as :meth:`wait_records`.
         """
-        k = self.keys
-        step = SLICES[0]
-        while True:
-            remaining = deadline.remaining()
-            slice_ = step if remaining is None else min(step, max(remaining, 0.0))
-            step = min(2 * step, SLICES[1])
-            try:
-                return await self.store.get(key, timeout=slice_)
-            except errors.StoreTimeout:
-                pass
-            ended = await _exists(self.store, k.done(self.epoch))
+
+        async def between() -> None:
+            ended = await _exists(self.store, self.keys.done(self.epoch))
             if not ended and not deadline.expired():
                 await _check_host(self.store, job_id())
-                continue
+                return
             raise await self._never_formed(ended)
+
+        return await records.get_in_slices(self.store, key, deadline, SLICES, between)
 
     async def _never_formed(self, ended: bool) -> RendezvousTimeout:
         """The error of a wait that ended: the ranks missing (from their ``here``

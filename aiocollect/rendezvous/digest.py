@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from aiocollect import errors
 from aiocollect._deadline import Deadline
 from aiocollect.errors import RendezvousError, RendezvousTimeout
 from aiocollect.rendezvous import chunking, records
@@ -183,19 +182,9 @@ async def read(claim: Claim, deadline: Deadline) -> Digest:
         RendezvousTimeout: it did not come before ``deadline`` (naming rank 0).
     """
     store, k = claim.store, claim.keys
-    key = k.job_wide(claim.job, "digest")
-    step = SLICES[0]
-    while True:
-        remaining = deadline.remaining()
-        slice_ = step if remaining is None else min(step, max(remaining, 0.0))
-        step = min(2 * step, SLICES[1])
-        try:
-            raw = await store.get(key, timeout=slice_)
-        except errors.StoreTimeout:
-            pass
-        else:
-            return Digest.unpack(raw, claim.name, claim.job, claim.world_size)
-        who = f"rank 0 of group {claim.name!r} ({claim.holder.describe()})"
+    who = f"rank 0 of group {claim.name!r} ({claim.holder.describe()})"
+
+    async def between() -> None:
         if (await store.check([k.done(claim.epoch)]))[0]:
             why = (await store.get(k.done(claim.epoch), timeout=0)).decode(errors="replace")
             raise RendezvousError(
@@ -213,6 +202,10 @@ async def read(claim: Claim, deadline: Deadline) -> Digest:
                 "record, checked) before the deadline, though every rank had arrived",
                 [0],
             )
+
+    key = k.job_wide(claim.job, "digest")
+    raw = await records.get_in_slices(store, key, deadline, SLICES, between)
+    return Digest.unpack(raw, claim.name, claim.job, claim.world_size)
 
 
 @dataclass

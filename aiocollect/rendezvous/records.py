@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from typing import Any, Protocol, TypeVar
 
 import msgpack
@@ -99,6 +99,32 @@ class Keys:
 
     def record(self, rank: int) -> str:
         return f"{self.prefix}/rank/{rank}"
+
+
+async def get_in_slices(
+    store: Store,
+    key: str,
+    deadline: Deadline,
+    slices: tuple[float, float],
+    between: Callable[[], Awaitable[None]],
+) -> bytes:
+    """The value at ``key``, waited for in slices (doubling from ``slices[0]`` to
+    ``slices[1]``, cut at ``deadline``); after each slice that ends without it,
+    ``between()`` runs, and raises to end the wait (a job that ended, a deadline passed).
+
+    Raises:
+        Whatever ``between`` raises; StoreError: the store failed.
+    """
+    step = slices[0]
+    while True:
+        remaining = deadline.remaining()
+        slice_ = step if remaining is None else min(step, max(remaining, 0.0))
+        step = min(2 * step, slices[1])
+        try:
+            return await store.get(key, timeout=slice_)
+        except errors.StoreTimeout:
+            pass
+        await between()
 
 
 async def read_one(store: Store, keys: Keys, name: str, job: bytes, rank: int) -> dict[str, Any]:

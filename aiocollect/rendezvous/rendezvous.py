@@ -198,7 +198,7 @@ async def rendezvous(
             await claim.refuse(why)
             raise RendezvousError(why)
         reserved = linking
-        await claim.publish(record)
+        await claim.publish(record, cfg.deadline)
         view = await _read_records(claim, cfg, record, endpoint.listener, wanted)
         endpoint.chunk_bytes = cfg.chunk_bytes or view.chunk_bytes
         endpoint.pulls, endpoint.hosts = view.pulls, view.hosts

@@ -426,3 +426,18 @@ async def test_a_refusing_rank_0_waits_for_ranks_of_a_larger_world_size() -> Non
     await (await claims.claim(store, name, 3, 4, _deadline())).publish({})
     await asyncio.wait_for(waiting, 1.0)  # well within the grace (claims.REFUSAL_GRACE)
     await first.release()
+
+
+async def test_ranks_of_a_smaller_world_size_do_not_mark_rank_0s_job_ready() -> None:
+    """Rank 0 started with world size 5 publishes first, then three ranks started with 4:
+    their count reaches 4, but the job is not marked ready (rank 0 would read a record of
+    a rank 4 that never comes); they refuse it instead (``_check_first``), naming the
+    disagreement."""
+    name = _name()
+    store = MemoryStore(f"claims-{uuid.uuid4().hex}")
+    first = await claims.claim(store, name, 0, 5, _deadline())
+    await first.publish({"world_size": 5})
+    for rank in (1, 2, 3):
+        await (await claims.claim(store, name, rank, 4, _deadline())).publish({"world_size": 4})
+    assert await store.check([first.keys.job_wide(first.job, "ready")]) == [False]
+    await first.release()
