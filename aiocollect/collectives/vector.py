@@ -2,6 +2,9 @@
 
 - allgatherv (ring): an allgather of (rows, row size) per rank, then a ring allgather of
   the rows into one array. Each declared size is checked before anything is allocated.
+- allgatherv (bruck): the same two exchanges in ceil(log2 n) rounds each
+  (collectives/bruck.py); the rows by ring when they are more than
+  ``select.BRUCK_MAX_BYTES`` in all.
 - alltoallv (pairwise): an alltoall of (rows, row size) per destination, then a pairwise
   exchange of the rows straight into the output.
 
@@ -17,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import numpy as np
 
 from aiocollect._buffers import Array
-from aiocollect.collectives import direct, ring
+from aiocollect.collectives import bruck, direct, ring, select
 from aiocollect.engine.op import Op
 from aiocollect.errors import MismatchError, ProtocolError, UsageError
 
@@ -63,7 +66,13 @@ async def gather_v(
     declared = sizes.tolist()
     for r, (rows, rrow) in enumerate(declared):
         if r != o.rank and (rows < 0 or rrow < 0 or rows * max(rrow, 1) * arr.itemsize > limit):
-            via = (o.rank - 1) % n if gather is ring_gather else r  # (the ring's sender)
+            via = (
+                (o.rank - 1) % n  # (the ring's sender)
+                if gather is ring_gather
+                else bruck.source(n, o.rank, r)
+                if gather is bruck.gather
+                else r
+            )
             raise ProtocolError(
                 f"{kind} (op #{o.seq}): rank {r} declared {rows} rows of {rrow} elements of "
                 f"{arr.itemsize} bytes (at most {limit} bytes"
@@ -84,10 +93,23 @@ async def gather_v(
     return [(rows, block) for (rows, _), block in zip(declared, blocks, strict=True)]
 
 
+def small_gather(n: int) -> Gather:
+    """The :data:`Gather` the automatic choice takes for ``n`` ranks: Bruck's from
+    ``select.BRUCK_MIN_RANKS`` ranks on, else the ring's."""
+    return bruck.gather if n >= select.BRUCK_MIN_RANKS else ring_gather
+
+
 async def allgatherv(o: Op, arr: Array) -> list[Array]:
     """Every rank's ``arr`` (at least one axis; the first may differ per rank), in rank
-    order. Raises as :func:`gather_v`."""
+    order, by ring. Raises as :func:`gather_v`."""
     blocks = await gather_v(o, arr, "allgatherv")
+    return [b.reshape(rows, *arr.shape[1:]) for rows, b in blocks]
+
+
+async def allgatherv_bruck(o: Op, arr: Array) -> list[Array]:
+    """:func:`allgatherv` by Bruck's rounds (:func:`bruck.gather`). Raises as
+    :func:`gather_v`."""
+    blocks = await gather_v(o, arr, "allgatherv", gather=bruck.gather)
     return [b.reshape(rows, *arr.shape[1:]) for rows, b in blocks]
 
 

@@ -1,0 +1,84 @@
+"""Bruck's allgather: every rank's block on every rank in ceil(log2 n) rounds, for any n.
+
+Rank r keeps the blocks in a scratch rotated by r (position i holds rank ``(r + i) % n``'s
+block). In round k it sends its first ``min(2^k, n - 2^k)`` positions to rank
+``r - 2^k`` and receives as many from rank ``r + 2^k`` into positions ``2^k`` on (mod n);
+after the last round every position is filled and one rotation puts the blocks in rank
+order. Blocks may differ in size (every rank knows every size: allgatherv's rows follow
+the size exchange), and an empty range sends no frame.
+
+The partners ``r +- 2^k`` are links a group opens when it forms (the dissemination
+barrier's, ``collectives/neighbours.py``), so this opens no new sockets in a group with
+links on demand. Every round's receive is posted before the first send: a round's frames
+land in place whenever they come, and a round waits only for the one before it. Against
+the ring's ``n - 1`` steps that is ``ceil(log2 n)`` wake-ups per exchange, which wins for
+small blocks in large groups; the ring moves as many bytes, pipelined between neighbours,
+and stays the choice for large ones (``select.BRUCK_MAX_BYTES``, ``BRUCK_MIN_RANKS``).
+
+:func:`gather` is :data:`aiocollect.collectives.vector.Gather` for allgatherv's ``bruck``
+and the object gathers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import numpy as np
+
+from aiocollect._buffers import Array
+from aiocollect.collectives import ring, select
+from aiocollect.engine.op import Op
+
+#: Slots of a round: round k of an exchange based at slot s uses slot s + k.
+SIZES_SLOT = 0
+
+
+def source(n: int, rank: int, sender: int) -> int:
+    """The rank that rank ``rank`` of ``n`` receives ``sender``'s block from: the rank
+    ``2^k`` after it, for the round k whose range holds the block."""
+    d = (sender - rank) % n
+    return (rank + (1 << (d.bit_length() - 1))) % n if d else rank
+
+
+async def allgather_blocks(o: Op, blocks: Sequence[Array], slot0: int) -> None:
+    """Fill every block of ``blocks`` (flat, one dtype; ``blocks[o.rank]`` holds this
+    rank's data) from its rank, by Bruck's rounds in slots ``slot0 + k``. Returns once
+    every block is filled; this rank's frames may still be queued (``o.finish`` waits
+    for them)."""
+    n, r = o.size, o.rank
+    if n == 1:
+        return
+    mine = blocks[r]
+    sizes = [blocks[(r + i) % n].size for i in range(n)]
+    offs = [0]
+    for s in sizes:
+        offs.append(offs[-1] + s)
+    buf = np.empty(offs[-1], dtype=mine.dtype)
+    buf[: sizes[0]] = mine
+    rounds: list[tuple[int, Array, list[asyncio.Future[None]]]] = []
+    dist, k = 1, 0
+    while dist < n:
+        count = min(dist, n - dist)
+        futs = o.recv_chunks((r + dist) % n, slot0 + k, buf[offs[dist] : offs[dist + count]])
+        rounds.append(((r - dist) % n, buf[: offs[count]], futs))
+        dist <<= 1
+        k += 1
+    for k, (dst, send, futs) in enumerate(rounds):
+        await o.send_chunks(dst, slot0 + k, send)  # (filled by the rounds before this)
+        for fut in futs:
+            await fut
+    for i in range(1, n):
+        blocks[(r + i) % n][...] = buf[offs[i] : offs[i + 1]]
+
+
+async def gather(o: Op, blocks: Sequence[Array], step: int) -> None:
+    """:data:`aiocollect.collectives.vector.Gather` by Bruck: the sizes (``step`` 0)
+    always, the rows (``step`` 1) when all of them together are at most
+    ``select.BRUCK_MAX_BYTES`` (else by ring: the same choice on every rank, which all
+    know the sizes)."""
+    if step and sum(b.nbytes for b in blocks) > select.BRUCK_MAX_BYTES:
+        await ring.allgather_blocks(o, blocks, slot0=ring.AG_SLOT)
+    else:
+        await allgather_blocks(o, blocks, slot0=ring.AG_SLOT if step else SIZES_SLOT)
+    await o.finish()
