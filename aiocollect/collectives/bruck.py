@@ -29,9 +29,23 @@ import numpy as np
 from aiocollect._buffers import Array
 from aiocollect.collectives import ring, select
 from aiocollect.engine.op import Op
+from aiocollect.errors import InternalError
 
 #: Slots of a round: round k of an exchange based at slot s uses slot s + k.
 SIZES_SLOT = 0
+
+
+class Tiled(list[Array]):
+    """Blocks in rank order that tile one flat array: block i is
+    ``whole[bounds[i]:bounds[i + 1]]`` (what allgatherv exchanges: a rotation of
+    ``whole`` is Bruck's scratch, so ranges of blocks move in one piece)."""
+
+    __slots__ = ("bounds", "whole")
+
+    def __init__(self, whole: Array, bounds: Sequence[int]) -> None:
+        super().__init__(whole[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1))
+        self.whole = whole
+        self.bounds = bounds
 
 
 def source(n: int, rank: int, sender: int) -> int:
@@ -41,43 +55,51 @@ def source(n: int, rank: int, sender: int) -> int:
     return (rank + (1 << (d.bit_length() - 1))) % n if d else rank
 
 
-async def allgather_blocks(o: Op, blocks: Sequence[Array], slot0: int) -> None:
-    """Fill every block of ``blocks`` (flat, one dtype; ``blocks[o.rank]`` holds this
-    rank's data) from its rank, by Bruck's rounds in slots ``slot0 + k``. Returns once
-    every block is filled; this rank's frames may still be queued (``o.finish`` waits
-    for them)."""
+async def allgather_blocks(o: Op, blocks: Tiled, slot0: int) -> None:
+    """Fill every block of ``blocks`` from its rank (``blocks[o.rank]`` holds this rank's
+    data), by Bruck's rounds in slots ``slot0 + k``. Returns once every block is filled;
+    this rank's frames may still be queued (``o.finish`` waits for them)."""
     n, r = o.size, o.rank
     if n == 1:
         return
-    mine = blocks[r]
-    sizes = [blocks[(r + i) % n].size for i in range(n)]
-    offs = [0]
-    for s in sizes:
-        offs.append(offs[-1] + s)
-    buf = np.empty(offs[-1], dtype=mine.dtype)
-    buf[: sizes[0]] = mine
+    whole, bounds = blocks.whole, blocks.bounds
+    total, base = int(bounds[n]), int(bounds[r])
+
+    def at(i: int) -> int:
+        """Where position i (rank ``(r + i) % n``'s block) starts in the scratch."""
+        j = r + i
+        return int(bounds[j]) - base if j <= n else int(bounds[j - n]) + total - base
+
+    buf = np.empty(total, dtype=whole.dtype)
+    buf[: at(1)] = blocks[r]
     rounds: list[tuple[int, Array, list[asyncio.Future[None]]]] = []
     dist, k = 1, 0
     while dist < n:
         count = min(dist, n - dist)
-        futs = o.recv_chunks((r + dist) % n, slot0 + k, buf[offs[dist] : offs[dist + count]])
-        rounds.append(((r - dist) % n, buf[: offs[count]], futs))
+        futs = o.recv_chunks((r + dist) % n, slot0 + k, buf[at(dist) : at(dist + count)])
+        rounds.append(((r - dist) % n, buf[: at(count)], futs))
         dist <<= 1
         k += 1
     for k, (dst, send, futs) in enumerate(rounds):
         await o.send_chunks(dst, slot0 + k, send)  # (filled by the rounds before this)
         for fut in futs:
             await fut
-    for i in range(1, n):
-        blocks[(r + i) % n][...] = buf[offs[i] : offs[i + 1]]
+    whole[base:] = buf[: total - base]  # (rotated back: rank order)
+    whole[:base] = buf[total - base :]
 
 
 async def gather(o: Op, blocks: Sequence[Array], step: int) -> None:
-    """:data:`aiocollect.collectives.vector.Gather` by Bruck: the sizes (``step`` 0)
-    always, the rows (``step`` 1) when all of them together are at most
-    ``select.BRUCK_MAX_BYTES`` (else by ring: the same choice on every rank, which all
-    know the sizes)."""
-    if step and sum(b.nbytes for b in blocks) > select.BRUCK_MAX_BYTES:
+    """:data:`aiocollect.collectives.vector.Gather` by Bruck, for ``blocks`` a
+    :class:`Tiled`: the sizes (``step`` 0) always, the rows (``step`` 1) when all of them
+    together are at most ``select.BRUCK_MAX_BYTES`` (else by ring: the same choice on
+    every rank, which all know the sizes).
+
+    Raises:
+        InternalError: ``blocks`` is not a :class:`Tiled`.
+    """
+    if not isinstance(blocks, Tiled):
+        raise InternalError("Bruck's allgather needs blocks that tile one array")
+    if step and blocks.whole.nbytes > select.BRUCK_MAX_BYTES:
         await ring.allgather_blocks(o, blocks, slot0=ring.AG_SLOT)
     else:
         await allgather_blocks(o, blocks, slot0=ring.AG_SLOT if step else SIZES_SLOT)

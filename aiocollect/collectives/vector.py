@@ -38,7 +38,8 @@ def _host_memory() -> int:
 
 #: One exchange of :func:`gather_v`: ``(op, blocks, step)`` fills every block of
 #: ``blocks`` from its rank (``blocks[op.rank]`` holds this rank's) and returns once all
-#: have landed; ``step`` 0 exchanges the sizes, 1 the rows.
+#: have landed; ``step`` 0 exchanges the sizes, 1 the rows. The blocks are a
+#: ``bruck.Tiled``: they tile one flat array in rank order.
 Gather = Callable[[Op, Sequence[Array], int], Awaitable[None]]
 
 
@@ -58,39 +59,43 @@ async def gather_v(
     (no real rank sends that); rows of another size than this rank's are a
     MismatchError."""
     limit = _host_memory() if limit is None else limit
-    n = o.size
+    n, me, itemsize = o.size, o.rank, arr.itemsize
     row = int(np.prod(arr.shape[1:]))
     sizes = np.zeros((n, 2), dtype=_I64)
-    sizes[o.rank] = (arr.shape[0], row)
-    await gather(o, list(sizes), 0)
-    declared = sizes.tolist()
-    for r, (rows, rrow) in enumerate(declared):
-        if r != o.rank and (rows < 0 or rrow < 0 or rows * max(rrow, 1) * arr.itemsize > limit):
-            via = (
-                (o.rank - 1) % n  # (the ring's sender)
-                if gather is ring_gather
-                else bruck.source(n, o.rank, r)
-                if gather is bruck.gather
-                else r
-            )
-            raise ProtocolError(
-                f"{kind} (op #{o.seq}): rank {r} declared {rows} rows of {rrow} elements of "
-                f"{arr.itemsize} bytes (at most {limit} bytes"
-                + ("" if via == r else f"; received from rank {via}")
-                + ")"
-            )
-    for r, (_, rrow) in enumerate(declared):
-        if rrow != row:
-            raise MismatchError(
-                f"{kind}: rank {r} sent rows of {rrow} elements, rank {o.rank} "
-                f"rows of {row} (shape {arr.shape})"
-            )
-    bounds = np.concatenate([[0], np.cumsum(sizes[:, 0] * row)])
-    total = np.empty(int(bounds[-1]), dtype=arr.dtype)
-    blocks = [total[bounds[i] : bounds[i + 1]] for i in range(n)]
-    blocks[o.rank][...] = arr.reshape(-1)
+    sizes[me] = (arr.shape[0], row)
+    await gather(o, bruck.Tiled(sizes.reshape(-1), range(0, 2 * n + 1, 2)), 0)
+    rows, rrows = sizes[:, 0], sizes[:, 1]
+    # rows * max(rrow, 1) * itemsize > limit, without overflow (the factor clamped)
+    per = np.minimum(np.maximum(rrows, 1), limit // itemsize + 1) * itemsize
+    bad = (rows < 0) | (rrows < 0) | (rows > limit // per)
+    bad[me] = False
+    if bad.any():
+        r = int(np.argmax(bad))
+        via = (
+            (me - 1) % n  # (the ring's sender)
+            if gather is ring_gather
+            else bruck.source(n, me, r)
+            if gather is bruck.gather
+            else r
+        )
+        raise ProtocolError(
+            f"{kind} (op #{o.seq}): rank {r} declared {int(rows[r])} rows of {int(rrows[r])} "
+            f"elements of {itemsize} bytes (at most {limit} bytes"
+            + ("" if via == r else f"; received from rank {via}")
+            + ")"
+        )
+    if (rrows != row).any():
+        r = int(np.argmax(rrows != row))
+        raise MismatchError(
+            f"{kind}: rank {r} sent rows of {int(rrows[r])} elements, rank {me} "
+            f"rows of {row} (shape {arr.shape})"
+        )
+    bounds = np.zeros(n + 1, dtype=_I64)
+    np.cumsum(rows * row, out=bounds[1:])
+    blocks = bruck.Tiled(np.empty(int(bounds[-1]), dtype=arr.dtype), bounds.tolist())
+    blocks[me][...] = arr.reshape(-1)
     await gather(o, blocks, 1)
-    return [(rows, block) for (rows, _), block in zip(declared, blocks, strict=True)]
+    return list(zip(rows.tolist(), blocks, strict=True))
 
 
 def small_gather(n: int) -> Gather:
