@@ -16,7 +16,8 @@ small blocks in large groups; the ring moves as many bytes, pipelined between ne
 and stays the choice for large ones (``select.BRUCK_MAX_BYTES``, ``BRUCK_MIN_RANKS``).
 
 :func:`gather` is :data:`aiocollect.collectives.vector.Gather` for allgatherv's ``bruck``
-and the object gathers.
+and the object gathers; :func:`allgather_rows` gathers one fixed-size row per rank
+(``split``'s colors and keys).
 """
 
 from __future__ import annotations
@@ -55,14 +56,14 @@ def source(n: int, rank: int, sender: int) -> int:
     return (rank + (1 << (d.bit_length() - 1))) % n if d else rank
 
 
-async def allgather_blocks(o: Op, blocks: Tiled, slot0: int) -> None:
-    """Fill every block of ``blocks`` from its rank (``blocks[o.rank]`` holds this rank's
-    data), by Bruck's rounds in slots ``slot0 + k``. Returns once every block is filled;
-    this rank's frames may still be queued (``o.finish`` waits for them)."""
+async def allgather_flat(o: Op, whole: Array, bounds: Sequence[int], slot0: int) -> None:
+    """Fill every rank's block of the flat ``whole`` (rank i's is
+    ``whole[bounds[i]:bounds[i + 1]]``; this rank's holds its data) from its rank, by
+    Bruck's rounds in slots ``slot0 + k``. Returns once every block is filled; this
+    rank's frames may still be queued (``o.finish`` waits for them)."""
     n, r = o.size, o.rank
     if n == 1:
         return
-    whole, bounds = blocks.whole, blocks.bounds
     total, base = int(bounds[n]), int(bounds[r])
 
     def at(i: int) -> int:
@@ -71,7 +72,7 @@ async def allgather_blocks(o: Op, blocks: Tiled, slot0: int) -> None:
         return int(bounds[j]) - base if j <= n else int(bounds[j - n]) + total - base
 
     buf = np.empty(total, dtype=whole.dtype)
-    buf[: at(1)] = blocks[r]
+    buf[: at(1)] = whole[base : int(bounds[r + 1])]
     rounds: list[tuple[int, Array, list[asyncio.Future[None]]]] = []
     dist, k = 1, 0
     while dist < n:
@@ -88,6 +89,17 @@ async def allgather_blocks(o: Op, blocks: Tiled, slot0: int) -> None:
     whole[:base] = buf[total - base :]
 
 
+async def allgather_rows(o: Op, mine: Array) -> Array:
+    """Every rank's ``mine`` (flat, of one size and dtype on every rank) as the rows of
+    an array, in rank order, by Bruck's rounds."""
+    n, size = o.size, mine.size
+    out = np.empty((n, size), dtype=mine.dtype)
+    out[o.rank] = mine
+    await allgather_flat(o, out.reshape(-1), range(0, n * size + 1, size), SIZES_SLOT)
+    await o.finish()
+    return out
+
+
 async def gather(o: Op, blocks: Sequence[Array], step: int) -> None:
     """:data:`aiocollect.collectives.vector.Gather` by Bruck, for ``blocks`` a
     :class:`Tiled`: the sizes (``step`` 0) always, the rows (``step`` 1) when all of them
@@ -102,5 +114,6 @@ async def gather(o: Op, blocks: Sequence[Array], step: int) -> None:
     if step and blocks.whole.nbytes > select.BRUCK_MAX_BYTES:
         await ring.allgather_blocks(o, blocks, slot0=ring.AG_SLOT)
     else:
-        await allgather_blocks(o, blocks, slot0=ring.AG_SLOT if step else SIZES_SLOT)
+        slot0 = ring.AG_SLOT if step else SIZES_SLOT
+        await allgather_flat(o, blocks.whole, blocks.bounds, slot0)
     await o.finish()

@@ -156,12 +156,12 @@ async def test_mismatched_rows() -> None:
 async def test_malformed_sizes_are_a_protocol_error() -> None:
     """Rank 2 declares -5 rows: every rank that reads it raises ProtocolError naming
     it (and the rank it came through), before anything is allocated; the group breaks."""
-    real = bruck.allgather_blocks
+    real = bruck.allgather_flat
 
-    async def lying(o: Any, blocks: Any, slot0: int) -> None:
+    async def lying(o: Any, whole: Any, bounds: Any, slot0: int) -> None:
         if o.rank == 2 and slot0 == bruck.SIZES_SLOT:
-            blocks[2][0] = -5
-        await real(o, blocks, slot0)
+            whole[bounds[2]] = -5  # (rank 2's rows)
+        await real(o, whole, bounds, slot0)
 
     async def body(g: ac.Group) -> list[Any]:
         first = await _outcome(lambda: g.allgatherv(_rows(g.rank), algorithm="bruck"))
@@ -169,7 +169,7 @@ async def test_malformed_sizes_are_a_protocol_error() -> None:
         later = await _outcome(g.barrier)
         return [first, later, time.monotonic() - started]
 
-    with mock.patch.object(bruck, "allgather_blocks", lying):
+    with mock.patch.object(bruck, "allgather_flat", lying):
         res = await run_ranks(9, body, transport="tcp", timeout=10)
     for rank, (first, later, took) in enumerate(res):
         if rank == 2:
@@ -207,3 +207,56 @@ async def test_in_flight_on_one_loop_with_asyncio_gather() -> None:
         assert b == [-r for r in range(g.world_size)]
 
     await run_ranks(17, body, timeout=20)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 17])
+async def test_split_exact(n: int) -> None:
+    """Colors (some ranks opting out), keys with ties and extremes: each sub-group holds
+    its color's ranks ordered by key then rank, and runs a collective."""
+
+    def color(r: int) -> int | None:
+        return None if r % 5 == 4 else (0, 1 << 62, (1 << 63) - 1)[r % 3]
+
+    def key(r: int) -> int:
+        return (-(1 << 63), 7, (1 << 63) - 1, 7)[r % 4]
+
+    async def body(g: ac.Group) -> list[int] | None:
+        sub = await g.split(color(g.rank), key=key(g.rank))
+        if sub is None:
+            return None
+        x = np.full(1, g.rank, np.int64)
+        await sub.allreduce(x)
+        members = await sub.allgather_object(g.rank)
+        assert x[0] == sum(members)
+        assert members[sub.rank] == g.rank
+        return list(members)
+
+    for rank, members in enumerate(await run_ranks(n, body, timeout=20)):
+        c = color(rank)
+        if c is None:
+            assert members is None
+        else:
+            want = sorted((key(r), r) for r in range(n) if color(r) == c)
+            assert members == [r for _, r in want]
+
+
+@pytest.mark.parametrize(
+    ("color", "key"), [(-1, 0), (1 << 63, 0), (0, 1 << 63), (0, -(1 << 63) - 1), (0, 1.0)]
+)
+async def test_split_usage(color: Any, key: Any) -> None:
+    async def body(g: ac.Group) -> None:
+        with pytest.raises(ac.UsageError):
+            g.split(color, key=key)
+
+    await run_ranks(2, body, timeout=10)
+
+
+async def test_split_against_allgather_object_is_a_mismatch() -> None:
+    async def body(g: ac.Group) -> Any:
+        if g.rank == 1:
+            return await _outcome(lambda: g.allgather_object([0, 0]))
+        return await _outcome(lambda: g.split(0))
+
+    res = await run_ranks(4, body, timeout=10)
+    assert any(isinstance(e, errors.MismatchError) for e in res), res
+    assert all(isinstance(e, errors.MismatchError | ac.GroupBrokenError) for e in res), res
