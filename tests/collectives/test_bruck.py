@@ -68,6 +68,14 @@ async def test_exact_over_the_default_transport() -> None:
     await run_ranks(6, _every_gather, None, transport="auto", timeout=20)
 
 
+async def test_no_rows_anywhere() -> None:
+    async def body(g: ac.Group) -> None:
+        got = await g.allgatherv(np.zeros((0, 2), np.float32), algorithm="bruck")
+        assert [b.shape for b in got] == [(0, 2)] * g.world_size
+
+    await run_ranks(5, body, transport="tcp", timeout=20)
+
+
 @pytest.mark.parametrize("n", [4, 9])
 async def test_rows_above_the_limit_go_by_ring_and_stay_exact(n: int) -> None:
     """A whole result over ``BRUCK_MAX_BYTES``: sizes by Bruck, rows by ring."""
