@@ -7,8 +7,8 @@ is the union of the partners of every algorithm that talks to neighbours only:
 - ring (allreduce, allgather, reduce_scatter, allgatherv, the object gathers) and the
   pipelined broadcast: ``r - 1`` and
   ``r + 1``;
-- dissemination barrier and binomial trees (broadcast, reduce, broadcast_object) from
-  any root: ``r + 2^k``
+- dissemination barrier, Bruck's allgather (allgatherv, the object gathers) and
+  binomial trees (broadcast, reduce, broadcast_object) from any root: ``r + 2^k``
   and ``r - 2^k`` (mod n), ``2^k < n``;
 - recursive doubling and halving-doubling: the folding pair and the partners
   ``v xor 2^k`` of the active ranks.
@@ -34,7 +34,7 @@ _NEIGHBOUR_ALGORITHMS: dict[Collective, tuple[str, ...]] = {
     Collective.REDUCE: ("binomial",),
     Collective.ALLGATHER: ("ring",),
     Collective.REDUCE_SCATTER: ("ring",),
-    Collective.ALLGATHERV: ("ring",),
+    Collective.ALLGATHERV: ("ring", "bruck"),
     Collective.BARRIER: ("dissemination",),
 }
 
@@ -44,7 +44,7 @@ NEIGHBOUR_CODES: frozenset[int] = frozenset(
     int(coll) | ALGORITHM_CODES[coll][name] << 5
     for coll, names in _NEIGHBOUR_ALGORITHMS.items()
     for name in names
-) | {int(Collective.OBJECT)}  # (the object collectives: binomial tree and ring)
+) | {int(Collective.OBJECT)}  # (the object collectives: binomial tree, ring and Bruck)
 
 
 #: The collective fields of the two-level operations (``collectives/hierarchical.py``):

@@ -4,8 +4,9 @@ by the array algorithms, sizes first.
 - broadcast: the root's size by binomial tree, checked against ``MAX_OBJECT_BYTES`` on
   every receiver before anything is allocated, then the bytes by binomial tree.
 - gather (allgather_object, gather_object): allgatherv of the serialised values
-  (``vector.gather_v`` with ``MAX_OBJECT_BYTES`` as the limit), decoded on every rank or
-  on the root only.
+  (``vector.gather_v`` with ``MAX_OBJECT_BYTES`` as the limit; by Bruck's rounds from
+  ``select.BRUCK_MIN_RANKS`` ranks on, else by ring: ``vector.small_gather``), decoded on every
+  rank or on the root only.
 
 Decoding failures are ProtocolError naming the rank the bytes came from.
 """
@@ -64,7 +65,8 @@ async def gather(
     Raises:
         ProtocolError: a declared size or a value is not what a real rank sends.
     """
-    blocks = await vector.gather_v(o, payload, kind, objects.MAX_OBJECT_BYTES)
+    gather = vector.small_gather(o.size)
+    blocks = await vector.gather_v(o, payload, kind, objects.MAX_OBJECT_BYTES, gather)
     if root is not None and o.rank != root:
         return None
     return [

@@ -199,7 +199,12 @@ ALLTOALL: Registry[[Op, Sequence[Array], Sequence[Array]], None] = Registry(
 #: (arr) -> every rank's arr, in rank order.
 ALLGATHERV: Registry[[Op, Array], list[Array]] = Registry(
     Collective.ALLGATHERV,
-    [Algorithm("ring", vector.allgatherv), Algorithm("two_level", hierarchical.allgatherv)],
+    [
+        Algorithm("ring", vector.allgatherv),
+        Algorithm("bruck", vector.allgatherv_bruck),
+        Algorithm("two_level", hierarchical.allgatherv),
+    ],
+    select.allgatherv,
 )
 #: (arr, counts, out or None) -> the blocks received, in rank order.
 ALLTOALLV: Registry[[Op, Array, list[int], Array | None], list[Array]] = Registry(

@@ -45,6 +45,13 @@ TWO_RANK_PULL_MIN = 16 * 1024 * 1024
 #: A broadcast of three or more ranks reads the root's buffer from here up (binomial was
 #: faster at 1 MiB, the pull from 4 MiB at four ranks).
 PULL_BROADCAST_MIN = 4 * 1024 * 1024
+#: allgatherv and the object gathers exchange sizes and values by Bruck's log-step rounds
+#: (collectives/bruck.py) from this many ranks on, by ring below (docs/algorithms.md,
+#: "allgatherv": the measured crossover).
+BRUCK_MIN_RANKS = 4
+#: Bruck's rounds carry the rows while all of them together are at most this many bytes;
+#: larger results go by ring, pipelined between neighbours.
+BRUCK_MAX_BYTES = 64 * 1024
 
 
 def star(n: int, one_thread: bool) -> bool:
@@ -101,3 +108,9 @@ def allgather(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False
 def reduce_scatter(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False) -> str:
     """``nbytes``: the input."""
     return _pull_or_by_block(nbytes, n, pulls, PULL_MIN)
+
+
+def allgatherv(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False) -> str:
+    """``nbytes``: unknown at the call (0): the rows' sizes are exchanged first, and
+    ``bruck`` sends large rows by ring (:data:`BRUCK_MAX_BYTES`)."""
+    return "bruck" if n >= BRUCK_MIN_RANKS else "ring"

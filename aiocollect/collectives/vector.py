@@ -2,6 +2,9 @@
 
 - allgatherv (ring): an allgather of (rows, row size) per rank, then a ring allgather of
   the rows into one array. Each declared size is checked before anything is allocated.
+- allgatherv (bruck): the same two exchanges in ceil(log2 n) rounds each
+  (collectives/bruck.py); the rows by ring when they are more than
+  ``select.BRUCK_MAX_BYTES`` in all.
 - alltoallv (pairwise): an alltoall of (rows, row size) per destination, then a pairwise
   exchange of the rows straight into the output.
 
@@ -17,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import numpy as np
 
 from aiocollect._buffers import Array
-from aiocollect.collectives import direct, ring
+from aiocollect.collectives import bruck, direct, ring, select
 from aiocollect.engine.op import Op
 from aiocollect.errors import MismatchError, ProtocolError, UsageError
 
@@ -35,7 +38,8 @@ def _host_memory() -> int:
 
 #: One exchange of :func:`gather_v`: ``(op, blocks, step)`` fills every block of
 #: ``blocks`` from its rank (``blocks[op.rank]`` holds this rank's) and returns once all
-#: have landed; ``step`` 0 exchanges the sizes, 1 the rows.
+#: have landed; ``step`` 0 exchanges the sizes, 1 the rows. The blocks are a
+#: ``bruck.Tiled``: they tile one flat array in rank order.
 Gather = Callable[[Op, Sequence[Array], int], Awaitable[None]]
 
 
@@ -55,39 +59,62 @@ async def gather_v(
     (no real rank sends that); rows of another size than this rank's are a
     MismatchError."""
     limit = _host_memory() if limit is None else limit
-    n = o.size
+    n, me, itemsize = o.size, o.rank, arr.itemsize
     row = int(np.prod(arr.shape[1:]))
     sizes = np.zeros((n, 2), dtype=_I64)
-    sizes[o.rank] = (arr.shape[0], row)
-    await gather(o, list(sizes), 0)
-    declared = sizes.tolist()
-    for r, (rows, rrow) in enumerate(declared):
-        if r != o.rank and (rows < 0 or rrow < 0 or rows * max(rrow, 1) * arr.itemsize > limit):
-            via = (o.rank - 1) % n if gather is ring_gather else r  # (the ring's sender)
-            raise ProtocolError(
-                f"{kind} (op #{o.seq}): rank {r} declared {rows} rows of {rrow} elements of "
-                f"{arr.itemsize} bytes (at most {limit} bytes"
-                + ("" if via == r else f"; received from rank {via}")
-                + ")"
-            )
-    for r, (_, rrow) in enumerate(declared):
-        if rrow != row:
-            raise MismatchError(
-                f"{kind}: rank {r} sent rows of {rrow} elements, rank {o.rank} "
-                f"rows of {row} (shape {arr.shape})"
-            )
-    bounds = np.concatenate([[0], np.cumsum(sizes[:, 0] * row)])
-    total = np.empty(int(bounds[-1]), dtype=arr.dtype)
-    blocks = [total[bounds[i] : bounds[i + 1]] for i in range(n)]
-    blocks[o.rank][...] = arr.reshape(-1)
+    sizes[me] = (arr.shape[0], row)
+    await gather(o, bruck.Tiled(sizes.reshape(-1), range(0, 2 * n + 1, 2)), 0)
+    rows, rrows = sizes[:, 0], sizes[:, 1]
+    # rows * max(rrow, 1) * itemsize > limit, without overflow (the factor clamped)
+    per = np.minimum(np.maximum(rrows, 1), limit // itemsize + 1) * itemsize
+    bad = (rows < 0) | (rrows < 0) | (rows > limit // per)
+    bad[me] = False
+    if bad.any():
+        r = int(np.argmax(bad))
+        via = (
+            (me - 1) % n  # (the ring's sender)
+            if gather is ring_gather
+            else bruck.source(n, me, r)
+            if gather is bruck.gather
+            else r
+        )
+        raise ProtocolError(
+            f"{kind} (op #{o.seq}): rank {r} declared {int(rows[r])} rows of {int(rrows[r])} "
+            f"elements of {itemsize} bytes (at most {limit} bytes"
+            + ("" if via == r else f"; received from rank {via}")
+            + ")"
+        )
+    if (rrows != row).any():
+        r = int(np.argmax(rrows != row))
+        raise MismatchError(
+            f"{kind}: rank {r} sent rows of {int(rrows[r])} elements, rank {me} "
+            f"rows of {row} (shape {arr.shape})"
+        )
+    bounds = np.zeros(n + 1, dtype=_I64)
+    np.cumsum(rows * row, out=bounds[1:])
+    blocks = bruck.Tiled(np.empty(int(bounds[-1]), dtype=arr.dtype), bounds.tolist())
+    blocks[me][...] = arr.reshape(-1)
     await gather(o, blocks, 1)
-    return [(rows, block) for (rows, _), block in zip(declared, blocks, strict=True)]
+    return list(zip(rows.tolist(), blocks, strict=True))
+
+
+def small_gather(n: int) -> Gather:
+    """The :data:`Gather` the automatic choice takes for ``n`` ranks: Bruck's from
+    ``select.BRUCK_MIN_RANKS`` ranks on, else the ring's."""
+    return bruck.gather if n >= select.BRUCK_MIN_RANKS else ring_gather
 
 
 async def allgatherv(o: Op, arr: Array) -> list[Array]:
     """Every rank's ``arr`` (at least one axis; the first may differ per rank), in rank
-    order. Raises as :func:`gather_v`."""
+    order, by ring. Raises as :func:`gather_v`."""
     blocks = await gather_v(o, arr, "allgatherv")
+    return [b.reshape(rows, *arr.shape[1:]) for rows, b in blocks]
+
+
+async def allgatherv_bruck(o: Op, arr: Array) -> list[Array]:
+    """:func:`allgatherv` by Bruck's rounds (:func:`bruck.gather`). Raises as
+    :func:`gather_v`."""
+    blocks = await gather_v(o, arr, "allgatherv", gather=bruck.gather)
     return [b.reshape(rows, *arr.shape[1:]) for rows, b in blocks]
 
 

@@ -12,12 +12,24 @@ import asyncio
 import zlib
 from typing import Any
 
+import numpy as np
+
+from aiocollect._buffers import Array
+from aiocollect.collectives import bruck
+from aiocollect.engine.op import Op
 from aiocollect.errors import ProtocolError, UsageError
+from aiocollect.fingerprint import pack
 from aiocollect.group.blocks import Blocks
 from aiocollect.group.collectives import InPlace
 from aiocollect.group.core import GroupCore
 from aiocollect.group.objects import ObjectCollectives
 from aiocollect.group.p2p import PointToPoint
+from aiocollect.types import Collective
+
+#: The root field of split's fingerprint: an object collective that is neither
+#: ``allgather_object`` (-1) nor one with a root (>= 0), so that a rank calling split
+#: where its peers call either gets MismatchError.
+SPLIT_ROOT = -2
 
 
 class Group(InPlace, Blocks, ObjectCollectives, PointToPoint):
@@ -108,8 +120,9 @@ class Group(InPlace, Blocks, ObjectCollectives, PointToPoint):
         numbers, run concurrently with it and close with it.
 
         Args:
-            color: a non-negative int naming the sub-group, or None to opt out.
-            key: orders the ranks within the sub-group (ties: by rank).
+            color: an int in [0, 2**63) naming the sub-group, or None to opt out.
+            key: an int in [-2**63, 2**63) that orders the ranks within the sub-group
+                (ties: by rank).
             timeout: seconds before the handle fails with PeerTimeout (default: the
                 group's).
 
@@ -126,36 +139,39 @@ class Group(InPlace, Blocks, ObjectCollectives, PointToPoint):
             PeerTimeout: (the handle) no progress before the deadline.
         """
         if color is not None and (
-            isinstance(color, bool) or not isinstance(color, int) or color < 0
+            isinstance(color, bool) or not isinstance(color, int) or not 0 <= color < 1 << 63
         ):
-            raise UsageError(f"color must be a non-negative int or None, got {color!r}")
-        if isinstance(key, bool) or not isinstance(key, int):
-            raise UsageError(f"key must be an int, got {key!r}")
+            raise UsageError(f"color must be an int in [0, 2**63) or None, got {color!r}")
+        if isinstance(key, bool) or not isinstance(key, int) or not -(1 << 63) <= key < 1 << 63:
+            raise UsageError(f"key must be an int in [-2**63, 2**63), got {key!r}")
         split_seq = self._seq
-        task = self.allgather_object([color, key], timeout=timeout)
+        mine = np.array([-1 if color is None else color, key], dtype=np.int64)
+        fp = pack(Collective.OBJECT, mine, count=0, root=SPLIT_ROOT)
+
+        async def gather(o: Op) -> Array:
+            return await bruck.allgather_rows(o, mine)
+
+        task = self._start("split", fp, gather, timeout)
         root: GroupCore = self
         while root._parent is not None:
             root = root._parent
 
         async def make() -> Group | None:
             entries = await task
-            for r, entry in enumerate(entries):
-                if not (
-                    type(entry) is list
-                    and len(entry) == 2
-                    and type(entry[1]) is int
-                    and (entry[0] is None or type(entry[0]) is int)
-                ):
-                    # a malformed (color, key) from a peer: break the group like in an op
-                    raise self._fabric.cause(
-                        ProtocolError(
-                            f"split (op #{split_seq}): rank {r} sent a malformed color and key"
-                        )
+            colors = entries[:, 0]
+            if (colors < -1).any():
+                # a malformed color from a peer: break the group like in an op
+                r = int(np.argmax(colors < -1))
+                raise self._fabric.cause(
+                    ProtocolError(
+                        f"split (op #{split_seq}): rank {r} sent a malformed color and key"
                     )
+                )
             if color is None:
                 return None
-            members = sorted((k, r) for r, (c, k) in enumerate(entries) if c == color)
-            ranks = [self._ranks[r] for _, r in members]
+            same = np.flatnonzero(colors == color)  # (in rank order: ties by rank)
+            order = same[np.argsort(entries[same, 1], kind="stable")]
+            ranks = [self._ranks[r] for r in order.tolist()]
             gid = zlib.crc32(f"{self._gid}/{split_seq}/{color}".encode()) or 1
             child = Group(
                 self._fabric,

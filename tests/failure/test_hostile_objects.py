@@ -31,7 +31,7 @@ import pytest
 
 import aiocollect as ac
 from aiocollect import errors, objects
-from aiocollect.collectives import doubling, registry
+from aiocollect.collectives import bruck, doubling, registry
 from aiocollect.collectives.ring import AG_SLOT
 from aiocollect.fingerprint import pack
 from aiocollect.store import MemoryStore
@@ -531,22 +531,23 @@ async def test_unexpected_exception_in_a_schedule_is_wrapped_and_breaks_the_grou
     _check_wrapped(res, [1], ZeroDivisionError, "allreduce")
 
 
-async def _split_with_hostile_rank(g: ac.Group, crafted: bytes) -> list[Any]:
-    if g.rank == 2:
-        with mock.patch.object(objects, "dumps", return_value=crafted):
-            handle = g.split(0)
-    else:
-        handle = g.split(0)
-    return await _two_calls(g, lambda _g: handle)
+async def _split_with_hostile_rank(g: ac.Group) -> list[Any]:
+    return await _two_calls(g, lambda _g: g.split(0))
 
 
 async def test_hostile_split_entry_breaks_the_group(loop_errors: list[Any]) -> None:
-    """split's (color, key) pairs travel by allgather_object: a rank sending something
-    else is a ProtocolError where it is read, and the group breaks everywhere."""
-    crafted = objects.dumps(["not a color", 0], False)
-    res = await run_ranks(
-        3, _split_with_hostile_rank, crafted, transport="tcp", timeout=GROUP_TIMEOUT
-    )
+    """split's (color, key) pairs travel as int64 rows (bruck.allgather_rows): a rank
+    sending a color no real rank sends (below -1, which is None) is a ProtocolError where
+    it is read, and the group breaks everywhere."""
+    real = bruck.allgather_rows
+
+    async def lying(o: Any, mine: Any) -> Any:
+        if o.rank == 2:
+            mine = np.array([-7, 0], np.int64)
+        return await real(o, mine)
+
+    with mock.patch.object(bruck, "allgather_rows", lying):
+        res = await run_ranks(3, _split_with_hostile_rank, transport="tcp", timeout=GROUP_TIMEOUT)
     firsts = [first for first, _, _ in res]
     assert any(isinstance(f, errors.ProtocolError) for f in firsts), firsts
     for first, later, took in res:

@@ -55,4 +55,11 @@ async def sweep_algorithms(g: ac.Group, dtypes: list[Any] | None = None) -> int:
             got = await g.alltoallv(send, counts)
             for x in range(n):
                 np.testing.assert_array_equal(got[x], data(x * 10 + r, (x + r + count) % 3, dtype))
+            for alg in REGISTRIES["allgatherv"].names:  # (ragged: some ranks send no rows)
+                gv = await g.allgatherv(data(r, (r + count) % 3, dtype), algorithm=alg)
+                for x in range(n):
+                    np.testing.assert_array_equal(
+                        gv[x], data(x, (x + count) % 3, dtype), f"allgatherv[{alg}]"
+                    )
+                checked += 1
     return checked
