@@ -48,7 +48,7 @@ ALGORITHM_CODES: dict[Collective, dict[str, int]] = {
     },
     Collective.BROADCAST: {"binomial": 0, "pipeline": 1, "pull": 2, "two_level": 3},
     Collective.REDUCE: {"binomial": 0, "two_level": 1},
-    Collective.ALLGATHER: {"ring": 0, "direct": 1, "pull": 2, "two_level": 3},
+    Collective.ALLGATHER: {"ring": 0, "direct": 1, "pull": 2, "two_level": 3, "bruck": 4},
     Collective.ALLGATHERV: {"ring": 0, "two_level": 1, "bruck": 2},
     Collective.REDUCE_SCATTER: {"ring": 0, "direct": 1, "pull": 2, "two_level": 3},
     Collective.GATHER: {"direct": 0},

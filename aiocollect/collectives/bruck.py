@@ -100,6 +100,20 @@ async def allgather_rows(o: Op, mine: Array) -> Array:
     return out
 
 
+async def allgather(o: Op, send: Array, blocks: Sequence[Array]) -> None:
+    """The fixed-size allgather (``send`` flat, into ``blocks``, block i from rank i) by
+    Bruck's rounds, through one flat scratch of every block (one copy in and out: it is
+    chosen for small blocks in large groups, ``select.allgather``)."""
+    n, size = o.size, send.size
+    whole = np.empty(n * size, dtype=send.dtype)
+    whole[o.rank * size : (o.rank + 1) * size] = send
+    await allgather_flat(o, whole, range(0, n * size + 1, size), SIZES_SLOT)
+    for i, block in enumerate(blocks):
+        if i != o.rank:
+            block[...] = whole[i * size : (i + 1) * size].reshape(block.shape)
+    blocks[o.rank][...] = send.reshape(blocks[o.rank].shape)
+
+
 async def gather(o: Op, blocks: Sequence[Array], step: int) -> None:
     """:data:`aiocollect.collectives.vector.Gather` by Bruck, for ``blocks`` a
     :class:`Tiled`: the sizes (``step`` 0) always, the rows (``step`` 1) when all of them

@@ -7,7 +7,7 @@ is the union of the partners of every algorithm that talks to neighbours only:
 - ring (allreduce, allgather, reduce_scatter, allgatherv, the object gathers) and the
   pipelined broadcast: ``r - 1`` and
   ``r + 1``;
-- dissemination barrier, Bruck's allgather (allgatherv, the object gathers) and
+- dissemination barrier, Bruck's allgather (allgather, allgatherv, the object gathers) and
   binomial trees (broadcast, reduce, broadcast_object) from any root: ``r + 2^k``
   and ``r - 2^k`` (mod n), ``2^k < n``;
 - recursive doubling and halving-doubling: the folding pair and the partners
@@ -32,7 +32,7 @@ _NEIGHBOUR_ALGORITHMS: dict[Collective, tuple[str, ...]] = {
     Collective.ALLREDUCE: ("ring", "recursive_doubling", "halving_doubling"),
     Collective.BROADCAST: ("binomial", "pipeline"),
     Collective.REDUCE: ("binomial",),
-    Collective.ALLGATHER: ("ring",),
+    Collective.ALLGATHER: ("ring", "bruck"),
     Collective.REDUCE_SCATTER: ("ring",),
     Collective.ALLGATHERV: ("ring", "bruck"),
     Collective.BARRIER: ("dissemination",),

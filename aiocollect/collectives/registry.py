@@ -20,6 +20,7 @@ import numpy as np
 from aiocollect._buffers import Array
 from aiocollect.collectives import (
     barrier,
+    bruck,
     direct,
     doubling,
     hierarchical,
@@ -169,6 +170,7 @@ ALLGATHER: Registry[[Op, Array, Sequence[Array]], None] = Registry(
         Algorithm("ring", ring.allgather),
         Algorithm("direct", direct.allgather),
         Algorithm("pull", pull.allgather),
+        Algorithm("bruck", bruck.allgather),
         Algorithm("two_level", hierarchical.allgather),
     ],
     select.allgather,

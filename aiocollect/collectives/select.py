@@ -23,6 +23,10 @@ ALLREDUCE_HALVING_MAX = 64 * 1024
 RING_BLOCK_MIN = 16 * 1024
 BROADCAST_BINOMIAL_MAX = 512 * 1024
 DIRECT_BLOCK_MAX = 16 * 1024
+#: The direct allgather (every rank sends to every other: n - 1 frames per rank, a link
+#: to every rank) up to this many ranks; past it, Bruck's ceil(log2 n) rounds over the
+#: links a group opens when it forms (docs/algorithms.md, "allgather").
+DIRECT_MAX_RANKS = 16
 #: With two ranks recursive doubling (one exchange) beats the ring (two) up to here.
 TWO_RANK_DOUBLING_MAX = 64 * 1024
 #: World sizes where the star (through rank 0) replaces recursive doubling up to
@@ -101,8 +105,10 @@ def _pull_or_by_block(nbytes: int, n: int, pulls: bool, least: int) -> str:
 
 
 def allgather(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False) -> str:
-    """``nbytes``: the gathered total."""
-    return _pull_or_by_block(nbytes, n, pulls, PULL_MIN if n > 2 else TWO_RANK_PULL_MIN)
+    """``nbytes``: the gathered total. Past :data:`DIRECT_MAX_RANKS` ranks, ``direct``'s
+    blocks go by Bruck's rounds (``bruck``) instead."""
+    chosen = _pull_or_by_block(nbytes, n, pulls, PULL_MIN if n > 2 else TWO_RANK_PULL_MIN)
+    return "bruck" if chosen == "direct" and n > DIRECT_MAX_RANKS else chosen
 
 
 def reduce_scatter(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False) -> str:

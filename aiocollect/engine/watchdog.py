@@ -81,9 +81,14 @@ def asked(op: Waiting, me: int) -> list[int]:
     slow operation, CPU enough to keep every operation slow)."""
     ranks = op.ranks
     n, at = len(ranks), ranks.index(me)
-    silent = set(op.silent_peers())
-    order = sorted(((at + k) % n for k in range(1, n)), key=lambda q: q not in silent)
-    return [ranks[q] for q in order[:SURVEY_MOST]]
+    waited = sorted({(q - at) % n for q in op.silent_peers()} - {0})[:SURVEY_MOST]
+    order = [(at + d) % n for d in waited]
+    d, taken = 1, set(waited)
+    while len(order) < SURVEY_MOST and d < n:  # (the others: no pass over a large group)
+        if d not in taken:
+            order.append((at + d) % n)
+        d += 1
+    return [ranks[q] for q in order]
 
 
 class Watchdog:

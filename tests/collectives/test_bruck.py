@@ -98,6 +98,36 @@ async def test_the_automatic_choice(n: int) -> None:
     assert set(chosen) == {"bruck" if n >= select.BRUCK_MIN_RANKS else "ring"}
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 17])
+@pytest.mark.parametrize("shape", [(3,), (2, 5)])
+async def test_fixed_allgather_exact(n: int, shape: tuple[int, ...]) -> None:
+    """The fixed-size allgather by Bruck's rounds: every rank's block, in rank order."""
+
+    async def body(g: ac.Group) -> None:
+        mine = np.arange(int(np.prod(shape)), dtype=np.float64).reshape(shape) + 100 * g.rank
+        out = np.empty((g.world_size, *shape), np.float64)
+        await g.allgather(mine, out=out, algorithm="bruck")
+        for r in range(g.world_size):
+            assert (out[r] == np.arange(out[r].size).reshape(shape) + 100 * r).all()
+
+    await run_ranks(n, body, timeout=20)
+
+
+@pytest.mark.parametrize(
+    ("n", "total", "want"),
+    [
+        (select.DIRECT_MAX_RANKS, 4 * select.DIRECT_MAX_RANKS, "direct"),
+        (select.DIRECT_MAX_RANKS + 1, 4 * (select.DIRECT_MAX_RANKS + 1), "bruck"),
+        (1024, 4 * 1024, "bruck"),
+        (1024, (select.DIRECT_BLOCK_MAX + 1) * 1024, "ring"),
+    ],
+)
+def test_fixed_allgather_choice(n: int, total: int, want: str) -> None:
+    """Past ``DIRECT_MAX_RANKS`` ranks small blocks go by Bruck's rounds, not direct's
+    link to every rank; large blocks by ring."""
+    assert select.allgather(total, n) == want
+
+
 async def test_no_links_beyond_the_neighbours() -> None:
     """Over TCP with links on demand, the gathers and a split use only the links the
     group opened when it formed (a split into even and odd ranks of a power of two:
@@ -107,6 +137,9 @@ async def test_no_links_beyond_the_neighbours() -> None:
     async def body(g: ac.Group) -> tuple[set[int], set[int]]:
         at_open = set(g._fabric.links)
         await _every_gather(g, None)
+        out = np.empty((n, 2), np.int32)
+        await g.allgather(np.full(2, g.rank, np.int32), out=out)  # (bruck, not direct)
+        assert (out == np.arange(n, dtype=np.int32)[:, None]).all()
         sub = await g.split(g.rank % 2, key=-g.rank)
         assert sub is not None
         x = np.full(1, g.rank, np.int64)
