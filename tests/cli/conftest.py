@@ -11,11 +11,19 @@ import pytest
 from tests.support.cli import RunCli, WriteScript, cli_command
 
 
-@pytest.fixture(autouse=True, params=["fork", "exec"])
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every command-line test that starts ranks runs with both ways ``aiocollect run``
+    starts them (forked from the launcher, the default, and exec'd); one marked
+    ``no_ranks`` (argument errors, ``info``, units) runs once, forked."""
+    if "start_method" in metafunc.fixturenames:
+        once = metafunc.definition.get_closest_marker("no_ranks") is not None
+        metafunc.parametrize("start_method", ["fork"] if once else ["fork", "exec"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
 def start_method(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every command-line test runs with both ways ``aiocollect run`` starts ranks
-    (``AIOCOLLECT_START_METHOD``, inherited by the launchers the tests start): forked
-    from the launcher (the default) and exec'd."""
+    """The start method of this run of the test (``AIOCOLLECT_START_METHOD``, inherited
+    by the launchers the tests start)."""
     method: str = request.param
     monkeypatch.setenv("AIOCOLLECT_START_METHOD", method)
     return method

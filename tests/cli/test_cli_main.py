@@ -15,6 +15,10 @@ from aiocollect.cli.main import main
 from aiocollect.transport import registry, unix
 from tests.support.cli import RunCli, WriteScript, cli_command
 
+#: Argument errors, ``info``, ``--version`` and dispatch start no rank: once, not per start
+#: method (tests/cli/conftest.py).
+pytestmark = pytest.mark.no_ranks
+
 
 @pytest.mark.timeout(60)
 def test_info_text(run_cli: RunCli) -> None:

@@ -19,6 +19,8 @@ from aiocollect.cli.supervise import (
     pump_lines,
 )
 
+pytestmark = pytest.mark.no_ranks  # (units: once, not per start method)
+
 
 @pytest.fixture
 def script(tmp_path: Path) -> str:
