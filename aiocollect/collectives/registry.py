@@ -26,6 +26,7 @@ from aiocollect.collectives import (
     pipeline,
     pull,
     ring,
+    segment,
     select,
     star,
     tree,
@@ -140,6 +141,7 @@ ALLREDUCE: Registry[[Op, Array, np.ufunc, bool], None] = Registry(
         Algorithm("star", star.allreduce, star.small_program, star.small_covers),
         Algorithm("pull", pull.allreduce),
         Algorithm("two_level", hierarchical.allreduce),
+        Algorithm("segment", segment.allreduce),
     ],
     select.allreduce,
 )
