@@ -58,7 +58,7 @@ from aiocollect.collectives import pull
 from aiocollect.engine.op import Op, flat_blocks
 from aiocollect.engine.reduce import apply, divide
 from aiocollect.engine.turns import give_way
-from aiocollect.errors import ProtocolError
+from aiocollect.errors import GroupBrokenError, ProtocolError
 from aiocollect.transport.shm_ring import TOKEN_BYTES
 from aiocollect.transport.shm_slots import REGIONS, SlotSegment
 
@@ -78,13 +78,14 @@ _EMPTY = np.empty(0, dtype=np.uint8)
 
 class Slots:
     """One group's segments on this rank: its own (made at the first operation), the
-    peers' it mapped (by world rank), and the chain of its operations in call order.
+    peers' it mapped (by group rank), and the chain of its operations in call order.
     Kept in ``Fabric.resources`` and closed with the links."""
 
     def __init__(self) -> None:
         self.own: SlotSegment | None = None
         self.peers: dict[int, SlotSegment] = {}
         self.uses = 0
+        self.closed = False
         #: The end of the last operation called on this rank (None: none yet).
         self.tail: asyncio.Future[None] | None = None
 
@@ -93,37 +94,46 @@ class Slots:
 
         Raises:
             MemoryError: the host's shared memory cannot hold it.
+            GroupBrokenError: the group closed (while the operation waited for its
+                predecessor).
         """
+        if self.closed:
+            raise GroupBrokenError("the group closed: its slot segments are released")
         if self.own is None:
             self.own = SlotSegment.create(SLOT_BYTES)
         return self.own
 
-    def peer(self, world_rank: int, record: Array) -> SlotSegment:
-        """Rank ``world_rank``'s segment as its written frame ``record`` names it, mapped
+    def peer(self, rank: int, record: Array) -> SlotSegment:
+        """Group rank ``rank``'s segment as its written frame ``record`` names it, mapped
         at its first mention.
 
         Raises:
-            ProtocolError: the record names no segment of this user that can be mapped.
+            ProtocolError: the record names no segment of this user that can be mapped
+                (the message names the rank).
+            GroupBrokenError: the group closed.
         """
+        if self.closed:
+            raise GroupBrokenError("the group closed: its slot segments are released")
         pid, fd, region_bytes = (int(x) for x in record[:3])
         token = record[_HEAD:].tobytes()
-        seg = self.peers.get(world_rank)
+        seg = self.peers.get(rank)
         if seg is not None and seg.token == token and seg.region_bytes == region_bytes:
             return seg
         try:
             new = SlotSegment.attach(pid, fd, region_bytes, token)
-        except OSError as exc:
+        except (OSError, ProtocolError) as exc:
             raise ProtocolError(
-                f"cannot map the slot segment of rank {world_rank} (descriptor {fd} of "
+                f"cannot map the slot segment of rank {rank} (descriptor {fd} of "
                 f"process {pid}): {exc}"
             ) from exc
         if seg is not None:
             seg.close()
-        self.peers[world_rank] = new
+        self.peers[rank] = new
         return new
 
     def close(self) -> None:
         """Unmap every segment and close this rank's descriptor (idempotent)."""
+        self.closed = True
         if self.own is not None:
             self.own.close()
         for seg in self.peers.values():
@@ -132,6 +142,14 @@ class Slots:
 
 
 def _slots(op: Op) -> Slots:
+    """``op``'s group's segments on this rank, made at its first operation.
+
+    Raises:
+        GroupBrokenError: the group's links are closing (nothing is made then: what
+            the fabric holds is released once).
+    """
+    if op.fabric.closing:
+        raise GroupBrokenError("the group is closing: its slot segments are released")
     key = ("segment", op.gid)
     slots = op.fabric.resources.get(key)
     if not isinstance(slots, Slots):
@@ -184,6 +202,7 @@ async def allreduce(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> None:
     Raises:
         ProtocolError: a peer's written frame is malformed or names no segment that can
             be mapped here (the group breaks).
+        GroupBrokenError: the group is closing.
         MemoryError: this rank's segment does not fit the host's shared memory.
         PeerDisconnected: a peer's link was lost.
     """
@@ -231,9 +250,7 @@ async def _run(
     region = own.region(k, buf.nbytes).view(buf.dtype)
     await _copy(region[:lo], buf[:lo])
     await _copy(region[hi:], buf[hi:])
-    record = np.zeros(_WORDS, np.uint64)
-    record[:_HEAD] = (os.getpid(), own.offered, own.region_bytes, k, buf.nbytes)
-    record[_HEAD:] = np.frombuffer(own.token, np.uint64)
+    record = _record(own, k, buf.nbytes)
     for q in order:
         for c, part in enumerate(op.chunks(record.view(np.uint8))):
             op.send_now(q, WRITTEN, c, part)
@@ -258,6 +275,15 @@ async def _run(
     own.handed_over()  # (every peer has mapped it: each said reduced)
 
 
+def _record(own: SlotSegment, index: int, nbytes: int) -> Array:
+    """A written frame's payload: ``own``'s process, descriptor, region size and token,
+    and the region ``index`` holding the ``nbytes`` of this operation."""
+    record = np.zeros(_WORDS, np.uint64)
+    record[:_HEAD] = (os.getpid(), own.offered, own.region_bytes, index, nbytes)
+    record[_HEAD:] = np.frombuffer(own.token, np.uint64)
+    return record
+
+
 def _region(op: Op, slots: Slots, q: int, record: Array, buf: Array) -> Array:
     """The region of rank ``q``'s segment that its written frame ``record`` names, as
     ``buf``'s dtype.
@@ -270,5 +296,8 @@ def _region(op: Op, slots: Slots, q: int, record: Array, buf: Array) -> Array:
         raise ProtocolError(
             f"rank {q} announced a {length}-byte region for a {buf.nbytes}-byte allreduce"
         )
-    seg = slots.peer(op.ranks[q], record)
-    return seg.region(index, length).view(buf.dtype)
+    seg = slots.peer(q, record)
+    try:
+        return seg.region(index, length).view(buf.dtype)
+    except ProtocolError as exc:
+        raise ProtocolError(f"rank {q}'s written frame: {exc}") from None

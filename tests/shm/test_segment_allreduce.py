@@ -91,3 +91,21 @@ async def test_a_peer_killed_in_the_middle(uvloop: bool) -> None:
         assert got["error"] in ("PeerDisconnected", "GroupBrokenError"), got
         assert got["seconds"] < 10, got
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize(
+    ("fault", "why"),
+    [
+        ("length", "announced a 4008-byte region"),
+        ("descriptor", "cannot map the slot segment of rank 1"),
+        ("token", "another token than offered"),
+        ("region", "region 7 of 4000 bytes"),
+    ],
+)
+async def test_a_lying_written_frame_breaks_the_group_not_the_process(fault: str, why: str) -> None:
+    """Rank 1's written frame names another length, a descriptor it does not hold, another
+    token or a region past its segment: its peers fail with ProtocolError naming it (the
+    group breaks on every rank), and every process returns normally."""
+    res = await spawn_ranks(3, targets.bad_record, fault, timeout=60)
+    assert all(r != "no error" for r in res), res
+    assert any(r.startswith("ProtocolError") and why in r and "rank 1" in r for r in res), res

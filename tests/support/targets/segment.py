@@ -104,3 +104,31 @@ async def dies_in_the_fold(g: ac.Group, count: int) -> dict[str, Any]:
     except ac.AiocollectError as exc:
         return {"error": type(exc).__name__, "seconds": time.monotonic() - start}
     return {"error": None, "seconds": time.monotonic() - start}
+
+
+async def bad_record(g: ac.Group, fault: str) -> str:
+    """Rank 1 lies in its first written frame: another length than the operation's
+    (``length``), a descriptor its process does not hold (``descriptor``), another token
+    than its segment's (``token``) or a region past its segment (``region``); every rank
+    returns what it got (the process goes on)."""
+    if g.rank == 1:
+        real = segment._record
+
+        def record(*args: Any) -> np.ndarray[Any, Any]:
+            out = real(*args)
+            if fault == "length":
+                out[4] += 8
+            elif fault == "descriptor":
+                out[1] = 1 << 20
+            elif fault == "token":
+                out[5] ^= 1
+            else:
+                out[3] = 7
+            return out
+
+        segment._record = record  # type: ignore[assignment]
+    try:
+        await g.allreduce(np.ones(1000, np.float32), algorithm="segment", timeout=20)
+    except ac.AiocollectError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
