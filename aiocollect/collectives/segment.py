@@ -1,6 +1,7 @@
 """The segment allreduce: copy in, reduce-scatter and copy out through shared memory
-that the ranks of one host map (Open MPI's ``coll/sm`` and gloo's and NCCL's
-shared-memory paths work the same way).
+that the ranks of one host map (copy-in/copy-out as in Open MPI's ``coll/sm``, whose
+allreduce folds everything into one rank's buffer in the segment and fans the result
+out; here every rank folds one block, as in the pull allreduce).
 
 Every rank owns a *slot segment* (:mod:`aiocollect.transport.shm_slots`: a sealed memfd
 of ``REGIONS`` regions of ``SLOT_BYTES``), made at its first use in the group and mapped
