@@ -59,7 +59,7 @@ from aiocollect.collectives import pull
 from aiocollect.engine.op import Op, flat_blocks
 from aiocollect.engine.reduce import apply, divide
 from aiocollect.engine.turns import give_way
-from aiocollect.errors import GroupBrokenError, ProtocolError
+from aiocollect.errors import GroupBrokenError, InternalError, ProtocolError
 from aiocollect.transport.shm_ring import TOKEN_BYTES
 from aiocollect.transport.shm_slots import REGIONS, SlotSegment
 
@@ -86,6 +86,8 @@ class Slots:
         self.own: SlotSegment | None = None
         self.peers: dict[int, SlotSegment] = {}
         self.uses = 0
+        #: The sequence number of the last operation that joined the chain.
+        self.last_seq = -1
         self.closed = False
         #: The end of the last operation called on this rank (None: none yet).
         self.tail: asyncio.Future[None] | None = None
@@ -204,6 +206,7 @@ async def allreduce(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> None:
         ProtocolError: a peer's written frame is malformed or names no segment that can
             be mapped here (the group breaks).
         GroupBrokenError: the group is closing.
+        InternalError: operations started out of call order (a bug).
         MemoryError: this rank's segment does not fit the host's shared memory.
         PeerDisconnected: a peer's link was lost.
     """
@@ -214,6 +217,11 @@ async def allreduce(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> None:
         await pull.allreduce(op, buf, ufunc, average)
         return
     slots = _slots(op)
+    if op.seq <= slots.last_seq:  # (the regions' reuse relies on call order)
+        raise InternalError(
+            f"segment allreduce #{op.seq} started after #{slots.last_seq} on rank {r}"
+        )
+    slots.last_seq = op.seq
     prev = slots.tail
     end: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     slots.tail = end
