@@ -45,6 +45,7 @@ ALGORITHM_CODES: dict[Collective, dict[str, int]] = {
         "star": 3,
         "pull": 4,
         "two_level": 5,
+        "segment": 6,
     },
     Collective.BROADCAST: {"binomial": 0, "pipeline": 1, "pull": 2, "two_level": 3},
     Collective.REDUCE: {"binomial": 0, "two_level": 1},

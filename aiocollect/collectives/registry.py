@@ -27,6 +27,7 @@ from aiocollect.collectives import (
     pipeline,
     pull,
     ring,
+    segment,
     select,
     star,
     tree,
@@ -141,6 +142,7 @@ ALLREDUCE: Registry[[Op, Array, np.ufunc, bool], None] = Registry(
         Algorithm("star", star.allreduce, star.small_program, star.small_covers),
         Algorithm("pull", pull.allreduce),
         Algorithm("two_level", hierarchical.allreduce),
+        Algorithm("segment", segment.allreduce),
     ],
     select.allreduce,
 )

@@ -40,6 +40,13 @@ STAR_WORLD = range(3, 5)
 #: frame per chunk and step. At 64-256 KiB the ring was as fast or faster; from 1 MiB the
 #: pull allreduce was faster at two and four ranks (docs/algorithms.md, "Pull").
 PULL_MIN = 1024 * 1024
+#: Where every rank reads the others' memory (``pulls``), allreduces from SEGMENT_MIN to
+#: SEGMENT_MAX copy through the ranks' shared slot segments (``segment``): plain memory
+#: copies instead of the pull's ``process_vm_readv`` (which pins every page it reads),
+#: and one round of frames fewer. Below, recursive doubling (two ranks) and the ring or
+#: halving-doubling were faster; above, the pull (docs/algorithms.md, "Segment").
+SEGMENT_MIN = 256 * 1024
+SEGMENT_MAX = 4 * 1024 * 1024
 #: The same for allgather (the gathered total) and reduce_scatter (the input), except that
 #: a two-rank allgather reads from here up: at 1 and 4 MiB the ring's one pulled frame
 #: per rank beat the pull's address and finished rounds, at 16 MiB it no longer did; and
@@ -67,6 +74,8 @@ def star(n: int, one_thread: bool) -> bool:
 
 
 def allreduce(nbytes: int, n: int, one_thread: bool = False, pulls: bool = False) -> str:
+    if pulls and SEGMENT_MIN <= nbytes <= SEGMENT_MAX and n >= 2:
+        return "segment"
     if pulls and nbytes >= PULL_MIN and n >= 2:
         return "pull"
     if n <= 2:

@@ -88,6 +88,7 @@ class Closer:
         self._fabric.liveness.cancel_exit_waits()
         for link in list(self._fabric.links.values()):
             link.close()
+        self.release()
 
     async def links_gone(self, timeout: float, grace: float) -> None:
         """After :meth:`close_links`: wait for every link to end, then reset those that
@@ -177,6 +178,14 @@ class Closer:
         self._fabric.liveness.cancel_exit_waits()
         for link in list(self._fabric.links.values()):
             link.abort()
+        self.release()
+
+    def release(self) -> None:
+        """Close what the algorithms keep for the fabric's life (``Fabric.resources``)."""
+        resources = list(self._fabric.resources.values())
+        self._fabric.resources.clear()
+        for resource in resources:
+            resource.close()
 
 
 _ABORT_CLASSES: dict[str, type[errors.AiocollectError]] = {

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from typing import Protocol
 
 from aiocollect import _fdlimit
 from aiocollect._deadline import Deadline
@@ -42,6 +43,13 @@ log = logging.getLogger("aiocollect")
 #: group with its own verdict first).
 NEAR_DEADLINE = 1.0
 HOLD_SLACK = 0.05
+
+
+class Closable(Protocol):
+    """A resource of :attr:`Fabric.resources`."""
+
+    def close(self) -> None:
+        """Release it (idempotent)."""
 
 
 class Fabric:
@@ -94,6 +102,9 @@ class Fabric:
         #: The pull collectives' bulk worker where the environment asks for one
         #: (engine/bulk.py), else None: set by :meth:`attach`, closed with the links.
         self.bulk: Bulk | None = None
+        #: What the algorithms keep for the fabric's life, by their own keys (the slot
+        #: segments of ``collectives/segment.py``): closed when the links close or reset.
+        self.resources: dict[Hashable, Closable] = {}
 
     def attach(
         self,

@@ -141,7 +141,8 @@ class InPlace(GroupCore):
             algorithm: ``ring`` (bandwidth), ``recursive_doubling`` (latency),
                 ``halving_doubling``, ``star`` (through rank 0: few messages, few ranks),
                 ``pull`` (reads the peers' buffers where every rank can: shared memory),
-                ``two_level`` (across hosts); None: by hosts, size, world size and links.
+                ``segment`` (copies through shared segments on one host), ``two_level``
+                (across hosts); None: by hosts, size, world size and links.
 
         Returns:
             A handle (an ``asyncio.Future``) that completes with ``buf``.

@@ -50,8 +50,11 @@ async def test_sigkill_named_on_every_survivor_within_a_second(
 
 @pytest.mark.transports(
     argnames="size",
-    # 1 << 20 float32s (4 MiB): the pull allreduce
-    values={"auto": [1 << 14, 1 << 20], "shm": [1 << 14, 1 << 20]},
+    # 1 << 18 float32s (1 MiB): the segment allreduce; past 4 MiB the pull allreduce
+    values={
+        "auto": [1 << 14, 1 << 18, (1 << 20) + 1],
+        "shm": [1 << 14, 1 << 18, (1 << 20) + 1],
+    },
     default=[1 << 14],
     where="processes",
 )

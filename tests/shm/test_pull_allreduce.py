@@ -1,5 +1,5 @@
-"""The pull allreduce (collectives/pull.py): the default for allreduces from
-``select.PULL_MIN`` on where the rendezvous records say every rank reads the others'
+"""The pull allreduce (collectives/pull.py): the default for allreduces past
+``select.SEGMENT_MAX`` where the rendezvous records say every rank reads the others'
 memory (the default transport on one host). Real processes over the default transport on
 both loops, several operations in flight, sizes on both sides of the switch; links whose
 pull check failed get pushes instead; a forced other algorithm is a mismatch; a token
@@ -28,9 +28,9 @@ pytestmark = pytest.mark.timeout(120)
 def test_the_automatic_choice() -> None:
     choose = registry.ALLREDUCE.choose
     for n in (2, 3, 4, 8):
-        assert choose(None, select.PULL_MIN, n, pulls=True).name == "pull"
+        assert choose(None, select.SEGMENT_MAX + 4, n, pulls=True).name == "pull"
         assert choose(None, 64 << 20, n, pulls=True).name == "pull"
-        assert choose(None, select.PULL_MIN - 4, n, pulls=True).name == "ring"
+        assert choose(None, select.SEGMENT_MIN - 4, n, pulls=True).name == "ring"
         assert choose(None, 64 << 20, n).name == "ring"  # no pulls predicted: the ring
     assert choose(None, 16, 4, pulls=True).name == "star"
     gather, scatter = registry.ALLGATHER.choose, registry.REDUCE_SCATTER.choose
@@ -68,11 +68,11 @@ def test_the_records_predict_pulls() -> None:
 @pytest.mark.parametrize("n", [2, 4])
 async def test_in_processes_over_the_default_transport(n: int, uvloop: bool) -> None:
     """auto is shared memory with pulls here: the records predict pulls, the automatic
-    choice takes the ring below PULL_MIN and the pull allreduce from it on; 2 SUM and 2
+    choice takes the segment allreduce up to SEGMENT_MAX and the pull past it; 2 SUM and 2
     AVG allreduces in flight at each size, checked, identical on every rank."""
     res = await spawn_ranks(n, pull_targets.pull_mix, 2, timeout=100, uvloop=uvloop)
     assert [r["pulls"] for r in res] == [True] * n
-    assert res[0]["chosen"] == ["ring", "pull", "pull"]
+    assert res[0]["chosen"] == ["segment", "pull"]
     assert len({r["digest"] for r in res}) == 1
 
 
@@ -103,20 +103,20 @@ async def test_allgather_and_reduce_scatter_in_processes(n: int) -> None:
 async def test_over_tcp_no_pulls_are_predicted() -> None:
     res = await spawn_ranks(3, pull_targets.pull_mix, 2, timeout=100, transport="tcp")
     assert [r["pulls"] for r in res] == [False] * 3
-    assert res[0]["chosen"] == ["ring"] * 3
+    assert res[0]["chosen"] == ["ring"] * 2
     assert len({r["digest"] for r in res}) == 1
 
 
 async def _reads_and_sums(g: ac.Group) -> tuple[list[bool], int]:
-    """Which peers this rank reads (its links' pull check), then default allreduces,
-    allgathers and reduce_scatters at and above PULL_MIN (the records still predict pulls:
-    the pull algorithms) and pull broadcasts from every root, exact."""
+    """Which peers this rank reads (its links' pull check), then pull allreduces and
+    default allgathers and reduce_scatters at and above PULL_MIN (the records still
+    predict pulls: the pull algorithms) and pull broadcasts from every root, exact."""
     reads = [bool(g._fabric.links[p].caps.pull_min) for p in range(g.world_size) if p != g.rank]
     count = select.PULL_MIN // 4
     done = 0
     for c in (count, 2 * count + 3):
         bufs = [np.full(c, g.rank + i, np.float32) for i in range(3)]
-        await asyncio.gather(*[g.allreduce(b) for b in bufs])
+        await asyncio.gather(*[g.allreduce(b, algorithm="pull") for b in bufs])
         for i, b in enumerate(bufs):
             want = sum(r + i for r in range(g.world_size))
             assert (b == want).all(), (c, i, b[:4])
@@ -166,7 +166,7 @@ async def test_the_default_against_a_forced_ring_is_a_mismatch() -> None:
     async def body(g: ac.Group) -> str:
         alg = "ring" if g.rank == 1 else None
         try:
-            await g.allreduce(np.ones(select.PULL_MIN // 4, np.float32), algorithm=alg)
+            await g.allreduce(np.ones(select.SEGMENT_MAX // 4 + 1, np.float32), algorithm=alg)
         except ac.MismatchError as exc:
             return str(exc)
         except ac.GroupBrokenError as exc:
@@ -203,8 +203,8 @@ async def test_chosen_algorithm_names_what_runs() -> None:
         with pytest.raises(ac.UsageError, match="no collective 'sendrecv'"):
             g.chosen_algorithm("sendrecv", 4)
         return [
-            g.chosen_algorithm("allreduce", select.PULL_MIN),
-            g.chosen_algorithm("allreduce", select.PULL_MIN - 4),
+            g.chosen_algorithm("allreduce", select.SEGMENT_MAX + 4),
+            g.chosen_algorithm("allreduce", select.SEGMENT_MIN - 4),
             g.chosen_algorithm("barrier", 0),
         ]
 

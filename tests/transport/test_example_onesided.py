@@ -76,7 +76,7 @@ async def test_the_automatic_choice_reads_through_the_example(n: int) -> None:
     """Large operations: the records predict reads (the larger chunk, the pull
     algorithms), every rank reads through the seam, and no exposure outlives its
     operation."""
-    count = select.PULL_MIN // 8 * 2 + 3  # (blocks of unequal sizes)
+    count = select.SEGMENT_MAX // 8 + 3  # (the pull allreduce; blocks of unequal sizes)
     res = await _run(n, count, None)
     want = {"chosen": "pull", "read": True, "exposed": 0, "chunk": PULLED_CHUNK_BYTES}
     assert res == [want] * n

@@ -157,7 +157,7 @@ def test_choose_refuses_unknown_names(bad: object) -> None:
     with pytest.raises(
         UsageError,
         match=r"allreduce has no algorithm .*; choose one of "
-        r"ring, recursive_doubling, halving_doubling, star, pull, two_level or 'auto'",
+        r"ring, recursive_doubling, halving_doubling, star, pull, two_level, segment or 'auto'",
     ):
         registry.ALLREDUCE.choose(bad, 4, 2)  # type: ignore[arg-type]
 

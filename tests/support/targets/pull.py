@@ -16,10 +16,11 @@ from tests.support.targets.star import star_mix
 
 
 def counts() -> tuple[int, ...]:
-    """float32 element counts around the automatic choice's switch (``select.PULL_MIN``):
-    one below it (the ring), at it, and odd ones above it (blocks of unequal sizes)."""
-    at = select.PULL_MIN // 4
-    return (at - 1, at, 3 * at + 7)
+    """float32 element counts around the automatic choice's switch from the segment
+    allreduce to the pull (``select.SEGMENT_MAX``): at it (the segment), and an odd one
+    past it (blocks of unequal sizes)."""
+    at = select.SEGMENT_MAX // 4
+    return (at, at + 1)
 
 
 async def pull_mix(g: ac.Group, in_flight: int) -> dict[str, Any]:
@@ -99,11 +100,12 @@ async def bad_record(g: ac.Group, fault: str, count: int = select.PULL_MIN // 4)
 
 
 async def subgroups(g: ac.Group) -> list[int]:
-    """A pull allreduce in each half of a split, in flight together with one of the whole
-    group, then a pull allgather in the half; returns the half's gathered ranks."""
+    """A default allreduce of 1 MiB (the segment allreduce) in each half of a split, in
+    flight together with one of the whole group, then a pull allgather in the half;
+    returns the half's gathered ranks."""
     sub = await g.split(g.rank % 2)
     assert sub is not None
-    assert sub.chosen_algorithm("allreduce", select.PULL_MIN) == "pull"
+    assert sub.chosen_algorithm("allreduce", select.PULL_MIN) == "segment"
     x = np.full(select.PULL_MIN // 4, g.rank, np.float32)
     y = np.ones(select.PULL_MIN // 4, np.float32)
     await asyncio.gather(sub.allreduce(x), g.allreduce(y))
