@@ -69,7 +69,11 @@ async def _procs(n: int, nbytes: int, reps: int, fixed: bool) -> dict[str, float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="PYTHONPATH=. python tools/allgatherv_crossover.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("sizes", type=int, nargs="*", default=[2, 3, 4, 8, 16, 64])
     parser.add_argument("--procs", action="store_true", help="one process per rank")
     parser.add_argument("--bytes", type=int, default=4, help="bytes per rank (one row)")

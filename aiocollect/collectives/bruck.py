@@ -105,6 +105,8 @@ async def allgather(o: Op, send: Array, blocks: Sequence[Array]) -> None:
     Bruck's rounds, through one flat scratch of every block (one copy in and out: it is
     chosen for small blocks in large groups, ``select.allgather``)."""
     n, size = o.size, send.size
+    if size == 0:  # (nothing to exchange: every rank knows every block is empty)
+        return
     whole = np.empty(n * size, dtype=send.dtype)
     whole[o.rank * size : (o.rank + 1) * size] = send
     await allgather_flat(o, whole, range(0, n * size + 1, size), SIZES_SLOT)

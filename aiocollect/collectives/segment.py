@@ -49,6 +49,7 @@ reduced by one rank and copied), and the same as the pull allreduce's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 
@@ -69,6 +70,9 @@ WRITTEN, REDUCED = range(2)
 SLOT_BYTES = 4 << 20
 #: Bytes copied or folded per turn of the event loop.
 STEP = 1 << 20
+#: How long a rank whose peer's segment cannot be mapped waits for that peer's link to
+#: say why (below, :func:`_unmappable`) before it calls the written frame a lie.
+UNMAPPABLE_GRACE = 1.0
 #: A written frame's words (uint64): pid, descriptor, region bytes, region, length, then
 #: the token.
 _HEAD = 5
@@ -175,6 +179,21 @@ async def _arrival(op: Op, q: int, fut: asyncio.Future[None]) -> None:
     await fut
 
 
+async def _unmappable(q: int, reduced: asyncio.Future[None], exc: ProtocolError) -> None:
+    """Rank ``q``'s written frame names a segment that cannot be mapped: a peer that died,
+    or whose group broke or closed since it wrote (it released its segment, and its ABORT
+    or GOODBYE follows on the link), fails ``reduced`` (its next receive) with that cause,
+    which is raised; a peer that goes on, or says nothing within UNMAPPABLE_GRACE, lied.
+
+    Raises:
+        PeerError, GroupBrokenError: the link's failure (the peer's death or abort).
+        ProtocolError: ``exc``, otherwise.
+    """
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(reduced), UNMAPPABLE_GRACE)
+    raise exc
+
+
 async def _copy(dst: Array, src: Array) -> None:
     """``dst[...] = src``, ``STEP`` bytes per turn of the event loop."""
     step = max(1, STEP // dst.itemsize)
@@ -269,7 +288,10 @@ async def _run(
     for q in order:
         for fut in written[q]:
             await _arrival(op, q, fut)
-        theirs[q] = peer = _region(op, slots, q, table[q], buf)
+        try:
+            theirs[q] = peer = _region(op, slots, q, table[q], buf)
+        except ProtocolError as exc:
+            await _unmappable(q, reduced[q], exc)
         await _fold(ufunc, first, peer[lo:hi], mine)
         first = mine
     if average:

@@ -84,7 +84,9 @@ async def test_a_live_host_that_does_not_read_is_not_lost() -> None:
     still there: its host's kernel answers the window probes, and the send completes."""
     with hosts.Hosts([0, 1]) as hs:
         results = await hs.run(MODULE, ["stall", "7"], timeout=60)
-    assert all(res["took"] >= 7 for res in results), results
+    # (rank 1 sleeps 7 s from its own start; rank 0 may start its clock a little later)
+    assert results[1]["took"] >= 7, results
+    assert results[0]["took"] >= 6.5, results
 
 
 DEADLINE = 3.0

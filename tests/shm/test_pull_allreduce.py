@@ -42,7 +42,8 @@ def test_the_automatic_choice() -> None:
     assert gather(None, select.PULL_MIN, 2, pulls=True).name == "ring"  # two ranks: later
     assert gather(None, select.TWO_RANK_PULL_MIN, 2, pulls=True).name == "pull"
     assert scatter(None, select.PULL_MIN, 2, pulls=True).name == "pull"
-    assert gather(None, 256 * select.DIRECT_BLOCK_MAX, 256, pulls=True).name == "direct"
+    assert gather(None, 16 * select.DIRECT_BLOCK_MAX, 16, pulls=True).name == "direct"
+    assert gather(None, 256 * select.DIRECT_BLOCK_MAX, 256, pulls=True).name == "bruck"
     cast = registry.BROADCAST.choose
     assert cast(None, select.PULL_BROADCAST_MIN, 4, pulls=True).name == "pull"
     assert cast(None, select.PULL_BROADCAST_MIN - 1, 4, pulls=True).name == "pipeline"

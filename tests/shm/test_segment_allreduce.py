@@ -109,3 +109,12 @@ async def test_a_lying_written_frame_breaks_the_group_not_the_process(fault: str
     res = await spawn_ranks(3, targets.bad_record, fault, timeout=60)
     assert all(r != "no error" for r in res), res
     assert any(r.startswith("ProtocolError") and why in r and "rank 1" in r for r in res), res
+
+
+async def test_a_peer_that_breaks_after_writing_is_not_called_a_liar() -> None:
+    """Rank 1's group breaks right after its written frames went out, releasing its
+    segment: its peers cannot map it, and report rank 1's abort (not ProtocolError)."""
+    res = await spawn_ranks(3, targets.breaks_after_writing, timeout=60)
+    assert not any(r.startswith("ProtocolError") for r in res), res
+    assert all(r != "no error" for r in res), res
+    assert all("rank 1 gave up" in res[r] for r in (0, 2)), res

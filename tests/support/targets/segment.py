@@ -127,6 +127,31 @@ async def bad_record(g: ac.Group, fault: str) -> str:
             return out
 
         segment._record = record  # type: ignore[assignment]
+    return await _outcome(g)
+
+
+async def breaks_after_writing(g: ac.Group) -> str:
+    """Rank 1 releases its segment and breaks its group right after its written frames
+    went out (as a rank whose group broke for another reason does): its peers read the
+    frame, cannot map the segment, and must report rank 1's abort, not a lie."""
+    if g.rank == 1:
+        real = segment._record
+
+        def record(own: Any, *args: Any) -> np.ndarray[Any, Any]:
+            out = real(own, *args)
+            own.handed_over()  # (the descriptor the frame names is closed)
+            fabric = g._fabric
+            asyncio.get_running_loop().call_soon(
+                fabric.fail, ac.errors.GroupBrokenError("rank 1 gave up")
+            )
+            return out
+
+        segment._record = record  # type: ignore[assignment]
+    return await _outcome(g)
+
+
+async def _outcome(g: ac.Group) -> str:
+    """A segment allreduce's error on this rank (its type and message), or "no error"."""
     try:
         await g.allreduce(np.ones(1000, np.float32), algorithm="segment", timeout=20)
     except ac.AiocollectError as exc:
