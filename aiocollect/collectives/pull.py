@@ -178,7 +178,7 @@ class _Exchange:
                 died or the group broke); the link's failure where it has one.
         """
         for fut in self._tokens[q]:
-            await _arrival(self.op, q, fut)
+            await arrival(self.op, q, fut)
         length, flags, size = (int(x) for x in self.table[q, :_HEAD])
         if length != self.nbytes or flags & ~PUSHES or size > TOKEN_MAX:
             raise ProtocolError(
@@ -265,7 +265,7 @@ class _Exchange:
     async def handed_back(self) -> None:
         """Wait until every peer that reads this rank's buffer has said it finished."""
         for q, fut in self._fins:
-            await _arrival(self.op, q, fut)
+            await arrival(self.op, q, fut)
 
 
 class _Fold:
@@ -318,7 +318,7 @@ def _read(halt: threading.Event, link: Link, token: bytes, offset: int, dest: me
         link.read_exposed(token, offset + lo, dest[lo:e])
 
 
-async def _arrival(op: Op, q: int, fut: asyncio.Future[None]) -> None:
+async def arrival(op: Op, q: int, fut: asyncio.Future[None]) -> None:
     """Wait for the receive ``fut`` from rank ``q``, posted when the operation started:
     the link polls for it again first (:meth:`Link.expect`), since its spin after the
     posting has long ended where a read or a fold came in between."""
@@ -388,7 +388,7 @@ async def allreduce(op: Op, buf: Array, ufunc: np.ufunc, average: bool) -> None:
             if q in pushed:
                 await _landed(pushed[q])
                 continue
-            await _arrival(op, q, dones[q])
+            await arrival(op, q, dones[q])
             lo, hi = offsets[q], offsets[q] + blocks[q].nbytes
             await ex.read(q, view[lo:hi], tokens[q], lo)
             ex.finished(q)

@@ -52,13 +52,14 @@ import asyncio
 import contextlib
 import itertools
 import os
+from typing import NoReturn
 
 import numpy as np
 
 from aiocollect._buffers import Array
 from aiocollect.collectives import pull
 from aiocollect.engine.op import Op, flat_blocks
-from aiocollect.engine.reduce import apply, divide
+from aiocollect.engine.reduce import apply, copy_into, divide
 from aiocollect.engine.turns import give_way
 from aiocollect.errors import GroupBrokenError, InternalError, ProtocolError
 from aiocollect.transport.shm_ring import TOKEN_BYTES
@@ -72,7 +73,7 @@ SLOT_BYTES = 4 << 20
 STEP = 1 << 20
 #: How long a rank whose peer's segment cannot be mapped waits for that peer's link to
 #: say why (below, :func:`_unmappable`) before it calls the written frame a lie.
-UNMAPPABLE_GRACE = 1.0
+UNMAPPABLE_GRACE = 5.0
 #: A written frame's words (uint64): pid, descriptor, region bytes, region, length, then
 #: the token.
 _HEAD = 5
@@ -170,16 +171,7 @@ def _one_host(op: Op) -> bool:
     return bool(hosts) and len({hosts[w] for w in op.ranks}) == 1
 
 
-async def _arrival(op: Op, q: int, fut: asyncio.Future[None]) -> None:
-    """Wait for the receive ``fut`` from rank ``q`` (the link polls for it first, as in
-    the pull allreduce: its spin after the posting has ended where local work came
-    between)."""
-    if not fut.done():
-        op.link(q).expect()
-    await fut
-
-
-async def _unmappable(q: int, reduced: asyncio.Future[None], exc: ProtocolError) -> None:
+async def _unmappable(q: int, reduced: asyncio.Future[None], exc: ProtocolError) -> NoReturn:
     """Rank ``q``'s written frame names a segment that cannot be mapped: a peer that died,
     or whose group broke or closed since it wrote (it released its segment, and its ABORT
     or GOODBYE follows on the link), fails ``reduced`` (its next receive) with that cause,
@@ -192,17 +184,6 @@ async def _unmappable(q: int, reduced: asyncio.Future[None], exc: ProtocolError)
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(asyncio.shield(reduced), UNMAPPABLE_GRACE)
     raise exc
-
-
-async def _copy(dst: Array, src: Array) -> None:
-    """``dst[...] = src``, ``STEP`` bytes per turn of the event loop."""
-    step = max(1, STEP // dst.itemsize)
-    if dst.size <= step:
-        np.copyto(dst, src)
-        return
-    for s in range(0, dst.size, step):
-        np.copyto(dst[s : s + step], src[s : s + step])
-        await give_way()
 
 
 async def _fold(ufunc: np.ufunc, a: Array, b: Array, out: Array) -> None:
@@ -276,8 +257,8 @@ async def _run(
     k = slots.uses % REGIONS
     slots.uses += 1
     region = own.region(k, buf.nbytes).view(buf.dtype)
-    await _copy(region[:lo], buf[:lo])
-    await _copy(region[hi:], buf[hi:])
+    await copy_into(region[:lo], buf[:lo], STEP)
+    await copy_into(region[hi:], buf[hi:], STEP)
     record = _record(own, k, buf.nbytes)
     for q in order:
         for c, part in enumerate(op.chunks(record.view(np.uint8))):
@@ -287,7 +268,7 @@ async def _run(
     theirs: dict[int, Array] = {}
     for q in order:
         for fut in written[q]:
-            await _arrival(op, q, fut)
+            await pull.arrival(op, q, fut)
         try:
             theirs[q] = peer = _region(op, slots, q, table[q], buf)
         except ProtocolError as exc:
@@ -296,13 +277,13 @@ async def _run(
         first = mine
     if average:
         divide(mine, n)
-    await _copy(buf[lo:hi], mine)
+    await copy_into(buf[lo:hi], mine, STEP)
     for q in order:
         op.send_now(q, REDUCED, 0, _EMPTY)
 
     for q in order:
-        await _arrival(op, q, reduced[q])
-        await _copy(blocks[q], theirs[q][bounds[q] : bounds[q + 1]])
+        await pull.arrival(op, q, reduced[q])
+        await copy_into(blocks[q], theirs[q][bounds[q] : bounds[q + 1]], STEP)
     own.handed_over()  # (every peer has mapped it: each said reduced)
 
 

@@ -63,11 +63,11 @@ def divide(arr: Array, divisor: int) -> None:
         pass
 
 
-async def copy_into(dst: Array, src: Array) -> None:
-    """``dst[...] = src`` for flat arrays of one size, ``COPY_STEP`` bytes at a time, giving
+async def copy_into(dst: Array, src: Array, step_bytes: int = COPY_STEP) -> None:
+    """``dst[...] = src`` for flat arrays of one size, ``step_bytes`` at a time, giving
     the event loop way between pieces (:func:`~aiocollect.engine.turns.give_way`; a 64 MiB
     block copied at once held the loop for 5-10 ms)."""
-    step = max(1, COPY_STEP // max(1, dst.itemsize))
+    step = max(1, step_bytes // max(1, dst.itemsize))
     n = dst.size
     if n <= step:
         dst[...] = src

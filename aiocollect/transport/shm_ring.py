@@ -115,7 +115,7 @@ def unavailable() -> str | None:
 def _memfd_unavailable() -> str | None:
     """Try once what every link setup does: a sealed memfd, reopened through /proc."""
     try:
-        fd = _new_memfd(DATA_OFFSET)
+        fd = new_memfd(DATA_OFFSET)
     except (OSError, AttributeError) as exc:
         return f"cannot create a sealed memfd (memfd_create, F_ADD_SEALS): {exc}"
     try:
@@ -127,7 +127,7 @@ def _memfd_unavailable() -> str | None:
     return None
 
 
-def _new_memfd(size: int) -> int:
+def new_memfd(size: int) -> int:
     """A new memfd of ``size`` bytes, sealed against any change of size.
 
     Raises:
@@ -151,6 +151,41 @@ def _reopen(pid: int, fd: int) -> int:
         OSError: no such process or descriptor here, or no permission to look.
     """
     return os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+
+
+def map_offered(pid: int, fd: int, size: int, kind: str) -> mmap.mmap:
+    """Map the memfd that process ``pid`` offered as its descriptor ``fd``, once checked:
+    a memfd of ours (named with PREFIX), a regular file of this user, of ``size`` bytes,
+    sealed against changes of size (``kind`` names it in the error: "segment").
+
+    Raises:
+        OSError: it cannot be opened here (another pid namespace, no permission to look
+            at the peer's descriptors, the peer closed it).
+        ProtocolError: what it names is not such a memfd.
+    """
+    mine = _reopen(pid, fd)
+    try:
+        what = os.readlink(f"/proc/self/fd/{mine}")
+        st = os.fstat(mine)
+        try:
+            seals = fcntl.fcntl(mine, fcntl.F_GET_SEALS)
+        except OSError:  # not a file that can be sealed
+            seals = 0
+        if (
+            not what.startswith(f"/memfd:{PREFIX}")
+            or not stat.S_ISREG(st.st_mode)
+            or st.st_uid != os.geteuid()
+            or st.st_size != size
+            or seals & SEALS != SEALS
+        ):
+            raise ProtocolError(
+                f"descriptor {fd} of process {pid} is not a sealed {size}-byte "
+                f"aiocollect {kind} of this user ({what}, {st.st_size} bytes, "
+                f"seals {seals:#x})"
+            )
+        return mmap.mmap(mine, size)
+    finally:
+        os.close(mine)
 
 
 def configured_capacity(local_ranks: int = 2) -> int:
@@ -353,7 +388,7 @@ class Segment:
             OSError: no sealed memfds here, or out of memory.
         """
         size = cls.size_for(capacity)
-        fd = _new_memfd(size)
+        fd = new_memfd(size)
         try:
             mm = mmap.mmap(fd, size)
         except BaseException:
@@ -388,30 +423,7 @@ class Segment:
                 f"bad shared-memory offer: descriptor {fd} of process {pid}, "
                 f"{capacity} bytes per ring"
             )
-        size = cls.size_for(capacity)
-        mine = _reopen(pid, fd)
-        try:
-            what = os.readlink(f"/proc/self/fd/{mine}")
-            st = os.fstat(mine)
-            try:
-                seals = fcntl.fcntl(mine, fcntl.F_GET_SEALS)
-            except OSError:  # not a file that can be sealed
-                seals = 0
-            if (
-                not what.startswith(f"/memfd:{PREFIX}")
-                or not stat.S_ISREG(st.st_mode)
-                or st.st_uid != os.geteuid()
-                or st.st_size != size
-                or seals & SEALS != SEALS
-            ):
-                raise ProtocolError(
-                    f"descriptor {fd} of process {pid} is not a sealed {size}-byte "
-                    f"aiocollect segment of this user ({what}, {st.st_size} bytes, "
-                    f"seals {seals:#x})"
-                )
-            mm = mmap.mmap(mine, size)
-        finally:
-            os.close(mine)
+        mm = map_offered(pid, fd, cls.size_for(capacity), "segment")
         header = _SEG_HEADER.unpack_from(mm, 0)
         if header != (MAGIC, VERSION, capacity, token):
             mm.close()

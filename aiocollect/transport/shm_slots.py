@@ -21,18 +21,17 @@ process: nothing can be left behind.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import mmap
 import os
 import secrets
-import stat
 import struct
 
 import numpy as np
 
 from aiocollect._buffers import Array
 from aiocollect.errors import ProtocolError
-from aiocollect.transport.shm_ring import PREFIX, SEALS, TOKEN_BYTES, _new_memfd, _reopen
+from aiocollect.transport import shm_ring
+from aiocollect.transport.shm_ring import TOKEN_BYTES
 
 MAGIC = b"AIOCSLT1"
 VERSION = 1
@@ -75,7 +74,7 @@ class SlotSegment:
             OSError: no sealed memfds here.
         """
         size = cls.size_for(region_bytes)
-        fd = _new_memfd(size)
+        fd = shm_ring.new_memfd(size)
         try:
             try:
                 os.posix_fallocate(fd, 0, size)
@@ -113,30 +112,7 @@ class SlotSegment:
                 f"bad slot segment offer: descriptor {fd} of process {pid}, "
                 f"{region_bytes} bytes per region"
             )
-        size = cls.size_for(region_bytes)
-        mine = _reopen(pid, fd)
-        try:
-            what = os.readlink(f"/proc/self/fd/{mine}")
-            st = os.fstat(mine)
-            try:
-                seals = fcntl.fcntl(mine, fcntl.F_GET_SEALS)
-            except OSError:  # not a file that can be sealed
-                seals = 0
-            if (
-                not what.startswith(f"/memfd:{PREFIX}")
-                or not stat.S_ISREG(st.st_mode)
-                or st.st_uid != os.geteuid()
-                or st.st_size != size
-                or seals & SEALS != SEALS
-            ):
-                raise ProtocolError(
-                    f"descriptor {fd} of process {pid} is not a sealed {size}-byte "
-                    f"aiocollect slot segment of this user ({what}, {st.st_size} bytes, "
-                    f"seals {seals:#x})"
-                )
-            mm = mmap.mmap(mine, size)
-        finally:
-            os.close(mine)
+        mm = shm_ring.map_offered(pid, fd, cls.size_for(region_bytes), "slot segment")
         header = _HEADER.unpack_from(mm, 0)
         if header != (MAGIC, VERSION, region_bytes, token):
             mm.close()
